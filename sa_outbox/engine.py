@@ -1,0 +1,162 @@
+"""The claim / lease / finalize engine shared by the dispatcher and the worker.
+
+Database steps are plain functions taking a SQLAlchemy ``Connection`` (the async classes call them through
+``AsyncConnection.run_sync``); the decision of what a publisher's or handler's result means is
+:func:`decide`. Only the loops (sleeping, waiting for NOTIFY, calling publishers/handlers) live elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from . import sql
+from .backoff import Backoff
+from .errors import Defer, PermanentError
+from .sql import QueueSpec
+
+__all__ = ["Outcome", "claim", "decide", "describe_error", "extend", "finalize", "release", "rescue"]
+
+log = logging.getLogger("sa_outbox.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What to write for one claimed row; applied fenced by (id, lease_version)."""
+
+    id: int
+    lease_version: int
+    status: str
+    delay: float | None = None  # seconds from the database's now(); None keeps the due time
+    error: str | None = None
+    refund: int = 0  # 1 gives the claim's attempt back (Defer, release)
+    kind: str = "done"  # done | retry | defer | dead | release — for logs and metrics
+
+
+def describe_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text[: sql.LAST_ERROR_MAX]
+
+
+def decide(
+    spec: QueueSpec,
+    *,
+    id: int,
+    lease_version: int,
+    attempts: int,
+    max_attempts: int,
+    error: BaseException | None,
+    backoff: Backoff,
+) -> Outcome:
+    """The failure classes of the outbox document §4, for both tables.
+
+    * success → done;
+    * :class:`Defer` → back to ready at ``now() + delay``, the attempt refunded (deferring never exhausts
+      attempts);
+    * :class:`PermanentError` → dead/failed;
+    * :class:`RetryableError` *and any unclassified exception* → back to ready after ``backoff.delay(attempts)``,
+      or dead/failed once ``attempts >= max_attempts``.
+    """
+    if error is None:
+        return Outcome(id, lease_version, spec.done, kind="done")
+    if isinstance(error, Defer):
+        return Outcome(
+            id, lease_version, spec.ready, delay=error.delay.total_seconds(),
+            error=f"deferred: {error.reason}"[: sql.LAST_ERROR_MAX], refund=1, kind="defer",
+        )  # fmt: skip
+    if isinstance(error, PermanentError):
+        return Outcome(id, lease_version, spec.dead, error=describe_error(error), kind="dead")
+    if attempts >= max_attempts:
+        text = f"retries exhausted ({attempts}/{max_attempts}): {describe_error(error)}"
+        return Outcome(id, lease_version, spec.dead, error=text[: sql.LAST_ERROR_MAX], kind="dead")
+    return Outcome(
+        id, lease_version, spec.ready, delay=backoff.delay(attempts), error=describe_error(error), kind="retry"
+    )
+
+
+def release(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:
+    """Give a claimed row back untouched (shutdown, lease budget spent): ready now, attempt refunded."""
+    return Outcome(id, lease_version, spec.ready, delay=0.0, error=reason, refund=1, kind="release")
+
+
+def rescue(
+    conn: Connection,
+    spec: QueueSpec,
+    *,
+    max_attempts: int | None = None,
+    stale_after: timedelta | None = None,
+    limit: int = 1000,
+) -> Sequence[Row[Any]]:
+    """Run the rescue statement; returns (id, status, lease_version) of every row it moved."""
+    params: dict[str, Any] = {"limit": limit}
+    if spec.kind == "outbox":
+        params["max_attempts"] = max_attempts
+    else:
+        params["stale_after"] = stale_after
+    rows = conn.execute(sql.rescue_statement(spec), params).all()
+    for r in rows:
+        level = logging.WARNING if r.status == spec.dead else logging.INFO
+        log.log(
+            level, "%s %s rescued from an expired lease -> %s", spec.kind, r.id, r.status,
+            extra={"table": spec.table.name, "row_id": r.id, "lease_version": r.lease_version, "status": r.status},
+        )  # fmt: skip
+    return rows
+
+
+def claim(
+    conn: Connection,
+    spec: QueueSpec,
+    *,
+    owner: str,
+    batch: int,
+    lease: timedelta | None = None,
+    queue: str | None = None,
+    ordered: bool = False,
+    ordered_types: Sequence[str] | None = None,
+) -> list[Row[Any]]:
+    """Run the claim statement; rows sorted by id (RETURNING has no order)."""
+    stmt = sql.claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
+    params: dict[str, Any] = {"owner": owner, "batch": batch}
+    if spec.kind == "outbox":
+        params["lease"] = lease
+    else:
+        params["queue"] = queue
+    if ordered_types is not None:
+        params["ordered_types"] = list(ordered_types)
+    rows = list(conn.execute(stmt, params).all())
+    rows.sort(key=lambda r: r.id)
+    return rows
+
+
+def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> set[int]:
+    """Apply outcomes in one fenced statement; returns the ids that were applied (the rest lost their lease)."""
+    items = list(outcomes)
+    if not items:
+        return set()
+    params = {
+        "ids": [o.id for o in items],
+        "versions": [o.lease_version for o in items],
+        "statuses": [o.status for o in items],
+        "delays": [o.delay for o in items],
+        "errors": [o.error for o in items],
+        "refunds": [o.refund for o in items],
+    }
+    return set(conn.execute(sql.finalize_statement(spec), params).scalars().all())
+
+
+def extend(
+    conn: Connection, spec: QueueSpec, held: Iterable[tuple[int, int]], *, lease: timedelta | None = None
+) -> set[int]:
+    """Renew leases of (id, lease_version) pairs still held; returns the ids renewed."""
+    pairs = list(held)
+    if not pairs:
+        return set()
+    params: dict[str, Any] = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
+    if spec.kind == "outbox":
+        params["lease"] = lease
+    return set(conn.execute(sql.extend_statement(spec), params).scalars().all())
