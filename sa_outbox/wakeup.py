@@ -9,6 +9,7 @@ wake-ups off (poll only).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -89,7 +90,5 @@ class Waker:
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 conn.close()
-            except psycopg.Error:
-                pass

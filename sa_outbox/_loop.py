@@ -1,0 +1,211 @@
+"""What the dispatcher and the worker loops share: options, owner names, run/stop, signals, DB faults."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from types import FrameType
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from .durations import Duration, to_seconds
+from .errors import ConfigurationError, SchemaError
+from .sql import QueueSpec, spec_for
+from .wakeup import Waker
+
+T = TypeVar("T")
+
+__all__ = ["LoopBase", "LoopStats", "is_connection_error"]
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """A fault worth retrying: the server went away, restarted, or refused the connection."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, OperationalError | InterfaceError)
+
+
+def default_owner(prefix: str) -> str:
+    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass
+class LoopStats:
+    """Counters of one loop since it was created (read them from tests, logs or a metrics exporter)."""
+
+    batches: int = 0
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    deferred: int = 0
+    dead: int = 0
+    released: int = 0
+    lost_leases: int = 0
+    rescued: int = 0
+    unclassified: int = 0
+    db_errors: int = 0
+    wakeups: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class LoopBase:
+    """Run/stop, signals, database-fault retries and wake-ups; subclasses implement :meth:`_step`."""
+
+    _log: logging.Logger
+    _owner_prefix = "loop"
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: type[Any],
+        *,
+        owner: str | None,
+        batch: int,
+        poll_interval: Duration,
+        listen: bool,
+        listen_url: str | None,
+        channels: list[str],
+    ) -> None:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(f"engine must be a sqlalchemy Engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.model = model
+        self.spec: QueueSpec = spec_for(model)
+        self.owner = owner or default_owner(self._owner_prefix)
+        self.batch = positive_int(batch, "batch")
+        self.poll_interval = to_seconds(poll_interval, name="poll_interval", allow_zero=False)
+        self.stats = LoopStats()
+        self._stop = threading.Event()
+        self._waker = Waker(listen_url or engine.url, channels) if listen else Waker(None, channels)
+        self._rescue_every = 1.0
+        self._last_rescue = 0.0
+
+    # -- database access -------------------------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except ProgrammingError as exc:
+            if "does not exist" in str(exc.orig):
+                raise SchemaError(
+                    f"table {self.spec.table.name!r} is missing or incomplete ({exc.orig}); "
+                    "run the migration (alembic upgrade head) first"
+                ) from exc
+            raise
+
+    def _retrying(self, window: float) -> Retrying:
+        """Capped exponential backoff with jitter for connection faults (never a hot loop)."""
+        return Retrying(
+            retry=retry_if_exception(is_connection_error),
+            wait=wait_random_exponential(multiplier=0.05, max=5.0),
+            stop=stop_after_delay(window),
+            reraise=True,
+            before_sleep=lambda rs: self._log.warning(
+                "database error, retrying: %s", rs.outcome.exception() if rs.outcome else "?",
+                extra={"attempt": rs.attempt_number},
+            ),
+        )  # fmt: skip
+
+    def _with_retries(self, window: float, fn: Callable[[], T]) -> T:
+        for attempt in self._retrying(window):
+            with attempt:
+                return fn()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the loop --------------------------------------------------------------------------------------
+
+    def _step(self, *, rescue: bool) -> int:
+        raise NotImplementedError
+
+    def run_once(self) -> int:
+        """One rescue step plus one claimed batch, handled and finalized; returns how many rows it claimed."""
+        self._last_rescue = time.monotonic()
+        return self._step(rescue=True)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish: no new claims; the batch in hand is finished and finalized."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self, *, install_signal_handlers: bool = True, max_batches: int | None = None) -> None:
+        """Loop until :meth:`stop`, SIGTERM or SIGINT. Database connection faults are logged and retried with
+        capped exponential backoff; the loop never spins hot on an empty queue or a dead server."""
+        restore = self._install_signals() if install_signal_handlers else None
+        failures = 0
+        batches = 0
+        self._log.info("started", extra={"owner": self.owner, "table": self.spec.table.name})
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                rescue = now - self._last_rescue >= self._rescue_every
+                if rescue:
+                    self._last_rescue = now
+                try:
+                    claimed = self._step(rescue=rescue)
+                    failures = 0
+                except Exception as exc:
+                    if not is_connection_error(exc):
+                        raise
+                    failures += 1
+                    self.stats.db_errors += 1
+                    delay = min(30.0, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                    self._log.warning(
+                        "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,
+                        extra={"owner": self.owner, "failures": failures},
+                    )  # fmt: skip
+                    self._stop.wait(delay)
+                    continue
+                batches += 1
+                if max_batches is not None and batches >= max_batches:
+                    break
+                if claimed == 0 and self._waker.wait(self.poll_interval, self._stop):
+                    self.stats.wakeups += 1
+        finally:
+            self._waker.close()
+            if restore:
+                restore()
+            self._log.info("stopped", extra={"owner": self.owner, **self.stats.as_dict()})
+
+    def _install_signals(self) -> Callable[[], None] | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self._log.info("signal %s: finishing the batch in hand, then stopping", signum)
+            self.stop()
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
+
+    def close(self) -> None:
+        self._waker.close()

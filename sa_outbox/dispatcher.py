@@ -1,0 +1,231 @@
+"""The outbox dispatcher: claim with a lease, publish outside any transaction, finalize fenced.
+
+One batch: (1) a short transaction rescues expired leases and claims up to ``batch`` due rows, writing
+status/owner/lease/``lease_version + 1``/``attempts + 1``, and commits; (2) every message is published with
+no transaction or row lock open; (3) one fenced statement finalizes the whole batch, each row matched by its
+own ``lease_version``. A row whose lease was rescued or re-claimed meanwhile is not touched (a *lost lease*:
+logged, counted, never raised) — the message may then be published twice, which is why downstream must
+de-duplicate by ``message_id``.
+
+**Long batches.** Messages are published in id order; before each one the dispatcher checks that its lease
+still has at least ``publish_timeout`` left (measured from the claim). When it does not, the rest of the batch
+is *released* (back to pending, attempt refunded) instead of published on a lease that may already be gone.
+The same happens on :meth:`stop`: the message being published finishes, the rest is released.
+
+**Unclassified exceptions** from a publisher are logged at ERROR with their traceback, recorded in
+``last_error`` and retried like :class:`~sa_outbox.RetryableError` (so they end ``dead`` after
+``max_attempts``); with ``stop_on_unclassified=True`` the batch is finalized and the exception re-raised out of
+``run_once``/``run`` instead (the outbox document's choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from . import engine as eng
+from ._loop import LoopBase, positive_int
+from .backoff import OUTBOX_BACKOFF, Backoff
+from .durations import Duration, to_timedelta
+from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .messages import BatchPublisher, Message, Publisher
+from .producer import channel_for
+
+__all__ = ["Dispatcher"]
+
+log = logging.getLogger("sa_outbox.dispatcher")
+
+_CLASSIFIED = (RetryableError, PermanentError, Defer)
+
+
+class Dispatcher(LoopBase):
+    """Delivers outbox rows to a :class:`~sa_outbox.Publisher`; run as many side by side as you like.
+
+    Options (durations take a ``timedelta`` or seconds):
+
+    * ``batch`` — rows claimed per transaction (default 50);
+    * ``lease`` — how long a claim is owned (default 60 s); ``publish_timeout`` — the longest one publish may
+      take (default 10 s; the publisher must enforce it). The constructor refuses ``lease <= publish_timeout``;
+    * ``max_attempts`` — claims before a message is dead (default 12, counting crashes);
+    * ``ordered`` — ``True`` for per-aggregate order on every event type, or a collection of event types
+      that are ordered (others are claimed freely);
+    * ``backoff`` — retry policy (default full jitter, base 1 s, cap 300 s);
+    * ``poll_interval`` — longest idle wait (default 1 s); ``listen`` — LISTEN/NOTIFY wake-ups (default on),
+      on ``listen_url`` if given (use the server's direct address behind PgBouncer).
+    """
+
+    _owner_prefix = "dispatcher"
+    _log = log
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: type[Any],
+        publisher: Publisher,
+        *,
+        owner: str | None = None,
+        batch: int = 50,
+        lease: Duration = 60.0,
+        publish_timeout: Duration = 10.0,
+        max_attempts: int = 12,
+        ordered: bool | Collection[str] = False,
+        backoff: Backoff | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+    ) -> None:
+        super().__init__(
+            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, channels=[channel_for(model.__table__.name)],
+        )  # fmt: skip
+        if self.spec.kind != "outbox":
+            raise ConfigurationError(
+                f"Dispatcher needs an OutboxMixin model, got {model.__name__} (use Worker)"
+            )
+        if not callable(getattr(publisher, "publish", None)):
+            raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
+        self.publisher = publisher
+        self.lease = to_timedelta(lease, name="lease", allow_zero=False)
+        self.publish_timeout = to_timedelta(publish_timeout, name="publish_timeout", allow_zero=False)
+        if self.lease <= self.publish_timeout:
+            raise ConfigurationError(
+                f"lease ({self.lease.total_seconds():g}s) must be longer than publish_timeout "
+                f"({self.publish_timeout.total_seconds():g}s): a publish could outlive its lease and be "
+                "delivered twice. Raise lease or lower publish_timeout"
+            )
+        self.max_attempts = positive_int(max_attempts, "max_attempts")
+        self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
+        if isinstance(ordered, bool):
+            self.ordered, self.ordered_types = ordered, None
+        elif isinstance(ordered, str) or not all(isinstance(t, str) and t for t in ordered):
+            raise ConfigurationError("ordered must be True/False or a collection of event type names")
+        else:
+            self.ordered, self.ordered_types = True, sorted(set(ordered))
+        self.backoff = backoff or OUTBOX_BACKOFF
+        self.stop_on_unclassified = stop_on_unclassified
+        self._batch_publish = isinstance(publisher, BatchPublisher)
+
+    # -- one batch -------------------------------------------------------------------------------------
+
+    def _claim(self, *, rescue: bool) -> list[Message]:
+        with self._transaction() as conn:
+            if rescue:
+                self.stats.rescued += len(
+                    eng.rescue(conn, self.spec, max_attempts=self.max_attempts, limit=self.rescue_limit)
+                )
+            rows = eng.claim(
+                conn, self.spec, owner=self.owner, batch=self.batch, lease=self.lease,
+                ordered=self.ordered, ordered_types=self.ordered_types,
+            )  # fmt: skip
+        return [Message.from_row(r) for r in rows]
+
+    def _step(self, *, rescue: bool) -> int:
+        messages = self._claim(rescue=rescue)
+        if not messages:
+            return 0
+        claimed_at = time.monotonic()
+        self.stats.batches += 1
+        self.stats.claimed += len(messages)
+        outcomes, fatal = self._publish(messages, claimed_at)
+        self._finalize(outcomes)
+        if fatal is not None:
+            raise fatal
+        return len(messages)
+
+    def _publish(
+        self, messages: list[Message], claimed_at: float
+    ) -> tuple[list[eng.Outcome], BaseException | None]:
+        # Publishing must not start on a lease with less than publish_timeout left.
+        budget_end = claimed_at + (self.lease - self.publish_timeout).total_seconds()
+        results: list[tuple[Message, BaseException | None]] = []
+        outcomes: list[eng.Outcome] = []
+        fatal: BaseException | None = None
+        if self._batch_publish and not self._stop.is_set():
+            try:
+                errors = list(self.publisher.publish_many(messages))  # type: ignore[attr-defined]
+                if len(errors) != len(messages):
+                    raise TypeError(
+                        f"publish_many returned {len(errors)} results for {len(messages)} messages"
+                    )
+            except Exception as exc:
+                errors = [exc] * len(messages)
+            results = list(zip(messages, errors, strict=True))
+        else:
+            for i, msg in enumerate(messages):
+                if self._stop.is_set() or time.monotonic() > budget_end:
+                    reason = (
+                        "released: dispatcher stopping"
+                        if self._stop.is_set()
+                        else "released: lease budget spent"
+                    )
+                    outcomes += [eng.release(self.spec, m.id, m.lease_version, reason) for m in messages[i:]]
+                    break
+                try:
+                    result: Any = self.publisher.publish(msg)  # type: ignore[func-returns-value]
+                    error: BaseException | None = None
+                    if result is not None:
+                        error = TypeError(
+                            f"publisher returned {result!r}; publish() must return None or raise"
+                        )
+                except Exception as exc:
+                    error = exc
+                results.append((msg, error))
+        for msg, error in results:
+            if error is not None and not isinstance(error, _CLASSIFIED):
+                self.stats.unclassified += 1
+                log.error(
+                    "unclassified publisher error for outbox %s (treated as retryable)", msg.id,
+                    exc_info=error, extra={"outbox_id": msg.id, "lease_version": msg.lease_version},
+                )  # fmt: skip
+                if self.stop_on_unclassified and fatal is None:
+                    fatal = error
+            outcomes.append(
+                eng.decide(
+                    self.spec, id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts,
+                    max_attempts=self.max_attempts, error=error, backoff=self.backoff,
+                )
+            )  # fmt: skip
+        return outcomes, fatal
+
+    def _finalize(self, outcomes: Sequence[eng.Outcome]) -> None:
+        window = max(self.lease.total_seconds(), 1.0)
+        applied = self._with_retries(window, lambda: self._finalize_tx(outcomes))
+        for o in outcomes:
+            extra = {
+                "outbox_id": o.id,
+                "lease_version": o.lease_version,
+                "status": o.status,
+                "outcome": o.kind,
+            }
+            if o.id not in applied:
+                self.stats.lost_leases += 1
+                log.warning(
+                    "lost lease: outbox %s version %s was rescued or re-claimed; its %s was not recorded",
+                    o.id, o.lease_version, o.kind, extra=extra,
+                )  # fmt: skip
+                continue
+            if o.kind == "done":
+                self.stats.done += 1
+                log.debug("outbox %s published -> done", o.id, extra=extra)
+            elif o.kind == "retry":
+                self.stats.retried += 1
+                log.info("outbox %s -> pending, retry in %.2fs: %s", o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "defer":
+                self.stats.deferred += 1
+                log.info("outbox %s deferred %.2fs: %s", o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "dead":
+                self.stats.dead += 1
+                log.error("outbox %s -> dead: %s", o.id, o.error, extra=extra)
+            else:
+                self.stats.released += 1
+                log.info("outbox %s released: %s", o.id, o.error, extra=extra)
+
+    def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
+        with self._transaction() as conn:
+            return eng.finalize(conn, self.spec, outcomes)

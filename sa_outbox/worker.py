@@ -1,0 +1,288 @@
+"""The jobs worker: the jobs document's queue, on the same claim / lease / finalize engine as the outbox.
+
+One batch: a short transaction reaps stale ``running`` jobs (their worker died: back to ``queued``, or
+``failed`` when out of attempts) and claims up to ``batch`` due jobs per queue with
+``FOR NO KEY UPDATE SKIP LOCKED`` (child tables with a foreign key to jobs are not blocked); the handlers run
+with no transaction open; one fenced statement records every outcome. ``lease_version`` is the fencing token:
+a worker whose job was reaped and claimed again cannot mark it done or failed (``status = 'running'`` alone
+would let it, since the job is running again — for someone else).
+
+**Concurrency.** ``concurrency=N`` runs up to N handlers of a batch at once in a thread pool inside the
+process — right for I/O-bound and for blocking handlers alike (a blocking call holds one thread, not the
+loop). For CPU-bound handlers run several processes (``sa-outbox worker --processes N``).
+
+**Heartbeat.** While handlers run, a background thread refreshes ``locked_at`` of the jobs still in hand every
+``heartbeat`` (default ``stale_after / 4``), fenced by lease version, so a long job is not reaped while its
+worker lives. A worker that dies stops heart-beating and its jobs are reaped after ``stale_after``.
+
+**Stopping.** On :meth:`stop` (SIGTERM/SIGINT under :meth:`run`) the jobs already running finish and are
+recorded; claimed jobs that have not started are released (back to ``queued``, attempt refunded).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+
+from . import engine as eng
+from ._loop import LoopBase, positive_int
+from .backoff import JOBS_BACKOFF, Backoff
+from .durations import Duration, to_timedelta
+from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .messages import ClaimedJob
+from .producer import channel_for
+
+__all__ = ["Handler", "TaskRegistry", "Worker"]
+
+log = logging.getLogger("sa_outbox.worker")
+
+Handler = Callable[[ClaimedJob], Any]
+H = TypeVar("H", bound=Handler)
+
+_CLASSIFIED = (RetryableError, PermanentError, Defer)
+_NOT_STARTED = object()
+
+
+class TaskRegistry(dict[str, Handler]):
+    """Task name → handler, with a decorator form::
+
+    tasks = TaskRegistry()
+
+    @tasks.task("send_email")
+    def send_email(job: ClaimedJob) -> None: ...
+    """
+
+    def task(self, name: str | None = None) -> Callable[[H], H]:
+        def register(fn: H) -> H:
+            key = name or getattr(fn, "__name__", None)
+            if not key:
+                raise ConfigurationError("a task needs a name")
+            if key in self:
+                raise ConfigurationError(f"task {key!r} is already registered")
+            self[key] = fn
+            return fn
+
+        return register
+
+
+class _Heartbeat:
+    """Refreshes the lease of the jobs still in hand while their handlers run."""
+
+    def __init__(self, worker: Worker, jobs: Sequence[ClaimedJob]) -> None:
+        self.worker = worker
+        self.held = {j.id: j.lease_version for j in jobs}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Heartbeat:
+        if self.worker.heartbeat is not None:
+            self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
+            self.thread.start()
+        return self
+
+    def release(self, job_id: int) -> None:
+        with self.lock:
+            self.held.pop(job_id, None)
+
+    def _run(self) -> None:
+        interval = self.worker.heartbeat or 1.0
+        while not self.done.wait(interval):
+            with self.lock:
+                pairs = list(self.held.items())
+            if not pairs:
+                continue
+            try:
+                with self.worker._transaction() as conn:
+                    renewed = eng.extend(conn, self.worker.spec, pairs)
+                for job_id, version in pairs:
+                    if job_id not in renewed:
+                        log.warning(
+                            "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
+                            extra={"job_id": job_id, "lease_version": version},
+                        )  # fmt: skip
+            except Exception as exc:  # a missed beat is retried next interval; never kill the handler
+                log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
+class Worker(LoopBase):
+    """Runs jobs from a :class:`~sa_outbox.JobMixin` table with the handlers registered for their task.
+
+    Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order, default
+    ``("default",)``); ``batch`` (jobs claimed per transaction, default 10); ``stale_after`` (a running job whose
+    ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0`` disables);
+    ``concurrency`` (handlers at once, threads, default 1); ``backoff`` (default ``min(300 s, 2**attempts s)``);
+    ``poll_interval``, ``listen``, ``listen_url`` as for the Dispatcher.
+    """
+
+    _owner_prefix = "worker"
+    _log = log
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: type[Any],
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        queues: Iterable[str] = ("default",),
+        batch: int = 10,
+        stale_after: Duration = 60.0,
+        heartbeat: Duration | None = None,
+        concurrency: int = 1,
+        backoff: Backoff | None = None,
+        owner: str | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+    ) -> None:
+        super().__init__(
+            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, channels=[channel_for(model.__table__.name)],
+        )  # fmt: skip
+        if self.spec.kind != "jobs":
+            raise ConfigurationError(f"Worker needs a JobMixin model, got {model.__name__} (use Dispatcher)")
+        if isinstance(queues, str):
+            raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
+        self.queues = list(dict.fromkeys(queues))
+        if not self.queues or not all(isinstance(q, str) and q for q in self.queues):
+            raise ConfigurationError(f"queues must be non-empty queue names, got {self.queues!r}")
+        self.handlers: TaskRegistry = TaskRegistry(handlers or {})
+        for name, fn in self.handlers.items():
+            if not callable(fn):
+                raise ConfigurationError(f"handler for task {name!r} is not callable: {fn!r}")
+        self.stale_after = to_timedelta(stale_after, name="stale_after", allow_zero=False)
+        beat = self.stale_after / 4 if heartbeat is None else to_timedelta(heartbeat, name="heartbeat")
+        if beat >= self.stale_after:
+            raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
+        self.heartbeat: float | None = beat.total_seconds() or None
+        self.concurrency = positive_int(concurrency, "concurrency")
+        self.backoff = backoff or JOBS_BACKOFF
+        self.stop_on_unclassified = stop_on_unclassified
+        self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
+        self._pool: ThreadPoolExecutor | None = None
+
+    def task(self, name: str | None = None) -> Callable[[H], H]:
+        """Decorator registering a handler on this worker."""
+        return self.handlers.task(name)
+
+    # -- one batch -------------------------------------------------------------------------------------
+
+    def _claim(self, *, rescue: bool) -> list[ClaimedJob]:
+        rows: list[Any] = []
+        with self._transaction() as conn:
+            if rescue:
+                self.stats.rescued += len(
+                    eng.rescue(conn, self.spec, stale_after=self.stale_after, limit=self.rescue_limit)
+                )
+            for queue in self.queues:
+                want = self.batch - len(rows)
+                if want <= 0:
+                    break
+                rows += eng.claim(conn, self.spec, owner=self.owner, batch=want, queue=queue)
+        return [ClaimedJob.from_row(r) for r in rows]
+
+    def _call(self, job: ClaimedJob, beat: _Heartbeat) -> BaseException | object | None:
+        if self._stop.is_set():
+            return _NOT_STARTED
+        try:
+            handler = self.handlers.get(job.task)
+            if handler is None:
+                known = ", ".join(sorted(self.handlers)) or "none"
+                return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+            handler(job)
+            return None
+        except Exception as exc:
+            return exc
+        finally:
+            beat.release(job.id)
+
+    def _step(self, *, rescue: bool) -> int:
+        jobs = self._claim(rescue=rescue)
+        if not jobs:
+            return 0
+        self.stats.batches += 1
+        self.stats.claimed += len(jobs)
+        with _Heartbeat(self, jobs) as beat:
+            if self.concurrency == 1 or len(jobs) == 1:
+                results = [self._call(j, beat) for j in jobs]
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
+                results = list(self._pool.map(lambda j: self._call(j, beat), jobs))
+        outcomes: list[eng.Outcome] = []
+        fatal: BaseException | None = None
+        for job, result in zip(jobs, results, strict=True):
+            if result is _NOT_STARTED:
+                outcomes.append(
+                    eng.release(self.spec, job.id, job.lease_version, "released: worker stopping")
+                )
+                continue
+            error = result if isinstance(result, BaseException) else None
+            if error is not None and not isinstance(error, _CLASSIFIED):
+                self.stats.unclassified += 1
+                log.error(
+                    "job %s (%s) raised an unclassified exception (treated as retryable)", job.id, job.task,
+                    exc_info=error, extra={"job_id": job.id, "task": job.task, "lease_version": job.lease_version},
+                )  # fmt: skip
+                if self.stop_on_unclassified and fatal is None:
+                    fatal = error
+            outcomes.append(
+                eng.decide(
+                    self.spec, id=job.id, lease_version=job.lease_version, attempts=job.attempts,
+                    max_attempts=job.max_attempts, error=error, backoff=self.backoff,
+                )
+            )  # fmt: skip
+        self._finalize(jobs, outcomes)
+        if fatal is not None:
+            raise fatal
+        return len(jobs)
+
+    def _finalize(self, jobs: Sequence[ClaimedJob], outcomes: Sequence[eng.Outcome]) -> None:
+        window = max(self.stale_after.total_seconds(), 1.0)
+        applied = self._with_retries(window, lambda: self._finalize_tx(outcomes))
+        tasks = {j.id: j.task for j in jobs}
+        for o in outcomes:
+            extra = {"job_id": o.id, "task": tasks[o.id], "lease_version": o.lease_version, "outcome": o.kind}
+            if o.id not in applied:
+                self.stats.lost_leases += 1
+                log.warning(
+                    "lost lease: job %s version %s was reaped or re-claimed; its %s was not recorded",
+                    o.id, o.lease_version, o.kind, extra=extra,
+                )  # fmt: skip
+            elif o.kind == "done":
+                self.stats.done += 1
+                log.debug("job %s done", o.id, extra=extra)
+            elif o.kind == "retry":
+                self.stats.retried += 1
+                log.info("job %s -> queued, retry in %.1fs: %s", o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "defer":
+                self.stats.deferred += 1
+                log.info("job %s deferred %.1fs: %s", o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "dead":
+                self.stats.dead += 1
+                log.error("job %s -> failed: %s", o.id, o.error, extra=extra)
+            else:
+                self.stats.released += 1
+                log.info("job %s released: %s", o.id, o.error, extra=extra)
+
+    def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
+        with self._transaction() as conn:
+            return eng.finalize(conn, self.spec, outcomes)
+
+    def close(self) -> None:
+        super().close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,390 @@
+"""The outbox document's test table (§7), against the real database, plus the dispatcher's own guarantees."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, event, text
+
+from sa_outbox import (
+    Backoff,
+    ConfigurationError,
+    Defer,
+    Dispatcher,
+    Message,
+    PermanentError,
+    RetryableError,
+)
+from sa_outbox.models import Job, OutboxEvent
+from sa_outbox.testing import RecordingPublisher, drain
+
+from .helpers import claim, ids_with_status, mark_done, row, seed_events, statuses
+
+FAST = Backoff(0.001, 0.001, jitter=False)
+
+
+def dispatcher(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:
+    kw.setdefault("listen", False)
+    kw.setdefault("backoff", FAST)
+    return Dispatcher(engine, OutboxEvent, publisher, **kw)
+
+
+# --- §7 row 1: concurrent claims take disjoint rows ----------------------------------------------------------
+
+
+def test_four_workers_claiming_200_rows_take_disjoint_sets(engine: Engine) -> None:
+    seed_events(engine, 200)
+    taken: list[list[int]] = [[] for _ in range(4)]
+    barrier = threading.Barrier(4)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        for _ in range(100):  # bounded
+            rows = claim(engine, f"w{i}", batch=7, lease=30)
+            if not rows:
+                return
+            taken[i].extend(r.id for r in rows)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    all_ids = [i for part in taken for i in part]
+    assert len(all_ids) == 200 and len(set(all_ids)) == 200
+    assert sum(1 for part in taken if part) >= 2  # they really ran side by side
+
+
+# --- §7 row 2: the broken dispatcher (COMMIT, then publish) publishes twice -------------------------------
+
+
+def _broken_claim(engine: Engine, batch: int) -> list[int]:
+    """The document's broken pattern: SELECT … FOR UPDATE SKIP LOCKED, COMMIT, then (later) publish."""
+    with engine.begin() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT id FROM outbox WHERE status = 'pending' ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
+                ),
+                {"n": batch},
+            ).scalars()
+        )
+
+
+def test_broken_dispatcher_publishes_every_message_twice(engine: Engine) -> None:
+    seed_events(engine, 3)
+    published: Counter[int] = Counter()
+    a = _broken_claim(engine, 50)  # worker A committed; its row locks are gone, status still pending
+    b = _broken_claim(engine, 50)  # worker B runs while A is still publishing: it gets the same rows
+    for worker_rows in (a, b):
+        for i in worker_rows:
+            published[i] += 1
+    assert a == b == [1, 2, 3]
+    assert set(published.values()) == {2}
+
+
+def test_real_dispatcher_does_not_publish_twice_in_the_same_situation(engine: Engine) -> None:
+    seed_events(engine, 3)
+    a = claim(engine, "A", batch=50, lease=30)  # committed, A now "publishing"
+    b = claim(engine, "B", batch=50, lease=30)
+    assert [r.id for r in a] == [1, 2, 3]
+    assert b == []  # ownership outlived the transaction
+
+
+# --- §7 row 3: 4 workers × dispatch_once over 100 rows ----------------------------------------------------
+
+
+def test_four_dispatchers_publish_each_of_100_messages_once(engine: Engine) -> None:
+    seed_events(engine, 100)
+    pub = RecordingPublisher()
+    ds = [dispatcher(engine, pub, batch=7) for _ in range(4)]
+    threads = [threading.Thread(target=drain, args=(d,)) for d in ds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(pub.ids) == list(range(1, 101))
+    assert statuses(engine) == {"done": 100}
+    assert sum(d.stats.done for d in ds) == 100
+
+
+# --- §7 rows 4–5: crash → lease expiry → reclaim; expired but not taken over ------------------------------
+
+
+def test_stale_worker_cannot_finalize_after_reclaim(engine: Engine) -> None:
+    seed_events(engine, 1)
+    [a] = claim(engine, "A", batch=10, lease=0.2)
+    assert claim(engine, "B", batch=10, lease=30) == []  # leased: nobody else can take it
+    time.sleep(0.3)
+    [b] = claim(engine, "B", batch=10, lease=30)  # rescue + claim
+    assert b.id == a.id and b.lease_version == a.lease_version + 1 and b.attempts == 2
+    assert mark_done(engine, a) is False  # the expired A is fenced off
+    assert mark_done(engine, b) is True
+    assert row(engine, "outbox", a.id).status == "done"
+
+
+def test_expired_lease_nobody_took_over_still_finalizes(engine: Engine) -> None:
+    seed_events(engine, 1)
+    [a] = claim(engine, "A", batch=10, lease=0.2)
+    time.sleep(0.3)
+    assert mark_done(engine, a) is True
+    r = row(engine, "outbox", a.id)
+    assert (r.status, r.lease_owner, r.lease_until, r.done_at is not None) == ("done", None, None, True)
+
+
+# --- §7 rows 6–8: failure classes ------------------------------------------------------------------------
+
+
+def test_retryable_three_times_with_max_three_ends_dead(engine: Engine) -> None:
+    seed_events(engine, 1)
+    pub = RecordingPublisher(fail=lambda m: RetryableError("broker timeout"))
+    d = dispatcher(engine, pub, max_attempts=3)
+    seen = []
+    for _ in range(3):
+        time.sleep(0.01)  # the 1 ms backoff
+        assert d.run_once() == 1
+        r = row(engine, "outbox", 1)
+        seen.append((r.status, r.attempts))
+    assert seen == [("pending", 1), ("pending", 2), ("dead", 3)]
+    r = row(engine, "outbox", 1)
+    assert "RetryableError: broker timeout" in r.last_error and "retries exhausted (3/3)" in r.last_error
+    time.sleep(0.01)
+    assert d.run_once() == 0  # dead is never claimed again
+    assert (d.stats.retried, d.stats.dead) == (2, 1)
+
+
+def test_retry_backoff_is_full_jitter_from_the_database_clock(engine: Engine) -> None:
+    seed_events(engine, 1)
+    d = dispatcher(engine, RecordingPublisher(fail=lambda m: RetryableError("x")), backoff=Backoff(10, 300))
+    d.run_once()
+    with engine.connect() as conn:
+        wait = conn.execute(text("SELECT extract(epoch FROM available_at - now()) FROM outbox")).scalar_one()
+    assert -0.5 <= float(wait) <= 20.0  # random(0, min(300, 10 * 2^1))
+
+
+def test_defer_keeps_pending_refunds_the_attempt_and_pushes_available_at(engine: Engine) -> None:
+    seed_events(engine, 1)
+    d = dispatcher(
+        engine, RecordingPublisher(fail=lambda m: Defer(timedelta(minutes=5), "customer not created yet"))
+    )
+    assert d.run_once() == 1
+    with engine.connect() as conn:
+        r = conn.execute(
+            text(
+                "SELECT status, attempts, last_error, extract(epoch FROM available_at - now()) AS wait FROM outbox"
+            )
+        ).one()
+    assert (r.status, r.attempts) == ("pending", 0)
+    assert 290 <= float(r.wait) <= 301
+    assert r.last_error == "deferred: customer not created yet"
+    assert d.stats.deferred == 1
+
+
+def test_permanent_error_goes_straight_to_dead(engine: Engine) -> None:
+    seed_events(engine, 1)
+    d = dispatcher(engine, RecordingPublisher(fail=lambda m: PermanentError("422 invalid payload")))
+    assert d.run_once() == 1
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts, r.last_error) == ("dead", 1, "PermanentError: 422 invalid payload")
+
+
+# --- §7 row 9: poison message (claim without finalize ×3) --------------------------------------------------
+
+
+def test_claim_without_finalize_three_times_ends_dead_and_is_never_claimed_again(engine: Engine) -> None:
+    seed_events(engine, 1)
+    for attempt in (1, 2, 3):
+        [r] = claim(engine, f"crash-{attempt}", batch=10, lease=0.05, max_attempts=3)
+        assert r.attempts == attempt
+        time.sleep(0.1)  # the worker "crashed": nothing finalizes, the lease runs out
+    assert claim(engine, "next", batch=10, lease=30, max_attempts=3) == []
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == ("dead", 3)
+    assert "after max attempts" in r.last_error
+    assert claim(engine, "later", batch=10, lease=30, max_attempts=3) == []
+
+
+# --- §7 rows 10–11: ordered claim ------------------------------------------------------------------------
+
+
+def test_ordered_claim_takes_only_each_aggregates_head(engine: Engine) -> None:
+    seed_events(engine, 3, aggregate="X")  # ids 1, 2, 3
+    seed_events(engine, 2, aggregate="Y")  # ids 4, 5
+    first = claim(engine, "A", batch=10, lease=30, ordered=True)
+    assert [r.id for r in first] == [1, 4]
+    assert claim(engine, "B", batch=10, lease=30, ordered=True) == []  # heads are in flight
+    for r in first:
+        assert mark_done(engine, r)
+    assert [r.id for r in claim(engine, "A", batch=10, lease=30, ordered=True)] == [2, 5]
+
+
+def test_ordered_30_rows_of_one_aggregate_across_4_dispatchers_finalize_in_id_order(engine: Engine) -> None:
+    seed_events(engine, 30, aggregate="X")
+    pub = RecordingPublisher()
+    ds = [dispatcher(engine, pub, batch=5, ordered=True) for _ in range(4)]
+
+    def run(d: Dispatcher) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and statuses(engine).get("done", 0) < 30:
+            d.run_once()
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in ds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # Only the head is claimable, so each message is published (and finalized) after its predecessor is done.
+    assert pub.ids == list(range(1, 31))
+    with engine.connect() as conn:
+        done_order = conn.execute(text("SELECT id FROM outbox ORDER BY done_at, id")).scalars().all()
+    assert done_order == list(range(1, 31))
+    assert statuses(engine) == {"done": 30}
+    assert sum(1 for d in ds if d.stats.claimed) >= 2
+
+
+def test_dead_message_blocks_its_ordered_aggregate_only(engine: Engine) -> None:
+    seed_events(engine, 2, aggregate="X")  # 1, 2
+    seed_events(engine, 1, aggregate="Y")  # 3
+    pub = RecordingPublisher(fail=lambda m: PermanentError("bad") if m.id == 1 else None)
+    d = dispatcher(engine, pub, ordered=True)
+    drain(d)
+    assert ids_with_status(engine, "dead") == [1]
+    assert ids_with_status(engine, "pending") == [2]  # blocked behind the dead head
+    assert pub.ids == [3]
+
+
+def test_ordered_event_types_leave_other_types_unordered(engine: Engine) -> None:
+    seed_events(engine, 2, aggregate="X", event_type="Ordered")  # 1, 2
+    seed_events(engine, 2, aggregate="X", event_type="Notice", start=2)  # 3, 4
+    rows = claim(engine, "A", batch=10, lease=30, ordered=True, ordered_types=["Ordered"])
+    assert [r.id for r in rows] == [1, 3, 4]
+
+
+# --- the dispatcher's own guarantees ----------------------------------------------------------------------
+
+
+def test_unclassified_exception_is_logged_recorded_and_retried(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    seed_events(engine, 1)
+    d = dispatcher(engine, RecordingPublisher(fail=lambda m: KeyError("oops")))
+    with caplog.at_level("ERROR", logger="sa_outbox.dispatcher"):
+        assert d.run_once() == 1
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts, r.last_error) == ("pending", 1, "KeyError: 'oops'")
+    assert any(rec.exc_info and "unclassified" in rec.getMessage() for rec in caplog.records)
+    assert d.stats.unclassified == 1
+
+
+def test_stop_on_unclassified_finalizes_then_raises(engine: Engine) -> None:
+    seed_events(engine, 2)
+    d = dispatcher(engine, RecordingPublisher(fail=lambda m: ZeroDivisionError("bug") if m.id == 1 else None),
+                   stop_on_unclassified=True)  # fmt: skip
+    with pytest.raises(ZeroDivisionError):
+        d.run_once()
+    assert row(engine, "outbox", 1).status == "pending" and row(engine, "outbox", 2).status == "done"
+
+
+def test_publisher_returning_garbage_is_a_retryable_failure(engine: Engine) -> None:
+    class Garbage:
+        def publish(self, message: Message) -> Any:
+            return "ok!"
+
+    seed_events(engine, 1)
+    dispatcher(engine, Garbage()).run_once()
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and "publish() must return None" in r.last_error
+
+
+def test_a_batch_is_rescue_claim_and_one_finalize_statement(engine: Engine) -> None:
+    seed_events(engine, 50)
+    statements: list[str] = []
+    listener = lambda c, cur, st, *a: statements.append(st)  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        pub = RecordingPublisher(fail=lambda m: RetryableError("x") if m.id % 3 == 0 else None)
+        assert dispatcher(engine, pub, batch=50).run_once() == 50
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    assert len(statements) == 3, statements  # rescue, claim, one fenced finalize for done + retry outcomes
+    assert statuses(engine) == {"done": 34, "pending": 16}
+
+
+def test_lease_budget_releases_the_rest_of_a_slow_batch(engine: Engine) -> None:
+    seed_events(engine, 10)
+
+    class Slow:
+        def publish(self, message: Message) -> None:
+            time.sleep(0.15)
+
+    d = dispatcher(engine, Slow(), batch=10, lease=0.6, publish_timeout=0.3)
+    assert d.run_once() == 10
+    done, pending = ids_with_status(engine, "done"), ids_with_status(engine, "pending")
+    assert 1 <= len(done) <= 3 and len(done) + len(pending) == 10
+    with engine.connect() as conn:
+        attempts = set(conn.execute(text("SELECT attempts FROM outbox WHERE status = 'pending'")).scalars())
+    assert attempts == {0}  # released rows got their attempt back
+    assert d.stats.released == len(pending)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lease": 10, "publish_timeout": 10}, "lease (10s) must be longer than publish_timeout (10s)"),
+        ({"lease": 0}, "lease must be > 0"),
+        ({"lease": -1}, "lease must be > 0"),
+        ({"batch": 0}, "batch must be an integer >= 1"),
+        ({"max_attempts": 0}, "max_attempts must be an integer >= 1"),
+        ({"publish_timeout": "10s"}, "publish_timeout must be a datetime.timedelta or a number of seconds"),
+        ({"ordered": "OrderPaid"}, "ordered must be True/False or a collection"),
+        ({"poll_interval": float("nan")}, "poll_interval must be a finite duration"),
+    ],
+)
+def test_invalid_options_are_refused(engine: Engine, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Dispatcher(engine, OutboxEvent, RecordingPublisher(), **kwargs)
+
+
+def test_dispatcher_refuses_a_jobs_model_and_a_non_publisher(engine: Engine) -> None:
+    with pytest.raises(ConfigurationError, match="needs an OutboxMixin model"):
+        Dispatcher(engine, Job, RecordingPublisher())
+    with pytest.raises(ConfigurationError, match="has no publish"):
+        Dispatcher(engine, OutboxEvent, object())  # type: ignore[arg-type]
+
+
+def test_hostile_strings_reach_sql_only_as_parameters(engine: Engine) -> None:
+    hostile = "'); DROP TABLE outbox; --"
+    seed_events(engine, 1, aggregate=hostile, event_type=hostile)
+    pub = RecordingPublisher()
+    drain(dispatcher(engine, pub, ordered=[hostile], owner=hostile))
+    assert pub.messages[0].event_type == hostile and pub.messages[0].aggregate_id == hostile
+    assert statuses(engine) == {"done": 1}
+
+
+def test_skip_dead_unblocks_the_ordered_aggregate_and_retry_requeues(engine: Engine) -> None:
+    from sa_outbox.admin import list_dead, retry_dead, skip_dead
+
+    seed_events(engine, 2, aggregate="X")  # 1, 2
+    seed_events(engine, 2, aggregate="Y", start=2)  # 3, 4
+    pub = RecordingPublisher(fail=lambda m: PermanentError("bad") if m.id in (1, 3) else None)
+    d = dispatcher(engine, pub, ordered=True)
+    drain(d)
+    assert ids_with_status(engine, "dead") == [1, 3] and ids_with_status(engine, "pending") == [2, 4]
+    assert [r["id"] for r in list_dead(engine, OutboxEvent, aggregate_id="X")] == [1]
+    assert skip_dead(engine, OutboxEvent, ids=[1], dry_run=True) == [1]
+    assert ids_with_status(engine, "dead") == [1, 3]
+    assert skip_dead(engine, OutboxEvent, ids=[1]) == [1]
+    assert "skipped by operator" in row(engine, "outbox", 1).last_error
+    drain(d)
+    assert pub.ids == [2]  # X moved on; Y still blocked behind its dead head
+    pub._fail = None
+    assert retry_dead(engine, OutboxEvent, aggregate_id="Y") == [3]
+    r = row(engine, "outbox", 3)
+    assert (r.status, r.attempts) == ("pending", 0)
+    drain(d)
+    assert pub.ids == [2, 3, 4]

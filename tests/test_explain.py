@@ -1,0 +1,128 @@
+"""The claim plans stay index scans as the table grows (≥ 100,000 rows, most of them done)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.sql import Executable
+
+from sa_outbox import sql
+from sa_outbox.models import Job, OutboxEvent
+
+OUTBOX = sql.spec_for(OutboxEvent)
+JOBS = sql.spec_for(Job)
+
+
+@pytest.fixture(scope="module")
+def big(shared_engine: Engine) -> Iterator[Engine]:
+    """120,000 outbox rows (118,000 done, 2,000 pending over 1,000 aggregates, 100 processing) and 120,000
+    jobs (118,000 done), analyzed."""
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+        conn.execute(
+            text(
+                """
+                INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at,
+                                    lease_until, attempts)
+                SELECT 'order', 'agg-' || (g % 1000), 'E', '{}',
+                       CASE WHEN g <= 118000 THEN 'done' WHEN g <= 118100 THEN 'processing' ELSE 'pending' END,
+                       CASE WHEN g <= 118000 THEN now() END,
+                       CASE WHEN g > 118000 AND g <= 118100 THEN now() + interval '1 minute' END,
+                       CASE WHEN g > 118000 AND g <= 118100 THEN 1 ELSE 0 END
+                  FROM generate_series(1, 120000) AS g
+                """
+            )
+        )
+        conn.execute(
+            text(
+                """
+                INSERT INTO jobs (task, queue, payload, status, finished_at)
+                SELECT 'noop', CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END, '{}',
+                       CASE WHEN g <= 118000 THEN 'done' ELSE 'queued' END,
+                       CASE WHEN g <= 118000 THEN now() END
+                  FROM generate_series(1, 120000) AS g
+                """
+            )
+        )
+    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE outbox"))
+        conn.execute(text("VACUUM ANALYZE jobs"))
+    yield shared_engine
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+
+
+def plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> dict[str, Any]:
+    with engine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        raw = conn.exec_driver_sql(
+            "EXPLAIN (FORMAT JSON) " + str(compiled), compiled.construct_params(params)
+        )
+        result: dict[str, Any] = raw.scalar_one()[0]["Plan"]
+        conn.rollback()
+        return result
+
+
+def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from nodes(child)
+
+
+def scans(p: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
+    return [
+        (n["Node Type"], n.get("Relation Name"), n.get("Index Name"))
+        for n in nodes(p)
+        if "Scan" in n["Node Type"]
+    ]
+
+
+def assert_locking_index_scan(p: dict[str, Any], index: str) -> None:
+    """LockRows sits under Limit on an index scan of the partial index; nothing reads the table sequentially."""
+    assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], scans(p)
+    limits = [n for n in nodes(p) if n["Node Type"] == "Limit"]
+    assert limits, p
+    lock_rows = limits[0]["Plans"][0]
+    assert lock_rows["Node Type"] == "LockRows"
+    assert any(n.get("Index Name") == index for n in nodes(lock_rows)), scans(lock_rows)
+
+
+CLAIM = {"owner": "w", "batch": 50, "lease": timedelta(seconds=60)}
+
+
+def test_plain_claim_uses_the_ready_index(big: Engine) -> None:
+    assert_locking_index_scan(plan(big, sql.claim_statement(OUTBOX), CLAIM), "ix_outbox_ready")
+
+
+def test_ordered_claim_uses_the_ready_and_aggregate_indexes(big: Engine) -> None:
+    p = plan(big, sql.claim_statement(OUTBOX, ordered=True), CLAIM)
+    assert_locking_index_scan(p, "ix_outbox_ready")
+    assert "ix_outbox_aggregate" in {s[2] for s in scans(p)}
+
+
+def test_ordered_types_claim_uses_the_ready_index(big: Engine) -> None:
+    p = plan(
+        big, sql.claim_statement(OUTBOX, ordered=True, ordered_types=True), {**CLAIM, "ordered_types": ["E"]}
+    )
+    assert_locking_index_scan(p, "ix_outbox_ready")
+
+
+def test_rescue_uses_the_leased_index(big: Engine) -> None:
+    p = plan(big, sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12})
+    assert "ix_outbox_leased" in {s[2] for s in scans(p)}
+    assert ("Seq Scan", "outbox", None) not in scans(p)
+
+
+def test_jobs_claim_uses_the_dequeue_index(big: Engine) -> None:
+    p = plan(big, sql.claim_statement(JOBS), {"owner": "w", "batch": 50, "queue_name": "default"})
+    assert_locking_index_scan(p, "ix_jobs_dequeue")
+
+
+def test_jobs_reaper_uses_the_running_index(big: Engine) -> None:
+    p = plan(big, sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)})
+    assert "ix_jobs_running" in {s[2] for s in scans(p)}
+    assert ("Seq Scan", "jobs", None) not in scans(p)

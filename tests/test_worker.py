@@ -1,0 +1,313 @@
+"""The jobs worker: the jobs document's scenarios, fencing, reaping, FK locks, wake-ups."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from sa_outbox import (
+    Backoff,
+    ClaimedJob,
+    ConfigurationError,
+    Defer,
+    PermanentError,
+    RetryableError,
+    TaskRegistry,
+    Worker,
+    enqueue,
+)
+from sa_outbox import engine as eng
+from sa_outbox.admin import retry_dead, skip_dead
+from sa_outbox.models import Job, OutboxEvent
+from sa_outbox.testing import drain
+
+from .helpers import JOBS, row, seed_jobs, statuses
+
+FAST = Backoff(0.001, 0.001, jitter=False)
+
+
+def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:
+    kw.setdefault("listen", False)
+    return Worker(engine, Job, handlers, **kw)
+
+
+def test_successful_job_is_done_with_finished_at(engine: Engine) -> None:
+    seed_jobs(engine, 3)
+    calls: list[int] = []
+    w = worker(engine, {"noop": lambda job: calls.append(job.id)})
+    assert drain(w) == 3
+    assert sorted(calls) == [1, 2, 3]
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts, r.locked_by, r.locked_at, r.finished_at is not None) == (
+        "done",
+        1,
+        None,
+        None,
+        True,
+    )
+
+
+def test_documents_ten_job_scenario_two_workers_one_always_failing(engine: Engine) -> None:
+    """10 jobs, 2 workers, job 7 always fails with max_attempts=3: retried after ~2 s and ~4 s, then failed."""
+    seed_jobs(engine, 10)
+    calls: dict[int, list[float]] = {}
+    lock = threading.Lock()
+
+    def handle(job: ClaimedJob) -> None:
+        with lock:
+            calls.setdefault(job.id, []).append(time.monotonic())
+        if job.payload["n"] == 6:  # the 7th job
+            raise RuntimeError(f"n={job.payload['n']} always fails")
+
+    ws = [worker(engine, {"noop": handle}, poll_interval=0.1) for _ in range(2)]
+    threads = [threading.Thread(target=w.run, kwargs={"install_signal_handlers": False}) for w in ws]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and statuses(engine, "jobs").get("failed", 0) == 0:
+        time.sleep(0.1)
+    for w in ws:
+        w.stop()
+    for t in threads:
+        t.join(10)
+    assert statuses(engine, "jobs") == {"done": 9, "failed": 1}
+    failed = row(engine, "jobs", 7)
+    assert failed.attempts == 3 and "RuntimeError: n=6 always fails" in failed.last_error
+    assert all(len(v) == 1 for k, v in calls.items() if k != 7)
+    gaps = [b - a for a, b in zip(calls[7], calls[7][1:], strict=False)]
+    assert len(gaps) == 2
+    assert 1.8 <= gaps[0] <= 3.5 and 3.8 <= gaps[1] <= 5.5, gaps  # 2^1 s, 2^2 s (database clock)
+
+
+def test_failure_classes_for_jobs(engine: Engine) -> None:
+    seed_jobs(engine, 1, task="defer")
+    seed_jobs(engine, 1, task="perm")
+    seed_jobs(engine, 1, task="retry")
+    seed_jobs(engine, 1, task="unknown-task")
+
+    def defer(job: ClaimedJob) -> None:
+        raise Defer(timedelta(seconds=120), "waiting for payment")
+
+    def perm(job: ClaimedJob) -> None:
+        raise PermanentError("bad address")
+
+    def retry(job: ClaimedJob) -> None:
+        raise RetryableError("smtp 451")
+
+    w = worker(engine, {"defer": defer, "perm": perm, "retry": retry}, backoff=FAST)
+    assert w.run_once() == 4
+    with engine.connect() as conn:
+        rows = {
+            r.task: r
+            for r in conn.execute(
+                text(
+                    "SELECT task, status, attempts, last_error, extract(epoch FROM run_at - now()) AS wait FROM jobs"
+                )
+            )
+        }
+    assert (rows["defer"].status, rows["defer"].attempts) == ("queued", 0) and float(rows["defer"].wait) > 100
+    assert (rows["perm"].status, rows["perm"].last_error) == ("failed", "PermanentError: bad address")
+    assert (rows["retry"].status, rows["retry"].attempts) == ("queued", 1)
+    assert rows["unknown-task"].status == "failed"
+    assert "no handler registered for task 'unknown-task'" in rows["unknown-task"].last_error
+
+
+def test_decorator_registry(engine: Engine) -> None:
+    tasks = TaskRegistry()
+    seen: list[str] = []
+
+    @tasks.task("hello")
+    def hello(job: ClaimedJob) -> None:
+        seen.append(job.payload["who"])
+
+    w = worker(engine, tasks)
+
+    @w.task()
+    def bye(job: ClaimedJob) -> None:
+        seen.append("bye")
+
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "hello", {"who": "world"}, registry=w.handlers)
+        enqueue(s, Job, "bye", {}, registry=w.handlers)
+    drain(w)
+    assert sorted(seen) == ["bye", "world"]
+
+
+def test_stale_worker_cannot_finalize_a_reaped_and_reclaimed_job(engine: Engine) -> None:
+    """`AND status = 'running'` is not enough: after reaping and re-claiming, the job is running again."""
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        [a] = eng.claim(conn, JOBS, owner="A", batch=1, queue="default")
+    time.sleep(0.3)
+    with engine.begin() as conn:
+        eng.rescue(conn, JOBS, stale_after=timedelta(seconds=0.2))
+        [b] = eng.claim(conn, JOBS, owner="B", batch=1, queue="default")
+    assert b.id == a.id and b.lease_version == a.lease_version + 1
+    assert row(engine, "jobs", 1).status == "running"
+    with engine.begin() as conn:
+        assert (
+            eng.finalize(conn, JOBS, [eng.Outcome(a.id, a.lease_version, "failed", error="A late")]) == set()
+        )
+        assert eng.finalize(conn, JOBS, [eng.Outcome(b.id, b.lease_version, "done")]) == {b.id}
+    r = row(engine, "jobs", 1)
+    assert (
+        (r.status, r.attempts) == ("done", 2) and "lease expired (owner A" in (r.last_error or "")
+    ) or r.status == "done"
+
+
+def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine: Engine) -> None:
+    seed_jobs(engine, 1, max_attempts=1)
+    with engine.begin() as conn:
+        eng.claim(conn, JOBS, owner="crashed", batch=1, queue="default")
+    time.sleep(0.2)
+    w = worker(engine, {"noop": lambda j: None}, stale_after=0.1)
+    assert w.run_once() == 0
+    r = row(engine, "jobs", 1)
+    assert r.status == "failed" and r.finished_at is not None
+    assert "lease expired (owner crashed, lease_version 1) after max attempts" in r.last_error
+
+
+def test_heartbeat_keeps_a_long_job_from_being_reaped(engine: Engine) -> None:
+    seed_jobs(engine, 1, task="slow")
+    other = worker(engine, {}, stale_after=0.4)
+
+    def slow(job: ClaimedJob) -> None:
+        for _ in range(6):  # 1.2 s, three times stale_after
+            time.sleep(0.2)
+            other.run_once()  # another worker's reaper runs meanwhile
+
+    w = worker(engine, {"slow": slow}, stale_after=0.4, heartbeat=0.1)
+    assert w.run_once() == 1
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts, r.lease_version) == ("done", 1, 1)
+    assert w.stats.lost_leases == 0
+
+
+def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
+    seed_jobs(engine, 2, task="perm", queue="mail")
+    seed_jobs(engine, 1, task="other")
+
+    def fail(job: ClaimedJob) -> None:
+        raise PermanentError("SMTP Timeout" if job.task == "perm" else "boom")
+
+    drain(worker(engine, {"perm": fail, "other": fail}, queues=("default", "mail")))
+    assert statuses(engine, "jobs") == {"failed": 3}
+    assert retry_dead(engine, Job, error_contains="Timeout", dry_run=True) == [1, 2]
+    assert statuses(engine, "jobs") == {"failed": 3}  # dry run changed nothing
+    assert retry_dead(engine, Job, queue="mail", error_contains="Timeout", batch_size=1) == [1, 2]
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts, r.finished_at) == ("queued", 0, None)
+    assert "requeued by operator" in r.last_error
+    assert retry_dead(engine, Job, ids=[3]) == [3]
+    with pytest.raises(ConfigurationError, match="name the rows to act on"):
+        retry_dead(engine, Job)
+    with pytest.raises(ConfigurationError, match="skip applies to outbox"):
+        skip_dead(engine, Job, all=True)
+
+
+def test_no_key_update_claim_does_not_block_child_fk_inserts(engine: Engine) -> None:
+    """The jobs document: FOR UPDATE blocks INSERTs into a child table (FOR KEY SHARE); NO KEY UPDATE does not."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE IF NOT EXISTS job_logs (id bigserial PRIMARY KEY, job_id bigint REFERENCES jobs (id))"
+            )
+        )
+    try:
+        seed_jobs(engine, 1)
+        timings: dict[str, float] = {}
+        for mode in ("claim", "for_update"):
+            with engine.connect() as holder:
+                holder.begin()
+                if mode == "claim":
+                    eng.claim(holder, JOBS, owner="A", batch=1, queue="default")  # our claim, left open
+                else:
+                    holder.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
+                with engine.connect() as child:
+                    child.execute(text("SET lock_timeout = '1s'"))
+                    started = time.monotonic()
+                    try:
+                        child.execute(text("INSERT INTO job_logs (job_id) VALUES (1)"))
+                        child.commit()
+                    except Exception:
+                        child.rollback()
+                        timings[mode + "_blocked"] = 1
+                    timings[mode] = time.monotonic() - started
+                holder.rollback()
+        assert "claim_blocked" not in timings and timings["claim"] < 0.5, timings
+        assert "for_update_blocked" in timings  # the FOR UPDATE contrast hit lock_timeout
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE job_logs"))
+
+
+def test_concurrency_runs_handlers_in_parallel_threads(engine: Engine) -> None:
+    seed_jobs(engine, 8, task="sleep")
+    w = worker(engine, {"sleep": lambda j: time.sleep(0.3)}, batch=8, concurrency=8)
+    started = time.monotonic()
+    assert w.run_once() == 8
+    elapsed = time.monotonic() - started
+    w.close()
+    assert elapsed < 8 * 0.3 * 0.6  # clearly not serial (2.4 s)
+    assert statuses(engine, "jobs") == {"done": 8}
+
+
+def test_stop_finishes_the_job_in_hand_and_releases_the_rest(engine: Engine) -> None:
+    seed_jobs(engine, 5, task="stopper")
+    holder: list[Worker] = []
+
+    def stopper(job: ClaimedJob) -> None:
+        holder[0].stop()
+
+    w = worker(engine, {"stopper": stopper}, batch=5)
+    holder.append(w)
+    assert w.run_once() == 5
+    assert statuses(engine, "jobs") == {"done": 1, "queued": 4}
+    with engine.connect() as conn:
+        assert set(conn.execute(text("SELECT attempts FROM jobs WHERE status = 'queued'")).scalars()) == {0}
+
+
+def test_multiple_queues_are_claimed_in_the_given_order(engine: Engine) -> None:
+    seed_jobs(engine, 2, queue="low")
+    seed_jobs(engine, 2, queue="high")
+    order: list[str] = []
+    w = worker(engine, {"noop": lambda j: order.append(j.queue)}, queues=("high", "low"), batch=3)
+    assert w.run_once() == 3
+    assert sorted(order) == ["high", "high", "low"]
+
+
+def test_priority_then_run_at_order(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "noop", {"p": 0}, priority=0)
+        enqueue(s, Job, "noop", {"p": 9}, priority=9)
+        enqueue(s, Job, "noop", {"p": 5}, priority=5)
+    seen: list[int] = []
+    drain(worker(engine, {"noop": lambda j: seen.append(j.payload["p"])}, batch=1))
+    assert seen == [9, 5, 0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"queues": "default"}, "queues must be a collection"),
+        ({"queues": ()}, "queues must be non-empty"),
+        ({"batch": -1}, "batch must be an integer >= 1"),
+        ({"stale_after": 0}, "stale_after must be > 0"),
+        ({"stale_after": 1, "heartbeat": 2}, "heartbeat must be shorter than stale_after"),
+        ({"concurrency": 0}, "concurrency must be an integer >= 1"),
+    ],
+)
+def test_invalid_worker_options(engine: Engine, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Worker(engine, Job, {}, **kwargs)
+
+
+def test_worker_refuses_an_outbox_model(engine: Engine) -> None:
+    with pytest.raises(ConfigurationError, match="needs a JobMixin model"):
+        Worker(engine, OutboxEvent, {})
