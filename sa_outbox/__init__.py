@@ -4,28 +4,65 @@ Events and jobs are written in the caller's own transaction (they exist if and o
 delivered by dispatcher/worker processes that claim rows in short transactions with a lease and a fencing
 token (``lease_version``): at least once, never for a rolled-back transaction, in per-aggregate order when
 asked. See README.md for the guarantees in plain words.
+
+Public names are imported lazily (PEP 562), so ``python -m sa_outbox`` can install its signal handlers
+before anything heavy is imported. Importing a mixin registers the producer's flush hook.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .backoff import Backoff
-from .dispatcher import Dispatcher
-from .durations import Duration
-from .errors import (
-    ConfigurationError,
-    Defer,
-    OutboxError,
-    PayloadError,
-    PermanentError,
-    RetryableError,
-    SchemaError,
-)
-from .messages import BatchPublisher, ClaimedJob, Message, Publisher
-from .migration import set_queue_storage_parameters
-from .producer import LOCK_AGGREGATES, channel_for, enqueue, event_for, lock_aggregate
-from .schema import JOB_STATUSES, OUTBOX_STATUSES, JobMixin, OutboxMixin
-from .worker import TaskRegistry, Worker
+
+if TYPE_CHECKING:
+    from .backoff import Backoff
+    from .dispatcher import Dispatcher
+    from .durations import Duration
+    from .errors import (
+        ConfigurationError,
+        Defer,
+        OutboxError,
+        PayloadError,
+        PermanentError,
+        RetryableError,
+        SchemaError,
+    )
+    from .messages import BatchPublisher, ClaimedJob, Message, Publisher
+    from .migration import set_queue_storage_parameters
+    from .producer import LOCK_AGGREGATES, channel_for, enqueue, event_for, lock_aggregate
+    from .schema import JOB_STATUSES, OUTBOX_STATUSES, JobMixin, OutboxMixin
+    from .worker import TaskRegistry, Worker
+
+_EXPORTS: dict[str, str] = {
+    "Backoff": "backoff",
+    "BatchPublisher": "messages",
+    "ClaimedJob": "messages",
+    "ConfigurationError": "errors",
+    "Defer": "errors",
+    "Dispatcher": "dispatcher",
+    "Duration": "durations",
+    "JOB_STATUSES": "schema",
+    "JobMixin": "schema",
+    "LOCK_AGGREGATES": "producer",
+    "Message": "messages",
+    "OUTBOX_STATUSES": "schema",
+    "OutboxError": "errors",
+    "OutboxMixin": "schema",
+    "PayloadError": "errors",
+    "PermanentError": "errors",
+    "Publisher": "messages",
+    "RetryableError": "errors",
+    "SchemaError": "errors",
+    "TaskRegistry": "worker",
+    "Worker": "worker",
+    "channel_for": "producer",
+    "enqueue": "producer",
+    "event_for": "producer",
+    "lock_aggregate": "producer",
+    "set_queue_storage_parameters": "migration",
+}
 
 __all__ = [
     "JOB_STATUSES",
@@ -56,3 +93,16 @@ __all__ = [
     "lock_aggregate",
     "set_queue_storage_parameters",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sa_outbox' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -196,3 +196,8 @@ class JobMixin:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id} {self.queue}/{self.task} status={self.status}>"
+
+
+# The producer's flush hook and the storage-parameter hook are registered whenever the mixins are in use.
+from . import migration as _migration  # noqa: E402,F401
+from . import producer as _producer  # noqa: E402,F401

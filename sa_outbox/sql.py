@@ -64,6 +64,9 @@ class QueueSpec:
     lease_until: Column[Any] | None
     locked_at: Column[Any] | None
     finish_on_dead: bool  # jobs stamp finished_at on failed; the outbox leaves done_at for done rows only
+    clear_error_on_done: (
+        bool  # the outbox clears last_error on done (its document does); jobs keep the history
+    )
     key_share: bool  # FOR NO KEY UPDATE (jobs: child tables may reference jobs) vs FOR UPDATE (outbox)
 
     @property
@@ -134,13 +137,13 @@ def spec_for(model: type[Any]) -> QueueSpec:
         spec = QueueSpec(
             kind="outbox", table=table, ready="pending", active="processing", done="done", dead="dead",
             due=c.available_at, owner=c.lease_owner, finished=c.done_at, lease_until=c.lease_until,
-            locked_at=None, finish_on_dead=False, key_share=False,
+            locked_at=None, finish_on_dead=False, clear_error_on_done=True, key_share=False,
         )  # fmt: skip
     elif isinstance(model, type) and issubclass(model, JobMixin):
         spec = QueueSpec(
             kind="jobs", table=table, ready="queued", active="running", done="done", dead="failed",
             due=c.run_at, owner=c.locked_by, finished=c.finished_at, lease_until=None, locked_at=c.locked_at,
-            finish_on_dead=True, key_share=True,
+            finish_on_dead=True, clear_error_on_done=False, key_share=True,
         )  # fmt: skip
     else:
         raise SchemaError(f"{model.__name__} does not use OutboxMixin or JobMixin")
@@ -298,7 +301,7 @@ def finalize_statement(spec: QueueSpec) -> Update:
     or re-claimed still finalizes: correctness rests on the version, not on the clock.
 
     Outcome columns: new status; delay in seconds from the database's now() for the next attempt (NULL keeps
-    the due time); error text (NULL keeps the previous one; done clears it); refund (1 gives the claim's
+    the due time); error text (NULL keeps the previous one; done clears it on the outbox); refund (1 gives the claim's
     attempt back: Defer and release).
     """
     t, c = spec.table, spec.c
@@ -314,7 +317,7 @@ def finalize_statement(spec: QueueSpec) -> Update:
         ),
         "attempts": c.attempts - o.c.refund,
         "last_error": case(
-            (o.c.status == spec.done, None),
+            (o.c.status == spec.done, None if spec.clear_error_on_done else c.last_error),
             else_=func.coalesce(func.left(o.c.error, LAST_ERROR_MAX), c.last_error),
         ),
         spec.finished.name: case(*finished_when, else_=None),

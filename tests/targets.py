@@ -1,0 +1,55 @@
+"""Dispatcher/Worker factories used by the CLI tests (configured through environment variables)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from sqlalchemy import create_engine, text
+
+from sa_outbox import ClaimedJob, Dispatcher, Message, Worker
+from sa_outbox.models import Job, OutboxEvent
+
+
+class TablePublisher:
+    """Records each publish in a table, optionally slowly (a stand-in broker with a real side effect)."""
+
+    def __init__(self, url: str, delay: float) -> None:
+        self.engine = create_engine(url, pool_size=1)
+        self.delay = delay
+
+    def publish(self, message: Message) -> None:
+        time.sleep(self.delay)
+        with self.engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO deliveries (message_id, pid) VALUES (:m, :p)"),
+                {"m": message.id, "p": os.getpid()},
+            )
+
+
+def dispatcher() -> Dispatcher:
+    url = os.environ["DATABASE_URL"]
+    delay = float(os.environ.get("PUBLISH_DELAY", "0"))
+    return Dispatcher(
+        create_engine(url), OutboxEvent, TablePublisher(url, delay), batch=int(os.environ.get("BATCH", "10")),
+        lease=30, publish_timeout=5, poll_interval=0.2,
+    )  # fmt: skip
+
+
+def worker() -> Worker:
+    url = os.environ["DATABASE_URL"]
+    engine = create_engine(url)
+    delay = float(os.environ.get("JOB_DELAY", "0"))
+
+    def record(job: ClaimedJob) -> None:
+        time.sleep(delay)
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO job_calls (job_id, pid) VALUES (:j, :p)"), {"j": job.id, "p": os.getpid()}
+            )
+
+    return Worker(engine, Job, {"record": record}, batch=int(os.environ.get("BATCH", "10")), poll_interval=0.2,
+                  stale_after=float(os.environ.get("STALE_AFTER", "60")))  # fmt: skip
+
+
+not_a_loop = 42

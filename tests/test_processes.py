@@ -1,0 +1,209 @@
+"""Real processes: CLI targets, graceful SIGTERM, database backends killed mid-run, kill -9, many workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL
+
+from sa_outbox import engine as eng
+
+from .conftest import ROOT
+from .helpers import JOBS, seed_events, seed_jobs, statuses
+
+
+@pytest.fixture
+def side_tables(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE IF NOT EXISTS deliveries (message_id bigint, pid int, at timestamptz DEFAULT clock_timestamp())"
+            )
+        )
+        conn.execute(text("CREATE TABLE IF NOT EXISTS job_calls (job_id bigint, pid int)"))
+        conn.execute(text("TRUNCATE deliveries, job_calls"))
+    yield engine
+
+
+def spawn(kind: str, url: URL, *args: str, **env: str) -> subprocess.Popen[str]:
+    full_env = dict(os.environ, DATABASE_URL=url.render_as_string(hide_password=False), **env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sa_outbox", kind, f"tests.targets:{kind if kind == 'worker' else 'dispatcher'}", *args],
+        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def scalar(engine: Engine, sql: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(text(sql)).scalar_one()
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 30.0) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def test_sigterm_mid_batch_exits_zero_with_every_claimed_message_finalized(
+    side_tables: Engine, db_url: URL
+) -> None:
+    engine = side_tables
+    seed_events(engine, 40)
+    proc = spawn("dispatch", db_url, PUBLISH_DELAY="0.05", BATCH="10")
+    wait_for(lambda: scalar(engine, "SELECT count(*) FROM deliveries") >= 3)
+    code, out = stop(proc)
+    assert code == 0, out
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'processing'") == 0
+    # Every delivered message is recorded done; nothing done was left undelivered.
+    assert (
+        scalar(
+            engine,
+            "SELECT count(*) FROM deliveries d JOIN outbox o ON o.id = d.message_id WHERE o.status <> 'done'",
+        )
+        == 0
+    )
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'done'") == scalar(
+        engine, "SELECT count(*) FROM deliveries"
+    )
+    assert scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'pending' AND attempts <> 0") == 0
+    assert (
+        scalar(engine, "SELECT count(*) FROM outbox WHERE status = 'pending'") > 0
+    )  # it really stopped mid-way
+
+
+def test_sigterm_right_after_start_up_exits_zero(side_tables: Engine, db_url: URL) -> None:
+    proc = spawn("dispatch", db_url)
+    time.sleep(0.15)  # during imports / target loading
+    code, out = stop(proc)
+    assert code == 0, out
+
+
+def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
+    side_tables: Engine, db_url: URL
+) -> None:
+    engine = side_tables
+    proc = spawn("dispatch", db_url, BATCH="5", PUBLISH_DELAY="0.002")
+    try:
+        for round_ in range(4):
+            seed_events(engine, 50, start=round_ * 50)
+            time.sleep(0.2)
+            with engine.connect() as conn:
+                killed = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                        "AND backend_type = 'client backend' AND application_name <> 'pytest-admin'"
+                    )
+                ).scalar_one()
+                conn.commit()
+            assert killed >= 0
+        wait_for(lambda: statuses(engine) == {"done": 200}, timeout=60)
+        assert proc.poll() is None  # still running
+        assert scalar(engine, "SELECT count(DISTINCT message_id) FROM deliveries") == 200
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert "database" in out.lower()  # it logged the outage it rode out
+
+
+def test_four_worker_processes_handle_5000_jobs_exactly_once(side_tables: Engine, db_url: URL) -> None:
+    engine = side_tables
+    seed_jobs(engine, 5000, task="record")
+    proc = spawn("worker", db_url, "--processes", "4", BATCH="20")
+    try:
+        wait_for(lambda: statuses(engine, "jobs") == {"done": 5000}, timeout=120, every=0.2)
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert scalar(engine, "SELECT count(*) FROM job_calls") == 5000
+    assert (
+        scalar(
+            engine,
+            "SELECT count(*) FROM (SELECT job_id FROM job_calls GROUP BY job_id HAVING count(*) > 1) d",
+        )
+        == 0
+    )
+    assert scalar(engine, "SELECT count(DISTINCT pid) FROM job_calls") >= 2
+
+
+def _naive_worker(url: str, rounds: int) -> None:  # pragma: no cover - child process
+    """The jobs document's lock-free claim: SELECT the first queued id, then UPDATE it (two statements)."""
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        for _ in range(rounds):
+            job_id = conn.execute(
+                text("SELECT id FROM jobs WHERE status = 'queued' ORDER BY id LIMIT 1")
+            ).scalar()
+            if job_id is None:
+                return
+            conn.execute(text("UPDATE jobs SET status = 'running' WHERE id = :i"), {"i": job_id})
+            conn.execute(
+                text("INSERT INTO job_calls (job_id, pid) VALUES (:i, :p)"), {"i": job_id, "p": os.getpid()}
+            )
+
+
+def test_the_duplicate_check_can_fail_a_naive_claim_without_locks_duplicates(
+    side_tables: Engine, db_url: URL
+) -> None:
+    engine = side_tables
+    seed_jobs(engine, 500, task="record")
+    ctx = multiprocessing.get_context("spawn")
+    url = db_url.render_as_string(hide_password=False)
+    procs = [ctx.Process(target=_naive_worker, args=(url, 1000)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    dups = scalar(
+        engine, "SELECT count(*) FROM (SELECT job_id FROM job_calls GROUP BY job_id HAVING count(*) > 1) d"
+    )
+    assert dups > 0
+
+
+def test_kill_9_worker_job_is_reaped_and_completed_and_old_token_is_fenced(
+    side_tables: Engine, db_url: URL
+) -> None:
+    engine = side_tables
+    seed_jobs(engine, 1, task="record")
+    proc = spawn("worker", db_url, JOB_DELAY="60", STALE_AFTER="1")
+    wait_for(lambda: statuses(engine, "jobs") == {"running": 1})
+    with engine.connect() as conn:
+        old = conn.execute(text("SELECT id, lease_version FROM jobs")).one()
+    proc.kill()
+    proc.communicate(timeout=10)
+    time.sleep(1.2)
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    calls: list[int] = []
+    w = Worker(engine, Job, {"record": lambda j: calls.append(j.id)}, stale_after=1, listen=False)
+    w.run_once()  # reaps the stale job
+    w.run_once()  # and runs it
+    assert calls == [old.id]
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT status, attempts, lease_version, last_error FROM jobs")).one()
+    assert (now.status, now.attempts, now.lease_version) == ("done", 2, old.lease_version + 1)
+    assert "lease expired (owner worker:" in now.last_error  # the reaper's note stays on the done job
+    with engine.begin() as conn:
+        assert (
+            eng.finalize(conn, JOBS, [eng.Outcome(old.id, old.lease_version, "failed", error="zombie")])
+            == set()
+        )

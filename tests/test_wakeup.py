@@ -1,0 +1,94 @@
+"""Idle loops wake on NOTIFY within milliseconds; with notifications lost, polling still finds the work."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import ClaimedJob, Dispatcher, Message, Worker, enqueue
+from sa_outbox.models import Job, OutboxEvent
+
+
+class Stamp:
+    """Records when each message/job was handled."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+        self.event = threading.Event()
+
+    def publish(self, message: Message) -> None:
+        self.seen[message.id] = time.perf_counter()
+        self.event.set()
+
+    def handle(self, job: ClaimedJob) -> None:
+        self.seen[job.id] = time.perf_counter()
+        self.event.set()
+
+
+def _latencies(loop: Any, stamp: Stamp, produce: Callable[[], int], rounds: int) -> list[float]:
+    thread = threading.Thread(target=loop.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        time.sleep(0.3)  # let it go idle (first empty claim, then waiting on LISTEN)
+        out = []
+        for _ in range(rounds):
+            stamp.event.clear()
+            committed = time.perf_counter()
+            ident = produce()
+            assert stamp.event.wait(10), "never picked up"
+            out.append(stamp.seen[ident] - committed)
+            time.sleep(0.05)
+        return out
+    finally:
+        loop.stop()
+        thread.join(10)
+
+
+def _add_event(engine: Engine) -> int:
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        ev = OutboxEvent(aggregate_type="order", aggregate_id="1", event_type="E", payload={})
+        s.add(ev)
+    return ev.id
+
+
+def _add_job(engine: Engine) -> int:
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        job = enqueue(s, Job, "t", {})
+    return job.id
+
+
+def test_idle_dispatcher_wakes_on_notify_well_under_the_poll_interval(engine: Engine) -> None:
+    stamp = Stamp()
+    d = Dispatcher(engine, OutboxEvent, stamp, poll_interval=10, listen=True)
+    lat = _latencies(d, stamp, lambda: _add_event(engine), rounds=10)
+    print(
+        f"dispatcher wake-up latency: median {statistics.median(lat) * 1000:.1f} ms, max {max(lat) * 1000:.1f} ms"
+    )
+    assert statistics.median(lat) < 1.0  # generous; the poll interval is 10 s
+    assert d.stats.wakeups >= 5
+
+
+def test_idle_worker_wakes_on_notify_well_under_the_poll_interval(engine: Engine) -> None:
+    stamp = Stamp()
+    w = Worker(engine, Job, {"t": stamp.handle}, poll_interval=10, listen=True)
+    lat = _latencies(w, stamp, lambda: _add_job(engine), rounds=10)
+    print(
+        f"worker wake-up latency: median {statistics.median(lat) * 1000:.1f} ms, max {max(lat) * 1000:.1f} ms"
+    )
+    assert statistics.median(lat) < 1.0
+
+
+def test_with_notifications_lost_polling_still_picks_work_up(engine: Engine) -> None:
+    stamp = Stamp()
+    w = Worker(
+        engine, Job, {"t": stamp.handle}, poll_interval=0.3, listen=False
+    )  # no LISTEN: every NOTIFY is lost
+    lat = _latencies(w, stamp, lambda: _add_job(engine), rounds=3)
+    assert max(lat) < 5.0
+    assert w.stats.wakeups == 0
