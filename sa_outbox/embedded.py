@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from .errors import ConfigurationError
 
-__all__ = ["database_url", "embedded_server_url"]
+__all__ = ["database_url", "embedded_server_url", "normalize_url"]
 
 
 @contextmanager
@@ -40,14 +40,19 @@ def embedded_server_url() -> Iterator[str]:
         server.cleanup()
 
 
+def normalize_url(url: str) -> str:
+    """Plain ``postgresql://`` URLs get the psycopg 3 driver (SQLAlchemy would pick psycopg2)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
 @contextmanager
 def database_url(url: str | None = None) -> Iterator[str]:
     """``url``, else ``$DATABASE_URL``, else a throwaway embedded server for the duration of the block."""
     url = url or os.environ.get("DATABASE_URL")
     if url:
-        if url.startswith(("postgresql://", "postgres://")):
-            url = "postgresql+psycopg://" + url.split("://", 1)[1]
-        yield url
+        yield normalize_url(url)
         return
     with embedded_server_url() as embedded:
         yield embedded

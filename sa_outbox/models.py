@@ -6,6 +6,8 @@ classes with the mixins on their own ``Base`` (see README).
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
@@ -24,3 +26,31 @@ class OutboxEvent(OutboxMixin, Base):
 
 class Job(JobMixin, Base):
     __tablename__ = "jobs"
+
+
+_DYNAMIC: dict[tuple[str, str, str | None], type[Any]] = {}
+
+
+class _DynamicBase(DeclarativeBase):
+    metadata = MetaData()
+
+
+def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
+    """A mapped class for an existing outbox/jobs table known only by name (the CLI's ``--outbox-table``).
+
+    The reference models are returned for the default names; other names get a class of their own on a
+    private metadata (cached), never touching the application's metadata.
+    """
+    if schema is None and (kind, table) == ("outbox", OutboxEvent.__tablename__):
+        return OutboxEvent
+    if schema is None and (kind, table) == ("jobs", Job.__tablename__):
+        return Job
+    key = (kind, table, schema)
+    if key not in _DYNAMIC:
+        mixin: type[Any] = OutboxMixin if kind == "outbox" else JobMixin
+        attrs: dict[str, Any] = {"__tablename__": table}
+        if schema:
+            attrs["__table_args__"] = {"schema": schema}
+        name = "".join(part.capitalize() for part in f"{kind}_{table}".split("_") if part)
+        _DYNAMIC[key] = type(name, (mixin, _DynamicBase), attrs)
+    return _DYNAMIC[key]

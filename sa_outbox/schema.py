@@ -191,6 +191,8 @@ class JobMixin:
             # The reaper: running jobs by claim/heartbeat time.
             Index(conv(f"ix_{t}_running"), "locked_at", postgresql_where=text("status = 'running'")),
             Index(conv(f"ix_{t}_finished"), "finished_at", postgresql_where=text("status = 'done'")),
+            # Dead letters: `dead list`, `status` and `check` count them without reading done rows.
+            Index(conv(f"ix_{t}_failed"), "id", postgresql_where=text("status = 'failed'")),
             {"info": {"sa_outbox_kind": "jobs"}},
         )
 

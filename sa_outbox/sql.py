@@ -397,3 +397,29 @@ def skip_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Updat
         ),
     }
     return update(spec.table).where(c.id.in_(picked)).values(values).returning(c.id)
+
+
+# --- retention ------------------------------------------------------------------------------------------
+
+
+def purge_selection(spec: QueueSpec) -> Select[Any]:
+    c = spec.c
+    return select(c.id).where(
+        c.status == const(spec.done), spec.finished < func.now() - bindparam("older_than", type_=Interval)
+    )
+
+
+@cache
+def purge_statement(spec: QueueSpec) -> Any:
+    """Delete up to ``:batch`` done rows older than ``:older_than`` (read through the done partial index)."""
+    from sqlalchemy import delete
+
+    c = spec.c
+    picked = (
+        purge_selection(spec)
+        .order_by(spec.finished)
+        .limit(bindparam("batch", type_=Integer))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return delete(spec.table).where(c.id.in_(picked))

@@ -62,6 +62,9 @@ def upgrade() -> None:
         postgresql_where=sa.text("status = 'done'"),
     )
     op.create_index(
+        op.f("ix_jobs_failed"), "jobs", ["id"], unique=False, postgresql_where=sa.text("status = 'failed'")
+    )
+    op.create_index(
         op.f("ix_jobs_running"),
         "jobs",
         ["locked_at"],
@@ -140,6 +143,7 @@ def downgrade() -> None:
     )
     op.drop_table("outbox")
     op.drop_index(op.f("ix_jobs_running"), table_name="jobs", postgresql_where=sa.text("status = 'running'"))
+    op.drop_index(op.f("ix_jobs_failed"), table_name="jobs", postgresql_where=sa.text("status = 'failed'"))
     op.drop_index(op.f("ix_jobs_finished"), table_name="jobs", postgresql_where=sa.text("status = 'done'"))
     op.drop_index(op.f("ix_jobs_dequeue"), table_name="jobs", postgresql_where=sa.text("status = 'queued'"))
     op.drop_table("jobs")

@@ -1,0 +1,205 @@
+"""Operating it: status/check/dead/purge report and change exactly what they say."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, event, text
+from sqlalchemy.engine import URL
+
+from sa_outbox.cli import main
+from sa_outbox.models import Job, OutboxEvent
+from sa_outbox.monitoring import purge, queue_status
+
+from .helpers import ids_with_status, row, seed_events, seed_jobs, statuses
+
+
+def cli(capsys: pytest.CaptureFixture[str], url: URL, *argv: str) -> tuple[int, str]:
+    code = main([*argv, "--url", url.render_as_string(hide_password=False)])
+    return code, capsys.readouterr().out
+
+
+def _seed_known_state(engine: Engine) -> None:
+    seed_events(engine, 10)  # ids 1..10
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET created_at = now() - interval '100 seconds' WHERE id = 1"))
+        conn.execute(text("UPDATE outbox SET attempts = 2 WHERE id = 2"))
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'processing', attempts = 1, lease_version = 1, lease_owner = 'w', "
+                "lease_until = now() + interval '1 minute' WHERE id = 4"
+            )
+        )
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'processing', attempts = 3, lease_version = 3, lease_owner = 'w', "
+                "lease_until = now() - interval '1 minute' WHERE id = 5"
+            )
+        )
+        conn.execute(
+            text("UPDATE outbox SET status = 'dead', attempts = 12, last_error = 'boom' WHERE id = 6")
+        )
+        conn.execute(text("UPDATE outbox SET status = 'done', done_at = now() WHERE id > 6"))
+
+
+def test_status_json_reports_exact_figures(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _seed_known_state(engine)
+    code, out = cli(capsys, db_url, "status", "--json")
+    assert code == 0
+    report = json.loads(out)["outbox"]
+    assert report["counts"] == {"pending": 3, "processing": 2, "dead": 1, "done": 4}
+    assert report["done_is_estimate"] is False
+    assert 100 <= report["oldest_pending_age"] < 110  # the most important number, in seconds
+    assert report["expired_leases"] == 1
+    assert report["attempts"] == {"0": 2, "1": 1, "2": 1, "3": 1}
+    assert report["dead"] == 1
+    assert any("1 expired lease" in w for w in report["warnings"])
+    assert json.loads(out)["jobs"]["counts"] == {"queued": 0, "running": 0, "failed": 0, "done": 0}
+
+
+def test_status_human_output_names_the_numbers(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _seed_known_state(engine)
+    code, out = cli(capsys, db_url, "status")
+    assert code == 0
+    assert "pending 3   processing 2   dead 1   done 4" in out
+    assert "expired leases" in out and "oldest unfinished age" in out
+
+
+def test_status_warns_about_a_transaction_holding_back_the_xmin_horizon(engine: Engine) -> None:
+    seed_events(engine, 1)
+    with engine.connect() as holder:
+        holder.execute(text("SET application_name = 'long-report'"))
+        holder.commit()
+        holder.execution_options(isolation_level="REPEATABLE READ")
+        holder.begin()
+        holder.execute(text("SELECT count(*) FROM outbox"))  # takes the snapshot
+        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        time.sleep(1.2)
+        report = queue_status(engine, OutboxEvent, long_transaction=1.0)
+        holder.rollback()
+    assert any(h.pid == pid and h.name == "long-report" for h in report.horizon)
+    assert any(f"pid {pid}" in w and "xmin horizon" in w for w in report.warnings)
+    after = queue_status(engine, OutboxEvent, long_transaction=1.0)
+    assert not any(h.pid == pid for h in after.horizon)
+
+
+def test_check_exits_zero_and_non_zero_at_the_thresholds(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _seed_known_state(engine)
+    assert cli(capsys, db_url, "check", "--max-dead", "1", "--max-expired-leases", "1")[0] == 0
+    code, out = cli(capsys, db_url, "check", "--max-dead", "0")
+    assert code == 1 and out.strip() == "FAIL: outbox: 1 dead/failed > 0"
+    code, out = cli(capsys, db_url, "check", "--max-oldest-pending-age", "1m")
+    assert code == 1 and "oldest pending age" in out and "> 60s" in out
+    assert cli(capsys, db_url, "check", "--max-oldest-pending-age", "5m")[0] == 0
+    code, out = cli(capsys, db_url, "check", "--max-expired-leases", "0", "--json")
+    assert code == 1 and json.loads(out)["problems"] == ["outbox: 1 expired leases > 0"]
+
+
+def test_dead_retry_and_skip_change_exactly_the_selected_rows(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_events(engine, 5, aggregate="X", event_type="A")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'dead', attempts = 12, last_error = 'Timeout talking to broker' WHERE id IN (1, 2)"
+            )
+        )
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'dead', attempts = 1, last_error = '422 invalid', event_type = 'B' WHERE id = 3"
+            )
+        )
+    code, out = cli(capsys, db_url, "dead", "list", "--json")
+    assert code == 0 and [r["id"] for r in json.loads(out)] == [1, 2, 3]
+    code, out = cli(capsys, db_url, "dead", "retry", "--error", "Timeout", "--dry-run", "--json")
+    assert json.loads(out) == {"dry_run": True, "requeued": [1, 2]}
+    assert ids_with_status(engine, "dead") == [1, 2, 3]  # dry run changed nothing
+    code, out = cli(capsys, db_url, "dead", "retry", "--error", "Timeout", "--json")
+    assert json.loads(out)["requeued"] == [1, 2]
+    assert (row(engine, "outbox", 1).status, row(engine, "outbox", 1).attempts) == ("pending", 0)
+    code, out = cli(capsys, db_url, "dead", "skip", "3", "--json")
+    assert json.loads(out)["skipped"] == [3]
+    assert row(engine, "outbox", 3).status == "done"
+    assert "skipped by operator" in row(engine, "outbox", 3).last_error
+    assert statuses(engine) == {"pending": 4, "done": 1}
+    code, out = cli(capsys, db_url, "dead", "show", "3")
+    assert code == 2  # not dead any more: a clear error
+
+
+def test_dead_retry_needs_a_selection(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["dead", "retry", "--url", db_url.render_as_string(hide_password=False)])
+    assert code == 2
+    assert "name the rows to act on" in capsys.readouterr().err
+
+
+def test_failed_jobs_through_the_cli(engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]) -> None:
+    seed_jobs(engine, 2, task="mail", queue="q1")
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE jobs SET status = 'failed', attempts = 3, last_error = 'smtp' WHERE id = 1")
+        )
+    code, out = cli(capsys, db_url, "dead", "retry", "--jobs", "--task", "mail", "--json")
+    assert code == 0 and json.loads(out)["requeued"] == [1]
+    assert statuses(engine, "jobs") == {"queued": 2}
+
+
+def test_purge_deletes_done_rows_in_bounded_batches_and_leaves_the_rest(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
+                "SELECT 'o', g::text, 'E', '{}', 'done', now() - interval '8 days' FROM generate_series(1, 200000) g"
+            )
+        )
+    seed_events(engine, 5)  # pending: never touched
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox SET status = 'done', done_at = now() WHERE id = 200001")
+        )  # recent done
+    assert purge(engine, OutboxEvent, older_than=7 * 86400, dry_run=True) == 200000
+    deletes: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("DELETE"):
+            deletes.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        assert purge(engine, OutboxEvent, older_than=7 * 86400, batch_size=10_000) == 200000
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert len(deletes) == 21  # 20 full batches and the one that found nothing left
+    assert statuses(engine) == {"pending": 4, "done": 1}
+    assert purge(engine, Job, older_than=0) == 0
+
+
+def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], db_url: URL) -> None:
+    assert main(["status", "--url", "", "--json"]) == 2
+    assert "no database URL" in capsys.readouterr().err
+    code = main(
+        [
+            "status",
+            "--url",
+            db_url.render_as_string(hide_password=False),
+            "--outbox-table",
+            "nope",
+            "--jobs-table",
+            "nope2",
+        ]
+    )
+    assert code == 2 and "run the migration" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["purge", "--older-than", "soon"])
+    assert info.value.code == 2 and "invalid duration 'soon'" in capsys.readouterr().err
