@@ -321,6 +321,12 @@ def _cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(args.url) else 1
+
+
 def _duration(text_: str) -> Any:
     from .durations import parse_duration
 
@@ -351,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("target", metavar="TARGET", help=f"module:attribute naming a {what} or a factory")
         p.add_argument("--processes", type=int, default=1, help="run N copies in separate processes")
         p.set_defaults(handler=_cmd_loop)
+
+    p = sub.add_parser("demo", help="run a small order service end to end and print a verdict")
+    p.add_argument(
+        "--url", default=os.environ.get("DATABASE_URL"), help="default: $DATABASE_URL, else embedded"
+    )
+    p.set_defaults(handler=_cmd_demo)
 
     p = sub.add_parser(
         "status", help="depth, oldest age, expired leases, attempts, dead letters, table health"

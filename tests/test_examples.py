@@ -26,8 +26,8 @@ def _run(example: str, url: URL, timeout: float = 120) -> subprocess.CompletedPr
 def test_quickstart_example(db_url: URL) -> None:
     result = _run("quickstart.py", db_url)
     assert result.returncode == 0, result.stderr
-    assert "outbox #1: order/1 OrderPaid" in result.stdout
-    assert "job #1: mail/send_receipt -> queued" in result.stdout
+    assert "published #1: order/1 OrderPaid" in result.stdout
+    assert "job #1 send_receipt ran with {'order': 1}" in result.stdout
 
 
 def test_examples_are_all_tested() -> None:
