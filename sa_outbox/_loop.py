@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -99,21 +100,46 @@ class LoopBase:
         self._waker = Waker(listen_url or engine.url, channels) if listen else Waker(None, channels)
         self._rescue_every = 1.0
         self._last_rescue = 0.0
+        self._conn: Connection | None = None
+        self._running = False
 
     # -- database access -------------------------------------------------------------------------------
 
     @contextmanager
-    def _transaction(self) -> Iterator[Connection]:
+    def _connection(self) -> Iterator[Connection]:
+        """The loop's own connection, in autocommit: each engine step (rescue, claim, finalize) is one
+        statement, atomic by itself, committed as it runs — one round trip, no BEGIN/COMMIT. Kept open
+        between batches (no pool checkout per step); dropped after a connection fault and reopened on the
+        next use. Only the loop's thread uses it."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            self._conn = conn
         try:
-            with self.engine.begin() as conn:
-                yield conn
+            yield conn
         except ProgrammingError as exc:
+            self._drop_connection()
             if "does not exist" in str(exc.orig):
                 raise SchemaError(
                     f"table {self.spec.table.name!r} is missing or incomplete ({exc.orig}); "
                     "run the migration (alembic upgrade head) first"
                 ) from exc
             raise
+        except BaseException:
+            self._drop_connection()
+            raise
+
+    @contextmanager
+    def _side_connection(self) -> Iterator[Connection]:
+        """A pooled autocommit connection for helper threads (heartbeats)."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            yield conn
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
 
     def _retrying(self, window: float) -> Retrying:
         """Capped exponential backoff with jitter for connection faults (never a hot loop)."""
@@ -142,7 +168,11 @@ class LoopBase:
     def run_once(self) -> int:
         """One rescue step plus one claimed batch, handled and finalized; returns how many rows it claimed."""
         self._last_rescue = time.monotonic()
-        return self._step(rescue=True)
+        try:
+            return self._step(rescue=True)
+        finally:
+            if not self._running:
+                self._drop_connection()  # back to the pool; run() keeps its connection between batches
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish: no new claims; the batch in hand is finished and finalized."""
@@ -152,10 +182,18 @@ class LoopBase:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def run(self, *, install_signal_handlers: bool = True, max_batches: int | None = None) -> None:
-        """Loop until :meth:`stop`, SIGTERM or SIGINT. Database connection faults are logged and retried with
-        capped exponential backoff; the loop never spins hot on an empty queue or a dead server."""
+    def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        max_batches: int | None = None,
+        until_idle: bool = False,
+    ) -> None:
+        """Loop until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until a claim comes back empty).
+        Expired leases are rescued at most once a second. Database connection faults are logged and retried
+        with capped exponential backoff; the loop never spins hot on an empty queue or a dead server."""
         restore = self._install_signals() if install_signal_handlers else None
+        self._running = True
         failures = 0
         batches = 0
         self._log.info("started", extra={"owner": self.owner, "table": self.spec.table.name})
@@ -183,10 +221,14 @@ class LoopBase:
                 batches += 1
                 if max_batches is not None and batches >= max_batches:
                     break
+                if claimed == 0 and until_idle:
+                    break
                 if claimed == 0 and self._waker.wait(self.poll_interval, self._stop):
                     self.stats.wakeups += 1
         finally:
+            self._running = False
             self._waker.close()
+            self._drop_connection()
             if restore:
                 restore()
             self._log.info("stopped", extra={"owner": self.owner, **self.stats.as_dict()})
@@ -209,3 +251,4 @@ class LoopBase:
 
     def close(self) -> None:
         self._waker.close()
+        self._drop_connection()

@@ -114,7 +114,7 @@ class Dispatcher(LoopBase):
     # -- one batch -------------------------------------------------------------------------------------
 
     def _claim(self, *, rescue: bool) -> list[Message]:
-        with self._transaction() as conn:
+        with self._connection() as conn:
             if rescue:
                 self.stats.rescued += len(
                     eng.rescue(conn, self.spec, max_attempts=self.max_attempts, limit=self.rescue_limit)
@@ -227,5 +227,5 @@ class Dispatcher(LoopBase):
                 log.info("outbox %s released: %s", o.id, o.error, extra=extra)
 
     def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
-        with self._transaction() as conn:
+        with self._connection() as conn:
             return eng.finalize(conn, self.spec, outcomes)

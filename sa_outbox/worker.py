@@ -98,7 +98,7 @@ class _Heartbeat:
             if not pairs:
                 continue
             try:
-                with self.worker._transaction() as conn:
+                with self.worker._side_connection() as conn:
                     renewed = eng.extend(conn, self.worker.spec, pairs)
                 for job_id, version in pairs:
                     if job_id not in renewed:
@@ -181,7 +181,7 @@ class Worker(LoopBase):
 
     def _claim(self, *, rescue: bool) -> list[ClaimedJob]:
         rows: list[Any] = []
-        with self._transaction() as conn:
+        with self._connection() as conn:
             if rescue:
                 self.stats.rescued += len(
                     eng.rescue(conn, self.spec, stale_after=self.stale_after, limit=self.rescue_limit)
@@ -278,7 +278,7 @@ class Worker(LoopBase):
                 log.info("job %s released: %s", o.id, o.error, extra=extra)
 
     def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
-        with self._transaction() as conn:
+        with self._connection() as conn:
             return eng.finalize(conn, self.spec, outcomes)
 
     def close(self) -> None:
