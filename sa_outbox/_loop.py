@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+from . import engine as eng
 from .durations import Duration, to_seconds
 from .errors import ConfigurationError, SchemaError
 from .sql import QueueSpec, spec_for
@@ -102,6 +103,9 @@ class LoopBase:
         self._last_rescue = 0.0
         self._conn: Connection | None = None
         self._running = False
+        # Outcomes of the last batch, finalized together with the next claim (one round trip) while run()
+        # loops; flushed on their own when the loop stops, goes idle or run_once() returns.
+        self._pending: list[eng.Outcome] = []
 
     # -- database access -------------------------------------------------------------------------------
 
@@ -159,6 +163,99 @@ class LoopBase:
             with attempt:
                 return fn()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- claim and finalize, shared by both loops -------------------------------------------------------
+
+    def _claim_params(self) -> list[dict[str, Any]]:
+        """Keyword arguments of one claim call each (the worker makes one per queue)."""
+        raise NotImplementedError
+
+    def _rescue_params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _claim_rows(self, *, rescue: bool) -> list[Any]:
+        """Rescue (when due), then claim up to ``batch`` rows — finalizing the pending outcomes of the previous
+        batch in the same statement when there are any."""
+        rows: list[Any] = []
+        with self._connection() as conn:
+            if rescue:
+                self.stats.rescued += len(eng.rescue(conn, self.spec, **self._rescue_params()))
+            for params in self._claim_params():
+                want = self.batch - len(rows)
+                if want <= 0:
+                    break
+                if self._pending:
+                    pending = self._pending
+                    applied, got = eng.finalize_and_claim(
+                        conn, self.spec, pending, owner=self.owner, batch=want, **params
+                    )
+                    self._pending = []
+                    self._report(pending, applied)
+                else:
+                    got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
+                rows += got
+        if self._pending:  # nothing to claim with (no claim parameters): finalize on its own
+            self._flush_pending()
+        return rows
+
+    def _settle(self, outcomes: list[eng.Outcome]) -> None:
+        """Record a batch's outcomes: with the next claim while run() loops on, right now otherwise."""
+        if self._running and not self._stop.is_set():
+            self._pending = outcomes
+        else:
+            self._finalize(outcomes)
+
+    def _flush_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self._finalize(pending)
+
+    def _finalize(self, outcomes: list[eng.Outcome]) -> None:
+        """Finalize now, retrying connection faults for up to the lease (after that the fence would refuse)."""
+
+        def attempt() -> set[int]:
+            with self._connection() as conn:
+                return eng.finalize(conn, self.spec, outcomes)
+
+        self._report(outcomes, self._with_retries(self._finalize_window(), attempt))
+
+    def _finalize_window(self) -> float:
+        raise NotImplementedError
+
+    def _report(self, outcomes: list[eng.Outcome], applied: set[int]) -> None:
+        """Count and log each outcome (one line per state change); unapplied ones are lost leases."""
+        debug = self._log.isEnabledFor(logging.DEBUG)
+        kind = self.spec.kind
+        for o in outcomes:
+            if o.kind == "done" and o.id in applied:
+                self.stats.done += 1
+                if debug:
+                    self._log.debug(
+                        "%s %s done", kind, o.id, extra={"row_id": o.id, "lease_version": o.lease_version}
+                    )
+                continue
+            extra = {"table": self.spec.table.name, "row_id": o.id, "lease_version": o.lease_version,
+                     "status": o.status, "outcome": o.kind}  # fmt: skip
+            if o.id not in applied:
+                self.stats.lost_leases += 1
+                self._log.warning(
+                    "lost lease: %s %s version %s was rescued or re-claimed; its %s was not recorded",
+                    kind, o.id, o.lease_version, o.kind, extra=extra,
+                )  # fmt: skip
+            elif o.kind == "retry":
+                self.stats.retried += 1
+                self._log.info(
+                    "%s %s -> %s, retry in %.2fs: %s", kind, o.id, o.status, o.delay, o.error, extra=extra
+                )
+            elif o.kind == "defer":
+                self.stats.deferred += 1
+                self._log.info("%s %s deferred %.2fs: %s", kind, o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "dead":
+                self.stats.dead += 1
+                self._log.error("%s %s -> %s: %s", kind, o.id, o.status, o.error, extra=extra)
+            else:
+                self.stats.released += 1
+                self._log.info("%s %s released: %s", kind, o.id, o.error, extra=extra)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -227,6 +324,12 @@ class LoopBase:
                     self.stats.wakeups += 1
         finally:
             self._running = False
+            try:
+                self._flush_pending()
+            except Exception:
+                self._log.exception(
+                    "could not finalize the last batch; its leases will expire and be rescued"
+                )
             self._waker.close()
             self._drop_connection()
             if restore:

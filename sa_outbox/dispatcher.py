@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import Engine
@@ -113,29 +113,27 @@ class Dispatcher(LoopBase):
 
     # -- one batch -------------------------------------------------------------------------------------
 
-    def _claim(self, *, rescue: bool) -> list[Message]:
-        with self._connection() as conn:
-            if rescue:
-                self.stats.rescued += len(
-                    eng.rescue(conn, self.spec, max_attempts=self.max_attempts, limit=self.rescue_limit)
-                )
-            rows = eng.claim(
-                conn, self.spec, owner=self.owner, batch=self.batch, lease=self.lease,
-                ordered=self.ordered, ordered_types=self.ordered_types,
-            )  # fmt: skip
-        return [Message.from_row(r) for r in rows]
+    def _rescue_params(self) -> dict[str, Any]:
+        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit}
+
+    def _claim_params(self) -> list[dict[str, Any]]:
+        return [{"lease": self.lease, "ordered": self.ordered, "ordered_types": self.ordered_types}]
+
+    def _finalize_window(self) -> float:
+        return max(self.lease.total_seconds(), 1.0)
 
     def _step(self, *, rescue: bool) -> int:
-        messages = self._claim(rescue=rescue)
+        messages = [Message.from_row(r) for r in self._claim_rows(rescue=rescue)]
         if not messages:
             return 0
         claimed_at = time.monotonic()
         self.stats.batches += 1
         self.stats.claimed += len(messages)
         outcomes, fatal = self._publish(messages, claimed_at)
-        self._finalize(outcomes)
         if fatal is not None:
+            self._finalize(outcomes)
             raise fatal
+        self._settle(outcomes)
         return len(messages)
 
     def _publish(
@@ -192,40 +190,3 @@ class Dispatcher(LoopBase):
                 )
             )  # fmt: skip
         return outcomes, fatal
-
-    def _finalize(self, outcomes: Sequence[eng.Outcome]) -> None:
-        window = max(self.lease.total_seconds(), 1.0)
-        applied = self._with_retries(window, lambda: self._finalize_tx(outcomes))
-        for o in outcomes:
-            extra = {
-                "outbox_id": o.id,
-                "lease_version": o.lease_version,
-                "status": o.status,
-                "outcome": o.kind,
-            }
-            if o.id not in applied:
-                self.stats.lost_leases += 1
-                log.warning(
-                    "lost lease: outbox %s version %s was rescued or re-claimed; its %s was not recorded",
-                    o.id, o.lease_version, o.kind, extra=extra,
-                )  # fmt: skip
-                continue
-            if o.kind == "done":
-                self.stats.done += 1
-                log.debug("outbox %s published -> done", o.id, extra=extra)
-            elif o.kind == "retry":
-                self.stats.retried += 1
-                log.info("outbox %s -> pending, retry in %.2fs: %s", o.id, o.delay, o.error, extra=extra)
-            elif o.kind == "defer":
-                self.stats.deferred += 1
-                log.info("outbox %s deferred %.2fs: %s", o.id, o.delay, o.error, extra=extra)
-            elif o.kind == "dead":
-                self.stats.dead += 1
-                log.error("outbox %s -> dead: %s", o.id, o.error, extra=extra)
-            else:
-                self.stats.released += 1
-                log.info("outbox %s released: %s", o.id, o.error, extra=extra)
-
-    def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
-        with self._connection() as conn:
-            return eng.finalize(conn, self.spec, outcomes)

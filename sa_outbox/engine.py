@@ -13,16 +13,78 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Row
+import psycopg
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
 from . import sql
 from .backoff import Backoff
 from .errors import Defer, PermanentError
 from .sql import QueueSpec
 
-__all__ = ["Outcome", "claim", "decide", "describe_error", "extend", "finalize", "release", "rescue"]
+__all__ = [
+    "Outcome",
+    "claim",
+    "decide",
+    "describe_error",
+    "extend",
+    "finalize",
+    "finalize_and_claim",
+    "release",
+    "rescue",
+    "run",
+]
 
 log = logging.getLogger("sa_outbox.engine")
+
+
+# --- the hot path: statements compiled once, executed on the driver connection -----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    sql: str
+    static: dict[str, Any]  # values of the statement's own internal parameters
+
+
+_COMPILED: dict[tuple[int, str], _Compiled] = {}
+
+
+def _compiled(stmt: Any, conn: Connection) -> _Compiled:
+    key = (id(stmt), conn.dialect.name)
+    found = _COMPILED.get(key)
+    if found is None:
+        c = stmt.compile(dialect=conn.dialect)
+        found = _Compiled(str(c), dict(c.construct_params(_check=False)))
+        _COMPILED[key] = found
+    return found
+
+
+def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
+    """Execute one of the engine's statements and return its rows (tuples in RETURNING order).
+
+    The statements are SQLAlchemy Core, built once per table (``sql.py``). On a psycopg 3 connection their
+    compiled text is sent straight to the driver as a server-side prepared statement: no per-call compile
+    cache lookup, result processing or Row objects in the claim/finalize hot path, and no re-planning.
+    Other drivers (and the asyncio adapter) take SQLAlchemy's regular execution path.
+    """
+    driver = getattr(conn.connection, "driver_connection", None)
+    if isinstance(driver, psycopg.Connection):
+        compiled = _compiled(stmt, conn)
+        full = {**compiled.static, **params}
+        try:
+            cur = driver.execute(compiled.sql, full, prepare=True)
+            return cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so
+            # the pool never hands it out again.
+            lost = driver.closed or isinstance(exc, psycopg.OperationalError)
+            if lost:
+                conn.invalidate(exc)
+            raise DBAPIError.instance(
+                compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
+            ) from exc
+    return [tuple(r) for r in conn.execute(stmt, params)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,19 +158,19 @@ def rescue(
     max_attempts: int | None = None,
     stale_after: timedelta | None = None,
     limit: int = 1000,
-) -> Sequence[Row[Any]]:
+) -> list[Any]:
     """Run the rescue statement; returns (id, status, lease_version) of every row it moved."""
     params: dict[str, Any] = {"limit": limit}
     if spec.kind == "outbox":
         params["max_attempts"] = max_attempts
     else:
         params["stale_after"] = stale_after
-    rows = conn.execute(sql.rescue_statement(spec), params).all()
-    for r in rows:
-        level = logging.WARNING if r.status == spec.dead else logging.INFO
+    rows = run(conn, sql.rescue_statement(spec), params)
+    for row_id, status, version in rows:
+        level = logging.WARNING if status == spec.dead else logging.INFO
         log.log(
-            level, "%s %s rescued from an expired lease -> %s", spec.kind, r.id, r.status,
-            extra={"table": spec.table.name, "row_id": r.id, "lease_version": r.lease_version, "status": r.status},
+            level, "%s %s rescued from an expired lease -> %s", spec.kind, row_id, status,
+            extra={"table": spec.table.name, "row_id": row_id, "lease_version": version, "status": status},
         )  # fmt: skip
     return rows
 
@@ -123,8 +185,8 @@ def claim(
     queue: str | None = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
-) -> list[Row[Any]]:
-    """Run the claim statement; rows sorted by id (RETURNING has no order)."""
+) -> list[Any]:
+    """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id."""
     stmt = sql.claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
     params: dict[str, Any] = {"owner": owner, "batch": batch}
     if spec.kind == "outbox":
@@ -133,8 +195,8 @@ def claim(
         params["queue_name"] = queue
     if ordered_types is not None:
         params["ordered_types"] = list(ordered_types)
-    rows = list(conn.execute(stmt, params).all())
-    rows.sort(key=lambda r: r.id)
+    rows = run(conn, stmt, params)
+    rows.sort(key=lambda r: r[0])
     return rows
 
 
@@ -151,7 +213,48 @@ def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> 
         "errors": [o.error for o in items],
         "refunds": [o.refund for o in items],
     }
-    return set(conn.execute(sql.finalize_statement(spec), params).scalars().all())
+    return {r[0] for r in run(conn, sql.finalize_statement(spec), params)}
+
+
+def finalize_and_claim(
+    conn: Connection,
+    spec: QueueSpec,
+    outcomes: Sequence[Outcome],
+    *,
+    owner: str,
+    batch: int,
+    lease: timedelta | None = None,
+    queue: str | None = None,
+    ordered: bool = False,
+    ordered_types: Sequence[str] | None = None,
+) -> tuple[set[int], list[Any]]:
+    """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
+    stmt = sql.finalize_and_claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
+    params: dict[str, Any] = {
+        "owner": owner,
+        "batch": batch,
+        "ids": [o.id for o in outcomes],
+        "versions": [o.lease_version for o in outcomes],
+        "statuses": [o.status for o in outcomes],
+        "delays": [o.delay for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "refunds": [o.refund for o in outcomes],
+    }
+    if spec.kind == "outbox":
+        params["lease"] = lease
+    else:
+        params["queue_name"] = queue
+    if ordered_types is not None:
+        params["ordered_types"] = list(ordered_types)
+    applied: set[int] = set()
+    claimed: list[Any] = []
+    for row in run(conn, stmt, params):
+        if row[0] == "f":
+            applied.add(row[1])
+        else:
+            claimed.append(row[1:])
+    claimed.sort(key=lambda r: r[0])
+    return applied, claimed
 
 
 def extend(
@@ -164,4 +267,4 @@ def extend(
     params: dict[str, Any] = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
     if spec.kind == "outbox":
         params["lease"] = lease
-    return set(conn.execute(sql.extend_statement(spec), params).scalars().all())
+    return {r[0] for r in run(conn, sql.extend_statement(spec), params)}

@@ -31,10 +31,10 @@ class Message:
 
     @classmethod
     def from_row(cls, row: Any) -> Message:
-        return cls(
-            row.id, str(row.id), row.aggregate_type, row.aggregate_id, row.event_type, row.payload,
-            row.attempts, row.lease_version, row.created_at,
-        )  # fmt: skip
+        """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
+        created_at) — the order of ``sql.claim_returning``."""
+        id_, version, attempts, atype, aid, etype, payload, created = row
+        return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +53,10 @@ class ClaimedJob:
 
     @classmethod
     def from_row(cls, row: Any) -> ClaimedJob:
-        return cls(
-            row.id, row.task, row.queue, row.payload, row.attempts, row.max_attempts, row.lease_version,
-            row.priority, row.created_at,
-        )  # fmt: skip
+        """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
+        created_at) — the order of ``sql.claim_returning``."""
+        id_, version, attempts, max_attempts, task, queue, payload, priority, created = row
+        return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created)
 
 
 @runtime_checkable

@@ -423,3 +423,32 @@ def purge_statement(spec: QueueSpec) -> Any:
         .scalar_subquery()
     )
     return delete(spec.table).where(c.id.in_(picked))
+
+
+# --- finalize + claim in one round trip --------------------------------------------------------------------
+
+
+@cache
+def finalize_and_claim_statement(
+    spec: QueueSpec, *, ordered: bool = False, ordered_types: bool = False
+) -> Any:
+    """The previous batch's fenced finalize and the next batch's claim, as one statement (one round trip).
+
+    Both are data-modifying CTEs over disjoint rows (finalize touches leased rows, the claim ready ones) and
+    keep every guarantee of :func:`finalize_statement` and :func:`claim_statement`; they share one snapshot,
+    so a row finalized here is claimable (and an ordered aggregate's next message eligible) from the next
+    statement on. Rows come back tagged: ``('f', id, NULL…)`` for each applied outcome, ``('c', <claim row>)``
+    for each claimed row.
+    """
+    from sqlalchemy import null, union_all
+
+    finalized = finalize_statement(spec).cte("finalized")
+    claimed = claim_statement(spec, ordered=ordered, ordered_types=ordered_types).cte("claimed")
+    cols = claim_returning(spec)
+    applied = select(
+        literal_column("'f'", Text).label("k"),
+        finalized.c.id,
+        *[null().cast(col.type).label(col.name) for col in cols[1:]],
+    )
+    taken = select(literal_column("'c'", Text).label("k"), *[claimed.c[col.name] for col in cols])
+    return union_all(applied, taken)

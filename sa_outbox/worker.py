@@ -71,28 +71,34 @@ class TaskRegistry(dict[str, Handler]):
 
 
 class _Heartbeat:
-    """Refreshes the lease of the jobs still in hand while their handlers run."""
+    """One background thread per worker that refreshes the lease of the jobs in hand every ``interval``.
 
-    def __init__(self, worker: Worker, jobs: Sequence[ClaimedJob]) -> None:
+    Jobs are registered when their batch is claimed and released as each handler returns, so a batch costs two
+    dict updates per job, not a thread start.
+    """
+
+    def __init__(self, worker: Worker, interval: float) -> None:
         self.worker = worker
-        self.held = {j.id: j.lease_version for j in jobs}
+        self.interval = interval
+        self.held: dict[int, int] = {}
         self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def __enter__(self) -> _Heartbeat:
-        if self.worker.heartbeat is not None:
-            self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
-            self.thread.start()
-        return self
+    def hold(self, jobs: Sequence[ClaimedJob]) -> None:
+        with self.lock:
+            self.held.update((j.id, j.lease_version) for j in jobs)
+            if self.thread is None:
+                self.stopped.clear()
+                self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
+                self.thread.start()
 
     def release(self, job_id: int) -> None:
         with self.lock:
             self.held.pop(job_id, None)
 
     def _run(self) -> None:
-        interval = self.worker.heartbeat or 1.0
-        while not self.done.wait(interval):
+        while not self.stopped.wait(self.interval):
             with self.lock:
                 pairs = list(self.held.items())
             if not pairs:
@@ -109,10 +115,22 @@ class _Heartbeat:
             except Exception as exc:  # a missed beat is retried next interval; never kill the handler
                 log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
 
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        if self.thread is not None:
-            self.thread.join()
+    def stop(self) -> None:
+        self.stopped.set()
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.join()
+
+
+class _NoHeartbeat:
+    def hold(self, jobs: Sequence[ClaimedJob]) -> None:
+        pass
+
+    def release(self, job_id: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 class Worker(LoopBase):
@@ -172,6 +190,9 @@ class Worker(LoopBase):
         self.stop_on_unclassified = stop_on_unclassified
         self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
         self._pool: ThreadPoolExecutor | None = None
+        self._beat: _Heartbeat | _NoHeartbeat = (
+            _Heartbeat(self, self.heartbeat) if self.heartbeat is not None else _NoHeartbeat()
+        )
 
     def task(self, name: str | None = None) -> Callable[[H], H]:
         """Decorator registering a handler on this worker."""
@@ -179,21 +200,16 @@ class Worker(LoopBase):
 
     # -- one batch -------------------------------------------------------------------------------------
 
-    def _claim(self, *, rescue: bool) -> list[ClaimedJob]:
-        rows: list[Any] = []
-        with self._connection() as conn:
-            if rescue:
-                self.stats.rescued += len(
-                    eng.rescue(conn, self.spec, stale_after=self.stale_after, limit=self.rescue_limit)
-                )
-            for queue in self.queues:
-                want = self.batch - len(rows)
-                if want <= 0:
-                    break
-                rows += eng.claim(conn, self.spec, owner=self.owner, batch=want, queue=queue)
-        return [ClaimedJob.from_row(r) for r in rows]
+    def _rescue_params(self) -> dict[str, Any]:
+        return {"stale_after": self.stale_after, "limit": self.rescue_limit}
 
-    def _call(self, job: ClaimedJob, beat: _Heartbeat) -> BaseException | object | None:
+    def _claim_params(self) -> list[dict[str, Any]]:
+        return [{"queue": q} for q in self.queues]
+
+    def _finalize_window(self) -> float:
+        return max(self.stale_after.total_seconds(), 1.0)
+
+    def _call(self, job: ClaimedJob) -> BaseException | object | None:
         if self._stop.is_set():
             return _NOT_STARTED
         try:
@@ -206,21 +222,21 @@ class Worker(LoopBase):
         except Exception as exc:
             return exc
         finally:
-            beat.release(job.id)
+            self._beat.release(job.id)
 
     def _step(self, *, rescue: bool) -> int:
-        jobs = self._claim(rescue=rescue)
+        jobs = [ClaimedJob.from_row(r) for r in self._claim_rows(rescue=rescue)]
         if not jobs:
             return 0
         self.stats.batches += 1
         self.stats.claimed += len(jobs)
-        with _Heartbeat(self, jobs) as beat:
-            if self.concurrency == 1 or len(jobs) == 1:
-                results = [self._call(j, beat) for j in jobs]
-            else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
-                results = list(self._pool.map(lambda j: self._call(j, beat), jobs))
+        self._beat.hold(jobs)
+        if self.concurrency == 1 or len(jobs) == 1:
+            results = [self._call(j) for j in jobs]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
+            results = list(self._pool.map(self._call, jobs))
         outcomes: list[eng.Outcome] = []
         fatal: BaseException | None = None
         for job, result in zip(jobs, results, strict=True):
@@ -244,45 +260,22 @@ class Worker(LoopBase):
                     max_attempts=job.max_attempts, error=error, backoff=self.backoff,
                 )
             )  # fmt: skip
-        self._finalize(jobs, outcomes)
         if fatal is not None:
+            self._finalize(outcomes)
             raise fatal
+        self._settle(outcomes)
         return len(jobs)
 
-    def _finalize(self, jobs: Sequence[ClaimedJob], outcomes: Sequence[eng.Outcome]) -> None:
-        window = max(self.stale_after.total_seconds(), 1.0)
-        applied = self._with_retries(window, lambda: self._finalize_tx(outcomes))
-        tasks = {j.id: j.task for j in jobs}
-        for o in outcomes:
-            extra = {"job_id": o.id, "task": tasks[o.id], "lease_version": o.lease_version, "outcome": o.kind}
-            if o.id not in applied:
-                self.stats.lost_leases += 1
-                log.warning(
-                    "lost lease: job %s version %s was reaped or re-claimed; its %s was not recorded",
-                    o.id, o.lease_version, o.kind, extra=extra,
-                )  # fmt: skip
-            elif o.kind == "done":
-                self.stats.done += 1
-                log.debug("job %s done", o.id, extra=extra)
-            elif o.kind == "retry":
-                self.stats.retried += 1
-                log.info("job %s -> queued, retry in %.1fs: %s", o.id, o.delay, o.error, extra=extra)
-            elif o.kind == "defer":
-                self.stats.deferred += 1
-                log.info("job %s deferred %.1fs: %s", o.id, o.delay, o.error, extra=extra)
-            elif o.kind == "dead":
-                self.stats.dead += 1
-                log.error("job %s -> failed: %s", o.id, o.error, extra=extra)
-            else:
-                self.stats.released += 1
-                log.info("job %s released: %s", o.id, o.error, extra=extra)
-
-    def _finalize_tx(self, outcomes: Sequence[eng.Outcome]) -> set[int]:
-        with self._connection() as conn:
-            return eng.finalize(conn, self.spec, outcomes)
+    def run(self, **kwargs: Any) -> None:
+        """See :meth:`LoopBase.run`; also stops the heartbeat thread and the handler pool at the end."""
+        try:
+            super().run(**kwargs)
+        finally:
+            self._beat.stop()
 
     def close(self) -> None:
         super().close()
+        self._beat.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

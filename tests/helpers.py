@@ -6,6 +6,7 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, select, text
 
+from sa_outbox import ClaimedJob, Message
 from sa_outbox import engine as eng
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.sql import spec_for
@@ -61,7 +62,12 @@ def claim(engine: Engine, owner: str, batch: int, lease: float, **kw: Any) -> li
 
     with engine.begin() as conn:
         eng.rescue(conn, OUTBOX, max_attempts=kw.pop("max_attempts", 12))
-        return eng.claim(conn, OUTBOX, owner=owner, batch=batch, lease=timedelta(seconds=lease), **kw)
+        rows = eng.claim(conn, OUTBOX, owner=owner, batch=batch, lease=timedelta(seconds=lease), **kw)
+    return [Message.from_row(r) for r in rows]
+
+
+def claim_jobs(conn: Any, owner: str, batch: int = 1, queue: str = "default") -> list[ClaimedJob]:
+    return [ClaimedJob.from_row(r) for r in eng.claim(conn, JOBS, owner=owner, batch=batch, queue=queue)]
 
 
 def mark_done(engine: Engine, r: Any) -> bool:

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, text
 
 from sa_outbox import (
     Backoff,
@@ -301,18 +301,49 @@ def test_publisher_returning_garbage_is_a_retryable_failure(engine: Engine) -> N
     assert r.status == "pending" and "publish() must return None" in r.last_error
 
 
-def test_a_batch_is_rescue_claim_and_one_finalize_statement(engine: Engine) -> None:
+def _count_engine_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every engine statement goes through sa_outbox.engine.run; record which ones are sent."""
+    from sa_outbox import engine as eng_module
+
+    sent: list[str] = []
+    real = eng_module.run
+
+    def counting(conn: Any, stmt: Any, params: dict[str, Any]) -> list[Any]:
+        sent.append(
+            str(stmt).split()[0]
+            + (" finalize" if "ids" in params else "")
+            + (" claim" if "batch" in params else "")
+        )
+        return real(conn, stmt, params)
+
+    monkeypatch.setattr(eng_module, "run", counting)
+    return sent
+
+
+def test_a_batch_is_rescue_claim_and_one_finalize_statement(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seed_events(engine, 50)
-    statements: list[str] = []
-    listener = lambda c, cur, st, *a: statements.append(st)  # noqa: E731
-    event.listen(engine, "before_cursor_execute", listener)
-    try:
-        pub = RecordingPublisher(fail=lambda m: RetryableError("x") if m.id % 3 == 0 else None)
-        assert dispatcher(engine, pub, batch=50).run_once() == 50
-    finally:
-        event.remove(engine, "before_cursor_execute", listener)
-    assert len(statements) == 3, statements  # rescue, claim, one fenced finalize for done + retry outcomes
+    sent = _count_engine_statements(monkeypatch)
+    pub = RecordingPublisher(fail=lambda m: RetryableError("x") if m.id % 3 == 0 else None)
+    assert dispatcher(engine, pub, batch=50).run_once() == 50
+    assert len(sent) == 3, sent  # rescue, claim, one fenced finalize for done + retry outcomes
     assert statuses(engine) == {"done": 34, "pending": 16}
+
+
+def test_run_finalizes_each_batch_with_the_next_claim(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While run() loops, a batch costs one statement: the previous batch's finalize rides on the next claim."""
+    seed_events(engine, 100)
+    sent = _count_engine_statements(monkeypatch)
+    d = dispatcher(engine, RecordingPublisher(), batch=10)
+    d.run(install_signal_handlers=False, until_idle=True)
+    assert statuses(engine) == {"done": 100}
+    claims = [s for s in sent if "claim" in s]
+    assert len(claims) == 11  # 10 full batches + the empty claim that carried the last finalize
+    assert len([s for s in sent if s.endswith("finalize")]) == 0  # no standalone finalize was needed
+    assert d.stats.done == 100
 
 
 def test_lease_budget_releases_the_rest_of_a_slow_batch(engine: Engine) -> None:

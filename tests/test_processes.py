@@ -121,8 +121,10 @@ def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
         wait_for(lambda: statuses(engine) == {"done": 200}, timeout=60)
         assert proc.poll() is None  # still running
         assert scalar(engine, "SELECT count(DISTINCT message_id) FROM deliveries") == 200
-    finally:
+    except AssertionError:
         code, out = stop(proc)
+        raise AssertionError(out[-3000:]) from None
+    code, out = stop(proc)
     assert code == 0, out
     assert "database" in out.lower()  # it logged the outage it rode out
 

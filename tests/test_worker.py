@@ -27,7 +27,7 @@ from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import drain
 
-from .helpers import JOBS, row, seed_jobs, statuses
+from .helpers import JOBS, claim_jobs, row, seed_jobs, statuses
 
 FAST = Backoff(0.001, 0.001, jitter=False)
 
@@ -143,11 +143,11 @@ def test_stale_worker_cannot_finalize_a_reaped_and_reclaimed_job(engine: Engine)
     """`AND status = 'running'` is not enough: after reaping and re-claiming, the job is running again."""
     seed_jobs(engine, 1)
     with engine.begin() as conn:
-        [a] = eng.claim(conn, JOBS, owner="A", batch=1, queue="default")
+        [a] = claim_jobs(conn, "A")
     time.sleep(0.3)
     with engine.begin() as conn:
         eng.rescue(conn, JOBS, stale_after=timedelta(seconds=0.2))
-        [b] = eng.claim(conn, JOBS, owner="B", batch=1, queue="default")
+        [b] = claim_jobs(conn, "B")
     assert b.id == a.id and b.lease_version == a.lease_version + 1
     assert row(engine, "jobs", 1).status == "running"
     with engine.begin() as conn:
@@ -164,7 +164,7 @@ def test_stale_worker_cannot_finalize_a_reaped_and_reclaimed_job(engine: Engine)
 def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine: Engine) -> None:
     seed_jobs(engine, 1, max_attempts=1)
     with engine.begin() as conn:
-        eng.claim(conn, JOBS, owner="crashed", batch=1, queue="default")
+        claim_jobs(conn, "crashed")
     time.sleep(0.2)
     w = worker(engine, {"noop": lambda j: None}, stale_after=0.1)
     assert w.run_once() == 0
@@ -226,7 +226,7 @@ def test_no_key_update_claim_does_not_block_child_fk_inserts(engine: Engine) -> 
             with engine.connect() as holder:
                 holder.begin()
                 if mode == "claim":
-                    eng.claim(holder, JOBS, owner="A", batch=1, queue="default")  # our claim, left open
+                    claim_jobs(holder, "A")  # our claim, left open
                 else:
                     holder.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
                 with engine.connect() as child:
