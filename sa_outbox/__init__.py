@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         RetryableError,
         SchemaError,
     )
+    from .inbox import InboxMixin, Receipt, receive
     from .messages import BatchPublisher, ClaimedJob, Message, Publisher
     from .migration import set_queue_storage_parameters
     from .producer import LOCK_AGGREGATES, channel_for, enqueue, event_for, lock_aggregate
@@ -42,6 +43,9 @@ _EXPORTS: dict[str, str] = {
     "ConfigurationError": "errors",
     "Defer": "errors",
     "Dispatcher": "dispatcher",
+    "InboxMixin": "inbox",
+    "Receipt": "inbox",
+    "receive": "inbox",
     "Duration": "durations",
     "JOB_STATUSES": "schema",
     "JobMixin": "schema",
@@ -75,6 +79,7 @@ __all__ = [
     "Defer",
     "Dispatcher",
     "Duration",
+    "InboxMixin",
     "JobMixin",
     "Message",
     "OutboxError",
@@ -82,6 +87,7 @@ __all__ = [
     "PayloadError",
     "PermanentError",
     "Publisher",
+    "Receipt",
     "RetryableError",
     "SchemaError",
     "TaskRegistry",
@@ -91,6 +97,7 @@ __all__ = [
     "enqueue",
     "event_for",
     "lock_aggregate",
+    "receive",
     "set_queue_storage_parameters",
 ]
 

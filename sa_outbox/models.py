@@ -11,9 +11,10 @@ from typing import Any
 from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
+from .inbox import InboxMixin
 from .schema import JobMixin, OutboxMixin
 
-__all__ = ["Base", "Job", "OutboxEvent"]
+__all__ = ["Base", "Inbox", "Job", "OutboxEvent", "model_for"]
 
 
 class Base(DeclarativeBase):
@@ -26,6 +27,10 @@ class OutboxEvent(OutboxMixin, Base):
 
 class Job(JobMixin, Base):
     __tablename__ = "jobs"
+
+
+class Inbox(InboxMixin, Base):
+    __tablename__ = "inbox"
 
 
 _DYNAMIC: dict[tuple[str, str, str | None], type[Any]] = {}
