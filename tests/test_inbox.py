@@ -148,4 +148,3 @@ def test_purge_inbox_keeps_the_window(engine: Engine) -> None:
     assert purge_inbox(engine, Inbox, older_than=7 * 86400, batch_size=1000) == 2500
     with engine.connect() as conn:
         assert conn.execute(text("SELECT message_id FROM inbox")).scalars().all() == ["fresh"]
-
