@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from .aio import AsyncDispatcher, AsyncWorker
     from .backoff import Backoff
     from .dispatcher import Dispatcher
     from .durations import Duration
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from .worker import TaskRegistry, Worker
 
 _EXPORTS: dict[str, str] = {
+    "AsyncDispatcher": "aio",
+    "AsyncWorker": "aio",
     "Backoff": "backoff",
     "BatchPublisher": "messages",
     "ClaimedJob": "messages",
@@ -72,6 +75,8 @@ __all__ = [
     "JOB_STATUSES",
     "LOCK_AGGREGATES",
     "OUTBOX_STATUSES",
+    "AsyncDispatcher",
+    "AsyncWorker",
     "Backoff",
     "BatchPublisher",
     "ClaimedJob",

@@ -176,26 +176,32 @@ class LoopBase:
     def _claim_rows(self, *, rescue: bool) -> list[Any]:
         """Rescue (when due), then claim up to ``batch`` rows — finalizing the pending outcomes of the previous
         batch in the same statement when there are any."""
-        rows: list[Any] = []
         with self._connection() as conn:
-            if rescue:
-                self.stats.rescued += len(eng.rescue(conn, self.spec, **self._rescue_params()))
-            for params in self._claim_params():
-                want = self.batch - len(rows)
-                if want <= 0:
-                    break
-                if self._pending:
-                    pending = self._pending
-                    applied, got = eng.finalize_and_claim(
-                        conn, self.spec, pending, owner=self.owner, batch=want, **params
-                    )
-                    self._pending = []
-                    self._report(pending, applied)
-                else:
-                    got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
-                rows += got
+            rows = self._claim_rows_on(conn, rescue=rescue)
         if self._pending:  # nothing to claim with (no claim parameters): finalize on its own
             self._flush_pending()
+        return rows
+
+    def _claim_rows_on(self, conn: Connection, *, rescue: bool) -> list[Any]:
+        """The database half of :meth:`_claim_rows` on a given connection (the async loops run it through
+        ``AsyncConnection.run_sync``)."""
+        rows: list[Any] = []
+        if rescue:
+            self.stats.rescued += len(eng.rescue(conn, self.spec, **self._rescue_params()))
+        for params in self._claim_params():
+            want = self.batch - len(rows)
+            if want <= 0:
+                break
+            if self._pending:
+                pending = self._pending
+                applied, got = eng.finalize_and_claim(
+                    conn, self.spec, pending, owner=self.owner, batch=want, **params
+                )
+                self._pending = []
+                self._report(pending, applied)
+            else:
+                got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
+            rows += got
         return rows
 
     def _settle(self, outcomes: list[eng.Outcome]) -> None:

@@ -8,7 +8,9 @@ exit code 0 — also when the signal arrives during start-up.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import inspect
 import logging
 import multiprocessing
 import os
@@ -44,10 +46,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def load_target(target: str, kind: str) -> Any:
     """Import ``module:attribute`` and return the Dispatcher/Worker it names (calling a factory if needed)."""
+    from .aio import AsyncDispatcher, AsyncWorker
     from .dispatcher import Dispatcher
     from .worker import Worker
 
-    expected: type[Any] = Dispatcher if kind == "dispatch" else Worker
+    expected: tuple[type[Any], ...] = (
+        (Dispatcher, AsyncDispatcher) if kind == "dispatch" else (Worker, AsyncWorker)
+    )
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigurationError(
@@ -69,8 +74,8 @@ def load_target(target: str, kind: str) -> Any:
         obj = obj()
     if not isinstance(obj, expected):
         raise ConfigurationError(
-            f"target {target!r} is a {type(obj).__name__}, expected a {expected.__name__} "
-            f"or a zero-argument factory returning one"
+            f"target {target!r} is a {type(obj).__name__}, expected a {expected[0].__name__} "
+            f"(or its async twin) or a zero-argument factory returning one"
         )
     return obj
 
@@ -92,10 +97,26 @@ def _run_target(target: str, kind: str, early_signals: Sequence[int] = ()) -> in
     state["loop"] = loop
     if state["stop"]:
         return 0
+    if inspect.iscoroutinefunction(loop.run):
+        return asyncio.run(_run_async(loop, state))
     try:
         loop.run(install_signal_handlers=False)
     finally:
         loop.close()
+    return 0
+
+
+async def _run_async(loop: Any, state: dict[str, Any]) -> int:
+    """Run an AsyncDispatcher/AsyncWorker; signals stop it from the event loop's own thread."""
+    running = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        running.add_signal_handler(s, loop.stop)
+    if state["stop"]:
+        loop.stop()
+    try:
+        await loop.run(install_signal_handlers=False)
+    finally:
+        await loop.close()
     return 0
 
 

@@ -42,6 +42,13 @@ log = logging.getLogger("sa_outbox.dispatcher")
 _CLASSIFIED = (RetryableError, PermanentError, Defer)
 
 
+def check_result(result: Any) -> BaseException | None:
+    """A publisher returns None; anything else is a bug in it, handled as a retryable failure."""
+    if result is None:
+        return None
+    return TypeError(f"publisher returned {result!r}; publish() must return None or raise")
+
+
 class Dispatcher(LoopBase):
     """Delivers outbox rows to a :class:`~sa_outbox.Publisher`; run as many side by side as you like.
 
@@ -143,7 +150,6 @@ class Dispatcher(LoopBase):
         budget_end = claimed_at + (self.lease - self.publish_timeout).total_seconds()
         results: list[tuple[Message, BaseException | None]] = []
         outcomes: list[eng.Outcome] = []
-        fatal: BaseException | None = None
         if self._batch_publish and not self._stop.is_set():
             try:
                 errors = list(self.publisher.publish_many(messages))  # type: ignore[attr-defined]
@@ -166,14 +172,19 @@ class Dispatcher(LoopBase):
                     break
                 try:
                     result: Any = self.publisher.publish(msg)  # type: ignore[func-returns-value]
-                    error: BaseException | None = None
-                    if result is not None:
-                        error = TypeError(
-                            f"publisher returned {result!r}; publish() must return None or raise"
-                        )
+                    error = check_result(result)
                 except Exception as exc:
                     error = exc
                 results.append((msg, error))
+        more, fatal = self._outcomes(results)
+        return outcomes + more, fatal
+
+    def _outcomes(
+        self, results: list[tuple[Message, BaseException | None]]
+    ) -> tuple[list[eng.Outcome], BaseException | None]:
+        """Classify publish results (shared by the sync and the async dispatcher)."""
+        outcomes: list[eng.Outcome] = []
+        fatal: BaseException | None = None
         for msg, error in results:
             if error is not None and not isinstance(error, _CLASSIFIED):
                 self.stats.unclassified += 1

@@ -237,6 +237,17 @@ class Worker(LoopBase):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
             results = list(self._pool.map(self._call, jobs))
+        outcomes, fatal = self._outcomes(jobs, results)
+        if fatal is not None:
+            self._finalize(outcomes)
+            raise fatal
+        self._settle(outcomes)
+        return len(jobs)
+
+    def _outcomes(
+        self, jobs: Sequence[ClaimedJob], results: Sequence[object]
+    ) -> tuple[list[eng.Outcome], BaseException | None]:
+        """Classify handler results (shared by the sync and the async worker)."""
         outcomes: list[eng.Outcome] = []
         fatal: BaseException | None = None
         for job, result in zip(jobs, results, strict=True):
@@ -260,11 +271,7 @@ class Worker(LoopBase):
                     max_attempts=job.max_attempts, error=error, backoff=self.backoff,
                 )
             )  # fmt: skip
-        if fatal is not None:
-            self._finalize(outcomes)
-            raise fatal
-        self._settle(outcomes)
-        return len(jobs)
+        return outcomes, fatal
 
     def run(self, **kwargs: Any) -> None:
         """See :meth:`LoopBase.run`; also stops the heartbeat thread and the handler pool at the end."""

@@ -52,4 +52,15 @@ def worker() -> Worker:
                   stale_after=float(os.environ.get("STALE_AFTER", "60")))  # fmt: skip
 
 
+def async_dispatcher() -> object:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.embedded import normalize_url
+
+    url = normalize_url(os.environ["DATABASE_URL"]).replace("+psycopg:", "+psycopg_async:")
+    return AsyncDispatcher(create_async_engine(url), OutboxEvent, TablePublisher(os.environ["DATABASE_URL"], 0.0),
+                           poll_interval=0.2)  # fmt: skip
+
+
 not_a_loop = 42

@@ -212,3 +212,17 @@ def test_kill_9_worker_job_is_reaped_and_completed_and_old_token_is_fenced(
             eng.finalize(conn, JOBS, [eng.Outcome(old.id, old.lease_version, "failed", error="zombie")])
             == set()
         )
+
+
+def test_cli_runs_an_async_dispatcher_target_and_stops_on_sigterm(side_tables: Engine, db_url: URL) -> None:
+    engine = side_tables
+    seed_events(engine, 20)
+    env = dict(os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sa_outbox", "dispatch", "tests.targets:async_dispatcher"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    wait_for(lambda: statuses(engine) == {"done": 20})
+    code, out = stop(proc)
+    assert code == 0, out
+    assert scalar(engine, "SELECT count(DISTINCT message_id) FROM deliveries") == 20

@@ -1,0 +1,227 @@
+"""One behaviour suite for the sync classes and their asyncio twins (AsyncDispatcher, AsyncWorker)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import (
+    AsyncDispatcher,
+    AsyncWorker,
+    Backoff,
+    ClaimedJob,
+    ConfigurationError,
+    Defer,
+    Dispatcher,
+    Message,
+    PermanentError,
+    RetryableError,
+    Worker,
+    enqueue,
+)
+from sa_outbox.models import Job, OutboxEvent
+from sa_outbox.testing import RecordingPublisher
+
+from .helpers import claim_jobs, row, seed_events, seed_jobs, statuses
+
+FAST = Backoff(0.001, 0.001, jitter=False)
+
+
+class Runner:
+    """Builds a Dispatcher/Worker of the requested flavour and drives it synchronously for the test."""
+
+    def __init__(self, kind: str, engine: Engine, async_url: URL) -> None:
+        self.kind = kind
+        self.engine = engine
+        self.loop = asyncio.new_event_loop() if kind == "async" else None
+        self.aengine = create_async_engine(async_url) if kind == "async" else None
+        self.loops: list[Any] = []
+
+    def dispatcher(self, publisher: Any, **kw: Any) -> Any:
+        kw.setdefault("listen", False)
+        kw.setdefault("backoff", FAST)
+        d = (
+            AsyncDispatcher(self.aengine, OutboxEvent, publisher, **kw)
+            if self.aengine
+            else Dispatcher(self.engine, OutboxEvent, publisher, **kw)
+        )
+        self.loops.append(d)
+        return d
+
+    def worker(self, handlers: dict[str, Any], **kw: Any) -> Any:
+        kw.setdefault("listen", False)
+        w = (
+            AsyncWorker(self.aengine, Job, handlers, **kw)
+            if self.aengine
+            else Worker(self.engine, Job, handlers, **kw)
+        )
+        self.loops.append(w)
+        return w
+
+    def run_once(self, lp: Any) -> int:
+        if self.loop is not None:
+            return int(self.loop.run_until_complete(lp.run_once()))
+        return int(lp.run_once())
+
+    def drain(self, lp: Any) -> int:
+        total = 0
+        for _ in range(1000):
+            n = self.run_once(lp)
+            if not n:
+                return total
+            total += n
+        raise AssertionError("did not drain")
+
+    def run_in_thread(self, lp: Any) -> threading.Thread:
+        if self.loop is not None:
+            loop = self.loop
+            target: Any = lambda: loop.run_until_complete(lp.run(install_signal_handlers=False))  # noqa: E731
+        else:
+            target = lambda: lp.run(install_signal_handlers=False)  # noqa: E731
+        t = threading.Thread(target=target)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        if self.loop is not None:
+            for lp in self.loops:
+                self.loop.run_until_complete(lp.close())
+            assert self.aengine is not None
+            self.loop.run_until_complete(self.aengine.dispose())
+            self.loop.close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def runner(request: pytest.FixtureRequest, engine: Engine, async_url: URL) -> Iterator[Runner]:
+    r = Runner(request.param, engine, async_url)
+    yield r
+    r.close()
+
+
+def test_dispatch_each_message_once_and_done(runner: Runner, engine: Engine) -> None:
+    seed_events(engine, 30)
+    pub = RecordingPublisher()
+    assert runner.drain(runner.dispatcher(pub, batch=7)) == 30
+    assert sorted(pub.ids) == list(range(1, 31)) and statuses(engine) == {"done": 30}
+
+
+def test_failure_classes(runner: Runner, engine: Engine) -> None:
+    seed_events(engine, 3)
+
+    def fail(m: Message) -> BaseException | None:
+        return {
+            1: RetryableError("timeout"),
+            2: Defer(timedelta(minutes=1), "later"),
+            3: PermanentError("422"),
+        }[m.id]
+
+    d = runner.dispatcher(RecordingPublisher(fail=fail), max_attempts=2)
+    assert runner.run_once(d) == 3
+    assert (row(engine, "outbox", 1).status, row(engine, "outbox", 1).attempts) == ("pending", 1)
+    assert (row(engine, "outbox", 2).status, row(engine, "outbox", 2).attempts) == ("pending", 0)
+    assert row(engine, "outbox", 3).status == "dead"
+    time.sleep(0.01)
+    assert runner.run_once(d) == 1
+    assert (row(engine, "outbox", 1).status, row(engine, "outbox", 1).attempts) == ("dead", 2)
+
+
+def test_ordered_claim_heads_only(runner: Runner, engine: Engine) -> None:
+    seed_events(engine, 3, aggregate="X")
+    seed_events(engine, 2, aggregate="Y")
+    pub = RecordingPublisher()
+    d = runner.dispatcher(pub, ordered=True)
+    assert runner.run_once(d) == 2 and pub.ids == [1, 4]
+    runner.drain(d)
+    assert pub.ids == [1, 4, 2, 5, 3]
+
+
+def test_async_publisher_is_awaited(runner: Runner, engine: Engine) -> None:
+    seed_events(engine, 5)
+    got: list[int] = []
+
+    class AsyncPub:
+        async def publish(self, message: Message) -> None:
+            await asyncio.sleep(0)
+            got.append(message.id)
+
+    class SyncPub:
+        def publish(self, message: Message) -> None:
+            got.append(message.id)
+
+    runner.drain(runner.dispatcher(AsyncPub() if runner.kind == "async" else SyncPub()))
+    assert sorted(got) == [1, 2, 3, 4, 5]
+
+
+def test_worker_outcomes_and_unknown_task(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 2, task="ok")
+    seed_jobs(engine, 1, task="boom")
+    seed_jobs(engine, 1, task="nobody")
+    seen: list[int] = []
+
+    async def ok_async(job: ClaimedJob) -> None:
+        seen.append(job.id)
+
+    def ok_sync(job: ClaimedJob) -> None:
+        seen.append(job.id)
+
+    def boom(job: ClaimedJob) -> None:
+        raise RetryableError("later")
+
+    w = runner.worker({"ok": ok_async if runner.kind == "async" else ok_sync, "boom": boom}, backoff=FAST)
+    assert runner.run_once(w) == 4
+    assert sorted(seen) == [1, 2]
+    assert row(engine, "jobs", 3).status == "queued" and row(engine, "jobs", 3).attempts == 1
+    assert (
+        row(engine, "jobs", 4).status == "failed"
+        and "no handler registered" in row(engine, "jobs", 4).last_error
+    )
+
+
+def test_worker_reaps_stale_jobs(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        [old] = claim_jobs(conn, "crashed")
+    time.sleep(0.3)
+    done: list[int] = []
+    w = runner.worker({"noop": lambda j: done.append(j.lease_version)}, stale_after=0.2)
+    runner.run_once(w)
+    runner.run_once(w)
+    assert done == [old.lease_version + 1]
+    assert row(engine, "jobs", 1).status == "done"
+
+
+def test_idle_loop_wakes_on_notify(runner: Runner, engine: Engine) -> None:
+    seen = threading.Event()
+    w = runner.worker({"t": lambda j: seen.set()}, listen=True, poll_interval=10)
+    thread = runner.run_in_thread(w)
+    try:
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        with Session(engine) as s, s.begin():
+            enqueue(s, Job, "t", {})
+        assert seen.wait(5)
+        assert time.perf_counter() - t0 < 2.0  # well under the 10 s poll interval
+    finally:
+        if runner.loop is not None:
+            runner.loop.call_soon_threadsafe(w.stop)
+        else:
+            w.stop()
+        thread.join(15)
+    assert not thread.is_alive()
+
+
+def test_async_classes_refuse_a_sync_engine(engine: Engine) -> None:
+    with pytest.raises(ConfigurationError, match="AsyncEngine"):
+        AsyncDispatcher(engine, OutboxEvent, RecordingPublisher())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="AsyncEngine"):
+        AsyncWorker(engine, Job, {})  # type: ignore[arg-type]
