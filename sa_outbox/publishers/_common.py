@@ -1,0 +1,46 @@
+"""What every broker adapter shares: the message as a dict/JSON and the missing-extra error."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NoReturn
+
+from ..errors import ConfigurationError
+from ..messages import Message
+
+__all__ = ["envelope", "envelope_json", "headers_for", "missing_extra"]
+
+
+def envelope(message: Message) -> dict[str, Any]:
+    """The fields a consumer needs, JSON-ready (``message_id`` is the de-duplication key)."""
+    return {
+        "message_id": message.message_id,
+        "aggregate_type": message.aggregate_type,
+        "aggregate_id": message.aggregate_id,
+        "event_type": message.event_type,
+        "payload": message.payload,
+        "attempts": message.attempts,
+        "lease_version": message.lease_version,
+        "created_at": message.created_at.isoformat(),
+    }
+
+
+def envelope_json(message: Message) -> bytes:
+    return json.dumps(envelope(message), separators=(",", ":")).encode()
+
+
+def headers_for(message: Message) -> dict[str, str]:
+    """Metadata as string headers (AMQP headers, NATS headers, HTTP headers)."""
+    return {
+        "event-type": message.event_type,
+        "aggregate-type": message.aggregate_type,
+        "aggregate-id": message.aggregate_id,
+        "lease-version": str(message.lease_version),
+        "attempts": str(message.attempts),
+    }
+
+
+def missing_extra(extra: str, exc: ImportError) -> NoReturn:
+    raise ConfigurationError(
+        f"this publisher needs its extra: pip install 'sa-outbox[{extra}]' ({exc})"
+    ) from exc

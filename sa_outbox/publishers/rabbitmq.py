@@ -1,0 +1,110 @@
+"""RabbitMQ publisher (extra ``rabbitmq``, pika): persistent messages with publisher confirms.
+
+* ``message_id`` property = the outbox id (consumers de-duplicate on it); event type, aggregate, lease version
+  and attempts travel as headers; ``content_type`` is JSON; ``delivery_mode=2`` (persistent).
+* Every publish waits for the broker's confirm. A nack, a lost connection, a closed channel or a timeout is
+  :class:`~sa_outbox.RetryableError`, and the next publish reconnects.
+* Unroutable messages (``mandatory=True`` and no queue bound): by default **retryable** — the topology is often
+  declared by consumers that start later, and retrying ends ``dead`` after ``max_attempts`` anyway, where an
+  operator sees it; ``unroutable="dead"`` makes it a :class:`~sa_outbox.PermanentError` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigurationError, PermanentError, RetryableError
+from ..messages import Message
+from ._common import envelope_json, headers_for, missing_extra
+
+try:
+    import pika  # type: ignore[import-untyped]
+    from pika import exceptions as pex
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    missing_extra("rabbitmq", exc)
+
+__all__ = ["RabbitMQPublisher"]
+
+_RETRYABLE = (
+    pex.AMQPConnectionError,
+    pex.AMQPChannelError,
+    pex.StreamLostError,
+    pex.ConnectionClosed,
+    pex.ChannelClosed,
+    pex.NackError,
+    OSError,
+)
+
+
+class RabbitMQPublisher:
+    """``RabbitMQPublisher("amqp://guest:guest@127.0.0.1:5672/%2F", exchange="orders")``.
+
+    ``routing_key`` is a string or a callable of the message (default: the event type). ``timeout`` bounds
+    connecting, socket I/O and a blocked connection.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        exchange: str = "",
+        routing_key: str | Callable[[Message], str] | None = None,
+        mandatory: bool = True,
+        unroutable: str = "retry",
+        timeout: float = 5.0,
+    ) -> None:
+        if unroutable not in ("retry", "dead"):
+            raise ConfigurationError("unroutable must be 'retry' or 'dead'")
+        params = pika.URLParameters(url)
+        params.socket_timeout = timeout
+        params.blocked_connection_timeout = timeout
+        params.connection_attempts = 1
+        params.stack_timeout = timeout
+        self.params = params
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.mandatory = mandatory
+        self.unroutable = unroutable
+        self._conn: Any = None
+        self._channel: Any = None
+
+    def _ensure(self) -> Any:
+        if self._channel is None or not self._channel.is_open or not self._conn.is_open:
+            self.close()
+            self._conn = pika.BlockingConnection(self.params)
+            self._channel = self._conn.channel()
+            self._channel.confirm_delivery()
+        return self._channel
+
+    def _key(self, message: Message) -> str:
+        if self.routing_key is None:
+            return message.event_type
+        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
+
+    def publish(self, message: Message) -> None:
+        props = pika.BasicProperties(
+            message_id=message.message_id,
+            content_type="application/json",
+            delivery_mode=2,
+            type=message.event_type,
+            headers=headers_for(message),
+        )
+        try:
+            channel = self._ensure()
+            channel.basic_publish(
+                self.exchange, self._key(message), envelope_json(message), props, mandatory=self.mandatory
+            )
+        except pex.UnroutableError as exc:
+            text = f"unroutable: no queue bound for exchange {self.exchange!r} routing key {self._key(message)!r}"
+            raise (PermanentError(text) if self.unroutable == "dead" else RetryableError(text)) from exc
+        except _RETRYABLE as exc:
+            self.close()
+            raise RetryableError(f"rabbitmq publish failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        conn, self._conn, self._channel = self._conn, None, None
+        if conn is not None and conn.is_open:
+            with contextlib.suppress(Exception):  # closing a broken connection: nothing left to do
+                conn.close()

@@ -1,0 +1,335 @@
+"""Publishers against the real brokers of this machine: outbox row → dispatcher → broker → a real consumer.
+
+A broker the suite needs that is not running fails these tests (CI starts them; see .ci/run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pika
+import pytest
+import redis
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import Backoff, Dispatcher, Message
+from sa_outbox.models import OutboxEvent
+from sa_outbox.publishers.http import WebhookPublisher
+from sa_outbox.publishers.nats import AsyncNatsPublisher, NatsPublisher
+from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+from sa_outbox.publishers.redis import RedisStreamPublisher
+from sa_outbox.testing import drain
+
+from .helpers import row, statuses
+
+AMQP = "amqp://guest:guest@127.0.0.1:5672/%2F"
+NATS = "nats://127.0.0.1:4222"
+REDIS = "redis://127.0.0.1:6379/0"
+CLOSED = 1  # nothing listens on port 1
+FAST = Backoff(0.001, 0.001, jitter=False)
+
+
+def _business_tx(engine: Engine, n: int, event_type: str = "OrderPaid") -> None:
+    """Events written the way an application writes them: in a business transaction through the session."""
+    with Session(engine) as s, s.begin():
+        for i in range(n):
+            s.add(
+                OutboxEvent(
+                    aggregate_type="order", aggregate_id=str(i), event_type=event_type, payload={"n": i}
+                )
+            )
+
+
+def _dispatch(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:
+    d = Dispatcher(engine, OutboxEvent, publisher, listen=False, backoff=FAST, **kw)
+    drain(d)
+    return d
+
+
+# --- RabbitMQ ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rabbit_queue() -> Iterator[tuple[str, Any]]:
+    conn = pika.BlockingConnection(pika.URLParameters(AMQP))
+    ch = conn.channel()
+    exchange, queue = f"sa_outbox_test_{uuid.uuid4().hex[:6]}", f"q_{uuid.uuid4().hex[:6]}"
+    ch.exchange_declare(exchange, "topic", auto_delete=False)
+    ch.queue_declare(queue, durable=True)
+    ch.queue_bind(queue, exchange, routing_key="order.*")
+    yield exchange, (ch, queue)
+    ch.queue_delete(queue)
+    ch.exchange_delete(exchange)
+    conn.close()
+
+
+def test_rabbitmq_end_to_end_with_ids_headers_and_payloads(engine: Engine, rabbit_queue: Any) -> None:
+    exchange, (ch, queue) = rabbit_queue
+    _business_tx(engine, 5)
+    pub = RabbitMQPublisher(AMQP, exchange=exchange, routing_key=lambda m: f"order.{m.event_type}")
+    _dispatch(engine, pub)
+    pub.close()
+    got = []
+    for _ in range(5):
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        assert method is not None
+        got.append((props, json.loads(body)))
+    assert [int(p.message_id) for p, _ in got] == [1, 2, 3, 4, 5]
+    props, body = got[0]
+    assert props.delivery_mode == 2 and props.content_type == "application/json"
+    assert props.headers["event-type"] == "OrderPaid" and props.headers["lease-version"] == "1"
+    assert body["payload"] == {"n": 0} and body["message_id"] == "1" and body["aggregate_id"] == "0"
+    assert statuses(engine) == {"done": 5}
+
+
+def test_rabbitmq_down_keeps_messages_pending_then_delivers_all(engine: Engine, rabbit_queue: Any) -> None:
+    exchange, (ch, queue) = rabbit_queue
+    _business_tx(engine, 3)
+    down = RabbitMQPublisher(
+        f"amqp://guest:guest@127.0.0.1:{CLOSED}/%2F", exchange=exchange, routing_key="order.x", timeout=1
+    )
+    d = Dispatcher(engine, OutboxEvent, down, listen=False, backoff=FAST)
+    assert d.run_once() == 3
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == ("pending", 1) and "rabbitmq publish failed" in r.last_error
+    time.sleep(0.01)
+    up = RabbitMQPublisher(AMQP, exchange=exchange, routing_key="order.x")
+    _dispatch(engine, up)
+    up.close()
+    assert statuses(engine) == {"done": 3}
+    assert ch.queue_declare(queue, passive=True).method.message_count == 3
+
+
+def test_rabbitmq_unroutable_is_retryable_by_default(engine: Engine, rabbit_queue: Any) -> None:
+    exchange, _ = rabbit_queue
+    _business_tx(engine, 1)
+    pub = RabbitMQPublisher(AMQP, exchange=exchange, routing_key="nobody.listens")
+    Dispatcher(engine, OutboxEvent, pub, listen=False, backoff=FAST).run_once()
+    pub.close()
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and "unroutable" in r.last_error
+
+
+# --- NATS JetStream ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def jetstream() -> Iterator[tuple[str, str]]:
+    name = f"SAOUTBOX{uuid.uuid4().hex[:6].upper()}"
+    prefix = name.lower()
+
+    async def setup() -> None:
+        nc = await __import__("nats").connect(NATS)
+        await nc.jetstream().add_stream(name=name, subjects=[f"{prefix}.>"], duplicate_window=120)
+        await nc.close()
+
+    async def teardown() -> None:
+        nc = await __import__("nats").connect(NATS)
+        await nc.jetstream().delete_stream(name)
+        await nc.close()
+
+    asyncio.run(setup())
+    yield name, prefix
+    asyncio.run(teardown())
+
+
+def _stream_messages(stream: str) -> list[Any]:
+    async def read() -> list[Any]:
+        nc = await __import__("nats").connect(NATS)
+        js = nc.jetstream()
+        info = await js.stream_info(stream)
+        out = [await js.get_msg(stream, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+        await nc.close()
+        return out
+
+    return asyncio.run(read())
+
+
+def test_nats_end_to_end_with_msg_id_header(engine: Engine, jetstream: tuple[str, str]) -> None:
+    stream, prefix = jetstream
+    _business_tx(engine, 4)
+    pub = NatsPublisher(NATS, subject_prefix=prefix)
+    _dispatch(engine, pub)
+    pub.close()
+    msgs = _stream_messages(stream)
+    assert [m.headers["Nats-Msg-Id"] for m in msgs] == ["1", "2", "3", "4"]
+    assert msgs[0].subject == f"{prefix}.OrderPaid"
+    assert json.loads(msgs[0].data)["payload"] == {"n": 0}
+    assert statuses(engine) == {"done": 4}
+
+
+def test_nats_duplicate_window_drops_a_republish(engine: Engine, jetstream: tuple[str, str]) -> None:
+    stream, prefix = jetstream
+    _business_tx(engine, 1)
+    pub = RecordingThenNats(prefix)
+    _dispatch(engine, pub)
+    # A lost lease: the same message (same id) is published again by another dispatcher.
+    pub.nats.publish(pub.seen[0])
+    pub.nats.close()
+    msgs = _stream_messages(stream)
+    assert len(msgs) == 1 and msgs[0].headers["Nats-Msg-Id"] == "1"
+
+
+class RecordingThenNats:
+    def __init__(self, prefix: str) -> None:
+        self.nats = NatsPublisher(NATS, subject_prefix=prefix)
+        self.seen: list[Message] = []
+
+    def publish(self, message: Message) -> None:
+        self.seen.append(message)
+        self.nats.publish(message)
+
+
+def test_nats_down_is_retryable(engine: Engine) -> None:
+    _business_tx(engine, 1)
+    pub = NatsPublisher(f"nats://127.0.0.1:{CLOSED}", timeout=1)
+    Dispatcher(engine, OutboxEvent, pub, listen=False, backoff=FAST).run_once()
+    pub.close()
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and "nats unavailable" in r.last_error
+
+
+def test_nats_async_batch_publish(jetstream: tuple[str, str]) -> None:
+    from datetime import UTC, datetime
+
+    stream, prefix = jetstream
+    messages = [Message(i, str(i), "o", "1", "E", {"i": i}, 1, 1, datetime.now(UTC)) for i in range(1, 201)]
+
+    async def go() -> list[BaseException | None]:
+        pub = AsyncNatsPublisher(NATS, subject_prefix=prefix)
+        try:
+            return await pub.publish_many(messages)
+        finally:
+            await pub.close()
+
+    assert asyncio.run(go()) == [None] * 200
+    assert len(_stream_messages(stream)) == 200
+
+
+# --- Redis Streams --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stream_key() -> Iterator[str]:
+    key = f"sa_outbox_test:{uuid.uuid4().hex[:8]}"
+    yield key
+    redis.Redis.from_url(REDIS).delete(key)
+
+
+def test_redis_end_to_end(engine: Engine, stream_key: str) -> None:
+    _business_tx(engine, 3)
+    pub = RedisStreamPublisher(REDIS, stream=stream_key, maxlen=1000)
+    _dispatch(engine, pub)
+    entries = redis.Redis.from_url(REDIS, decode_responses=True).xrange(stream_key)
+    assert [f["message_id"] for _, f in entries] == ["1", "2", "3"]
+    assert json.loads(entries[0][1]["payload"]) == {"n": 0} and entries[0][1]["event_type"] == "OrderPaid"
+    assert statuses(engine) == {"done": 3}
+
+
+def test_redis_down_is_retryable_then_delivered(engine: Engine, stream_key: str) -> None:
+    _business_tx(engine, 2)
+    Dispatcher(engine, OutboxEvent, RedisStreamPublisher(f"redis://127.0.0.1:{CLOSED}/0", stream=stream_key, timeout=1),
+               listen=False, backoff=FAST).run_once()  # fmt: skip
+    assert statuses(engine) == {"pending": 2} and "redis unavailable" in row(engine, "outbox", 1).last_error
+    time.sleep(0.01)
+    _dispatch(engine, RedisStreamPublisher(REDIS, stream=stream_key))
+    assert statuses(engine) == {"done": 2} and redis.Redis.from_url(REDIS).xlen(stream_key) == 2
+
+
+def test_redis_batch_publish_uses_one_round_trip_per_batch(stream_key: str) -> None:
+    from datetime import UTC, datetime
+
+    messages = [Message(i, str(i), "o", "1", "E", {"i": i}, 1, 1, datetime.now(UTC)) for i in range(1, 1001)]
+    pub = RedisStreamPublisher(REDIS, stream=stream_key)
+    t0 = time.perf_counter()
+    for m in messages:
+        pub.publish(m)
+    one_by_one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert pub.publish_many(messages) == [None] * 1000
+    batched = time.perf_counter() - t0
+    print(f"redis 1,000 messages: one by one {one_by_one * 1000:.1f} ms, pipelined {batched * 1000:.1f} ms")
+    assert redis.Redis.from_url(REDIS).xlen(stream_key) == 2000
+
+
+# --- HTTP webhook ---------------------------------------------------------------------------------------
+
+
+class _Hook(BaseHTTPRequestHandler):
+    script: ClassVar[list[tuple[int, dict[str, str]]]] = []
+    received: ClassVar[list[tuple[dict[str, str], Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).received.append((dict(self.headers), body))
+        status, headers = type(self).script.pop(0) if type(self).script else (200, {})
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, type[_Hook]]]:
+    handler = type("Hook", (_Hook,), {"script": [], "received": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_webhook_end_to_end_with_idempotency_key(engine: Engine, webhook: Any) -> None:
+    url, hook = webhook
+    _business_tx(engine, 2)
+    _dispatch(engine, WebhookPublisher(url))
+    assert [h["Idempotency-Key"] for h, _ in hook.received] == ["1", "2"]
+    assert (
+        hook.received[0][1]["payload"] == {"n": 0}
+        and hook.received[0][0]["X-Outbox-Event-Type"] == "OrderPaid"
+    )
+    assert statuses(engine) == {"done": 2}
+
+
+def test_webhook_status_classes(engine: Engine, webhook: Any) -> None:
+    url, hook = webhook
+    _business_tx(engine, 4)
+    hook.script[:] = [(503, {}), (429, {"Retry-After": "120"}), (400, {}), (200, {})]
+    Dispatcher(engine, OutboxEvent, WebhookPublisher(url), listen=False, backoff=FAST).run_once()
+    r1, r2, r3, r4 = (row(engine, "outbox", i) for i in (1, 2, 3, 4))
+    assert (r1.status, r1.attempts) == ("pending", 1) and "HTTP 503" in r1.last_error  # retryable
+    assert (r2.status, r2.attempts) == ("pending", 0) and "Retry-After 120s" in r2.last_error  # deferred
+    assert r3.status == "dead" and "HTTP 400" in r3.last_error  # permanent
+    assert r4.status == "done"
+
+
+def test_webhook_network_error_is_retryable(engine: Engine) -> None:
+    _business_tx(engine, 1)
+    Dispatcher(
+        engine, OutboxEvent, WebhookPublisher(f"http://127.0.0.1:{CLOSED}/", timeout=1), listen=False
+    ).run_once()
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and "ConnectError" in r.last_error
+
+
+def test_webhook_retry_after_longer_than_the_cap_is_a_plain_retry(engine: Engine, webhook: Any) -> None:
+    url, hook = webhook
+    _business_tx(engine, 1)
+    hook.script[:] = [(503, {"Retry-After": "86400"})]
+    Dispatcher(engine, OutboxEvent, WebhookPublisher(url, max_retry_after=60), listen=False).run_once()
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == ("pending", 1) and r.last_error.startswith("RetryableError: HTTP 503")
