@@ -342,6 +342,45 @@ def _cmd_purge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor
+
+    engine = _engine(args)
+    target = load_target(args.target, "dispatch") if args.target else None
+    findings = doctor(engine, [m for _, m in _tables(args, engine)], long_transaction=args.long_transaction,
+                      target=target)  # fmt: skip
+    failed = any(f.status == "fail" for f in findings)
+    if args.json:
+        _print_json({"ok": not failed, "findings": [f.as_dict() for f in findings]})
+    else:
+        for f in findings:
+            where = f" [{f.table}]" if f.table else ""
+            print(f"{f.status.upper():<4}  {f.check}{where}: {f.message}")
+            if f.fix and f.status != "ok":
+                print(f"      fix: {f.fix}")
+    return 1 if failed else 0
+
+
+def _cmd_locks(args: argparse.Namespace) -> int:
+    from .doctor import locks
+
+    engine = _engine(args)
+    found = locks(engine, [args.outbox_table, args.jobs_table])
+    if args.json:
+        _print_json([lk.as_dict() for lk in found])
+        return 0
+    if not found:
+        print("no session holds or waits for locks on the queue tables")
+    for lk in found:
+        flag = "  <- idle in transaction holding queue locks" if lk.idle_in_transaction else ""
+        print(f"pid {lk.pid} ({lk.application_name or '-'}) {lk.state} wait={lk.wait_event_type or '-'}/"
+              f"{lk.wait_event or '-'} xact={lk.transaction_seconds or 0:.1f}s blocked_by={lk.blocked_by or '-'}{flag}")  # fmt: skip
+        if lk.holds:
+            print(f"    holds: {', '.join(lk.holds)}")
+        print(f"    query: {lk.query[:160]}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -434,6 +473,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
             p.add_argument("--batch-size", type=int, default=1000)
         p.set_defaults(handler=_cmd_dead)
+
+    p = sub.add_parser(
+        "doctor", help="diagnose a slow or stuck queue: plans, indexes, vacuum, xmin horizon, locks"
+    )
+    _common(p)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--long-transaction", type=_duration, default=_duration("5m"))
+    p.add_argument("--target", help="module:attribute of a Dispatcher, to check its lease against its batch")
+    p.set_defaults(handler=_cmd_doctor)
+
+    p = sub.add_parser("locks", help="who holds or waits for locks on the queue tables, and who blocks whom")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=_cmd_locks)
 
     p = sub.add_parser("purge", help="delete done rows older than a duration, in bounded batches")
     _common(p)
