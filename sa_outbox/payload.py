@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import PayloadError
 
-__all__ = ["encode_payload", "normalize_payload"]
+__all__ = ["check_payload", "encode_payload", "normalize_payload"]
 
 
 class _Refused(TypeError):
@@ -44,12 +44,21 @@ def _default(value: Any) -> Any:
     raise _Refused(f"value of type {type(value).__name__} ({value!r:.80}) is not JSON-serialisable")
 
 
-def encode_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> str:
-    """Encode ``payload`` to a JSON string by the rules above, or raise PayloadError naming ``what``."""
+def encode_payload(
+    payload: Any, *, what: str, max_bytes: int | None = None, converted: list[bool] | None = None
+) -> str:
+    """Encode ``payload`` to a JSON string by the rules above, or raise PayloadError naming ``what``.
+    ``converted`` (a one-element list) is set to True when a value needed one of the conversions."""
     if payload is None:
         raise PayloadError(f"{what}: payload is required (use {{}} for an empty payload)")
+
+    def default(value: Any) -> Any:
+        if converted is not None:
+            converted[0] = True
+        return _default(value)
+
     try:
-        encoded = json.dumps(payload, default=_default, allow_nan=False, separators=(",", ":"))
+        encoded = json.dumps(payload, default=default, allow_nan=False, separators=(",", ":"))
     except _Refused as exc:
         raise PayloadError(f"{what}: payload refused: {exc}") from None
     except ValueError as exc:  # NaN / Infinity, circular reference
@@ -72,3 +81,11 @@ def encode_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> 
 def normalize_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> Any:
     """The payload as plain JSON values (what the database will hold), validated."""
     return json.loads(encode_payload(payload, what=what, max_bytes=max_bytes))
+
+
+def check_payload(payload: Any, *, what: str, max_bytes: int | None = None) -> tuple[Any, str]:
+    """Validate; return the payload as plain JSON values and its JSON text. A payload that needed no
+    conversion is returned as is (no decode round trip)."""
+    converted = [False]
+    encoded = encode_payload(payload, what=what, max_bytes=max_bytes, converted=converted)
+    return (json.loads(encoded) if converted[0] else payload), encoded

@@ -26,17 +26,35 @@ before the rows are inserted:
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Connection, bindparam, event, func, select, text, tuple_
+from sqlalchemy import (
+    ARRAY,
+    Connection,
+    Table,
+    Text,
+    bindparam,
+    column,
+    event,
+    func,
+    insert,
+    select,
+    text,
+    tuple_,
+)
+from sqlalchemy import cast as sa_cast
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapper, Session, SessionTransaction, object_mapper, object_session
+from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
+from sqlalchemy.orm.session import make_transient_to_detached
 
 from .durations import Duration, to_timedelta
 from .errors import PayloadError
-from .payload import normalize_payload
+from .payload import check_payload, normalize_payload
 from .schema import JobMixin, OutboxMixin
 
 __all__ = [
@@ -86,6 +104,67 @@ _LOCK_AND_NOTIFY = text(
 )
 
 
+_FAST_COLUMNS = frozenset(
+    {"id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at", "status", "available_at",
+     "attempts", "lease_owner", "lease_until", "lease_version", "last_error", "done_at"}
+)  # fmt: skip
+_FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload"})
+
+
+@functools.cache
+def _fast_insert(table: Table) -> Any:
+    """Locks, NOTIFYs and the events of a flush in one statement (one round trip).
+
+    ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the same
+    advisory-lock and NOTIFY subqueries as ``_LOCK_AND_NOTIFY`` (uncorrelated: evaluated once, before the first
+    row is inserted). Used for events that set only the four event columns on a table with exactly the mixin's
+    columns; anything else goes through the ORM's own INSERT.
+    """
+    rows = (
+        func.unnest(
+            bindparam("f_types", type_=ARRAY(Text)),
+            bindparam("f_ids", type_=ARRAY(Text)),
+            bindparam("f_events", type_=ARRAY(Text)),
+            bindparam("f_payloads", type_=ARRAY(Text)),
+        )
+        .table_valued(
+            column("t", Text), column("i", Text), column("e", Text), column("p", Text), with_ordinality="ord"
+        )
+        .render_derived(name="ev")
+    )
+    gate = text(
+        """
+        (SELECT count(*) FROM (
+            SELECT pg_advisory_xact_lock(k) FROM (
+                SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
+                  FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
+             ORDER BY k) AS locked) >= 0
+        AND (SELECT count(*) FROM (
+            SELECT pg_notify(c, p)
+              FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent) >= 0
+        """
+    )
+    source = select(rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB)).where(gate).order_by(rows.c.ord)
+    c = table.c
+    return (
+        insert(table)
+        .from_select([c.aggregate_type, c.aggregate_id, c.event_type, c.payload], source)
+        .returning(c.id)
+    )
+
+
+@functools.cache
+def _plain_table(table: Table) -> bool:
+    """The table has exactly the mixin's columns (no user columns whose defaults the ORM would apply)."""
+    return set(table.c.keys()) == _FAST_COLUMNS
+
+
+def _fast_eligible(ev: OutboxMixin) -> bool:
+    if not _plain_table(type(ev).__table__):  # type: ignore[attr-defined]
+        return False
+    return all(k in _FAST_SET or k[0] == "_" for k in instance_state(ev).dict)
+
+
 def lock_aggregate(bind: Session | Connection, aggregate_type: str, aggregate_id: str) -> None:
     """Take the transaction-scoped advisory lock the producer hook takes for ``(aggregate_type, aggregate_id)``.
 
@@ -100,6 +179,7 @@ class _TxState:
     advisory: set[tuple[str, str]] = field(default_factory=set)
     rows: set[tuple[Any, ...]] = field(default_factory=set)
     notified: set[tuple[str, str]] = field(default_factory=set)
+    written: list[Any] = field(default_factory=list)  # events inserted by the one-statement path
 
 
 def _states(session: Session) -> dict[SessionTransaction, _TxState]:
@@ -211,6 +291,8 @@ def enqueue(
 
 
 def _require_text(value: Any, what: str, name: str) -> str:
+    if type(value) is str and value and not value.isspace() and "\x00" not in value:
+        return value
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or not value.strip():
@@ -220,12 +302,18 @@ def _require_text(value: Any, what: str, name: str) -> str:
     return value
 
 
-def _validate_event(ev: OutboxMixin) -> None:
+def _validate_event(ev: OutboxMixin) -> str:
+    """Validate (and normalise) an event in place; returns its payload as JSON text."""
     what = f"outbox event {ev.event_type!r} for {ev.aggregate_type!r}/{ev.aggregate_id!r}"
-    ev.aggregate_type = _require_text(ev.aggregate_type, what, "aggregate_type")
-    ev.aggregate_id = _require_text(ev.aggregate_id, what, "aggregate_id")
-    ev.event_type = _require_text(ev.event_type, what, "event_type")
-    ev.payload = normalize_payload(ev.payload, what=what, max_bytes=type(ev).sa_outbox_max_payload_bytes)
+    for name in ("aggregate_type", "aggregate_id", "event_type"):
+        value = getattr(ev, name)
+        checked = _require_text(value, what, name)
+        if checked is not value:
+            setattr(ev, name, checked)
+    payload, encoded = check_payload(ev.payload, what=what, max_bytes=type(ev).sa_outbox_max_payload_bytes)
+    if payload is not ev.payload:
+        ev.payload = payload
+    return encoded
 
 
 def _validate_job(job: JobMixin) -> None:
@@ -255,8 +343,7 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     if not events and not jobs:
         return
     # 1. Validate everything first: a refused flush has issued no SQL at all.
-    for ev in events:
-        _validate_event(ev)
+    encoded = {id(ev): _validate_event(ev) for ev in events}
     for job in jobs:
         _validate_job(job)
 
@@ -284,7 +371,8 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     for job in jobs:
         notifies.add((channel_for(_table_name(job)), job.queue))
     notifies = {n for n in notifies if not _seen(session, "notified", n)}
-    if not advisory and not rows and not notifies:
+    fast = [ev for ev in events if _fast_eligible(ev)]
+    if not advisory and not rows and not notifies and not fast:
         return
 
     anchor = events[0] if events else jobs[0]
@@ -305,25 +393,69 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
         )
         conn.execute(lock)
         state.rows.update((mapper, pk) for pk in ordered)
-    # 3. Advisory locks for string aggregates and the NOTIFYs, in one statement.
-    if advisory or notifies:
-        adv = sorted(advisory)
-        nts = sorted(notifies)
-        conn.execute(
-            _LOCK_AND_NOTIFY,
-            {
-                "types": [t for t, _ in adv],
-                "ids": [i for _, i in adv],
-                "channels": [c for c, _ in nts],
-                "payloads": [p for _, p in nts],
-            },
-        )
-        state.advisory.update(adv)
-        state.notified.update(nts)
+    # 3. Advisory locks for string aggregates and the NOTIFYs — with the plain events' INSERT when there are
+    # any (one round trip for the whole flush), else on their own.
+    adv = sorted(advisory)
+    nts = sorted(notifies)
+    gate = {
+        "types": [t for t, _ in adv],
+        "ids": [i for _, i in adv],
+        "channels": [c for c, _ in nts],
+        "payloads": [p for _, p in nts],
+    }
+    by_table: dict[Any, list[OutboxMixin]] = {}
+    for ev in fast:
+        by_table.setdefault(type(ev).__table__, []).append(ev)  # type: ignore[attr-defined]
+    for table, group in by_table.items():
+        params = {
+            **gate,
+            "f_types": [ev.aggregate_type for ev in group],
+            "f_ids": [ev.aggregate_id for ev in group],
+            "f_events": [ev.event_type for ev in group],
+            "f_payloads": [encoded[id(ev)] for ev in group],
+        }
+        ids = sorted(conn.execute(_fast_insert(table), params).scalars())
+        gate = {"types": [], "ids": [], "channels": [], "payloads": []}
+        for ev, new_id in zip(group, ids, strict=True):
+            # Written: from here on the object is an ordinary persistent instance of this session.
+            session.expunge(ev)
+            ev.id = new_id
+            make_transient_to_detached(ev)
+            session.add(ev)
+            state.written.append(ev)
+    if gate["types"] or gate["channels"]:
+        conn.execute(_LOCK_AND_NOTIFY, gate)
+    state.advisory.update(adv)
+    state.notified.update(nts)
+
+
+_ENDED_KEY = "sa_outbox.ended"
 
 
 @event.listens_for(Session, "after_transaction_end")
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     states = session.info.get(_STATE_KEY)
-    if states:
-        states.pop(transaction, None)
+    if not states:
+        return
+    state = states.pop(transaction, None)
+    if state is not None and state.written:
+        # Keep them until we know how the transaction ended (after_soft_rollback comes after this event); a
+        # released savepoint hands them to its parent, whose own rollback must still take them out.
+        session.info.setdefault(_ENDED_KEY, {})[transaction] = state.written
+        if transaction.parent is not None:
+            states.setdefault(transaction.parent, _TxState()).written.extend(state.written)
+
+
+@event.listens_for(Session, "after_soft_rollback")
+def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    """Events inserted by the one-statement path are rolled back with their transaction: take them out of the
+    session, as the ORM does for the objects it inserted itself."""
+    for obj in session.info.get(_ENDED_KEY, {}).pop(previous_transaction, []):
+        if obj in session:
+            session.expunge(obj)
+
+
+@event.listens_for(Session, "after_transaction_create")
+def _after_transaction_create(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is None and session.info.get(_ENDED_KEY):
+        session.info[_ENDED_KEY].clear()

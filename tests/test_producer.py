@@ -212,13 +212,22 @@ def test_for_aggregate_flushes_a_new_aggregate_to_learn_its_id(engine: Engine) -
 
 
 def test_each_aggregate_is_locked_once_per_transaction(engine: Engine) -> None:
-    with statement_log(engine) as seen, Session(engine) as s, s.begin():
-        for n in range(3):
-            s.add(_event("A", n))
-            s.add(_event("B", n))
-            s.flush()
-    lock_statements = [st for st in seen if "pg_advisory_xact_lock" in st]
-    assert len(lock_statements) == 1
+    locked: list[list[str]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        if "pg_advisory_xact_lock" in statement and params.get("types"):
+            locked.append(list(params["ids"]))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with Session(engine) as s, s.begin():
+            for n in range(3):
+                s.add(_event("A", n))
+                s.add(_event("B", n))
+                s.flush()
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert locked == [["A", "B"]]  # both aggregates, in key order, in the first flush only
 
 
 def test_thousand_events_in_one_transaction_use_a_bounded_number_of_statements(engine: Engine) -> None:
@@ -369,3 +378,30 @@ def test_one_notification_per_committing_transaction(engine: Engine) -> None:
     finally:
         listener.close()
         jobs_listener.close()
+
+
+def test_written_events_behave_like_flushed_orm_objects(engine: Engine) -> None:
+    """Plain events are inserted by one statement with the flush's locks; afterwards they are ordinary
+    persistent objects (ids set, server defaults loadable) and a rollback takes them out of the session."""
+    with Session(engine) as s:
+        kept, dropped = _event("A", 1), _event("B", 2)
+        s.add(kept)
+        s.flush()
+        assert kept.id == 1 and kept in s and kept.status == "pending" and kept.attempts == 0
+        nested = s.begin_nested()
+        s.add(dropped)
+        s.flush()
+        assert dropped.id == 2 and dropped in s
+        nested.rollback()
+        assert dropped not in s and kept in s
+        s.commit()
+    assert count_rows(engine, "outbox") == 1
+
+
+def test_events_with_extra_columns_set_take_the_orm_path(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        s.add(_event("A", 1, available_at=dt.datetime(2030, 1, 1, tzinfo=dt.UTC)))
+    inserts = [st for st in seen if st.lstrip().startswith("INSERT")]
+    assert len(inserts) == 1 and "available_at" in inserts[0]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT extract(year FROM available_at) FROM outbox")).scalar_one() == 2030
