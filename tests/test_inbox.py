@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import ClassVar
 
 import pytest
@@ -148,3 +149,56 @@ def test_purge_inbox_keeps_the_window(engine: Engine) -> None:
     assert purge_inbox(engine, Inbox, older_than=7 * 86400, batch_size=1000) == 2500
     with engine.connect() as conn:
         assert conn.execute(text("SELECT message_id FROM inbox")).scalars().all() == ["fresh"]
+
+
+def test_end_to_end_lost_lease_double_publish_applies_once(order: Engine) -> None:
+    """outbox → dispatcher → RabbitMQ → consumer with the inbox. Dispatcher A's lease runs out mid-publish,
+    B re-claims and publishes the same message: the broker holds two copies, the effect happens once."""
+    import json
+    import uuid
+
+    import pika
+
+    from sa_outbox import Dispatcher
+    from sa_outbox.inbox import message_id_from_amqp
+    from sa_outbox.models import OutboxEvent
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    from .helpers import claim, mark_done
+
+    engine = order
+    amqp = "amqp://guest:guest@127.0.0.1:5672/%2F"
+    queue = f"inbox_e2e_{uuid.uuid4().hex[:6]}"
+    conn = pika.BlockingConnection(pika.URLParameters(amqp))
+    ch = conn.channel()
+    ch.queue_declare(queue)
+    try:
+        with Session(engine) as s, s.begin():
+            s.add(
+                OutboxEvent(
+                    aggregate_type="order", aggregate_id="1", event_type="OrderPaid", payload={"amount": 7}
+                )
+            )
+        publisher = RabbitMQPublisher(amqp, routing_key=queue)
+        # A claims with a short lease and publishes, then stalls past its lease before finalizing.
+        [a] = claim(engine, "A", batch=1, lease=0.2)
+        publisher.publish(a)
+        time.sleep(0.3)
+        # B rescues and re-claims (lease_version + 1) and publishes the same message again.
+        b_dispatcher = Dispatcher(engine, OutboxEvent, publisher, listen=False)
+        assert b_dispatcher.run_once() == 1
+        assert mark_done(engine, a) is False  # A's late finalize is fenced off
+        publisher.close()
+        deliveries = []
+        while True:
+            method, props, body = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                break
+            deliveries.append((message_id_from_amqp(props), json.loads(body)))
+        assert [d[0] for d in deliveries] == ["1", "1"]  # the double publish really happened
+        receipts = [_apply(engine, mid, body["payload"]["amount"]) for mid, body in deliveries]
+        assert receipts == [Receipt.NEW, Receipt.DUPLICATE]
+        assert _total(engine) == 7
+    finally:
+        ch.queue_delete(queue)
+        conn.close()
