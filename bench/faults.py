@@ -41,9 +41,10 @@ def main() -> int:
                       chaos_seconds=seconds, settle_seconds=180, pg_restarts=args.pg_restarts)  # fmt: skip
     report = run_faults(engine, url.render_as_string(hide_password=False), cfg)
     engine.dispose()
+    print(json.dumps(asdict(report), indent=2), flush=True)
+    admin.dispose()  # its connections did not survive a PostgreSQL restart
     with admin.connect() as conn:
         conn.execute(text("DROP DATABASE IF EXISTS sa_outbox_faults WITH (FORCE)"))
-    print(json.dumps(asdict(report), indent=2))
     ok = (report.undelivered == 0 and report.rolled_back_delivered == 0 and report.unexplained_duplicates == 0
           and report.order_violations == 0 and report.jobs_not_done == 0 and report.stuck_rows == 0)  # fmt: skip
     print("verdict:", "PASS" if ok else "FAIL")

@@ -291,14 +291,22 @@ class LoopBase:
         install_signal_handlers: bool = True,
         max_batches: int | None = None,
         until_idle: bool = False,
+        startup_timeout: Duration | None = None,
     ) -> None:
         """Loop until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until a claim comes back empty).
         Expired leases are rescued at most once a second. Database connection faults are logged and retried
-        with capped exponential backoff; the loop never spins hot on an empty queue or a dead server."""
+        with capped exponential backoff; the loop never spins hot on an empty queue or a dead server.
+
+        ``startup_timeout``: when the database has not been reached once within this long after start, raise
+        :class:`~sa_outbox.errors.ConfigurationError` naming the last error (default: keep retrying). Once it has
+        been reached, outages are always ridden out."""
         restore = self._install_signals() if install_signal_handlers else None
         self._running = True
         failures = 0
         batches = 0
+        started = time.monotonic()
+        reached = False
+        limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
         self._log.info("started", extra={"owner": self.owner, "table": self.spec.table.name})
         try:
             while not self._stop.is_set():
@@ -309,11 +317,17 @@ class LoopBase:
                 try:
                     claimed = self._step(rescue=rescue)
                     failures = 0
+                    reached = True
                 except Exception as exc:
                     if not is_connection_error(exc):
                         raise
                     failures += 1
                     self.stats.db_errors += 1
+                    if not reached and limit is not None and time.monotonic() - started > limit:
+                        raise ConfigurationError(
+                            f"database unreachable for {limit:g}s since start ({type(exc).__name__}: "
+                            f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
+                        ) from exc
                     delay = min(30.0, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
                     self._log.warning(
                         "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,

@@ -80,7 +80,9 @@ def load_target(target: str, kind: str) -> Any:
     return obj
 
 
-def _run_target(target: str, kind: str, early_signals: Sequence[int] = ()) -> int:
+def _run_target(
+    target: str, kind: str, early_signals: Sequence[int] = (), startup_timeout: float | None = 60.0
+) -> int:
     """Load and run one loop in this process; SIGTERM/SIGINT at any point → graceful stop, exit 0."""
     state: dict[str, Any] = {"loop": None, "stop": bool(early_signals)}
 
@@ -100,7 +102,7 @@ def _run_target(target: str, kind: str, early_signals: Sequence[int] = ()) -> in
     if inspect.iscoroutinefunction(loop.run):
         return asyncio.run(_run_async(loop, state))
     try:
-        loop.run(install_signal_handlers=False)
+        loop.run(install_signal_handlers=False, startup_timeout=startup_timeout)
     finally:
         loop.close()
     return 0

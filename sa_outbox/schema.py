@@ -75,6 +75,9 @@ class OutboxMixin:
     """
 
     sa_outbox_kind: ClassVar[str] = "outbox"
+    #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs
+    #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
@@ -146,6 +149,9 @@ class JobMixin:
     """Columns, constraints and partial indexes of a jobs table (jobs document, plus task and fencing)."""
 
     sa_outbox_kind: ClassVar[str] = "jobs"
+    #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs
+    #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
     #: Used by ``enqueue`` and ``Job(...)`` when max_attempts is not given (the jobs document's default).
     sa_outbox_default_max_attempts: ClassVar[int] = 3

@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine
@@ -32,7 +33,7 @@ from sqlalchemy import Engine
 from . import engine as eng
 from ._loop import LoopBase, positive_int
 from .backoff import JOBS_BACKOFF, Backoff
-from .durations import Duration, to_timedelta
+from .durations import Duration, to_seconds, to_timedelta
 from .errors import ConfigurationError, Defer, PermanentError, RetryableError
 from .messages import ClaimedJob
 from .producer import channel_for
@@ -164,6 +165,7 @@ class Worker(LoopBase):
         listen_url: str | None = None,
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
+        handler_timeout: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -189,6 +191,13 @@ class Worker(LoopBase):
         self.backoff = backoff or JOBS_BACKOFF
         self.stop_on_unclassified = stop_on_unclassified
         self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
+        self.handler_timeout: float | None = (
+            None
+            if handler_timeout is None
+            else to_seconds(handler_timeout, name="handler_timeout", allow_zero=False)
+        )
+        if self.handler_timeout is not None and self.handler_timeout >= self.stale_after.total_seconds():
+            raise ConfigurationError("handler_timeout must be shorter than stale_after")
         self._pool: ThreadPoolExecutor | None = None
         self._beat: _Heartbeat | _NoHeartbeat = (
             _Heartbeat(self, self.heartbeat) if self.heartbeat is not None else _NoHeartbeat()
@@ -231,12 +240,23 @@ class Worker(LoopBase):
         self.stats.batches += 1
         self.stats.claimed += len(jobs)
         self._beat.hold(jobs)
-        if self.concurrency == 1 or len(jobs) == 1:
+        if self.handler_timeout is None and (self.concurrency == 1 or len(jobs) == 1):
             results = [self._call(j) for j in jobs]
         else:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
-            results = list(self._pool.map(self._call, jobs))
+            futures = [self._pool.submit(self._call, j) for j in jobs]
+            results = []
+            for job, future in zip(jobs, futures, strict=True):
+                try:
+                    results.append(future.result(timeout=self.handler_timeout))
+                except FutureTimeout:
+                    # The thread cannot be killed: it is abandoned (the job may still finish there), the job is
+                    # retried like any transient failure — handlers must be idempotent anyway.
+                    self._beat.release(job.id)
+                    results.append(
+                        RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
+                    )
         outcomes, fatal = self._outcomes(jobs, results)
         if fatal is not None:
             self._finalize(outcomes)
