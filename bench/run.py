@@ -140,6 +140,32 @@ def library_dispatcher(url: str, batch: int, ordered: bool, ready: Any, go: Any)
     engine.dispose()
 
 
+def library_async_loop(url: str, kind: str, batch: int, ready: Any, go: Any) -> None:
+    """AsyncWorker / AsyncDispatcher in one process (psycopg async driver)."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, AsyncWorker
+
+    async def main() -> None:
+        engine = create_async_engine(url.replace("+psycopg:", "+psycopg_async:"), pool_size=2)
+        if kind == "jobs":
+            loop: Any = AsyncWorker(engine, Job, {"noop": lambda j: None}, batch=batch, listen=False)
+        else:
+            loop = AsyncDispatcher(engine, OutboxEvent, NoopPublisher(), batch=batch, listen=False)
+        async with engine.connect():
+            pass
+        ready.set()
+        while not go.is_set():
+            await asyncio.sleep(0.001)
+        await loop.run(install_signal_handlers=False, until_idle=True)
+        await loop.close()
+        await engine.dispose()
+
+    asyncio.run(main())
+
+
 def timed_processes(target: Callable[..., None], args_for: list[tuple[Any, ...]]) -> float:
     readies = [CTX.Event() for _ in args_for]
     go = CTX.Event()
@@ -213,6 +239,26 @@ def scenario_outbox(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[s
         "ordered claim (1,000 aggregates), batch 50": {**ratio_row(ordered, base),
                                                       "vs_plain": statistics.median(ordered) / statistics.median(plain)},
     }  # fmt: skip
+
+
+def scenario_async(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[str, Any]:
+    """The same drains through AsyncWorker / AsyncDispatcher, beside the sync classes."""
+    n, procs = cfg.jobs, 4
+    out: dict[str, Any] = {}
+    for kind in ("jobs", "outbox"):
+        sync_, async_ = [], []
+        for _ in range(cfg.runs):
+            reset = reset_jobs if kind == "jobs" else (lambda e, k: reset_outbox(e, k, 1000))
+            reset(engine, n)
+            target = library_worker if kind == "jobs" else library_dispatcher
+            args = (url, 50, 0.0, 1) if kind == "jobs" else (url, 50, False)
+            sync_.append(n / timed_processes(target, [args] * procs))
+            check_drained(engine, kind, n)
+            reset(engine, n)
+            async_.append(n / timed_processes(library_async_loop, [(url, kind, 50)] * procs))
+            check_drained(engine, kind, n)
+        out[f"{kind} drain, batch 50: async vs sync"] = ratio_row(async_, sync_)
+    return out
 
 
 def scenario_producer(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[str, Any]:
@@ -389,6 +435,7 @@ SCENARIOS = {
     "jobs": scenario_jobs,
     "slowjobs": scenario_slow_jobs,
     "outbox": scenario_outbox,
+    "async": scenario_async,
     "producer": scenario_producer,
     "wakeup": scenario_wakeup,
     "growth": scenario_growth,

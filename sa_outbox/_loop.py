@@ -106,6 +106,8 @@ class LoopBase:
         # Outcomes of the last batch, finalized together with the next claim (one round trip) while run()
         # loops; flushed on their own when the loop stops, goes idle or run_once() returns.
         self._pending: list[eng.Outcome] = []
+        #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
+        self.observer: Callable[[str, float], None] | None = None
 
     # -- database access -------------------------------------------------------------------------------
 
@@ -176,8 +178,11 @@ class LoopBase:
     def _claim_rows(self, *, rescue: bool) -> list[Any]:
         """Rescue (when due), then claim up to ``batch`` rows — finalizing the pending outcomes of the previous
         batch in the same statement when there are any."""
+        started = time.perf_counter()
         with self._connection() as conn:
             rows = self._claim_rows_on(conn, rescue=rescue)
+        if self.observer is not None:
+            self.observer("claim", time.perf_counter() - started)
         if self._pending:  # nothing to claim with (no claim parameters): finalize on its own
             self._flush_pending()
         return rows

@@ -81,7 +81,11 @@ def load_target(target: str, kind: str) -> Any:
 
 
 def _run_target(
-    target: str, kind: str, early_signals: Sequence[int] = (), startup_timeout: float | None = 60.0
+    target: str,
+    kind: str,
+    early_signals: Sequence[int] = (),
+    startup_timeout: float | None = 60.0,
+    metrics_port: int | None = None,
 ) -> int:
     """Load and run one loop in this process; SIGTERM/SIGINT at any point → graceful stop, exit 0."""
     state: dict[str, Any] = {"loop": None, "stop": bool(early_signals)}
@@ -99,6 +103,10 @@ def _run_target(
     state["loop"] = loop
     if state["stop"]:
         return 0
+    if metrics_port is not None:
+        from .metrics import MetricsExporter
+
+        MetricsExporter(loop).start(metrics_port)
     if inspect.iscoroutinefunction(loop.run):
         return asyncio.run(_run_async(loop, state))
     try:
@@ -122,16 +130,23 @@ async def _run_async(loop: Any, state: dict[str, Any]) -> int:
     return 0
 
 
-def _child(target: str, kind: str) -> None:  # pragma: no cover - runs in a child process
-    raise SystemExit(_run_target(target, kind))
+def _child(target: str, kind: str, metrics_port: int | None) -> None:  # pragma: no cover - child process
+    raise SystemExit(_run_target(target, kind, metrics_port=metrics_port))
 
 
-def _run_processes(target: str, kind: str, processes: int, early_signals: Sequence[int] = ()) -> int:
+def _run_processes(
+    target: str, kind: str, processes: int, early_signals: Sequence[int] = (), metrics_port: int | None = None
+) -> int:
+    """Run the target here, or in ``processes`` children (child i serves metrics on ``metrics_port + i``)."""
     if processes == 1 or early_signals:
-        return _run_target(target, kind, early_signals)
+        return _run_target(target, kind, early_signals, metrics_port=metrics_port)
     ctx = multiprocessing.get_context("spawn")
     children = [
-        ctx.Process(target=_child, args=(target, kind), name=f"sa-outbox-{kind}-{i}")
+        ctx.Process(
+            target=_child,
+            args=(target, kind, None if metrics_port is None else metrics_port + i),
+            name=f"sa-outbox-{kind}-{i}",
+        )
         for i in range(processes)
     ]
     stopping = threading.Event()
@@ -155,7 +170,7 @@ def _run_processes(target: str, kind: str, processes: int, early_signals: Sequen
 def _cmd_loop(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise ConfigurationError("--processes must be >= 1")
-    return _run_processes(args.target, args.command, args.processes, args.early_signals)
+    return _run_processes(args.target, args.command, args.processes, args.early_signals, args.metrics_port)
 
 
 # --- operations: status / check / dead / purge ------------------------------------------------------------
@@ -418,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=f"run a {what} named by module:attribute")
         p.add_argument("target", metavar="TARGET", help=f"module:attribute naming a {what} or a factory")
         p.add_argument("--processes", type=int, default=1, help="run N copies in separate processes")
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve Prometheus metrics on this port (process i of --processes uses port + i)",
+        )
         p.set_defaults(handler=_cmd_loop)
 
     p = sub.add_parser("demo", help="run a small order service end to end and print a verdict")

@@ -170,12 +170,16 @@ class Dispatcher(LoopBase):
                     )
                     outcomes += [eng.release(self.spec, m.id, m.lease_version, reason) for m in messages[i:]]
                     break
+                started = time.perf_counter()
                 try:
                     result: Any = self.publisher.publish(msg)  # type: ignore[func-returns-value]
                     error = check_result(result)
                 except Exception as exc:
                     error = exc
                 results.append((msg, error))
+                if self.observer is not None:
+                    self.observer("handle", time.perf_counter() - started)
+                    self.observer("age", max(0.0, time.time() - msg.created_at.timestamp()))
         more, fatal = self._outcomes(results)
         return outcomes + more, fatal
 

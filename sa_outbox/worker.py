@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -226,7 +227,11 @@ class Worker(LoopBase):
             if handler is None:
                 known = ", ".join(sorted(self.handlers)) or "none"
                 return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+            started = time.perf_counter()
             handler(job)
+            if self.observer is not None:
+                self.observer("handle", time.perf_counter() - started)
+                self.observer("age", max(0.0, time.time() - job.created_at.timestamp()))
             return None
         except Exception as exc:
             return exc
