@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from sqlalchemy import Engine
@@ -86,6 +88,7 @@ class Dispatcher(LoopBase):
         listen_url: str | None = None,
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
+        enforce_publish_timeout: bool = False,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -117,6 +120,12 @@ class Dispatcher(LoopBase):
         self.backoff = backoff or OUTBOX_BACKOFF
         self.stop_on_unclassified = stop_on_unclassified
         self._batch_publish = isinstance(publisher, BatchPublisher)
+        # With enforce_publish_timeout, each publish runs on a helper thread and the loop waits at most
+        # publish_timeout for it: a hung publisher becomes a retryable failure (its thread is abandoned and a
+        # fresh one used). Off by default: the shipped publishers bound their own I/O, and the hand-off costs
+        # a thread switch per message.
+        self.enforce_publish_timeout = enforce_publish_timeout
+        self._publish_pool: ThreadPoolExecutor | None = None
 
     # -- one batch -------------------------------------------------------------------------------------
 
@@ -172,7 +181,7 @@ class Dispatcher(LoopBase):
                     break
                 started = time.perf_counter()
                 try:
-                    result: Any = self.publisher.publish(msg)  # type: ignore[func-returns-value]
+                    result: Any = self._call_publish(msg)
                     error = check_result(result)
                 except Exception as exc:
                     error = exc
@@ -182,6 +191,21 @@ class Dispatcher(LoopBase):
                     self.observer("age", max(0.0, time.time() - msg.created_at.timestamp()))
         more, fatal = self._outcomes(results)
         return outcomes + more, fatal
+
+    def _call_publish(self, msg: Message) -> Any:
+        if not self.enforce_publish_timeout:
+            return self.publisher.publish(msg)
+        if self._publish_pool is None:
+            self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="sa_outbox-publish")
+        future = self._publish_pool.submit(self.publisher.publish, msg)
+        try:
+            return future.result(timeout=self.publish_timeout.total_seconds())
+        except FutureTimeout:
+            self._publish_pool.shutdown(wait=False)  # its thread is stuck in the publisher: abandon it
+            self._publish_pool = None
+            raise RetryableError(
+                f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)"
+            ) from None
 
     def _outcomes(
         self, results: list[tuple[Message, BaseException | None]]

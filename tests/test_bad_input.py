@@ -84,3 +84,29 @@ def test_negative_delays_are_refused() -> None:
         Defer(-1, "no")
     with pytest.raises(ConfigurationError, match="backoff base must be > 0"):
         Backoff(0, 10)
+
+
+def test_hanging_publisher_times_out_as_retryable_when_enforced(engine: Engine) -> None:
+    from sa_outbox import Message
+
+    from .helpers import seed_events
+
+    release = threading.Event()
+
+    class Hangs:
+        def publish(self, message: Message) -> None:
+            release.wait(10)
+
+    seed_events(engine, 1)
+    d = Dispatcher(
+        engine, OutboxEvent, Hangs(), listen=False, lease=5, publish_timeout=0.3, enforce_publish_timeout=True
+    )
+    started = time.monotonic()
+    assert d.run_once() == 1
+    assert time.monotonic() - started < 3
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == (
+        "pending",
+        1,
+    ) and "publish exceeded publish_timeout (0.3s)" in r.last_error
+    release.set()

@@ -333,3 +333,27 @@ def test_webhook_retry_after_longer_than_the_cap_is_a_plain_retry(engine: Engine
     Dispatcher(engine, OutboxEvent, WebhookPublisher(url, max_retry_after=60), listen=False).run_once()
     r = row(engine, "outbox", 1)
     assert (r.status, r.attempts) == ("pending", 1) and r.last_error.startswith("RetryableError: HTTP 503")
+
+
+def test_async_webhook_publisher_under_async_dispatcher(engine: Engine, webhook: Any, async_url: Any) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.publishers.http import AsyncWebhookPublisher
+
+    url, hook = webhook
+    _business_tx(engine, 3)
+    hook.script[:] = [(200, {}), (503, {}), (200, {})]
+
+    async def go() -> None:
+        aengine = create_async_engine(async_url)
+        pub = AsyncWebhookPublisher(url)
+        d = AsyncDispatcher(aengine, OutboxEvent, pub, listen=False, backoff=FAST)
+        await d.run_once()
+        await d.close()
+        await pub.aclose()
+        await aengine.dispose()
+
+    asyncio.run(go())
+    assert sorted(h["Idempotency-Key"] for h, _ in hook.received) == ["1", "2", "3"]
+    assert statuses(engine) == {"done": 2, "pending": 1}

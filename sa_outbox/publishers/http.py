@@ -24,7 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     missing_extra("http", exc)
 
-__all__ = ["WebhookPublisher", "classify_response"]
+__all__ = ["AsyncWebhookPublisher", "WebhookPublisher", "classify_response"]
 
 RETRYABLE = {408, 429}
 
@@ -65,7 +65,7 @@ class WebhookPublisher:
         max_retry_after: float = 300.0,
     ) -> None:
         self.url = url
-        self.client = client or httpx.Client(timeout=timeout)
+        self.client: Any = client or httpx.Client(timeout=timeout)
         self.headers = dict(headers or {})
         self.max_retry_after = max_retry_after
 
@@ -87,3 +87,33 @@ class WebhookPublisher:
 
     def close(self) -> None:
         self.client.close()
+
+
+class AsyncWebhookPublisher(WebhookPublisher):
+    """The same webhook publisher for :class:`~sa_outbox.AsyncDispatcher` (``httpx.AsyncClient``); the batch of a
+    claim is POSTed concurrently (``publish_concurrency`` of the dispatcher)."""
+
+    def __init__(
+        self,
+        url: str | Callable[[Message], str],
+        *,
+        timeout: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        client: Any = None,
+        max_retry_after: float = 300.0,
+    ) -> None:
+        super().__init__(url, timeout=timeout, headers=headers, client=client or httpx.AsyncClient(timeout=timeout),
+                         max_retry_after=max_retry_after)  # fmt: skip
+
+    async def publish(self, message: Message) -> None:  # type: ignore[override]
+        url, headers, body = self._request(message)
+        try:
+            response = await self.client.post(url, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise RetryableError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
+        error = classify_response(response, max_retry_after=self.max_retry_after)
+        if error is not None:
+            raise error
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
