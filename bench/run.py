@@ -261,43 +261,63 @@ def scenario_async(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[st
     return out
 
 
+def _produce_orm(engine: Engine, n: int, tx_size: int) -> float:
+    started = time.perf_counter()
+    for i in range(0, n, tx_size):
+        with Session(engine) as s, s.begin():
+            s.add_all(
+                OutboxEvent(
+                    aggregate_type="order",
+                    aggregate_id=str((i + k) % 100),
+                    event_type="E",
+                    payload={"n": i + k},
+                )
+                for k in range(tx_size)
+            )
+    return n / (time.perf_counter() - started)
+
+
+def _produce_core(engine: Engine, n: int, tx_size: int) -> float:
+    started = time.perf_counter()
+    for i in range(0, n, tx_size):
+        with engine.begin() as conn:
+            conn.execute(
+                insert(OutboxEvent),
+                [{"aggregate_type": "order", "aggregate_id": str((i + k) % 100), "event_type": "E",
+                  "payload": {"n": i + k}} for k in range(tx_size)],
+            )  # fmt: skip
+    return n / (time.perf_counter() - started)
+
+
 def scenario_producer(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[str, Any]:
+    """Session hook (locks, validation, NOTIFY) vs a Core INSERT of the same rows, and vs the same ORM session
+    with the hook switched off (what an application writes without the library)."""
+    from sqlalchemy import event
+
+    from sa_outbox import producer
+
     out: dict[str, Any] = {}
     n = cfg.producer
+
+    def truncate() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
+
     for tx_size in (1, 10):
-        hook, plain = [], []
+        hook, core, orm = [], [], []
         for _ in range(cfg.runs):
-            with engine.begin() as conn:
-                conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
-            started = time.perf_counter()
-            for i in range(0, n, tx_size):
-                with Session(engine) as s, s.begin():
-                    s.add_all(
-                        OutboxEvent(
-                            aggregate_type="order",
-                            aggregate_id=str((i + k) % 100),
-                            event_type="E",
-                            payload={"n": i + k},
-                        )
-                        for k in range(tx_size)
-                    )
-            hook.append(n / (time.perf_counter() - started))
-            with engine.begin() as conn:
-                conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
-            started = time.perf_counter()
-            for i in range(0, n, tx_size):
-                with engine.begin() as conn:
-                    conn.execute(
-                        insert(OutboxEvent),
-                        [{"aggregate_type": "order", "aggregate_id": str((i + k) % 100), "event_type": "E",
-                          "payload": {"n": i + k}} for k in range(tx_size)],
-                    )  # fmt: skip
-            plain.append(n / (time.perf_counter() - started))
-        out[f"{tx_size} event(s) per transaction"] = {
-            "library": summary(hook),
-            "baseline": summary(plain),
-            "ratio": statistics.median(hook) / statistics.median(plain),
-        }
+            truncate()
+            hook.append(_produce_orm(engine, n, tx_size))
+            truncate()
+            core.append(_produce_core(engine, n, tx_size))
+            truncate()
+            event.remove(Session, "before_flush", producer._before_flush)
+            try:
+                orm.append(_produce_orm(engine, n, tx_size))
+            finally:
+                event.listen(Session, "before_flush", producer._before_flush)
+        out[f"{tx_size} event(s) per transaction, vs Core INSERT"] = ratio_row(hook, core)
+        out[f"{tx_size} event(s) per transaction, vs ORM session without the hook"] = ratio_row(hook, orm)
     return out
 
 
