@@ -4,6 +4,10 @@
   and attempts travel as headers; ``content_type`` is JSON; ``delivery_mode=2`` (persistent).
 * Every publish waits for the broker's confirm. A nack, a lost connection, a closed channel or a timeout is
   :class:`~sa_outbox.RetryableError`, and the next publish reconnects.
+* ``publish_many`` (used by the dispatcher for whole batches) publishes a batch inside one AMQP transaction on
+  a second channel: the messages go out back to back and one ``tx.commit`` round trip makes the broker take
+  responsibility for all of them (or none: a failed commit is retryable for the whole batch). Messages the
+  broker returns as unroutable during the commit are reported per message.
 * Unroutable messages (``mandatory=True`` and no queue bound): by default **retryable** — the topology is often
   declared by consumers that start later, and retrying ends ``dead`` after ``max_attempts`` anyway, where an
   operator sees it; ``unroutable="dead"`` makes it a :class:`~sa_outbox.PermanentError` instead.
@@ -12,7 +16,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import ConfigurationError, PermanentError, RetryableError
@@ -69,6 +73,8 @@ class RabbitMQPublisher:
         self.unroutable = unroutable
         self._conn: Any = None
         self._channel: Any = None
+        self._tx_channel: Any = None
+        self._returned: list[str] = []
 
     def _ensure(self) -> Any:
         if self._channel is None or not self._channel.is_open or not self._conn.is_open:
@@ -78,19 +84,61 @@ class RabbitMQPublisher:
             self._channel.confirm_delivery()
         return self._channel
 
-    def _key(self, message: Message) -> str:
-        if self.routing_key is None:
-            return message.event_type
-        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
+    def _ensure_tx(self) -> Any:
+        self._ensure()
+        if self._tx_channel is None or not self._tx_channel.is_open:
+            self._tx_channel = self._conn.channel()
+            self._tx_channel.tx_select()
+            self._tx_channel.add_on_return_callback(self._on_return)
+        return self._tx_channel
 
-    def publish(self, message: Message) -> None:
-        props = pika.BasicProperties(
+    def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        self._returned.append(str(properties.message_id))
+
+    def _props(self, message: Message) -> Any:
+        return pika.BasicProperties(
             message_id=message.message_id,
             content_type="application/json",
             delivery_mode=2,
             type=message.event_type,
             headers=headers_for(message),
         )
+
+    def publish_many(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        """One AMQP transaction for the batch (see the module docs); per-message outcomes."""
+        self._returned = []
+        try:
+            channel = self._ensure_tx()
+            for m in messages:
+                channel.basic_publish(
+                    self.exchange, self._key(m), envelope_json(m), self._props(m), mandatory=self.mandatory
+                )
+            channel.tx_commit()
+            self._conn.process_data_events(0)  # deliver any basic.return that arrived with the commit
+        except _RETRYABLE as exc:
+            self.close()
+            return [RetryableError(f"rabbitmq batch publish failed: {type(exc).__name__}: {exc}")] * len(
+                messages
+            )
+        returned = set(self._returned)
+        out: list[BaseException | None] = []
+        for m in messages:
+            if m.message_id in returned:
+                text = (
+                    f"unroutable: no queue bound for exchange {self.exchange!r} routing key {self._key(m)!r}"
+                )
+                out.append(PermanentError(text) if self.unroutable == "dead" else RetryableError(text))
+            else:
+                out.append(None)
+        return out
+
+    def _key(self, message: Message) -> str:
+        if self.routing_key is None:
+            return message.event_type
+        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
+
+    def publish(self, message: Message) -> None:
+        props = self._props(message)
         try:
             channel = self._ensure()
             channel.basic_publish(
@@ -104,7 +152,7 @@ class RabbitMQPublisher:
             raise RetryableError(f"rabbitmq publish failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        conn, self._conn, self._channel = self._conn, None, None
+        conn, self._conn, self._channel, self._tx_channel = self._conn, None, None, None
         if conn is not None and conn.is_open:
             with contextlib.suppress(Exception):  # closing a broken connection: nothing left to do
                 conn.close()
