@@ -99,7 +99,7 @@ def test_rabbitmq_down_keeps_messages_pending_then_delivers_all(engine: Engine, 
     d = Dispatcher(engine, OutboxEvent, down, listen=False, backoff=FAST)
     assert d.run_once() == 3
     r = row(engine, "outbox", 1)
-    assert (r.status, r.attempts) == ("pending", 1) and "rabbitmq publish failed" in r.last_error
+    assert (r.status, r.attempts) == ("pending", 1) and "rabbitmq batch publish failed" in r.last_error
     time.sleep(0.01)
     up = RabbitMQPublisher(AMQP, exchange=exchange, routing_key="order.x")
     _dispatch(engine, up)
