@@ -23,7 +23,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from . import engine as eng
 from .durations import Duration, to_seconds
-from .errors import ConfigurationError, SchemaError
+from .errors import ConfigurationError, Defer, PermanentError, RetryableError, SchemaError
 from .sql import QueueSpec, spec_for
 from .wakeup import Waker
 
@@ -267,6 +267,26 @@ class LoopBase:
             else:
                 self.stats.released += 1
                 self._log.info("%s %s released: %s", kind, o.id, o.error, extra=extra)
+
+    def _outcome(
+        self, *, id: int, lease_version: int, attempts: int, max_attempts: int, error: BaseException | None,
+        backoff: Any, label: str, stop_on_unclassified: bool,
+    ) -> tuple[eng.Outcome, BaseException | None]:  # fmt: skip
+        """Classify one result; an unclassified exception is logged with its traceback and counted. Returns the
+        outcome and, when the loop must stop on it, the exception."""
+        fatal = None
+        if error is not None and not isinstance(error, (RetryableError, PermanentError, Defer)):
+            self.stats.unclassified += 1
+            self._log.error(
+                "%s raised an unclassified exception (treated as retryable)", label, exc_info=error,
+                extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
+            )  # fmt: skip
+            fatal = error if stop_on_unclassified else None
+        outcome = eng.decide(
+            self.spec, id=id, lease_version=lease_version, attempts=attempts, max_attempts=max_attempts,
+            error=error, backoff=backoff,
+        )  # fmt: skip
+        return outcome, fatal
 
     # -- the loop --------------------------------------------------------------------------------------
 

@@ -33,15 +33,13 @@ from . import engine as eng
 from ._loop import LoopBase, positive_int
 from .backoff import OUTBOX_BACKOFF, Backoff
 from .durations import Duration, to_timedelta
-from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .errors import ConfigurationError, RetryableError
 from .messages import BatchPublisher, Message, Publisher
 from .producer import channel_for
 
 __all__ = ["Dispatcher"]
 
 log = logging.getLogger("sa_outbox.dispatcher")
-
-_CLASSIFIED = (RetryableError, PermanentError, Defer)
 
 
 def check_result(result: Any) -> BaseException | None:
@@ -214,18 +212,11 @@ class Dispatcher(LoopBase):
         outcomes: list[eng.Outcome] = []
         fatal: BaseException | None = None
         for msg, error in results:
-            if error is not None and not isinstance(error, _CLASSIFIED):
-                self.stats.unclassified += 1
-                log.error(
-                    "unclassified publisher error for outbox %s (treated as retryable)", msg.id,
-                    exc_info=error, extra={"outbox_id": msg.id, "lease_version": msg.lease_version},
-                )  # fmt: skip
-                if self.stop_on_unclassified and fatal is None:
-                    fatal = error
-            outcomes.append(
-                eng.decide(
-                    self.spec, id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts,
-                    max_attempts=self.max_attempts, error=error, backoff=self.backoff,
-                )
+            outcome, stop = self._outcome(
+                id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts, max_attempts=self.max_attempts,
+                error=error, backoff=self.backoff, label=f"the publisher (outbox {msg.id})",
+                stop_on_unclassified=self.stop_on_unclassified,
             )  # fmt: skip
+            outcomes.append(outcome)
+            fatal = fatal or stop
         return outcomes, fatal

@@ -175,6 +175,32 @@ def rescue(
     return rows
 
 
+def _claim_params(
+    spec: QueueSpec, owner: str, batch: int, lease: timedelta | None, queue: str | None,
+    ordered_types: Sequence[str] | None,
+) -> dict[str, Any]:  # fmt: skip
+    params: dict[str, Any] = {"owner": owner, "batch": batch}
+    if spec.kind == "outbox":
+        params["lease"] = lease
+    else:
+        params["queue_name"] = queue
+    if ordered_types is not None:
+        params["ordered_types"] = list(ordered_types)
+    return params
+
+
+def _outcome_params(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """The outcome arrays of the finalize statement (one element per row, unnested in the database)."""
+    return {
+        "ids": [o.id for o in outcomes],
+        "versions": [o.lease_version for o in outcomes],
+        "statuses": [o.status for o in outcomes],
+        "delays": [o.delay for o in outcomes],
+        "errors": [o.error for o in outcomes],
+        "refunds": [o.refund for o in outcomes],
+    }
+
+
 def claim(
     conn: Connection,
     spec: QueueSpec,
@@ -188,14 +214,7 @@ def claim(
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id."""
     stmt = sql.claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
-    params: dict[str, Any] = {"owner": owner, "batch": batch}
-    if spec.kind == "outbox":
-        params["lease"] = lease
-    else:
-        params["queue_name"] = queue
-    if ordered_types is not None:
-        params["ordered_types"] = list(ordered_types)
-    rows = run(conn, stmt, params)
+    rows = run(conn, stmt, _claim_params(spec, owner, batch, lease, queue, ordered_types))
     rows.sort(key=lambda r: r[0])
     return rows
 
@@ -205,15 +224,7 @@ def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> 
     items = list(outcomes)
     if not items:
         return set()
-    params = {
-        "ids": [o.id for o in items],
-        "versions": [o.lease_version for o in items],
-        "statuses": [o.status for o in items],
-        "delays": [o.delay for o in items],
-        "errors": [o.error for o in items],
-        "refunds": [o.refund for o in items],
-    }
-    return {r[0] for r in run(conn, sql.finalize_statement(spec), params)}
+    return {r[0] for r in run(conn, sql.finalize_statement(spec), _outcome_params(items))}
 
 
 def finalize_and_claim(
@@ -230,22 +241,7 @@ def finalize_and_claim(
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
     stmt = sql.finalize_and_claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
-    params: dict[str, Any] = {
-        "owner": owner,
-        "batch": batch,
-        "ids": [o.id for o in outcomes],
-        "versions": [o.lease_version for o in outcomes],
-        "statuses": [o.status for o in outcomes],
-        "delays": [o.delay for o in outcomes],
-        "errors": [o.error for o in outcomes],
-        "refunds": [o.refund for o in outcomes],
-    }
-    if spec.kind == "outbox":
-        params["lease"] = lease
-    else:
-        params["queue_name"] = queue
-    if ordered_types is not None:
-        params["ordered_types"] = list(ordered_types)
+    params = {**_claim_params(spec, owner, batch, lease, queue, ordered_types), **_outcome_params(outcomes)}
     applied: set[int] = set()
     claimed: list[Any] = []
     for row in run(conn, stmt, params):

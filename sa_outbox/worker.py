@@ -35,7 +35,7 @@ from . import engine as eng
 from ._loop import LoopBase, positive_int
 from .backoff import JOBS_BACKOFF, Backoff
 from .durations import Duration, to_seconds, to_timedelta
-from .errors import ConfigurationError, Defer, PermanentError, RetryableError
+from .errors import ConfigurationError, PermanentError, RetryableError
 from .messages import ClaimedJob
 from .producer import channel_for
 
@@ -46,7 +46,6 @@ log = logging.getLogger("sa_outbox.worker")
 Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
 
-_CLASSIFIED = (RetryableError, PermanentError, Defer)
 _NOT_STARTED = object()
 
 
@@ -281,21 +280,13 @@ class Worker(LoopBase):
                     eng.release(self.spec, job.id, job.lease_version, "released: worker stopping")
                 )
                 continue
-            error = result if isinstance(result, BaseException) else None
-            if error is not None and not isinstance(error, _CLASSIFIED):
-                self.stats.unclassified += 1
-                log.error(
-                    "job %s (%s) raised an unclassified exception (treated as retryable)", job.id, job.task,
-                    exc_info=error, extra={"job_id": job.id, "task": job.task, "lease_version": job.lease_version},
-                )  # fmt: skip
-                if self.stop_on_unclassified and fatal is None:
-                    fatal = error
-            outcomes.append(
-                eng.decide(
-                    self.spec, id=job.id, lease_version=job.lease_version, attempts=job.attempts,
-                    max_attempts=job.max_attempts, error=error, backoff=self.backoff,
-                )
+            outcome, stop = self._outcome(
+                id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
+                error=result if isinstance(result, BaseException) else None, backoff=self.backoff,
+                label=f"job {job.id} ({job.task})", stop_on_unclassified=self.stop_on_unclassified,
             )  # fmt: skip
+            outcomes.append(outcome)
+            fatal = fatal or stop
         return outcomes, fatal
 
     def run(self, **kwargs: Any) -> None:
