@@ -403,3 +403,99 @@ def test_dispatcher_uses_the_batch_form(engine: Engine, rabbit_queue: Any) -> No
     pub.close()
     assert calls == [10, 10, 10] and statuses(engine) == {"done": 30}
     assert ch.queue_declare(queue, passive=True).method.message_count == 30
+
+
+def test_async_rabbitmq_publisher_batch_confirms_under_async_dispatcher(
+    engine: Engine, rabbit_queue: Any, async_url: Any
+) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    exchange, (ch, queue) = rabbit_queue
+    _business_tx(engine, 25)
+
+    async def go() -> None:
+        aengine = create_async_engine(async_url)
+        pub = AsyncRabbitMQPublisher(AMQP, exchange=exchange, routing_key="order.x")
+        d = AsyncDispatcher(aengine, OutboxEvent, pub, listen=False, batch=10)
+        await d.run(install_signal_handlers=False, until_idle=True)
+        await d.close()
+        await pub.close()
+        await aengine.dispose()
+
+    asyncio.run(go())
+    assert statuses(engine) == {"done": 25}
+    ids = []
+    for _ in range(25):
+        _, props, body = ch.basic_get(queue, auto_ack=True)
+        ids.append(int(props.message_id))
+        assert (
+            props.headers["event-type"] == "OrderPaid" and json.loads(body)["message_id"] == props.message_id
+        )
+    assert sorted(ids) == list(range(1, 26))
+
+
+def test_async_rabbitmq_unroutable_and_down_are_retryable(rabbit_queue: Any) -> None:
+    from datetime import UTC, datetime
+
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    exchange, _ = rabbit_queue
+    m = Message(1, "1", "o", "1", "x", {}, 1, 1, datetime.now(UTC))
+
+    async def go() -> tuple[Any, Any]:
+        lost = AsyncRabbitMQPublisher(AMQP, exchange=exchange, routing_key="nobody.home")
+        down = AsyncRabbitMQPublisher(f"amqp://guest:guest@127.0.0.1:{CLOSED}/", timeout=1)
+        try:
+            return (await lost.publish_many([m]))[0], (await down.publish_many([m]))[0]
+        finally:
+            await lost.close()
+            await down.close()
+
+    unroutable, unavailable = asyncio.run(go())
+    assert type(unroutable).__name__ == "RetryableError" and "did not take" in str(unroutable)
+    assert type(unavailable).__name__ == "RetryableError" and "unavailable" in str(unavailable)
+
+
+# --- MQTT (Mosquitto) ----------------------------------------------------------------------------------
+
+
+def test_mqtt_end_to_end_qos1(engine: Engine) -> None:
+    import paho.mqtt.client as mqtt
+
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+
+    prefix = f"sa_outbox_test_{uuid.uuid4().hex[:6]}"
+    got: list[dict[str, Any]] = []
+    subscribed = threading.Event()
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    sub.on_connect = lambda c, u, f, r, p: c.subscribe(f"{prefix}/#", qos=1)
+    sub.on_subscribe = lambda c, u, mid, r, p: subscribed.set()
+    sub.on_message = lambda c, u, msg: got.append(json.loads(msg.payload))
+    sub.connect("127.0.0.1", 1883)
+    sub.loop_start()
+    try:
+        assert subscribed.wait(5)
+        _business_tx(engine, 4)
+        pub = MQTTPublisher("127.0.0.1", 1883, topic_prefix=prefix)
+        _dispatch(engine, pub)
+        pub.close()
+        deadline = time.monotonic() + 5
+        while len(got) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sub.loop_stop()
+        sub.disconnect()
+    assert sorted(m["message_id"] for m in got) == ["1", "2", "3", "4"]
+    assert got[0]["event_type"] == "OrderPaid" and statuses(engine) == {"done": 4}
+
+
+def test_mqtt_down_is_retryable(engine: Engine) -> None:
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+
+    _business_tx(engine, 1)
+    Dispatcher(engine, OutboxEvent, MQTTPublisher("127.0.0.1", CLOSED, timeout=1), listen=False).run_once()
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and "mqtt broker unavailable" in r.last_error
