@@ -1,8 +1,9 @@
 """An asyncio web app (Starlette) writes an order and its event in one AsyncSession transaction per request;
-an AsyncDispatcher delivers the events to RabbitMQ. Run as a script it serves two requests in-process
+an AsyncDispatcher delivers them to RabbitMQ with the aio-pika publisher. Run as a script it serves two requests in-process
 (httpx's ASGI transport, no port needed) and prints what the broker received.
 
-Needs ``starlette``, RabbitMQ on 127.0.0.1:5672 and ``sa-outbox[rabbitmq]``.
+Needs ``starlette``, RabbitMQ on 127.0.0.1:5672 and ``sa-outbox[aio-rabbitmq,rabbitmq]`` (aio-pika publishes,
+pika reads the queue back).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from starlette.routing import Route
 
 from sa_outbox import AsyncDispatcher, OutboxMixin
 from sa_outbox.embedded import database_url
-from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
 
 AMQP = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
@@ -61,7 +62,7 @@ async def serve_and_deliver(url: str) -> None:
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
     sessions = async_sessionmaker(engine, expire_on_commit=False)
-    publisher = RabbitMQPublisher(AMQP, exchange="", routing_key="ex_web_events")
+    publisher = AsyncRabbitMQPublisher(AMQP, exchange="", routing_key="ex_web_events")
     try:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=make_app(sessions)), base_url="http://app"
@@ -73,7 +74,7 @@ async def serve_and_deliver(url: str) -> None:
         await dispatcher.run(install_signal_handlers=False, until_idle=True)
         await dispatcher.close()
     finally:
-        publisher.close()
+        await publisher.close()
         async with engine.begin() as conn:
             await conn.run_sync(Base.metadata.drop_all)
         await engine.dispose()
