@@ -91,7 +91,17 @@ def test_sigterm_mid_batch_exits_zero_with_every_claimed_message_finalized(
 
 def test_sigterm_right_after_start_up_exits_zero(side_tables: Engine, db_url: URL) -> None:
     proc = spawn("dispatch", db_url)
-    time.sleep(0.15)  # during imports / target loading
+
+    def handler_installed() -> bool:  # SIGTERM (15) is bit 14 of the caught-signals mask
+        with open(f"/proc/{proc.pid}/status") as status:
+            lines = status.read().splitlines()
+        for line in lines:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+        return False
+
+    wait_for(handler_installed, timeout=10, every=0.001)  # the first thing python -m sa_outbox does
+    assert proc.poll() is None  # still starting up: importing, loading the target
     code, out = stop(proc)
     assert code == 0, out
 
