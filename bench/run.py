@@ -277,6 +277,16 @@ def _produce_orm(engine: Engine, n: int, tx_size: int) -> float:
     return n / (time.perf_counter() - started)
 
 
+def _produce_emit(engine: Engine, n: int, tx_size: int) -> float:
+    from sa_outbox import emit
+
+    started = time.perf_counter()
+    for i in range(0, n, tx_size):
+        with Session(engine) as s, s.begin():
+            emit(s, OutboxEvent, [("order", str((i + k) % 100), "E", {"n": i + k}) for k in range(tx_size)])
+    return n / (time.perf_counter() - started)
+
+
 def _produce_core(engine: Engine, n: int, tx_size: int) -> float:
     started = time.perf_counter()
     for i in range(0, n, tx_size):
@@ -304,8 +314,10 @@ def scenario_producer(url: str, engine: Engine, cfg: argparse.Namespace) -> dict
             conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
 
     for tx_size in (1, 10):
-        hook, core, orm = [], [], []
+        hook, core, orm, emitted = [], [], [], []
         for _ in range(cfg.runs):
+            truncate()
+            emitted.append(_produce_emit(engine, n, tx_size))
             truncate()
             hook.append(_produce_orm(engine, n, tx_size))
             truncate()
@@ -318,6 +330,7 @@ def scenario_producer(url: str, engine: Engine, cfg: argparse.Namespace) -> dict
                 event.listen(Session, "before_flush", producer._before_flush)
         out[f"{tx_size} event(s) per transaction, vs Core INSERT"] = ratio_row(hook, core)
         out[f"{tx_size} event(s) per transaction, vs ORM session without the hook"] = ratio_row(hook, orm)
+        out[f"{tx_size} event(s) per transaction, emit() vs Core INSERT"] = ratio_row(emitted, core)
     return out
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .inbox import InboxMixin, Receipt, receive
     from .messages import BatchPublisher, ClaimedJob, Message, Publisher
     from .migration import set_queue_storage_parameters
-    from .producer import LOCK_AGGREGATES, channel_for, enqueue, event_for, lock_aggregate
+    from .producer import LOCK_AGGREGATES, channel_for, emit, enqueue, event_for, lock_aggregate
     from .schema import JOB_STATUSES, OUTBOX_STATUSES, JobMixin, OutboxMixin
     from .worker import TaskRegistry, Worker
 
@@ -65,6 +65,7 @@ _EXPORTS: dict[str, str] = {
     "TaskRegistry": "worker",
     "Worker": "worker",
     "channel_for": "producer",
+    "emit": "producer",
     "enqueue": "producer",
     "event_for": "producer",
     "lock_aggregate": "producer",
@@ -99,6 +100,7 @@ __all__ = [
     "Worker",
     "__version__",
     "channel_for",
+    "emit",
     "enqueue",
     "event_for",
     "lock_aggregate",

@@ -405,3 +405,59 @@ def test_events_with_extra_columns_set_take_the_orm_path(engine: Engine) -> None
     assert len(inserts) == 1 and "available_at" in inserts[0]
     with engine.connect() as conn:
         assert conn.execute(text("SELECT extract(year FROM available_at) FROM outbox")).scalar_one() == 2030
+
+
+# --- emit(): the ORM-free producer ------------------------------------------------------------------------
+
+
+def test_emit_writes_in_the_callers_transaction_in_order(engine: Engine) -> None:
+    from sa_outbox import emit
+
+    with Session(engine) as s, s.begin():
+        ids = emit(s, OutboxEvent, [("order", "A", "Created", {"n": 1}), ("order", "A", "Paid", {"n": 2})])
+    assert ids == [1, 2]
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT event_type FROM outbox ORDER BY id")).scalars().all() == [
+            "Created",
+            "Paid",
+        ]
+    with Session(engine) as s:
+        emit(s, OutboxEvent, [("order", "B", "Created", {})])
+        s.rollback()
+    assert count_rows(engine, "outbox") == 2
+
+
+def test_emit_refuses_bad_input_before_writing(engine: Engine) -> None:
+    from sa_outbox import emit
+
+    with Session(engine) as s, s.begin():
+        with pytest.raises(PayloadError, match="'Bad'"):
+            emit(s, OutboxEvent, [("order", "A", "Ok", {}), ("order", "A", "Bad", {"x": NotJson()})])
+        with pytest.raises(PayloadError, match="aggregate_id must be a non-empty string"):
+            emit(s, OutboxEvent, [("order", "", "E", {})])
+    assert count_rows(engine, "outbox") == 0
+
+
+def test_emit_takes_the_same_aggregate_lock_as_the_hook(engine: Engine) -> None:
+    from sa_outbox import emit
+
+    order: list[str] = []
+
+    def t2() -> None:
+        with Session(engine) as s:
+            s.connection().exec_driver_sql("SET application_name = 'emit_t2'")
+            s.add(_event("A", 2))  # the hook path, same aggregate: must wait for T1's emit
+            s.commit()
+            order.append("T2")
+
+    with Session(engine) as s1:
+        emit(s1, OutboxEvent, [("order", "A", "OrderChanged", {"n": 1})])
+        thread = threading.Thread(target=t2)
+        thread.start()
+        _wait_for_lock_wait(engine, "emit_t2")
+        s1.commit()
+        order.append("T1")
+    thread.join(10)
+    assert order == ["T1", "T2"]
+    ids = _ids_by_payload(engine)
+    assert ids[1] < ids[2]
