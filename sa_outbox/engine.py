@@ -64,8 +64,9 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     """Execute one of the engine's statements and return its rows (tuples in RETURNING order).
 
     The statements are SQLAlchemy Core, built once per table (``sql.py``). On a psycopg 3 connection their
-    compiled text is sent straight to the driver as a server-side prepared statement: no per-call compile
-    cache lookup, result processing or Row objects in the claim/finalize hot path, and no re-planning.
+    compiled text is sent straight to the driver as a server-side prepared statement (unless the connection
+    has ``prepare_threshold=None``): no per-call compile cache lookup, result processing or Row objects in the
+    claim/finalize hot path.
     Other drivers (and the asyncio adapter) take SQLAlchemy's regular execution path.
     """
     driver = getattr(conn.connection, "driver_connection", None)
@@ -73,7 +74,10 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
         try:
-            cur = driver.execute(compiled.sql, full, prepare=True)
+            # Server-side prepared at once — unless prepared statements are switched off on the connection
+            # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
+            prepare = None if driver.prepare_threshold is None else True
+            cur = driver.execute(compiled.sql, full, prepare=prepare)
             return cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
             # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so

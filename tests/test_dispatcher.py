@@ -419,3 +419,25 @@ def test_skip_dead_unblocks_the_ordered_aggregate_and_retry_requeues(engine: Eng
     assert (r.status, r.attempts) == ("pending", 0)
     drain(d)
     assert pub.ids == [2, 3, 4]
+
+
+@pytest.mark.parametrize(("threshold", "expect_prepared"), [(None, False), (5, True)])
+def test_prepared_statements_can_be_switched_off(
+    db_url: Any, threshold: int | None, expect_prepared: bool
+) -> None:
+    """Behind PgBouncer in transaction mode: with prepare_threshold=None nothing is prepared server-side
+    (one pooled connection, so the check sees the dispatcher's own session)."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(db_url, pool_size=1, max_overflow=0, connect_args={"prepare_threshold": threshold})
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
+        seed_events(engine, 5)
+        dispatcher(engine, RecordingPublisher()).run(install_signal_handlers=False, until_idle=True)
+        with engine.connect() as conn:
+            prepared = conn.execute(text("SELECT count(*) FROM pg_prepared_statements")).scalar_one()
+        assert statuses(engine) == {"done": 5}
+        assert (prepared > 0) is expect_prepared
+    finally:
+        engine.dispose()
