@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..errors import ConfigurationError
 from ..messages import Message
 
-__all__ = ["envelope", "envelope_json", "headers_for", "missing_extra"]
+__all__ = ["AmqpRouting", "envelope", "envelope_json", "headers_for", "missing_extra"]
 
 
 def envelope(message: Message) -> dict[str, Any]:
@@ -44,3 +45,34 @@ def missing_extra(extra: str, exc: ImportError) -> NoReturn:
     raise ConfigurationError(
         f"this publisher needs its extra: pip install 'sa-outbox[{extra}]' ({exc})"
     ) from exc
+
+
+class AmqpRouting:
+    """Where an AMQP publisher (pika or aio-pika) sends a message and what an unroutable one means."""
+
+    def __init__(
+        self,
+        *,
+        exchange: str = "",
+        routing_key: str | Callable[[Message], str] | None = None,
+        mandatory: bool = True,
+        unroutable: str = "retry",
+        timeout: float = 5.0,
+    ) -> None:
+        if unroutable not in ("retry", "dead"):
+            raise ConfigurationError("unroutable must be 'retry' or 'dead'")
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.mandatory = mandatory
+        self.unroutable = unroutable
+        self.timeout = timeout
+
+    def _key(self, message: Message) -> str:
+        if self.routing_key is None:
+            return message.event_type
+        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
+
+    def _unroutable(self, text: str) -> BaseException:
+        from ..errors import PermanentError, RetryableError
+
+        return PermanentError(text) if self.unroutable == "dead" else RetryableError(text)

@@ -10,12 +10,12 @@ unroutable message permanent).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigurationError, PermanentError, RetryableError
+from ..errors import RetryableError
 from ..messages import Message
-from ._common import envelope_json, headers_for, missing_extra
+from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
 
 try:
     import aio_pika
@@ -27,27 +27,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["AsyncRabbitMQPublisher"]
 
 
-class AsyncRabbitMQPublisher:
-    """``AsyncRabbitMQPublisher("amqp://guest:guest@127.0.0.1/", exchange="orders")``."""
+class AsyncRabbitMQPublisher(AmqpRouting):
+    """``AsyncRabbitMQPublisher("amqp://guest:guest@127.0.0.1/", exchange="orders")``; same options as
+    :class:`~sa_outbox.publishers.rabbitmq.RabbitMQPublisher`."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        exchange: str = "",
-        routing_key: str | Callable[[Message], str] | None = None,
-        mandatory: bool = True,
-        unroutable: str = "retry",
-        timeout: float = 5.0,
-    ) -> None:
-        if unroutable not in ("retry", "dead"):
-            raise ConfigurationError("unroutable must be 'retry' or 'dead'")
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(**options)
         self.url = url
-        self.exchange_name = exchange
-        self.routing_key = routing_key
-        self.mandatory = mandatory
-        self.unroutable = unroutable
-        self.timeout = timeout
         self._conn: Any = None
         self._exchange: Any = None
 
@@ -62,16 +48,9 @@ class AsyncRabbitMQPublisher:
                 raise RetryableError(f"rabbitmq unavailable: {type(exc).__name__}: {exc}") from exc
             channel = await self._conn.channel(publisher_confirms=True, on_return_raises=True)
             self._exchange = (
-                channel.default_exchange
-                if not self.exchange_name
-                else await channel.get_exchange(self.exchange_name)
+                channel.default_exchange if not self.exchange else await channel.get_exchange(self.exchange)
             )
         return self._exchange
-
-    def _key(self, message: Message) -> str:
-        if self.routing_key is None:
-            return message.event_type
-        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
 
     def _message(self, message: Message) -> Any:
         return aio_pika.Message(
@@ -87,8 +66,8 @@ class AsyncRabbitMQPublisher:
         except apex.DeliveryError as exc:
             returned = getattr(exc, "frame", None) is not None and type(exc.frame).__name__.endswith("Return")
             text = f"rabbitmq did not take the message: {exc!r}"
-            if returned and self.unroutable == "dead":
-                raise PermanentError(f"unroutable: {text}") from exc
+            if returned:
+                raise self._unroutable(f"unroutable: {text}") from exc
             raise RetryableError(text) from exc
         except (OSError, TimeoutError, amqex.AMQPError, apex.AMQPException) as exc:
             await self.close()

@@ -55,6 +55,8 @@ def classify_response(response: httpx.Response, *, max_retry_after: float = 300.
 class WebhookPublisher:
     """``WebhookPublisher("https://example.com/hooks/orders")``; ``url`` may be a callable of the message."""
 
+    _client_class: Any = httpx.Client
+
     def __init__(
         self,
         url: str | Callable[[Message], str],
@@ -65,7 +67,7 @@ class WebhookPublisher:
         max_retry_after: float = 300.0,
     ) -> None:
         self.url = url
-        self.client: Any = client or httpx.Client(timeout=timeout)
+        self.client: Any = client or self._client_class(timeout=timeout)
         self.headers = dict(headers or {})
         self.max_retry_after = max_retry_after
 
@@ -93,17 +95,7 @@ class AsyncWebhookPublisher(WebhookPublisher):
     """The same webhook publisher for :class:`~sa_outbox.AsyncDispatcher` (``httpx.AsyncClient``); the batch of a
     claim is POSTed concurrently (``publish_concurrency`` of the dispatcher)."""
 
-    def __init__(
-        self,
-        url: str | Callable[[Message], str],
-        *,
-        timeout: float = 5.0,
-        headers: Mapping[str, str] | None = None,
-        client: Any = None,
-        max_retry_after: float = 300.0,
-    ) -> None:
-        super().__init__(url, timeout=timeout, headers=headers, client=client or httpx.AsyncClient(timeout=timeout),
-                         max_retry_after=max_retry_after)  # fmt: skip
+    _client_class: Any = httpx.AsyncClient
 
     async def publish(self, message: Message) -> None:  # type: ignore[override]
         url, headers, body = self._request(message)

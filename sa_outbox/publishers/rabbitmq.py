@@ -19,9 +19,9 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import ConfigurationError, PermanentError, RetryableError
+from ..errors import PermanentError, RetryableError
 from ..messages import Message
-from ._common import envelope_json, headers_for, missing_extra
+from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
 
 try:
     import pika  # type: ignore[import-untyped]
@@ -42,7 +42,7 @@ _RETRYABLE = (
 )
 
 
-class RabbitMQPublisher:
+class RabbitMQPublisher(AmqpRouting):
     """``RabbitMQPublisher("amqp://guest:guest@127.0.0.1:5672/%2F", exchange="orders")``.
 
     ``routing_key`` is a string or a callable of the message (default: the event type). ``timeout`` bounds
@@ -59,18 +59,14 @@ class RabbitMQPublisher:
         unroutable: str = "retry",
         timeout: float = 5.0,
     ) -> None:
-        if unroutable not in ("retry", "dead"):
-            raise ConfigurationError("unroutable must be 'retry' or 'dead'")
+        super().__init__(exchange=exchange, routing_key=routing_key, mandatory=mandatory, unroutable=unroutable,
+                         timeout=timeout)  # fmt: skip
         params = pika.URLParameters(url)
         params.socket_timeout = timeout
         params.blocked_connection_timeout = timeout
         params.connection_attempts = 1
         params.stack_timeout = timeout
         self.params = params
-        self.exchange = exchange
-        self.routing_key = routing_key
-        self.mandatory = mandatory
-        self.unroutable = unroutable
         self._conn: Any = None
         self._channel: Any = None
         self._tx_channel: Any = None
@@ -132,11 +128,6 @@ class RabbitMQPublisher:
                 out.append(None)
         return out
 
-    def _key(self, message: Message) -> str:
-        if self.routing_key is None:
-            return message.event_type
-        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
-
     def publish(self, message: Message) -> None:
         props = self._props(message)
         try:
@@ -146,7 +137,7 @@ class RabbitMQPublisher:
             )
         except pex.UnroutableError as exc:
             text = f"unroutable: no queue bound for exchange {self.exchange!r} routing key {self._key(message)!r}"
-            raise (PermanentError(text) if self.unroutable == "dead" else RetryableError(text)) from exc
+            raise self._unroutable(text) from exc
         except _RETRYABLE as exc:
             self.close()
             raise RetryableError(f"rabbitmq publish failed: {type(exc).__name__}: {exc}") from exc
