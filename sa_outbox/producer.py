@@ -82,27 +82,21 @@ def channel_for(table_name: str) -> str:
     return f"sa_outbox.{table_name}"[:63]
 
 
-# Advisory locks for (type, id) pairs plus the transaction's NOTIFYs, in one round trip. Keys are
-# de-duplicated and taken in sorted order (no deadlock between producers locking the same set in another
-# order); the ORDER BY runs before the volatile lock function is evaluated.
-_LOCK_AND_NOTIFY = text(
-    """
-    SELECT
-      (SELECT count(*) FROM (
-          SELECT pg_advisory_xact_lock(k) FROM (
-              SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
-                FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
-           ORDER BY k) AS locked) AS locks,
-      (SELECT count(*) FROM (
-          SELECT pg_notify(c, p)
-            FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent) AS notifies
-    """
-).bindparams(
-    bindparam("types", expanding=False),
-    bindparam("ids", expanding=False),
-    bindparam("channels", expanding=False),
-    bindparam("payloads", expanding=False),
-)
+# The two halves of every producer statement, written once (constant SQL, values only as bound parameters):
+# the advisory locks of the flush's (type, id) pairs — de-duplicated and taken in sorted order, so producers
+# locking the same set in another order cannot deadlock; the ORDER BY runs before the volatile lock function —
+# and the transaction's NOTIFYs. Both are uncorrelated scalar subqueries: evaluated once per statement.
+_LOCKS_SQL = """(SELECT count(*) FROM (
+      SELECT pg_advisory_xact_lock(k) FROM (
+          SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
+            FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
+       ORDER BY k) AS locked)"""
+_NOTIFY_SQL = """(SELECT count(*) FROM (
+      SELECT pg_notify(c, p)
+        FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent)"""
+
+#: Locks and NOTIFYs on their own (a flush with no plain events to insert, and :func:`lock_aggregate`).
+_LOCK_AND_NOTIFY = text(f"SELECT {_LOCKS_SQL} AS locks, {_NOTIFY_SQL} AS notifies")
 
 
 _FAST_COLUMNS = frozenset(
@@ -116,9 +110,8 @@ _FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload"
 def _fast_insert(table: Table) -> Any:
     """Locks, NOTIFYs and the events of a flush in one statement (one round trip).
 
-    ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the same
-    advisory-lock and NOTIFY subqueries as ``_LOCK_AND_NOTIFY`` (uncorrelated: evaluated once, before the first
-    row is inserted). Used for events that set only the four event columns on a table with exactly the mixin's
+    ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the lock and
+    NOTIFY subqueries (evaluated once, before the first row is inserted). Used for events that set only the four event columns on a table with exactly the mixin's
     columns; anything else goes through the ORM's own INSERT.
     """
     rows = (
@@ -133,18 +126,7 @@ def _fast_insert(table: Table) -> Any:
         )
         .render_derived(name="ev")
     )
-    gate = text(
-        """
-        (SELECT count(*) FROM (
-            SELECT pg_advisory_xact_lock(k) FROM (
-                SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
-                  FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
-             ORDER BY k) AS locked) >= 0
-        AND (SELECT count(*) FROM (
-            SELECT pg_notify(c, p)
-              FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent) >= 0
-        """
-    )
+    gate = text(f"{_LOCKS_SQL} >= 0 AND {_NOTIFY_SQL} >= 0")
     source = select(rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB)).where(gate).order_by(rows.c.ord)
     c = table.c
     return (
