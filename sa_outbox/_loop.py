@@ -147,9 +147,10 @@ class LoopBase:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def _retrying(self, window: float) -> Retrying:
-        """Capped exponential backoff with jitter for connection faults (never a hot loop)."""
-        return Retrying(
+    def _retry_policy(self, window: float) -> dict[str, Any]:
+        """Capped exponential backoff with jitter for connection faults (never a hot loop); tenacity keyword
+        arguments shared by the sync ``Retrying`` and the async loops' ``AsyncRetrying``."""
+        return dict(
             retry=retry_if_exception(is_connection_error),
             wait=wait_random_exponential(multiplier=0.05, max=5.0),
             stop=stop_after_delay(window),
@@ -159,6 +160,9 @@ class LoopBase:
                 extra={"attempt": rs.attempt_number},
             ),
         )  # fmt: skip
+
+    def _retrying(self, window: float) -> Retrying:
+        return Retrying(**self._retry_policy(window))
 
     def _with_retries(self, window: float, fn: Callable[[], T]) -> T:
         for attempt in self._retrying(window):
@@ -178,11 +182,8 @@ class LoopBase:
     def _claim_rows(self, *, rescue: bool) -> list[Any]:
         """Rescue (when due), then claim up to ``batch`` rows — finalizing the pending outcomes of the previous
         batch in the same statement when there are any."""
-        started = time.perf_counter()
         with self._connection() as conn:
             rows = self._claim_rows_on(conn, rescue=rescue)
-        if self.observer is not None:
-            self.observer("claim", time.perf_counter() - started)
         if self._pending:  # nothing to claim with (no claim parameters): finalize on its own
             self._flush_pending()
         return rows
@@ -191,6 +192,7 @@ class LoopBase:
         """The database half of :meth:`_claim_rows` on a given connection (the async loops run it through
         ``AsyncConnection.run_sync``)."""
         rows: list[Any] = []
+        started = time.perf_counter()
         if rescue:
             self.stats.rescued += len(eng.rescue(conn, self.spec, **self._rescue_params()))
         for params in self._claim_params():
@@ -207,7 +209,20 @@ class LoopBase:
             else:
                 got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
             rows += got
+        if self.observer is not None:
+            self.observer("claim", time.perf_counter() - started)
         return rows
+
+    def _observe_handled(self, started: float, created_at: Any) -> None:
+        """Publish/handler latency and end-to-end age, for the metrics exporter (sync and async loops)."""
+        if self.observer is not None:
+            self.observer("handle", time.perf_counter() - started)
+            self.observer("age", max(0.0, time.time() - created_at.timestamp()))
+
+    @staticmethod
+    def _outage_delay(failures: int) -> float:
+        """Capped exponential backoff with jitter between attempts to reach a database that is down."""
+        return float(min(30.0, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0))
 
     def _settle(self, outcomes: list[eng.Outcome]) -> None:
         """Record a batch's outcomes: with the next claim while run() loops on, right now otherwise."""
@@ -353,7 +368,7 @@ class LoopBase:
                             f"database unreachable for {limit:g}s since start ({type(exc).__name__}: "
                             f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
                         ) from exc
-                    delay = min(30.0, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                    delay = self._outage_delay(failures)
                     self._log.warning(
                         "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,
                         extra={"owner": self.owner, "failures": failures},

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import random
 import signal
 import time
 from collections.abc import Callable
@@ -29,10 +28,11 @@ import psycopg
 from psycopg import sql as psql
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from tenacity import AsyncRetrying
 
 from . import engine as eng
 from ._loop import LoopBase, is_connection_error
-from .dispatcher import Dispatcher, check_result
+from .dispatcher import Dispatcher, check_batch, check_result
 from .errors import ConfigurationError, PermanentError
 from .messages import ClaimedJob, Message
 from .wakeup import libpq_url
@@ -139,17 +139,11 @@ class _AsyncLoop:
         return await self._db(lambda c: self.core._claim_rows_on(c, rescue=rescue))
 
     async def _finalize(self, outcomes: list[eng.Outcome]) -> None:
-        deadline = time.monotonic() + self.core._finalize_window()
-        delay = 0.05
-        while True:
-            try:
+        """Finalize now, with the sync loops' retry policy for connection faults."""
+        applied: set[int] = set()
+        async for attempt in AsyncRetrying(**self.core._retry_policy(self.core._finalize_window())):
+            with attempt:
                 applied = await self._db(lambda c: eng.finalize(c, self.core.spec, outcomes))
-                break
-            except Exception as exc:
-                if not is_connection_error(exc) or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(random.uniform(0, delay))
-                delay = min(delay * 2, 5.0)
         self.core._report(outcomes, applied)
 
     async def _settle(self, outcomes: list[eng.Outcome]) -> None:
@@ -207,7 +201,7 @@ class _AsyncLoop:
                         raise
                     failures += 1
                     self.stats.db_errors += 1
-                    wait = min(30.0, 0.1 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+                    wait = self.core._outage_delay(failures)
                     log.warning("database unavailable (%s), retrying in %.2fs", type(exc).__name__, wait)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), wait)
@@ -263,12 +257,17 @@ class AsyncDispatcher(_AsyncLoop):
         self.publisher = publisher
         super().__init__(engine, listen, listen_url)
 
-    async def _publish_one(self, msg: Message, gate: asyncio.Semaphore) -> BaseException | None:
+    async def _publish_one(
+        self, msg: Message, gate: asyncio.Semaphore, is_async: bool
+    ) -> BaseException | None:
         async with gate:
             try:
-                result = self.publisher.publish(msg)
-                if inspect.isawaitable(result):
-                    result = await result
+                started = time.perf_counter()
+                if is_async:
+                    result = await self.publisher.publish(msg)
+                else:  # a sync publisher runs in a thread, never blocking the event loop
+                    result = await asyncio.to_thread(self.publisher.publish, msg)
+                self.core._observe_handled(started, msg.created_at)
                 return check_result(result)
             except Exception as exc:
                 return exc
@@ -284,30 +283,22 @@ class AsyncDispatcher(_AsyncLoop):
         if hasattr(self.publisher, "publish_many"):
             try:
                 got = self.publisher.publish_many(messages)
-                errors = list(await got if inspect.isawaitable(got) else got)
-                if len(errors) != len(messages):
-                    raise TypeError(
-                        f"publish_many returned {len(errors)} results for {len(messages)} messages"
-                    )
+                errors = check_batch(await got if inspect.isawaitable(got) else got, len(messages))
             except Exception as exc:
                 errors = [exc] * len(messages)
-        elif inspect.iscoroutinefunction(self.publisher.publish):
-            gate = asyncio.Semaphore(self.publish_concurrency)
+        else:
+            # Async publishers: publish_concurrency at a time; sync ones one after the other (in id order: the
+            # semaphore is FIFO), as they may not be thread-safe.
+            is_async = inspect.iscoroutinefunction(self.publisher.publish)
+            gate = asyncio.Semaphore(self.publish_concurrency if is_async else 1)
             try:
                 errors = list(
                     await asyncio.wait_for(
-                        asyncio.gather(*(self._publish_one(m, gate) for m in messages)), budget
+                        asyncio.gather(*(self._publish_one(m, gate, is_async) for m in messages)), budget
                     )
                 )
             except TimeoutError:
                 errors = [TimeoutError("publish batch exceeded the lease budget")] * len(messages)
-        else:
-            errors = []
-            for m in messages:
-                try:
-                    errors.append(check_result(await asyncio.to_thread(self.publisher.publish, m)))
-                except Exception as exc:
-                    errors.append(exc)
         outcomes, fatal = core._outcomes(list(zip(messages, errors, strict=True)))
         if fatal is not None:
             await self._finalize(outcomes)
@@ -335,15 +326,16 @@ class AsyncWorker(_AsyncLoop):
         async with gate:
             if self._stop.is_set():
                 return _NOT_STARTED
-            handler = self.core.handlers.get(job.task)
-            if handler is None:
-                known = ", ".join(sorted(self.core.handlers)) or "none"
-                return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+            handler = self.core._handler_for(job)
+            if isinstance(handler, PermanentError):
+                return handler
             try:
+                started = time.perf_counter()
                 if inspect.iscoroutinefunction(handler):
                     await handler(job)
                 else:
                     await asyncio.to_thread(handler, job)
+                self.core._observe_handled(started, job.created_at)
                 return None
             except Exception as exc:
                 return exc

@@ -42,6 +42,14 @@ __all__ = ["Dispatcher"]
 log = logging.getLogger("sa_outbox.dispatcher")
 
 
+def check_batch(errors: Any, count: int) -> list[BaseException | None]:
+    """A ``publish_many`` result: one entry per message, else a bug in the publisher (retryable for all)."""
+    results = list(errors)
+    if len(results) != count:
+        raise TypeError(f"publish_many returned {len(results)} results for {count} messages")
+    return results
+
+
 def check_result(result: Any) -> BaseException | None:
     """A publisher returns None; anything else is a bug in it, handled as a retryable failure."""
     if result is None:
@@ -159,11 +167,7 @@ class Dispatcher(LoopBase):
         outcomes: list[eng.Outcome] = []
         if self._batch_publish and not self._stop.is_set():
             try:
-                errors = list(self.publisher.publish_many(messages))  # type: ignore[attr-defined]
-                if len(errors) != len(messages):
-                    raise TypeError(
-                        f"publish_many returned {len(errors)} results for {len(messages)} messages"
-                    )
+                errors = check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
             except Exception as exc:
                 errors = [exc] * len(messages)
             results = list(zip(messages, errors, strict=True))
@@ -184,9 +188,7 @@ class Dispatcher(LoopBase):
                 except Exception as exc:
                     error = exc
                 results.append((msg, error))
-                if self.observer is not None:
-                    self.observer("handle", time.perf_counter() - started)
-                    self.observer("age", max(0.0, time.time() - msg.created_at.timestamp()))
+                self._observe_handled(started, msg.created_at)
         more, fatal = self._outcomes(results)
         return outcomes + more, fatal
 

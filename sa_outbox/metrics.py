@@ -101,6 +101,15 @@ class MetricsExporter:
         self.registry.register(_Collector(self))
         self.core.observer = self.observe
         self._server: Any = None
+        # Scrapes arrive on the HTTP server's thread, outside any event loop: the async loops' engine cannot
+        # serve them, so their status queries get a small sync engine of their own (same URL, psycopg).
+        engine = self.core.engine
+        if engine.dialect.is_async:
+            from sqlalchemy import create_engine
+            from sqlalchemy.pool import NullPool
+
+            engine = create_engine(engine.url.set(drivername="postgresql+psycopg"), poolclass=NullPool)
+        self._status_engine = engine
 
     def observe(self, what: str, seconds: float) -> None:
         labels = (self.core.spec.table.name, self.core.spec.kind)
@@ -114,7 +123,7 @@ class MetricsExporter:
         with self._lock:
             if self._status is None or time.monotonic() - self._status_at > self.status_interval:
                 try:
-                    self._status = queue_status(self.core.engine, self.core.model)
+                    self._status = queue_status(self._status_engine, self.core.model)
                     self._status_at = time.monotonic()
                 except Exception:  # the database may be down: serve the loop's counters anyway
                     return self._status

@@ -218,19 +218,24 @@ class Worker(LoopBase):
     def _finalize_window(self) -> float:
         return max(self.stale_after.total_seconds(), 1.0)
 
+    def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError:
+        """The job's handler, or the permanent failure of a task nobody handles (sync and async workers)."""
+        handler = self.handlers.get(job.task)
+        if handler is None:
+            known = ", ".join(sorted(self.handlers)) or "none"
+            return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+        return handler
+
     def _call(self, job: ClaimedJob) -> BaseException | object | None:
         if self._stop.is_set():
             return _NOT_STARTED
         try:
-            handler = self.handlers.get(job.task)
-            if handler is None:
-                known = ", ".join(sorted(self.handlers)) or "none"
-                return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+            handler = self._handler_for(job)
+            if isinstance(handler, PermanentError):
+                return handler
             started = time.perf_counter()
             handler(job)
-            if self.observer is not None:
-                self.observer("handle", time.perf_counter() - started)
-                self.observer("age", max(0.0, time.time() - job.created_at.timestamp()))
+            self._observe_handled(started, job.created_at)
             return None
         except Exception as exc:
             return exc

@@ -81,3 +81,31 @@ def test_cli_metrics_port_while_a_dispatcher_runs(engine: Engine, db_url: URL) -
         proc.terminate()
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_async_loops_feed_the_same_histograms(engine: Engine, async_url: URL) -> None:
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+
+    seed_events(engine, 4)
+
+    async def go() -> str:
+        aengine = create_async_engine(async_url)
+        d = AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
+        port = _free_port()
+        exporter = MetricsExporter(d, status_interval=0).start(port, addr="127.0.0.1")
+        try:
+            await d.run_once()
+            return await asyncio.to_thread(_scrape, port)
+        finally:
+            exporter.stop()
+            await d.close()
+            await aengine.dispose()
+
+    body = asyncio.run(go())
+    assert 'sa_outbox_handle_seconds_count{kind="outbox",table="outbox"} 4.0' in body
+    assert 'sa_outbox_claim_seconds_count{kind="outbox",table="outbox"} 1.0' in body
+    assert 'sa_outbox_rows{kind="outbox",status="done",table="outbox"} 4.0' in body  # status gauges too
