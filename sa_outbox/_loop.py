@@ -209,6 +209,9 @@ class LoopBase:
             else:
                 got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
             rows += got
+        if rows:
+            self.stats.batches += 1
+            self.stats.claimed += len(rows)
         if self.observer is not None:
             self.observer("claim", time.perf_counter() - started)
         return rows

@@ -277,8 +277,6 @@ class AsyncDispatcher(_AsyncLoop):
         messages = [Message.from_row(r) for r in await self._claim(rescue)]
         if not messages:
             return 0
-        core.stats.batches += 1
-        core.stats.claimed += len(messages)
         budget = (core.lease - core.publish_timeout).total_seconds()
         if hasattr(self.publisher, "publish_many"):
             try:
@@ -356,8 +354,6 @@ class AsyncWorker(_AsyncLoop):
         jobs = [ClaimedJob.from_row(r) for r in await self._claim(rescue)]
         if not jobs:
             return 0
-        core.stats.batches += 1
-        core.stats.claimed += len(jobs)
         gate = asyncio.Semaphore(core.concurrency)
         beat = asyncio.ensure_future(self._heartbeat(jobs, core.stale_after.total_seconds() / 4))
         try:

@@ -149,8 +149,6 @@ class Dispatcher(LoopBase):
         if not messages:
             return 0
         claimed_at = time.monotonic()
-        self.stats.batches += 1
-        self.stats.claimed += len(messages)
         outcomes, fatal = self._publish(messages, claimed_at)
         if fatal is not None:
             self._finalize(outcomes)

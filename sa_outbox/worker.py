@@ -246,8 +246,6 @@ class Worker(LoopBase):
         jobs = [ClaimedJob.from_row(r) for r in self._claim_rows(rescue=rescue)]
         if not jobs:
             return 0
-        self.stats.batches += 1
-        self.stats.claimed += len(jobs)
         self._beat.hold(jobs)
         if self.handler_timeout is None and (self.concurrency == 1 or len(jobs) == 1):
             results = [self._call(j) for j in jobs]
