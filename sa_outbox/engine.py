@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import psycopg
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
 
 from . import sql
+from ._execute import run
 from .backoff import Backoff
 from .errors import Defer, PermanentError
 from .sql import QueueSpec
@@ -36,59 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sa_outbox.engine")
-
-
-# --- the hot path: statements compiled once, executed on the driver connection -----------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Compiled:
-    sql: str
-    static: dict[str, Any]  # values of the statement's own internal parameters
-
-
-_COMPILED: dict[tuple[int, str], _Compiled] = {}
-
-
-def _compiled(stmt: Any, conn: Connection) -> _Compiled:
-    key = (id(stmt), conn.dialect.name)
-    found = _COMPILED.get(key)
-    if found is None:
-        c = stmt.compile(dialect=conn.dialect)
-        found = _Compiled(str(c), dict(c.construct_params(_check=False)))
-        _COMPILED[key] = found
-    return found
-
-
-def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
-    """Execute one of the engine's statements and return its rows (tuples in RETURNING order).
-
-    The statements are SQLAlchemy Core, built once per table (``sql.py``). On a psycopg 3 connection their
-    compiled text is sent straight to the driver as a server-side prepared statement (unless the connection
-    has ``prepare_threshold=None``): no per-call compile cache lookup, result processing or Row objects in the
-    claim/finalize hot path.
-    Other drivers (and the asyncio adapter) take SQLAlchemy's regular execution path.
-    """
-    driver = getattr(conn.connection, "driver_connection", None)
-    if isinstance(driver, psycopg.Connection):
-        compiled = _compiled(stmt, conn)
-        full = {**compiled.static, **params}
-        try:
-            # Server-side prepared at once — unless prepared statements are switched off on the connection
-            # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
-            prepare = None if driver.prepare_threshold is None else True
-            cur = driver.execute(compiled.sql, full, prepare=prepare)
-            return cur.fetchall() if cur.description is not None else []
-        except psycopg.Error as exc:
-            # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so
-            # the pool never hands it out again.
-            lost = driver.closed or isinstance(exc, psycopg.OperationalError)
-            if lost:
-                conn.invalidate(exc)
-            raise DBAPIError.instance(
-                compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
-            ) from exc
-    return [tuple(r) for r in conn.execute(stmt, params)]
 
 
 @dataclass(frozen=True, slots=True)

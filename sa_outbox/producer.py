@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -50,11 +50,11 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapper, Session, SessionTransaction, object_mapper, object_session
 from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
-from sqlalchemy.orm.session import make_transient_to_detached
 
+from ._execute import run
 from .durations import Duration, to_timedelta
 from .errors import PayloadError
-from .payload import check_payload, normalize_payload
+from .payload import check_payload, describe, normalize_payload
 from .schema import JobMixin, OutboxMixin
 
 __all__ = [
@@ -162,27 +162,26 @@ class _TxState:
     advisory: set[tuple[str, str]] = field(default_factory=set)
     rows: set[tuple[Any, ...]] = field(default_factory=set)
     notified: set[tuple[str, str]] = field(default_factory=set)
-    written: list[Any] = field(default_factory=list)  # events inserted by the one-statement path
 
 
-def _states(session: Session) -> dict[SessionTransaction, _TxState]:
-    states: dict[SessionTransaction, _TxState] = session.info.setdefault(_STATE_KEY, {})
-    return states
+class _Seen:
+    """What the current transaction and its parents already locked and notified (locks and NOTIFYs of a
+    parent hold inside a savepoint); ``current`` is where this flush records its own."""
 
+    __slots__ = ("chain", "current")
 
-def _chain(session: Session) -> list[SessionTransaction]:
-    """The current transaction and its parents (locks and NOTIFYs of a parent hold in a savepoint)."""
-    current = session.get_nested_transaction() or session.get_transaction()
-    chain: list[SessionTransaction] = []
-    while current is not None:
-        chain.append(current)
-        current = current.parent
-    return chain
+    def __init__(self, session: Session) -> None:
+        states: dict[SessionTransaction, _TxState] = session.info.setdefault(_STATE_KEY, {})
+        tx = session.get_nested_transaction() or session.get_transaction()
+        chain: list[_TxState] = []
+        while tx is not None:
+            if tx in states or not chain:
+                chain.append(states.setdefault(tx, _TxState()))
+            tx = tx.parent
+        self.current, self.chain = chain[0], chain
 
-
-def _seen(session: Session, attr: str, key: Any) -> bool:
-    states = _states(session)
-    return any(key in getattr(states[t], attr) for t in _chain(session) if t in states)
+    def __call__(self, attr: str, key: Any) -> bool:
+        return any(key in getattr(st, attr) for st in self.chain)
 
 
 def _aggregate_identity(aggregate: Any) -> tuple[Mapper[Any], tuple[Any, ...]]:
@@ -253,7 +252,7 @@ def emit(
         )
     rows = []
     for atype, aid, etype, payload in events:
-        what = f"outbox event {etype!r} for {atype!r}/{aid!r}"
+        what = functools.partial(_what_event, etype, atype, aid)
         atype, aid, etype = (_require_text(v, what, n) for v, n in ((atype, "aggregate_type"),
                              (aid, "aggregate_id"), (etype, "event_type")))  # fmt: skip
         rows.append(
@@ -267,24 +266,20 @@ def emit(
     if not rows:
         return []
     conn = session.connection(bind_arguments={"mapper": _mapper_of(model)})
-    state = _states(session).setdefault(_chain(session)[0], _TxState())
+    seen = _Seen(session)
     locking = session.info.get(LOCK_AGGREGATES, True)
-    adv = (
-        sorted({(r[0], r[1]) for r in rows if not _seen(session, "advisory", (r[0], r[1]))})
-        if locking
-        else []
-    )
+    adv = sorted({(r[0], r[1]) for r in rows if not seen("advisory", (r[0], r[1]))}) if locking else []
     note = (channel_for(table.name), "")
-    nts = [] if _seen(session, "notified", note) else [note]
+    nts = [] if seen("notified", note) else [note]
     params = {
         "types": [t for t, _ in adv], "ids": [i for _, i in adv],
         "channels": [c for c, _ in nts], "payloads": [p for _, p in nts],
         "f_types": [r[0] for r in rows], "f_ids": [r[1] for r in rows],
         "f_events": [r[2] for r in rows], "f_payloads": [r[3] for r in rows],
     }  # fmt: skip
-    ids = sorted(conn.execute(_fast_insert(table), params).scalars())
-    state.advisory.update(adv)
-    state.notified.update(nts)
+    ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
+    seen.current.advisory.update(adv)
+    seen.current.notified.update(nts)
     return ids
 
 
@@ -334,21 +329,26 @@ def enqueue(
     return job
 
 
-def _require_text(value: Any, what: str, name: str) -> str:
+def _what_event(event_type: Any, aggregate_type: Any, aggregate_id: Any) -> str:
+    return f"outbox event {event_type!r} for {aggregate_type!r}/{aggregate_id!r}"
+
+
+def _require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
     if type(value) is str and value and not value.isspace() and "\x00" not in value:
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or not value.strip():
-        raise PayloadError(f"{what}: {name} must be a non-empty string, got {value!r}")
+        raise PayloadError(f"{describe(what)}: {name} must be a non-empty string, got {value!r}")
     if "\x00" in value:
-        raise PayloadError(f"{what}: {name} contains a NUL character")
+        raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
     return value
 
 
 def _validate_event(ev: OutboxMixin) -> str:
     """Validate (and normalise) an event in place; returns its payload as JSON text."""
-    what = f"outbox event {ev.event_type!r} for {ev.aggregate_type!r}/{ev.aggregate_id!r}"
+    # The message names the event as it was given; built only if something is wrong.
+    what = functools.partial(_what_event, ev.event_type, ev.aggregate_type, ev.aggregate_id)
     for name in ("aggregate_type", "aggregate_id", "event_type"):
         value = getattr(ev, name)
         checked = _require_text(value, what, name)
@@ -375,6 +375,38 @@ def _validate_job(job: JobMixin) -> None:
     job.payload = normalize_payload(job.payload, what=what, max_bytes=type(job).sa_outbox_max_payload_bytes)
 
 
+def _now_persistent(session: Session, table: Table, written: list[OutboxMixin], ids: list[int]) -> None:
+    """Make events inserted by the one-statement path (with these ids) what the ORM makes of the rows it
+    inserts itself.
+
+    ``Session._register_persistent`` is the step the unit of work runs after its own INSERTs: identity key and
+    identity map, ``pending_to_persistent`` events, and — because it records them in the transaction — the
+    same rollback behaviour (a rolled back transaction or savepoint takes them out of the session, as
+    ``persistent_to_transient``). It is not public API; ``tests/test_producer.py`` pins the behaviour for
+    every SQLAlchemy version the package allows. The server-default columns are then expired, so they load
+    from the database on first access (what the ORM does without eager defaults).
+    """
+    states = set()
+    for ev, new_id in zip(written, ids, strict=True):
+        state = instance_state(ev)
+        state.dict["id"] = new_id  # as the unit of work sets a fetched key; committed just below
+        states.add(state)
+    session._register_persistent(states)
+    defaulted = _server_defaulted(table)
+    for ev in written:
+        session.expire(ev, defaulted)
+
+
+@functools.cache
+def _server_defaulted(table: Table) -> list[str]:
+    """The columns the database fills in (the key is known: it came back from the INSERT)."""
+    return [
+        c.name
+        for c in table.c
+        if c.server_default is not None and not c.primary_key and c.name not in _FAST_SET
+    ]
+
+
 def _table_name(obj: Any) -> str:
     name: str = object_mapper(obj).local_table.name  # type: ignore[attr-defined]
     return name
@@ -382,8 +414,14 @@ def _table_name(obj: Any) -> str:
 
 @event.listens_for(Session, "before_flush")
 def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
-    events = [o for o in session.new if isinstance(o, OutboxMixin)]
-    jobs = [o for o in session.new if isinstance(o, JobMixin)]
+    new = session.new
+    events: list[OutboxMixin] = []
+    jobs: list[JobMixin] = []
+    for obj in new:
+        if isinstance(obj, OutboxMixin):
+            events.append(obj)
+        elif isinstance(obj, JobMixin):
+            jobs.append(obj)
     if not events and not jobs:
         return
     # 1. Validate everything first: a refused flush has issued no SQL at all.
@@ -391,6 +429,9 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     for job in jobs:
         _validate_job(job)
 
+    anchor = events[0] if events else jobs[0]
+    conn = session.connection(bind_arguments={"mapper": object_mapper(anchor)})  # begins the transaction
+    seen = _Seen(session)
     locking = session.info.get(LOCK_AGGREGATES, True)
     advisory: set[tuple[str, str]] = set()
     rows: dict[Mapper[Any], set[tuple[Any, ...]]] = {}
@@ -400,28 +441,23 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
         aggregate = getattr(ev, _AGGREGATE_ATTR, None)
         if aggregate is not None:
             mapper, pk = _aggregate_identity(aggregate)
-            if aggregate in session.new or any(v is None for v in pk):
+            if aggregate in new or any(v is None for v in pk):
                 continue  # not in the database yet: nobody else can lock or see it before we commit
-            if not _seen(session, "rows", (mapper, pk)):
+            if not seen("rows", (mapper, pk)):
                 rows.setdefault(mapper, set()).add(pk)
         else:
             key = (ev.aggregate_type, ev.aggregate_id)
-            if not _seen(session, "advisory", key):
+            if not seen("advisory", key):
                 advisory.add(key)
 
-    notifies: set[tuple[str, str]] = set()
-    for ev in events:
-        notifies.add((channel_for(_table_name(ev)), ""))
-    for job in jobs:
-        notifies.add((channel_for(_table_name(job)), job.queue))
-    notifies = {n for n in notifies if not _seen(session, "notified", n)}
+    notifies = {(channel_for(_table_name(ev)), "") for ev in {type(ev): ev for ev in events}.values()}
+    notifies.update((channel_for(_table_name(job)), job.queue) for job in jobs)
+    notifies = {n for n in notifies if not seen("notified", n)}
     fast = [ev for ev in events if _fast_eligible(ev)]
     if not advisory and not rows and not notifies and not fast:
         return
 
-    anchor = events[0] if events else jobs[0]
-    conn = session.connection(bind_arguments={"mapper": object_mapper(anchor)})
-    state = _states(session).setdefault(_chain(session)[0], _TxState())
+    state = seen.current
     # 2. Row locks on mapped aggregates, one statement per aggregate table, in primary-key order.
     for mapper, pks in rows.items():
         cols = list(mapper.primary_key)
@@ -458,48 +494,19 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
             "f_events": [ev.event_type for ev in group],
             "f_payloads": [encoded[id(ev)] for ev in group],
         }
-        ids = sorted(conn.execute(_fast_insert(table), params).scalars())
+        ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
         gate = {"types": [], "ids": [], "channels": [], "payloads": []}
-        for ev, new_id in zip(group, ids, strict=True):
-            # Written: from here on the object is an ordinary persistent instance of this session.
-            session.expunge(ev)
-            ev.id = new_id
-            make_transient_to_detached(ev)
-            session.add(ev)
-            state.written.append(ev)
+        _now_persistent(session, table, group, ids)
     if gate["types"] or gate["channels"]:
         conn.execute(_LOCK_AND_NOTIFY, gate)
     state.advisory.update(adv)
     state.notified.update(nts)
 
 
-_ENDED_KEY = "sa_outbox.ended"
-
-
 @event.listens_for(Session, "after_transaction_end")
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    """Forget what a finished transaction or savepoint locked and notified (a rolled back savepoint gave its
+    locks and NOTIFYs back; after a released one the parent may take them again, which is harmless)."""
     states = session.info.get(_STATE_KEY)
-    if not states:
-        return
-    state = states.pop(transaction, None)
-    if state is not None and state.written:
-        # Keep them until we know how the transaction ended (after_soft_rollback comes after this event); a
-        # released savepoint hands them to its parent, whose own rollback must still take them out.
-        session.info.setdefault(_ENDED_KEY, {})[transaction] = state.written
-        if transaction.parent is not None:
-            states.setdefault(transaction.parent, _TxState()).written.extend(state.written)
-
-
-@event.listens_for(Session, "after_soft_rollback")
-def _after_soft_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
-    """Events inserted by the one-statement path are rolled back with their transaction: take them out of the
-    session, as the ORM does for the objects it inserted itself."""
-    for obj in session.info.get(_ENDED_KEY, {}).pop(previous_transaction, []):
-        if obj in session:
-            session.expunge(obj)
-
-
-@event.listens_for(Session, "after_transaction_create")
-def _after_transaction_create(session: Session, transaction: SessionTransaction) -> None:
-    if transaction.parent is None and session.info.get(_ENDED_KEY):
-        session.info[_ENDED_KEY].clear()
+    if states:
+        states.pop(transaction, None)

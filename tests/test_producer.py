@@ -387,7 +387,12 @@ def test_written_events_behave_like_flushed_orm_objects(engine: Engine) -> None:
         kept, dropped = _event("A", 1), _event("B", 2)
         s.add(kept)
         s.flush()
-        assert kept.id == 1 and kept in s and kept.status == "pending" and kept.attempts == 0
+        with statement_log(engine) as seen:
+            assert kept.id == 1  # loaded: no SELECT
+        assert seen == []
+        assert (
+            kept in s and kept.status == "pending" and kept.attempts == 0
+        )  # server defaults: loaded on access
         nested = s.begin_nested()
         s.add(dropped)
         s.flush()
@@ -396,6 +401,36 @@ def test_written_events_behave_like_flushed_orm_objects(engine: Engine) -> None:
         assert dropped not in s and kept in s
         s.commit()
     assert count_rows(engine, "outbox") == 1
+
+
+def test_written_events_go_through_the_orm_lifecycle(engine: Engine) -> None:
+    """Session lifecycle listeners see a plain event (one-statement path) exactly as an event the ORM inserts
+    itself: pending → persistent at flush, persistent → transient when the transaction rolls back."""
+    seen: list[tuple[str, str]] = []
+    names = ("transient_to_pending", "pending_to_persistent", "pending_to_transient", "persistent_to_transient",
+             "persistent_to_detached", "detached_to_persistent")  # fmt: skip
+
+    def recorder(name: str) -> Any:
+        def record(session: Session, instance: Any) -> None:
+            if instance in labels:
+                seen.append((name, labels[instance]))
+
+        return record
+
+    fast, orm = _event("fast", 1), _event("orm", 2, available_at=dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    labels = {fast: "fast", orm: "orm"}
+    with Session(engine) as s:
+        for name in names:
+            event.listen(s, name, recorder(name))
+        s.add_all([fast, orm])
+        s.flush()
+        s.rollback()
+    for agg in ("fast", "orm"):
+        assert [n for n, a in seen if a == agg] == [
+            "transient_to_pending",
+            "pending_to_persistent",
+            "persistent_to_transient",
+        ], seen
 
 
 def test_events_with_extra_columns_set_take_the_orm_path(engine: Engine) -> None:

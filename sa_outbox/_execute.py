@@ -1,0 +1,85 @@
+"""Executing the library's own Core statements: compiled once, sent straight to psycopg when nobody watches.
+
+Used by the claim/lease/finalize engine and by the producer's one-statement insert. No imports from the rest
+of the package (the producer is imported by ``schema``, which the engine's ``sql`` module imports).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+__all__ = ["run"]
+
+_TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    sql: str
+    static: dict[str, Any]  # values of the statement's own internal parameters
+
+
+_COMPILED: dict[tuple[int, str], _Compiled] = {}
+
+
+def _compiled(stmt: Any, conn: Connection) -> _Compiled:
+    key = (id(stmt), conn.dialect.name)
+    found = _COMPILED.get(key)
+    if found is None:
+        c = stmt.compile(dialect=conn.dialect)
+        found = _Compiled(str(c), dict(c.construct_params(_check=False)))
+        _COMPILED[key] = found
+    return found
+
+
+def _observed(conn: Connection) -> bool:
+    d = conn.dispatch
+    return bool(
+        conn._echo
+        or d.before_execute
+        or d.after_execute
+        or d.before_cursor_execute
+        or d.after_cursor_execute
+        or conn.dialect.dispatch.handle_error
+    )
+
+
+def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
+    """Execute one of the library's statements and return its rows (tuples in RETURNING order).
+
+    The statements are SQLAlchemy Core, built once per table (``sql.py``, the producer's insert). On a
+    psycopg 3 connection their compiled text is sent straight to the driver as a server-side prepared
+    statement (unless the connection has ``prepare_threshold=None``): no per-call compile cache lookup,
+    result processing or Row objects in the claim/finalize/produce hot paths. Errors come out as
+    SQLAlchemy's ``DBAPIError`` subclasses either way.
+    Other drivers, the asyncio adapter, and a connection someone observes (``echo``, or listeners for
+    ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging, tracing) take
+    SQLAlchemy's regular execution path, so they see every statement.
+    """
+    driver = getattr(conn.connection, "driver_connection", None)
+    if isinstance(driver, psycopg.Connection) and not _observed(conn):
+        compiled = _compiled(stmt, conn)
+        full = {**compiled.static, **params}
+        try:
+            # Server-side prepared at once — unless prepared statements are switched off on the connection
+            # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
+            prepare = None if driver.prepare_threshold is None else True
+            cur = driver.execute(compiled.sql, full, prepare=prepare)
+            # (``pgresult.status`` rather than ``description``, which builds column objects on every access)
+            result = cur.pgresult
+            return cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
+        except psycopg.Error as exc:
+            # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so
+            # the pool never hands it out again.
+            lost = driver.closed or isinstance(exc, psycopg.OperationalError)
+            if lost:
+                conn.invalidate(exc)
+            raise DBAPIError.instance(
+                compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
+            ) from exc
+    return [tuple(r) for r in conn.execute(stmt, params)]
