@@ -441,3 +441,30 @@ def test_prepared_statements_can_be_switched_off(
         assert (prepared > 0) is expect_prepared
     finally:
         engine.dispose()
+
+
+def test_sql_observers_see_the_hot_path_statements(engine: Engine) -> None:
+    """Claim and finalize skip SQLAlchemy's execute only while nobody observes the connection: a
+    before_cursor_execute listener (tracing, SQL logging) sees every one of them."""
+    from sqlalchemy import event
+
+    from sa_outbox import _execute
+
+    seed_events(engine, 5)
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        seen.append(statement)
+
+    with engine.connect() as conn:
+        assert not _execute._observed(conn)
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with engine.connect() as conn:
+            assert _execute._observed(conn)
+        assert dispatcher(engine, RecordingPublisher(), batch=5).run_once() == 5
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    assert any("FOR UPDATE SKIP LOCKED" in st for st in seen), seen
+    assert any(st.lstrip().startswith("UPDATE") and "lease_version" in st for st in seen)
+    assert statuses(engine) == {"done": 5}
