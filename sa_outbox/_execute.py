@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.util import await_only
 
 __all__ = ["run"]
 
@@ -57,18 +58,26 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     statement (unless the connection has ``prepare_threshold=None``): no per-call compile cache lookup,
     result processing or Row objects in the claim/finalize/produce hot paths. Errors come out as
     SQLAlchemy's ``DBAPIError`` subclasses either way.
-    Other drivers, the asyncio adapter, and a connection someone observes (``echo``, or listeners for
-    ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging, tracing) take
-    SQLAlchemy's regular execution path, so they see every statement.
+    The same holds for psycopg's async connection, reached through ``AsyncConnection.run_sync`` (the async
+    loops) or an ``AsyncSession`` flush. Other drivers and a connection someone observes (``echo``, or
+    listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
+    tracing) take SQLAlchemy's regular execution path, so they see every statement.
     """
     driver = getattr(conn.connection, "driver_connection", None)
-    if isinstance(driver, psycopg.Connection) and not _observed(conn):
+    if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection) and not _observed(conn):
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
+        # Server-side prepared at once — unless prepared statements are switched off on the connection
+        # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
+        prepare = None if driver.prepare_threshold is None else True
         try:
-            # Server-side prepared at once — unless prepared statements are switched off on the connection
-            # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
-            prepare = None if driver.prepare_threshold is None else True
+            if isinstance(driver, psycopg.AsyncConnection):
+                # Called through AsyncConnection.run_sync: SQLAlchemy's greenlet bridge awaits the driver.
+                acur = await_only(driver.execute(compiled.sql, full, prepare=prepare))
+                result = acur.pgresult
+                if result is not None and result.status == _TUPLES_OK:
+                    return await_only(acur.fetchall())
+                return []
             cur = driver.execute(compiled.sql, full, prepare=prepare)
             # (``pgresult.status`` rather than ``description``, which builds column objects on every access)
             result = cur.pgresult

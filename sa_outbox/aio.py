@@ -7,9 +7,11 @@ decision of what a result means are the sync classes' own: the database steps ru
 options, classification, counters and logs. Only the loop differs: awaiting publishers/handlers, sleeping
 and waiting for NOTIFY on an async connection.
 
-* Publishers may define ``async def publish`` (or ``publish_many``); a sync publisher runs in a thread. A batch
-  is published concurrently, at most ``publish_concurrency`` at a time. In ordered mode a batch holds at
-  most one message per ordered aggregate (only heads are claimable), so concurrency never reorders one.
+* Publishers may define ``async def publish`` (or ``publish_many``): a batch is published concurrently, at
+  most ``publish_concurrency`` at a time. In ordered mode a batch holds at most one message per ordered
+  aggregate (only heads are claimable), so concurrency never reorders one. A sync publisher never runs on
+  the event loop: each batch goes through the sync dispatcher's own publishing step (id order, lease
+  budget, ``enforce_publish_timeout``) in one thread.
 * Handlers may be ``async def``; sync handlers run in threads. At most ``concurrency`` run at once.
 """
 
@@ -255,18 +257,16 @@ class AsyncDispatcher(_AsyncLoop):
             )
         self.publish_concurrency = publish_concurrency
         self.publisher = publisher
+        self._async_publisher = inspect.iscoroutinefunction(
+            getattr(publisher, "publish_many", None) or publisher.publish
+        )
         super().__init__(engine, listen, listen_url)
 
-    async def _publish_one(
-        self, msg: Message, gate: asyncio.Semaphore, is_async: bool
-    ) -> BaseException | None:
+    async def _publish_one(self, msg: Message, gate: asyncio.Semaphore) -> BaseException | None:
         async with gate:
             try:
                 started = time.perf_counter()
-                if is_async:
-                    result = await self.publisher.publish(msg)
-                else:  # a sync publisher runs in a thread, never blocking the event loop
-                    result = await asyncio.to_thread(self.publisher.publish, msg)
+                result = await self.publisher.publish(msg)
                 self.core._observe_handled(started, msg.created_at)
                 return check_result(result)
             except Exception as exc:
@@ -277,32 +277,39 @@ class AsyncDispatcher(_AsyncLoop):
         messages = [Message.from_row(r) for r in await self._claim(rescue)]
         if not messages:
             return 0
-        budget = (core.lease - core.publish_timeout).total_seconds()
-        if hasattr(self.publisher, "publish_many"):
-            try:
-                got = self.publisher.publish_many(messages)
-                errors = check_batch(await got if inspect.isawaitable(got) else got, len(messages))
-            except Exception as exc:
-                errors = [exc] * len(messages)
+        if not self._async_publisher:
+            # A sync publisher (pika, a blocking HTTP client) never runs on the event loop: the sync
+            # dispatcher's own publishing step — id order, lease budget, publish_timeout, release on stop —
+            # runs in one thread per batch.
+            outcomes, fatal = await asyncio.to_thread(core._publish, messages, time.monotonic())
         else:
-            # Async publishers: publish_concurrency at a time; sync ones one after the other (in id order: the
-            # semaphore is FIFO), as they may not be thread-safe.
-            is_async = inspect.iscoroutinefunction(self.publisher.publish)
-            gate = asyncio.Semaphore(self.publish_concurrency if is_async else 1)
-            try:
-                errors = list(
-                    await asyncio.wait_for(
-                        asyncio.gather(*(self._publish_one(m, gate, is_async) for m in messages)), budget
-                    )
-                )
-            except TimeoutError:
-                errors = [TimeoutError("publish batch exceeded the lease budget")] * len(messages)
-        outcomes, fatal = core._outcomes(list(zip(messages, errors, strict=True)))
+            outcomes, fatal = core._outcomes(
+                list(zip(messages, await self._publish_async(messages), strict=True))
+            )
         if fatal is not None:
             await self._finalize(outcomes)
             raise fatal
         await self._settle(outcomes)
         return len(messages)
+
+    async def _publish_async(self, messages: list[Message]) -> list[BaseException | None]:
+        core = self.core
+        budget = (core.lease - core.publish_timeout).total_seconds()
+        if hasattr(self.publisher, "publish_many"):
+            try:
+                return check_batch(await self.publisher.publish_many(messages), len(messages))
+            except Exception as exc:
+                return [exc] * len(messages)
+        # publish_concurrency at a time (in ordered mode a batch holds one message per aggregate).
+        gate = asyncio.Semaphore(self.publish_concurrency)
+        try:
+            return list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(self._publish_one(m, gate) for m in messages)), budget
+                )
+            )
+        except TimeoutError:
+            return [TimeoutError("publish batch exceeded the lease budget")] * len(messages)
 
 
 class AsyncWorker(_AsyncLoop):

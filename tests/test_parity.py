@@ -225,3 +225,90 @@ def test_async_classes_refuse_a_sync_engine(engine: Engine) -> None:
         AsyncDispatcher(engine, OutboxEvent, RecordingPublisher())  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="AsyncEngine"):
         AsyncWorker(engine, Job, {})  # type: ignore[arg-type]
+
+
+def test_hot_path_goes_straight_to_the_driver_unless_observed(
+    runner: Runner, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync and async loops send claim/finalize straight to psycopg (compiled once, prepared); with a
+    before_cursor_execute listener on the engine they go through SQLAlchemy, where the listener sees them."""
+    from sqlalchemy import event
+
+    from sa_outbox import _execute
+
+    direct: list[str] = []
+    real = _execute._compiled
+
+    def counting(stmt: Any, conn: Any) -> Any:
+        found = real(stmt, conn)
+        direct.append(found.sql)
+        return found
+
+    monkeypatch.setattr(_execute, "_compiled", counting)
+    seed_events(engine, 10)
+    assert runner.drain(runner.dispatcher(RecordingPublisher(), batch=5)) == 10
+    assert any("SKIP LOCKED" in st for st in direct), direct
+
+    direct.clear()
+    seen: list[str] = []
+    observed = runner.aengine.sync_engine if runner.aengine else engine
+    listener = lambda conn, cur, st, *rest: seen.append(st)  # noqa: E731
+    event.listen(observed, "before_cursor_execute", listener)
+    try:
+        seed_events(engine, 10, start=11)
+        assert runner.drain(runner.dispatcher(RecordingPublisher(), batch=5)) == 10
+    finally:
+        event.remove(observed, "before_cursor_execute", listener)
+    assert direct == [] and any("SKIP LOCKED" in st for st in seen)
+    assert statuses(engine) == {"done": 20}
+
+
+@pytest.mark.parametrize("method", ["publish", "publish_many"])
+def test_sync_publishers_never_block_the_event_loop(engine: Engine, async_url: URL, method: str) -> None:
+    """A blocking publisher (pika, a sync HTTP client) under AsyncDispatcher runs off the event loop: other
+    tasks keep running while it blocks; messages still go out in id order."""
+    seed_events(engine, 6)
+    order: list[int] = []
+
+    class Blocking:
+        def publish(self, message: Message) -> None:
+            time.sleep(0.05)
+            order.append(message.id)
+
+    class BlockingBatch:
+        def publish(self, message: Message) -> None:
+            raise AssertionError("a batch publisher gets its batches through publish_many")
+
+        def publish_many(self, messages: list[Message]) -> list[BaseException | None]:
+            time.sleep(0.3)
+            order.extend(m.id for m in messages)
+            return [None] * len(messages)
+
+    async def main() -> float:
+        aengine = create_async_engine(async_url)
+        d = AsyncDispatcher(aengine, OutboxEvent, Blocking() if method == "publish" else BlockingBatch(),
+                            listen=False, batch=10)  # fmt: skip
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        t = asyncio.create_task(ticker())
+        try:
+            assert await d.run_once() == 6
+        finally:
+            done.set()
+            await t
+            await d.close()
+            await aengine.dispose()
+        return max(gaps)
+
+    worst_gap = asyncio.run(main())
+    assert order == [1, 2, 3, 4, 5, 6] and statuses(engine) == {"done": 6}
+    assert worst_gap < 0.2, f"the event loop stalled for {worst_gap:.3f}s"
