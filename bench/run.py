@@ -140,8 +140,18 @@ def library_dispatcher(url: str, batch: int, ordered: bool, ready: Any, go: Any)
     engine.dispose()
 
 
-def library_async_loop(url: str, kind: str, batch: int, ready: Any, go: Any) -> None:
-    """AsyncWorker / AsyncDispatcher in one process (psycopg async driver)."""
+class AsyncNoopPublisher:
+    async def publish(self, message: Message) -> None:
+        return None
+
+
+async def _async_noop(job: Any) -> None:
+    return None
+
+
+def library_async_loop(url: str, kind: str, batch: int, flavour: str, ready: Any, go: Any) -> None:
+    """AsyncWorker / AsyncDispatcher in one process (psycopg async driver); ``flavour`` is the handler's or
+    publisher's: ``sync`` (run off the event loop) or ``async``."""
     import asyncio
 
     from sqlalchemy.ext.asyncio import create_async_engine
@@ -151,9 +161,11 @@ def library_async_loop(url: str, kind: str, batch: int, ready: Any, go: Any) -> 
     async def main() -> None:
         engine = create_async_engine(url.replace("+psycopg:", "+psycopg_async:"), pool_size=2)
         if kind == "jobs":
-            loop: Any = AsyncWorker(engine, Job, {"noop": lambda j: None}, batch=batch, listen=False)
+            handler: Any = _async_noop if flavour == "async" else (lambda j: None)
+            loop: Any = AsyncWorker(engine, Job, {"noop": handler}, batch=batch, listen=False)
         else:
-            loop = AsyncDispatcher(engine, OutboxEvent, NoopPublisher(), batch=batch, listen=False)
+            publisher: Any = AsyncNoopPublisher() if flavour == "async" else NoopPublisher()
+            loop = AsyncDispatcher(engine, OutboxEvent, publisher, batch=batch, listen=False)
         async with engine.connect():
             pass
         ready.set()
@@ -242,22 +254,31 @@ def scenario_outbox(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[s
 
 
 def scenario_async(url: str, engine: Engine, cfg: argparse.Namespace) -> dict[str, Any]:
-    """The same drains through AsyncWorker / AsyncDispatcher, beside the sync classes."""
+    """The same drains through AsyncWorker / AsyncDispatcher, beside the sync classes: with the sync no-op
+    handler/publisher (run off the event loop) and with an ``async def`` one."""
     n, procs = cfg.jobs, 4
     out: dict[str, Any] = {}
     for kind in ("jobs", "outbox"):
-        sync_, async_ = [], []
+        reset = reset_jobs if kind == "jobs" else (lambda e, k: reset_outbox(e, k, 1000))
+        rates: dict[str, list[float]] = {"sync": [], "async/sync": [], "async/async": []}
         for _ in range(cfg.runs):
-            reset = reset_jobs if kind == "jobs" else (lambda e, k: reset_outbox(e, k, 1000))
             reset(engine, n)
             target = library_worker if kind == "jobs" else library_dispatcher
             args = (url, 50, 0.0, 1) if kind == "jobs" else (url, 50, False)
-            sync_.append(n / timed_processes(target, [args] * procs))
+            rates["sync"].append(n / timed_processes(target, [args] * procs))
             check_drained(engine, kind, n)
-            reset(engine, n)
-            async_.append(n / timed_processes(library_async_loop, [(url, kind, 50)] * procs))
-            check_drained(engine, kind, n)
-        out[f"{kind} drain, batch 50: async vs sync"] = ratio_row(async_, sync_)
+            for flavour in ("sync", "async"):
+                reset(engine, n)
+                loop_args = (url, kind, 50, flavour)
+                rates[f"async/{flavour}"].append(n / timed_processes(library_async_loop, [loop_args] * procs))
+                check_drained(engine, kind, n)
+        what = "handler" if kind == "jobs" else "publisher"
+        out[f"{kind} drain, batch 50, sync {what}: async vs sync"] = ratio_row(
+            rates["async/sync"], rates["sync"]
+        )
+        out[f"{kind} drain, batch 50, async def {what}: async vs sync"] = ratio_row(
+            rates["async/async"], rates["sync"]
+        )
     return out
 
 

@@ -35,7 +35,7 @@ from tenacity import AsyncRetrying
 from . import engine as eng
 from ._loop import LoopBase, is_connection_error
 from .dispatcher import Dispatcher, check_batch, check_result
-from .errors import ConfigurationError, PermanentError
+from .errors import ConfigurationError
 from .messages import ClaimedJob, Message
 from .wakeup import libpq_url
 from .worker import _NOT_STARTED, Worker
@@ -327,23 +327,41 @@ class AsyncWorker(_AsyncLoop):
     def task(self, name: str | None = None) -> Any:
         return self.core.task(name)
 
-    async def _call(self, job: ClaimedJob, gate: asyncio.Semaphore) -> object:
+    async def _call(self, job: ClaimedJob, handler: Any, gate: asyncio.Semaphore) -> object:
         async with gate:
             if self._stop.is_set():
                 return _NOT_STARTED
-            handler = self.core._handler_for(job)
-            if isinstance(handler, PermanentError):
-                return handler
             try:
                 started = time.perf_counter()
-                if inspect.iscoroutinefunction(handler):
-                    await handler(job)
-                else:
-                    await asyncio.to_thread(handler, job)
+                # A timed-out coroutine is cancelled (unlike a sync handler's thread, which is abandoned).
+                await asyncio.wait_for(handler(job), self.core.handler_timeout)
                 self.core._observe_handled(started, job.created_at)
                 return None
+            except TimeoutError:
+                return self.core._timed_out()
             except Exception as exc:
                 return exc
+
+    async def _handle(self, jobs: list[ClaimedJob]) -> list[object]:
+        """``async def`` handlers are awaited here, at most ``concurrency`` at once; the batch's other jobs
+        (sync handlers, unknown tasks) go through the sync worker's own step in one thread. A batch with both
+        runs the two groups one after the other, so ``concurrency`` bounds each moment."""
+        core = self.core
+        handlers = [core._handler_for(j) for j in jobs]
+        is_async = [inspect.iscoroutinefunction(h) for h in handlers]
+        results: list[object] = [None] * len(jobs)
+        sync_at = [i for i, a in enumerate(is_async) if not a]
+        if sync_at:
+            done = await asyncio.to_thread(core._handle, [jobs[i] for i in sync_at])
+            for i, result in zip(sync_at, done, strict=True):
+                results[i] = result
+        async_at = [i for i, a in enumerate(is_async) if a]
+        if async_at:
+            gate = asyncio.Semaphore(core.concurrency)
+            done = await asyncio.gather(*(self._call(jobs[i], handlers[i], gate) for i in async_at))
+            for i, result in zip(async_at, done, strict=True):
+                results[i] = result
+        return results
 
     async def _heartbeat(self, jobs: list[ClaimedJob], interval: float) -> None:
         pairs = [(j.id, j.lease_version) for j in jobs]
@@ -361,10 +379,9 @@ class AsyncWorker(_AsyncLoop):
         jobs = [ClaimedJob.from_row(r) for r in await self._claim(rescue)]
         if not jobs:
             return 0
-        gate = asyncio.Semaphore(core.concurrency)
         beat = asyncio.ensure_future(self._heartbeat(jobs, core.stale_after.total_seconds() / 4))
         try:
-            results = list(await asyncio.gather(*(self._call(j, gate) for j in jobs)))
+            results = await self._handle(jobs)
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

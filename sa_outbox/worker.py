@@ -247,29 +247,34 @@ class Worker(LoopBase):
         if not jobs:
             return 0
         self._beat.hold(jobs)
-        if self.handler_timeout is None and (self.concurrency == 1 or len(jobs) == 1):
-            results = [self._call(j) for j in jobs]
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
-            futures = [self._pool.submit(self._call, j) for j in jobs]
-            results = []
-            for job, future in zip(jobs, futures, strict=True):
-                try:
-                    results.append(future.result(timeout=self.handler_timeout))
-                except FutureTimeout:
-                    # The thread cannot be killed: it is abandoned (the job may still finish there), the job is
-                    # retried like any transient failure — handlers must be idempotent anyway.
-                    self._beat.release(job.id)
-                    results.append(
-                        RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
-                    )
-        outcomes, fatal = self._outcomes(jobs, results)
+        outcomes, fatal = self._outcomes(jobs, self._handle(jobs))
         if fatal is not None:
             self._finalize(outcomes)
             raise fatal
         self._settle(outcomes)
         return len(jobs)
+
+    def _handle(self, jobs: Sequence[ClaimedJob]) -> list[object]:
+        """Run the jobs' (sync) handlers, at most ``concurrency`` at a time, each bounded by handler_timeout;
+        one result per job, in order (also the async worker's step for sync handlers, in a thread)."""
+        if self.handler_timeout is None and (self.concurrency == 1 or len(jobs) == 1):
+            return [self._call(j) for j in jobs]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
+        futures = [self._pool.submit(self._call, j) for j in jobs]
+        results: list[object] = []
+        for job, future in zip(jobs, futures, strict=True):
+            try:
+                results.append(future.result(timeout=self.handler_timeout))
+            except FutureTimeout:
+                # The thread cannot be killed: it is abandoned (the job may still finish there), the job is
+                # retried like any transient failure — handlers must be idempotent anyway.
+                self._beat.release(job.id)
+                results.append(self._timed_out())
+        return results
+
+    def _timed_out(self) -> RetryableError:
+        return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
 
     def _outcomes(
         self, jobs: Sequence[ClaimedJob], results: Sequence[object]

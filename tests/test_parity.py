@@ -312,3 +312,33 @@ def test_sync_publishers_never_block_the_event_loop(engine: Engine, async_url: U
     worst_gap = asyncio.run(main())
     assert order == [1, 2, 3, 4, 5, 6] and statuses(engine) == {"done": 6}
     assert worst_gap < 0.2, f"the event loop stalled for {worst_gap:.3f}s"
+
+
+def test_hanging_handler_times_out_as_retryable(runner: Runner, engine: Engine) -> None:
+    """handler_timeout holds for both flavours and for sync and async handlers: a hanging handler is a
+    retryable failure, the batch's other jobs complete, and the loop is not held until stale_after."""
+    seed_jobs(engine, 1, task="hang")
+    seed_jobs(engine, 1, task="hang_async")
+    seed_jobs(engine, 1, task="ok")
+    release = threading.Event()
+
+    async def hang_async(job: ClaimedJob) -> None:
+        await asyncio.sleep(10)
+
+    handlers: dict[str, Any] = {"hang": lambda j: release.wait(10), "ok": lambda j: None}
+    if runner.kind == "async":
+        handlers["hang_async"] = hang_async
+    else:
+        handlers["hang_async"] = lambda j: release.wait(10)
+    w = runner.worker(handlers, handler_timeout=0.3, stale_after=5, concurrency=3)
+    started = time.monotonic()
+    try:
+        assert runner.run_once(w) == 3
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
+    for job_id in (1, 2):
+        r = row(engine, "jobs", job_id)
+        assert (r.status, r.attempts) == ("queued", 1), r
+        assert "handler exceeded handler_timeout (0.3s)" in r.last_error
+    assert row(engine, "jobs", 3).status == "done"
