@@ -35,7 +35,7 @@ from tenacity import AsyncRetrying
 from . import engine as eng
 from ._loop import LoopBase, is_connection_error
 from .dispatcher import Dispatcher, check_batch, check_result
-from .errors import ConfigurationError
+from .errors import ConfigurationError, RetryableError
 from .messages import ClaimedJob, Message
 from .wakeup import libpq_url
 from .worker import _NOT_STARTED, Worker
@@ -263,11 +263,19 @@ class AsyncDispatcher(_AsyncLoop):
         super().__init__(engine, listen, listen_url)
 
     async def _publish_one(self, msg: Message, gate: asyncio.Semaphore) -> BaseException | None:
+        core = self.core
         async with gate:
             try:
                 started = time.perf_counter()
-                result = await self.publisher.publish(msg)
-                self.core._observe_handled(started, msg.created_at)
+                if core.enforce_publish_timeout:
+                    timeout = core.publish_timeout.total_seconds()
+                    try:
+                        result = await asyncio.wait_for(self.publisher.publish(msg), timeout)
+                    except TimeoutError:
+                        return RetryableError(f"publish exceeded publish_timeout ({timeout:g}s)")
+                else:
+                    result = await self.publisher.publish(msg)
+                core._observe_handled(started, msg.created_at)
                 return check_result(result)
             except Exception as exc:
                 return exc
@@ -293,23 +301,23 @@ class AsyncDispatcher(_AsyncLoop):
         return len(messages)
 
     async def _publish_async(self, messages: list[Message]) -> list[BaseException | None]:
+        """The batch's publish results; the whole batch is bounded by the lease budget (lease −
+        publish_timeout): what is still running then is cancelled and retried, never finished on an expired
+        lease."""
         core = self.core
         budget = (core.lease - core.publish_timeout).total_seconds()
         if hasattr(self.publisher, "publish_many"):
-            try:
-                return check_batch(await self.publisher.publish_many(messages), len(messages))
-            except Exception as exc:
-                return [exc] * len(messages)
-        # publish_concurrency at a time (in ordered mode a batch holds one message per aggregate).
-        gate = asyncio.Semaphore(self.publish_concurrency)
+            batch: Any = self.publisher.publish_many(messages)
+        else:
+            # publish_concurrency at a time (in ordered mode a batch holds one message per aggregate).
+            gate = asyncio.Semaphore(self.publish_concurrency)
+            batch = asyncio.gather(*(self._publish_one(m, gate) for m in messages))
         try:
-            return list(
-                await asyncio.wait_for(
-                    asyncio.gather(*(self._publish_one(m, gate) for m in messages)), budget
-                )
-            )
+            return check_batch(await asyncio.wait_for(batch, budget), len(messages))
         except TimeoutError:
-            return [TimeoutError("publish batch exceeded the lease budget")] * len(messages)
+            return [RetryableError("publish batch exceeded the lease budget")] * len(messages)
+        except Exception as exc:
+            return [exc] * len(messages)
 
 
 class AsyncWorker(_AsyncLoop):

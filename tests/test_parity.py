@@ -342,3 +342,62 @@ def test_hanging_handler_times_out_as_retryable(runner: Runner, engine: Engine) 
         assert (r.status, r.attempts) == ("queued", 1), r
         assert "handler exceeded handler_timeout (0.3s)" in r.last_error
     assert row(engine, "jobs", 3).status == "done"
+
+
+def test_hanging_publisher_times_out_as_retryable_when_enforced(runner: Runner, engine: Engine) -> None:
+    """enforce_publish_timeout bounds every publish for both flavours (an async publisher is cancelled)."""
+    seed_events(engine, 1)
+    release = threading.Event()
+
+    class Hangs:
+        def publish(self, message: Message) -> None:
+            release.wait(10)
+
+    class HangsAsync:
+        async def publish(self, message: Message) -> None:
+            await asyncio.sleep(10)
+
+    pub: Any = Hangs() if runner.kind == "sync" else HangsAsync()
+    d = runner.dispatcher(pub, lease=5, publish_timeout=0.3, enforce_publish_timeout=True)
+    started = time.monotonic()
+    try:
+        assert runner.run_once(d) == 1
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == ("pending", 1), r
+    assert "publish exceeded publish_timeout (0.3s)" in r.last_error
+
+
+def test_hanging_async_publish_many_is_bounded_by_the_lease_budget(engine: Engine, async_url: URL) -> None:
+    """An async publish_many that never returns is cancelled when the lease budget (lease − publish_timeout)
+    is spent: the batch is retried, never published on an expired lease."""
+    seed_events(engine, 2)
+
+    class HangsAsyncBatch:
+        async def publish(self, message: Message) -> None:
+            raise AssertionError("batches go through publish_many")
+
+        async def publish_many(self, messages: list[Message]) -> list[BaseException | None]:
+            await asyncio.sleep(10)
+            return [None] * len(messages)
+
+    async def main() -> float:
+        aengine = create_async_engine(async_url)
+        d = AsyncDispatcher(
+            aengine, OutboxEvent, HangsAsyncBatch(), listen=False, lease=1.5, publish_timeout=0.5
+        )
+        started = time.monotonic()
+        try:
+            assert await d.run_once() == 2
+            return time.monotonic() - started
+        finally:
+            await d.close()
+            await aengine.dispose()
+
+    took = asyncio.run(main())
+    assert took < 3
+    for i in (1, 2):
+        r = row(engine, "outbox", i)
+        assert (r.status, r.attempts) == ("pending", 1) and "lease budget" in r.last_error, r
