@@ -68,17 +68,19 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
         # Server-side prepared at once — unless prepared statements are switched off on the connection
-        # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode).
+        # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode). Results in
+        # binary format: ~20 µs less client CPU per claim than parsing text (the statements return only
+        # built-in types).
         prepare = None if driver.prepare_threshold is None else True
         try:
             if isinstance(driver, psycopg.AsyncConnection):
                 # Called through AsyncConnection.run_sync: SQLAlchemy's greenlet bridge awaits the driver.
-                acur = await_only(driver.execute(compiled.sql, full, prepare=prepare))
+                acur = await_only(driver.execute(compiled.sql, full, prepare=prepare, binary=True))
                 result = acur.pgresult
                 if result is not None and result.status == _TUPLES_OK:
                     return await_only(acur.fetchall())
                 return []
-            cur = driver.execute(compiled.sql, full, prepare=prepare)
+            cur = driver.execute(compiled.sql, full, prepare=prepare, binary=True)
             # (``pgresult.status`` rather than ``description``, which builds column objects on every access)
             result = cur.pgresult
             return cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
