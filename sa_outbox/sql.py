@@ -35,6 +35,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy import cast as sa_cast
 from sqlalchemy.sql import ColumnElement, Select, Update
 
 from .errors import SchemaError
@@ -93,13 +94,13 @@ class QueueSpec:
         assert self.locked_at is not None
         return and_(
             self.c.status == const(self.active),
-            self.locked_at < func.now() - bindparam("stale_after", type_=Interval),
+            self.locked_at < func.now() - sa_cast(bindparam("stale_after", type_=Interval), Interval),
         )
 
     def lease_values(self) -> dict[str, Any]:
         """What a claim or a heartbeat writes to record the lease (database clock only)."""
         if self.lease_until is not None:
-            return {self.lease_until.name: func.now() + bindparam("lease", type_=Interval)}
+            return {self.lease_until.name: func.now() + sa_cast(bindparam("lease", type_=Interval), Interval)}
         assert self.locked_at is not None
         return {self.locked_at.name: func.now()}
 
@@ -220,7 +221,15 @@ def claim_statement(spec: QueueSpec, *, ordered: bool = False, ordered_types: bo
         "attempts": c.attempts + 1,
         **spec.lease_values(),
     }
-    return update(t).where(c.id == cte.c.id).values(values).returning(*claim_returning(spec))
+    # id = ANY(ARRAY(SELECT id FROM picked)): an InitPlan run once, then primary-key lookups. Joining the CTE
+    # instead (UPDATE … FROM picked) lets a generic plan — the prepared statement's, after five runs — hash
+    # the whole table when it cannot see :batch (tests/test_generic_plans.py).
+    return (
+        update(t)
+        .where(c.id == any_(func.array(select(cte.c.id).scalar_subquery())))
+        .values(values)
+        .returning(*claim_returning(spec))
+    )
 
 
 # --- rescue (reap) --------------------------------------------------------------------------------------
@@ -263,7 +272,12 @@ def rescue_statement(spec: QueueSpec) -> Update:
     }
     if spec.finish_on_dead:
         values[spec.finished.name] = case((exhausted, func.now()), else_=None)
-    return update(t).where(c.id.in_(victims)).values(values).returning(c.id, c.status, c.lease_version)
+    return (
+        update(t)
+        .where(c.id == any_(func.array(victims)))  # see claim_statement: safe under a generic plan
+        .values(values)
+        .returning(c.id, c.status, c.lease_version)
+    )
 
 
 # --- finalize -------------------------------------------------------------------------------------------

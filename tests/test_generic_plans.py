@@ -1,0 +1,137 @@
+"""Generic plans of every hot statement stay index scans, on a table full of history and on a backlog.
+
+The loops run their statements server-side prepared; after five executions PostgreSQL may switch to a
+generic plan (and always does under ``plan_cache_mode = force_generic_plan``, which some poolers want). A
+generic plan cannot see ``:batch`` or the length of an id array, so a join written the obvious way can become
+a hash join over a sequential scan of the whole table — every claim reading every row, exactly when a backlog
+makes throughput matter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from psycopg import sql as psql
+from sqlalchemy import Engine, text
+from sqlalchemy.sql import Executable
+
+from sa_outbox import sql
+from sa_outbox.models import Job, OutboxEvent
+
+from .test_explain import scans
+
+OUTBOX = sql.spec_for(OutboxEvent)
+JOBS = sql.spec_for(Job)
+
+# history: 118,000 finished rows, 2,000 ready, 100 leased; backlog: 120,000 ready rows, 100 leased; a small
+# backlog of 20,000 (where the planner's crossover to a hash join over the table sits); busy: half of 120,000
+# leased.
+SHAPES = {
+    "history": (120_000, "CASE WHEN g <= 118000 THEN 'done' WHEN g <= 118100 THEN '{active}' ELSE '{ready}' END",
+                "CASE WHEN g <= 118000 THEN now() END"),
+    "backlog": (120_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
+    "small backlog": (20_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
+    "busy": (120_000, "CASE WHEN g % 2 = 0 THEN '{active}' ELSE '{ready}' END", "NULL"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def table_shape(request: pytest.FixtureRequest, shared_engine: Engine) -> Iterator[Engine]:
+    rows, status, finished = SHAPES[request.param]
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+        ob = status.format(active="processing", ready="pending")
+        conn.execute(
+            text(
+                f"""
+                INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at,
+                                    lease_until, attempts)
+                SELECT 'order', 'agg-' || (g % 1000), 'E', '{{}}', {ob}, {finished},
+                       CASE WHEN ({ob}) = 'processing' THEN now() + interval '1 minute' END,
+                       CASE WHEN ({ob}) = 'processing' THEN 1 ELSE 0 END
+                  FROM generate_series(1, :rows) AS g
+                """
+            ),
+            {"rows": rows},
+        )
+        jb = status.format(active="running", ready="queued")
+        conn.execute(
+            text(
+                f"""
+                INSERT INTO jobs (task, queue, payload, status, finished_at, locked_at, attempts)
+                SELECT 'noop', CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END, '{{}}', {jb}, {finished},
+                       CASE WHEN ({jb}) = 'running' THEN now() END,
+                       CASE WHEN ({jb}) = 'running' THEN 1 ELSE 0 END
+                  FROM generate_series(1, :rows) AS g
+                """
+            ),
+            {"rows": rows},
+        )
+    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE outbox"))
+        conn.execute(text("VACUUM ANALYZE jobs"))
+    yield shared_engine
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+
+
+def generic_plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> dict[str, Any]:
+    """The plan of ``stmt`` as a prepared statement under plan_cache_mode = force_generic_plan."""
+    with engine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        values = compiled.construct_params(params)
+        names: list[str] = []
+
+        def number(m: re.Match[str]) -> str:
+            if m.group(1) not in names:
+                names.append(m.group(1))
+            return f"${names.index(m.group(1)) + 1}"
+
+        query = re.sub(r"%\((\w+)\)s", number, str(compiled)).replace("%%", "%")
+        driver = conn.connection.driver_connection
+        conn.exec_driver_sql("DEALLOCATE ALL")  # a pooled connection may hold an earlier test's statement
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql("PREPARE sa_outbox_generic AS " + query.replace("%", "%%"))
+        args = ", ".join(psql.Literal(values[n]).as_string(driver) for n in names)
+        explain = f"EXPLAIN (FORMAT JSON) EXECUTE sa_outbox_generic({args})"
+        result: dict[str, Any] = conn.exec_driver_sql(explain.replace("%", "%%")).scalar_one()[0]["Plan"]
+        conn.rollback()
+        return result
+
+
+CLAIM = {"owner": "w", "batch": 50, "lease": timedelta(seconds=60)}
+JOBS_CLAIM = {"owner": "w", "batch": 50, "queue_name": "default"}
+OUTCOMES = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
+            "errors": [None, None], "refunds": [0, 0]}  # fmt: skip
+STATEMENTS = {
+    "outbox claim": (sql.claim_statement(OUTBOX), CLAIM),
+    "outbox ordered claim": (sql.claim_statement(OUTBOX, ordered=True), CLAIM),
+    "outbox ordered-types claim": (
+        sql.claim_statement(OUTBOX, ordered=True, ordered_types=True),
+        {**CLAIM, "ordered_types": ["E"]},
+    ),
+    "jobs claim": (sql.claim_statement(JOBS), JOBS_CLAIM),
+    "outbox rescue": (sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12}),
+    "jobs rescue": (sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
+    "outbox finalize": (sql.finalize_statement(OUTBOX), OUTCOMES),
+    "jobs finalize": (sql.finalize_statement(JOBS), OUTCOMES),
+    "outbox extend": (sql.extend_statement(OUTBOX), {**CLAIM, "ids": [1, 2], "versions": [1, 1]}),
+    "jobs extend": (sql.extend_statement(JOBS), {"ids": [1, 2], "versions": [1, 1]}),
+    "outbox finalize+claim": (sql.finalize_and_claim_statement(OUTBOX), {**CLAIM, **OUTCOMES}),
+    "outbox ordered finalize+claim": (
+        sql.finalize_and_claim_statement(OUTBOX, ordered=True),
+        {**CLAIM, **OUTCOMES},
+    ),
+    "jobs finalize+claim": (sql.finalize_and_claim_statement(JOBS), {**JOBS_CLAIM, **OUTCOMES}),
+}
+
+
+@pytest.mark.parametrize("label", sorted(STATEMENTS))
+def test_generic_plan_never_scans_the_table(table_shape: Engine, label: str) -> None:
+    stmt, params = STATEMENTS[label]
+    found = scans(generic_plan(table_shape, stmt, params))
+    assert not [s for s in found if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], (label, found)
