@@ -202,12 +202,15 @@ class LoopBase:
             if self._pending:
                 pending = self._pending
                 applied, got = eng.finalize_and_claim(
-                    conn, self.spec, pending, owner=self.owner, batch=want, **params
-                )
+                    conn, self.spec, pending, owner=self.owner, batch=want, fixed_batch=want == self.batch,
+                    **params,
+                )  # fmt: skip
                 self._pending = []
                 self._report(pending, applied)
             else:
-                got = eng.claim(conn, self.spec, owner=self.owner, batch=want, **params)
+                got = eng.claim(
+                    conn, self.spec, owner=self.owner, batch=want, fixed_batch=want == self.batch, **params
+                )
             rows += got
         if rows:
             self.stats.batches += 1

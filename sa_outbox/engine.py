@@ -161,9 +161,14 @@ def claim(
     queue: str | None = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
+    fixed_batch: bool = False,
 ) -> list[Any]:
-    """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id."""
-    stmt = sql.claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
+    """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id.
+    ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
+    :func:`sql.claim_statement`); other sizes are a parameter."""
+    stmt = sql.claim_statement(
+        spec, ordered=ordered, ordered_types=ordered_types is not None, limit=batch if fixed_batch else None
+    )
     rows = run(conn, stmt, _claim_params(spec, owner, batch, lease, queue, ordered_types))
     rows.sort(key=lambda r: r[0])
     return rows
@@ -188,9 +193,12 @@ def finalize_and_claim(
     queue: str | None = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
+    fixed_batch: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
-    stmt = sql.finalize_and_claim_statement(spec, ordered=ordered, ordered_types=ordered_types is not None)
+    stmt = sql.finalize_and_claim_statement(
+        spec, ordered=ordered, ordered_types=ordered_types is not None, limit=batch if fixed_batch else None
+    )
     params = {**_claim_params(spec, owner, batch, lease, queue, ordered_types), **_outcome_params(outcomes)}
     applied: set[int] = set()
     claimed: list[Any] = []

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from psycopg import sql as psql
 from sqlalchemy import Engine, text
+from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import Executable
 
 from sa_outbox import sql
@@ -93,13 +94,12 @@ def generic_plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> di
 
         query = re.sub(r"%\((\w+)\)s", number, str(compiled)).replace("%%", "%")
         driver = conn.connection.driver_connection
-        conn.exec_driver_sql("DEALLOCATE ALL")  # a pooled connection may hold an earlier test's statement
         conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
         conn.exec_driver_sql("PREPARE sa_outbox_generic AS " + query.replace("%", "%%"))
         args = ", ".join(psql.Literal(values[n]).as_string(driver) for n in names)
         explain = f"EXPLAIN (FORMAT JSON) EXECUTE sa_outbox_generic({args})"
         result: dict[str, Any] = conn.exec_driver_sql(explain.replace("%", "%%")).scalar_one()[0]["Plan"]
-        conn.rollback()
+        conn.invalidate()  # the session holds the PREPAREd statement: never hand it back to the pool
         return result
 
 
@@ -127,6 +127,16 @@ STATEMENTS = {
         {**CLAIM, **OUTCOMES},
     ),
     "jobs finalize+claim": (sql.finalize_and_claim_statement(JOBS), {**JOBS_CLAIM, **OUTCOMES}),
+    # what the loops send for their configured batch: the LIMIT written in
+    "outbox claim, batch 50 written in": (sql.claim_statement(OUTBOX, limit=50), CLAIM),
+    "outbox ordered finalize+claim, batch 50 written in": (
+        sql.finalize_and_claim_statement(OUTBOX, ordered=True, limit=50),
+        {**CLAIM, **OUTCOMES},
+    ),
+    "jobs finalize+claim, batch 1 written in": (
+        sql.finalize_and_claim_statement(JOBS, limit=1),
+        {**JOBS_CLAIM, **OUTCOMES},
+    ),
 }
 
 
@@ -135,3 +145,79 @@ def test_generic_plan_never_scans_the_table(table_shape: Engine, label: str) -> 
     stmt, params = STATEMENTS[label]
     found = scans(generic_plan(table_shape, stmt, params))
     assert not [s for s in found if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], (label, found)
+
+
+def test_running_workers_keep_the_generic_plan(shared_engine: Engine) -> None:
+    """Three workers at batch 1 side by side: with the batch written into the claim and the outcome ids
+    hidden from the planner, PostgreSQL settles on each prepared statement's generic plan
+    (pg_prepared_statements counts it) instead of planning every claim."""
+    import threading
+
+    from sqlalchemy import create_engine
+
+    from sa_outbox import ClaimedJob, Worker
+
+    with shared_engine.begin() as conn:
+        conn.execute(text("TRUNCATE jobs RESTART IDENTITY"))
+    with shared_engine.begin() as conn:  # a queue of 12,000 (plan costs grow with the table), analyzed
+        conn.execute(
+            text("INSERT INTO jobs (task, payload) SELECT 'noop', '{}' FROM generate_series(1, 12000)")
+        )
+    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE jobs"))
+    own = create_engine(shared_engine.url, poolclass=NullPool)  # fresh sessions: nothing prepared yet
+    plans: list[Any] = []
+    workers: list[Worker] = []
+
+    def make_handler(index: int) -> Any:
+        count = [0]
+
+        def handle(job: ClaimedJob) -> None:
+            count[0] += 1
+            if count[0] == 150:  # read this loop's own session from its thread, between two claims
+                with workers[index]._connection() as conn:
+                    plans.extend(
+                        conn.execute(
+                            text(
+                                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                                "WHERE statement LIKE 'WITH finalized%' AND statement LIKE '%LIMIT 1 %'"
+                            )
+                        ).all()
+                    )
+
+        return handle
+
+    for i in range(3):
+        workers.append(Worker(own, Job, {"noop": make_handler(i)}, batch=1, listen=False))
+    threads = [
+        threading.Thread(target=w.run, kwargs={"install_signal_handlers": False, "max_batches": 160})
+        for w in workers
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for w in workers:
+            w.close()
+        own.dispose()
+        with shared_engine.begin() as conn:
+            conn.execute(text("TRUNCATE jobs RESTART IDENTITY"))
+    assert len(plans) == 3, plans
+    # PostgreSQL's five trial custom plans, then the generic plan only
+    assert all(p.custom_plans == 5 and p.generic_plans >= 140 for p in plans), plans
+
+
+@pytest.mark.parametrize(
+    "label", ["outbox finalize", "jobs finalize", "outbox extend", "jobs extend", "jobs finalize+claim"]
+)
+def test_fenced_updates_find_their_rows_by_primary_key(table_shape: Engine, label: str) -> None:
+    """A finalize/heartbeat of n rows costs n key lookups — never a walk over every leased row compared
+    with every outcome (what a generic plan did with statistics taken when few rows were leased)."""
+    stmt, params = STATEMENTS[label]
+    table = label.split()[0]
+    found = scans(generic_plan(table_shape, stmt, params))
+    leased_index = "ix_outbox_leased" if table == "outbox" else "ix_jobs_running"
+    assert f"pk_{table}" in {s[2] for s in found}, (label, found)
+    assert leased_index not in {s[2] for s in found}, (label, found)
