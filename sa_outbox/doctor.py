@@ -38,8 +38,8 @@ class Finding:
 def explain_claim(conn: Connection, model: type[Any], *, ordered: bool = False) -> dict[str, Any]:
     """The planner's plan (JSON, no ANALYZE) for this table's real claim statement."""
     spec = sql.spec_for(model)
-    stmt = sql.claim_statement(spec, ordered=ordered)
-    params: dict[str, Any] = {"owner": "doctor", "batch": 50}
+    stmt = sql.claim_statement(spec, ordered=ordered, limit=50)  # as a loop with batch=50 sends it
+    params: dict[str, Any] = {"owner": "doctor"}
     if spec.kind == "outbox":
         params["lease"] = timedelta(seconds=60)
     else:
