@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
 import time
@@ -38,7 +37,7 @@ from .dispatcher import Dispatcher, check_batch, check_result
 from .errors import ConfigurationError, RetryableError
 from .messages import ClaimedJob, Message
 from .wakeup import libpq_url
-from .worker import _NOT_STARTED, Worker
+from .worker import _NOT_STARTED, Worker, is_async_callable
 
 __all__ = ["AsyncDispatcher", "AsyncWorker"]
 
@@ -230,6 +229,18 @@ class _AsyncLoop:
         await self._drop()
 
 
+class _DispatcherCore(Dispatcher):
+    """The sync dispatcher an AsyncDispatcher keeps for options and decisions; async publishers allowed."""
+
+    _awaits_publisher = True
+
+
+class _WorkerCore(Worker):
+    """The sync worker an AsyncWorker keeps for options, decisions and sync handlers; async handlers allowed."""
+
+    _awaits_handlers = True
+
+
 class AsyncDispatcher(_AsyncLoop):
     """The :class:`~sa_outbox.Dispatcher` under asyncio; same options, plus ``publish_concurrency``
     (messages of one batch published at once, default 16)."""
@@ -246,7 +257,7 @@ class AsyncDispatcher(_AsyncLoop):
         listen, listen_url = options.pop("listen", True), options.pop("listen_url", None)
         if not isinstance(engine, AsyncEngine):
             raise ConfigurationError(f"engine must be a sqlalchemy AsyncEngine, got {type(engine).__name__}")
-        self.core: Dispatcher = Dispatcher(engine.sync_engine, model, publisher, listen=False, **options)
+        self.core: Dispatcher = _DispatcherCore(engine.sync_engine, model, publisher, listen=False, **options)
         if (
             isinstance(publish_concurrency, bool)
             or not isinstance(publish_concurrency, int)
@@ -257,7 +268,7 @@ class AsyncDispatcher(_AsyncLoop):
             )
         self.publish_concurrency = publish_concurrency
         self.publisher = publisher
-        self._async_publisher = inspect.iscoroutinefunction(
+        self._async_publisher = is_async_callable(
             getattr(publisher, "publish_many", None) or publisher.publish
         )
         super().__init__(engine, listen, listen_url)
@@ -329,7 +340,7 @@ class AsyncWorker(_AsyncLoop):
         if not isinstance(engine, AsyncEngine):
             raise ConfigurationError(f"engine must be a sqlalchemy AsyncEngine, got {type(engine).__name__}")
         options.setdefault("heartbeat", 0)  # the async worker beats from its own loop
-        self.core: Worker = Worker(engine.sync_engine, model, handlers, listen=False, **options)
+        self.core: Worker = _WorkerCore(engine.sync_engine, model, handlers, listen=False, **options)
         super().__init__(engine, listen, listen_url)
 
     def task(self, name: str | None = None) -> Any:
@@ -356,7 +367,7 @@ class AsyncWorker(_AsyncLoop):
         runs the two groups one after the other, so ``concurrency`` bounds each moment."""
         core = self.core
         handlers = [core._handler_for(j) for j in jobs]
-        is_async = [inspect.iscoroutinefunction(h) for h in handlers]
+        is_async = [is_async_callable(h) for h in handlers]
         results: list[object] = [None] * len(jobs)
         sync_at = [i for i, a in enumerate(is_async) if not a]
         if sync_at:

@@ -20,6 +20,7 @@ The same happens on :meth:`stop`: the message being published finishes, the rest
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Collection
@@ -76,6 +77,9 @@ class Dispatcher(LoopBase):
     _owner_prefix = "dispatcher"
     _log = log
 
+    #: The asyncio dispatcher's core awaits async publishers on its event loop; this class never does.
+    _awaits_publisher = False
+
     def __init__(
         self,
         engine: Engine,
@@ -106,6 +110,12 @@ class Dispatcher(LoopBase):
             )
         if not callable(getattr(publisher, "publish", None)):
             raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
+        if not self._awaits_publisher and any(
+            inspect.iscoroutinefunction(getattr(publisher, m, None)) for m in ("publish", "publish_many")
+        ):
+            raise ConfigurationError(
+                f"publisher {publisher!r} is async: Dispatcher would never await it; run it with AsyncDispatcher"
+            )
         self.publisher = publisher
         self.lease = to_timedelta(lease, name="lease", allow_zero=False)
         self.publish_timeout = to_timedelta(publish_timeout, name="publish_timeout", allow_zero=False)

@@ -21,6 +21,7 @@ recorded; claimed jobs that have not started are released (back to ``queued``, a
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -47,6 +48,12 @@ Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
 
 _NOT_STARTED = object()
+
+
+def is_async_callable(fn: Any) -> bool:
+    """``async def`` functions and objects whose ``__call__`` is one."""
+    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -180,8 +187,7 @@ class Worker(LoopBase):
             raise ConfigurationError(f"queues must be non-empty queue names, got {self.queues!r}")
         self.handlers: TaskRegistry = TaskRegistry(handlers or {})
         for name, fn in self.handlers.items():
-            if not callable(fn):
-                raise ConfigurationError(f"handler for task {name!r} is not callable: {fn!r}")
+            self._check_handler(name, fn)
         self.stale_after = to_timedelta(stale_after, name="stale_after", allow_zero=False)
         beat = self.stale_after / 4 if heartbeat is None else to_timedelta(heartbeat, name="heartbeat")
         if beat >= self.stale_after:
@@ -205,7 +211,23 @@ class Worker(LoopBase):
 
     def task(self, name: str | None = None) -> Callable[[H], H]:
         """Decorator registering a handler on this worker."""
-        return self.handlers.task(name)
+
+        def register(fn: H) -> H:
+            self._check_handler(str(name or getattr(fn, "__name__", "?")), fn)
+            return self.handlers.task(name)(fn)
+
+        return register
+
+    #: The asyncio worker's core runs coroutine handlers on its event loop; this class never awaits one.
+    _awaits_handlers = False
+
+    def _check_handler(self, name: str, fn: Any) -> None:
+        if not callable(fn):
+            raise ConfigurationError(f"handler for task {name!r} is not callable: {fn!r}")
+        if is_async_callable(fn) and not self._awaits_handlers:
+            raise ConfigurationError(
+                f"handler for task {name!r} is async: Worker would never await it; run it with AsyncWorker"
+            )
 
     # -- one batch -------------------------------------------------------------------------------------
 
@@ -234,7 +256,13 @@ class Worker(LoopBase):
             if isinstance(handler, PermanentError):
                 return handler
             started = time.perf_counter()
-            handler(job)
+            result = handler(job)
+            if inspect.isawaitable(result):  # an object with an async __call__: refused, never marked done
+                if inspect.iscoroutine(result):
+                    result.close()
+                return TypeError(
+                    f"handler for task {job.task!r} returned an awaitable; async handlers run with AsyncWorker"
+                )
             self._observe_handled(started, job.created_at)
             return None
         except Exception as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, MetaData, create_engine
@@ -110,3 +111,45 @@ def test_hanging_publisher_times_out_as_retryable_when_enforced(engine: Engine) 
         1,
     ) and "publish exceeded publish_timeout (0.3s)" in r.last_error
     release.set()
+
+
+def test_sync_loops_refuse_async_handlers_and_publishers(engine: Engine) -> None:
+    """An ``async def`` handler under the sync Worker would return a coroutine nobody awaits — the job
+    marked done without running. Refused at construction and at registration, naming the async class."""
+    from sa_outbox import Message
+
+    async def send(job: Any) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'send' is async.*AsyncWorker"):
+        Worker(engine, Job, {"send": send})
+
+    class AsyncCallable:
+        async def __call__(self, job: Any) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'obj' is async.*AsyncWorker"):
+        Worker(engine, Job, {"obj": AsyncCallable()})
+    w = Worker(engine, Job, {}, listen=False)
+    with pytest.raises(ConfigurationError, match=r"'late' is async.*AsyncWorker"):
+        w.task("late")(send)
+
+    class AsyncPublisher:
+        async def publish(self, message: Message) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"async.*AsyncDispatcher"):
+        Dispatcher(engine, OutboxEvent, AsyncPublisher())
+
+
+def test_a_handler_returning_an_awaitable_is_never_marked_done(engine: Engine) -> None:
+    """A plain function that returns a coroutine (a lambda around an async one) slips past the constructor
+    check; its job is retried with the reason, never marked done unrun."""
+    seed_jobs(engine, 1, task="wrapped")
+
+    async def send(job: Any) -> None:
+        raise AssertionError("never awaited by the sync worker")
+
+    w = Worker(engine, Job, {"wrapped": lambda job: send(job)}, listen=False)
+    assert w.run_once() == 1
+    r = row(engine, "jobs", 1)
+    assert r.status == "queued" and r.attempts == 1
+    assert "returned an awaitable" in r.last_error and "AsyncWorker" in r.last_error
+    w.close()
