@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import random
@@ -41,6 +42,12 @@ def is_connection_error(exc: BaseException) -> bool:
 
 def default_owner(prefix: str) -> str:
     return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def is_async_callable(fn: Any) -> bool:
+    """``async def`` functions and objects whose ``__call__`` is one: what only the async loops can await."""
+    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -32,12 +32,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tenacity import AsyncRetrying
 
 from . import engine as eng
-from ._loop import LoopBase, is_connection_error
-from .dispatcher import Dispatcher, check_batch, check_result
+from ._loop import LoopBase, is_async_callable, is_connection_error
+from .dispatcher import Dispatcher, check_batch, check_result, publisher_is_async
 from .errors import ConfigurationError, RetryableError
 from .messages import ClaimedJob, Message
 from .wakeup import libpq_url
-from .worker import _NOT_STARTED, Worker, is_async_callable
+from .worker import _NOT_STARTED, Worker
 
 __all__ = ["AsyncDispatcher", "AsyncWorker"]
 
@@ -268,9 +268,7 @@ class AsyncDispatcher(_AsyncLoop):
             )
         self.publish_concurrency = publish_concurrency
         self.publisher = publisher
-        self._async_publisher = is_async_callable(
-            getattr(publisher, "publish_many", None) or publisher.publish
-        )
+        self._async_publisher = publisher_is_async(publisher)
         super().__init__(engine, listen, listen_url)
 
     async def _publish_one(self, msg: Message, gate: asyncio.Semaphore) -> BaseException | None:

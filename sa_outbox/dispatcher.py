@@ -20,7 +20,6 @@ The same happens on :meth:`stop`: the message being published finishes, the rest
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Collection
@@ -31,7 +30,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from . import engine as eng
-from ._loop import LoopBase, positive_int
+from ._loop import LoopBase, is_async_callable, positive_int
 from .backoff import OUTBOX_BACKOFF, Backoff
 from .durations import Duration, to_timedelta
 from .errors import ConfigurationError, RetryableError
@@ -41,6 +40,12 @@ from .producer import channel_for
 __all__ = ["Dispatcher"]
 
 log = logging.getLogger("sa_outbox.dispatcher")
+
+
+def publisher_is_async(publisher: Any) -> bool:
+    """Whether the method a dispatcher calls — ``publish_many`` when there is one, else ``publish`` — must be
+    awaited (AsyncDispatcher awaits it; Dispatcher refuses it)."""
+    return is_async_callable(getattr(publisher, "publish_many", None) or publisher.publish)
 
 
 def check_batch(errors: Any, count: int) -> list[BaseException | None]:
@@ -110,9 +115,7 @@ class Dispatcher(LoopBase):
             )
         if not callable(getattr(publisher, "publish", None)):
             raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
-        if not self._awaits_publisher and any(
-            inspect.iscoroutinefunction(getattr(publisher, m, None)) for m in ("publish", "publish_many")
-        ):
+        if not self._awaits_publisher and publisher_is_async(publisher):
             raise ConfigurationError(
                 f"publisher {publisher!r} is async: Dispatcher would never await it; run it with AsyncDispatcher"
             )

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 
 from . import engine as eng
-from ._loop import LoopBase, positive_int
+from ._loop import LoopBase, is_async_callable, positive_int
 from .backoff import JOBS_BACKOFF, Backoff
 from .durations import Duration, to_seconds, to_timedelta
 from .errors import ConfigurationError, PermanentError, RetryableError
@@ -48,12 +48,6 @@ Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
 
 _NOT_STARTED = object()
-
-
-def is_async_callable(fn: Any) -> bool:
-    """``async def`` functions and objects whose ``__call__`` is one."""
-    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -257,7 +251,7 @@ class Worker(LoopBase):
                 return handler
             started = time.perf_counter()
             result = handler(job)
-            if inspect.isawaitable(result):  # an object with an async __call__: refused, never marked done
+            if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
                 if inspect.iscoroutine(result):
                     result.close()
                 return TypeError(
