@@ -139,6 +139,17 @@ def _claim_params(
     return params
 
 
+def _claim_shape(
+    batch: int, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool
+) -> dict[str, Any]:
+    """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
+    return {
+        "ordered": ordered,
+        "ordered_types": ordered_types is not None,
+        "limit": batch if fixed_batch else None,
+    }
+
+
 def _outcome_params(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """The outcome arrays of the finalize statement (one element per row, unnested in the database)."""
     return {
@@ -166,10 +177,12 @@ def claim(
     """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
     :func:`sql.claim_statement`); other sizes are a parameter."""
-    stmt = sql.claim_statement(
-        spec, ordered=ordered, ordered_types=ordered_types is not None, limit=batch if fixed_batch else None
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch)
+    rows = run(
+        conn,
+        sql.claim_statement(spec, **shape),
+        _claim_params(spec, owner, batch, lease, queue, ordered_types),
     )
-    rows = run(conn, stmt, _claim_params(spec, owner, batch, lease, queue, ordered_types))
     rows.sort(key=lambda r: r[0])
     return rows
 
@@ -196,9 +209,7 @@ def finalize_and_claim(
     fixed_batch: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
-    stmt = sql.finalize_and_claim_statement(
-        spec, ordered=ordered, ordered_types=ordered_types is not None, limit=batch if fixed_batch else None
-    )
+    stmt = sql.finalize_and_claim_statement(spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch))
     params = {**_claim_params(spec, owner, batch, lease, queue, ordered_types), **_outcome_params(outcomes)}
     applied: set[int] = set()
     claimed: list[Any] = []
