@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, insert, select, text
@@ -75,3 +77,58 @@ def mark_done(engine: Engine, r: Any) -> bool:
     outcome = eng.Outcome(r.id, r.lease_version, "done")
     with engine.begin() as conn:
         return r.id in eng.finalize(conn, OUTBOX, [outcome])
+
+
+# history: 118,000 finished rows, 2,000 ready, 100 leased; backlog: 120,000 ready rows, 100 leased; a small
+# backlog of 20,000 (where the planner's crossover to a hash join over the table sits); busy: half of 120,000
+# leased.
+QUEUE_SHAPES = {
+    "history": (120_000, "CASE WHEN g <= 118000 THEN 'done' WHEN g <= 118100 THEN '{active}' ELSE '{ready}' END",
+                "CASE WHEN g <= 118000 THEN now() END"),
+    "backlog": (120_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
+    "small backlog": (20_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
+    "busy": (120_000, "CASE WHEN g % 2 = 0 THEN '{active}' ELSE '{ready}' END", "NULL"),
+}  # fmt: skip
+
+
+@contextmanager
+def queue_tables_shaped(engine: Engine, shape: str) -> Iterator[None]:
+    """Fill both queue tables to one of QUEUE_SHAPES (analyzed, as the planner would see them); empty after."""
+    rows, status, finished = QUEUE_SHAPES[shape]
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+        ob = status.format(active="processing", ready="pending")
+        conn.execute(
+            text(
+                f"""
+                INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at,
+                                    lease_until, attempts)
+                SELECT 'order', 'agg-' || (g % 1000), 'E', '{{}}', {ob}, {finished},
+                       CASE WHEN ({ob}) = 'processing' THEN now() + interval '1 minute' END,
+                       CASE WHEN ({ob}) = 'processing' THEN 1 ELSE 0 END
+                  FROM generate_series(1, :rows) AS g
+                """
+            ),
+            {"rows": rows},
+        )
+        jb = status.format(active="running", ready="queued")
+        conn.execute(
+            text(
+                f"""
+                INSERT INTO jobs (task, queue, payload, status, finished_at, locked_at, attempts)
+                SELECT 'noop', CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END, '{{}}', {jb}, {finished},
+                       CASE WHEN ({jb}) = 'running' THEN now() END,
+                       CASE WHEN ({jb}) = 'running' THEN 1 ELSE 0 END
+                  FROM generate_series(1, :rows) AS g
+                """
+            ),
+            {"rows": rows},
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE outbox"))
+        conn.execute(text("VACUUM ANALYZE jobs"))
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))

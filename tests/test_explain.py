@@ -7,11 +7,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.sql import Executable
 
 from sa_outbox import sql
 from sa_outbox.models import Job, OutboxEvent
+
+from .helpers import queue_tables_shaped
 
 OUTBOX = sql.spec_for(OutboxEvent)
 JOBS = sql.spec_for(Job)
@@ -19,41 +21,10 @@ JOBS = sql.spec_for(Job)
 
 @pytest.fixture(scope="module")
 def big(shared_engine: Engine) -> Iterator[Engine]:
-    """120,000 outbox rows (118,000 done, 2,000 pending over 1,000 aggregates, 100 processing) and 120,000
-    jobs (118,000 done), analyzed."""
-    with shared_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
-        conn.execute(
-            text(
-                """
-                INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at,
-                                    lease_until, attempts)
-                SELECT 'order', 'agg-' || (g % 1000), 'E', '{}',
-                       CASE WHEN g <= 118000 THEN 'done' WHEN g <= 118100 THEN 'processing' ELSE 'pending' END,
-                       CASE WHEN g <= 118000 THEN now() END,
-                       CASE WHEN g > 118000 AND g <= 118100 THEN now() + interval '1 minute' END,
-                       CASE WHEN g > 118000 AND g <= 118100 THEN 1 ELSE 0 END
-                  FROM generate_series(1, 120000) AS g
-                """
-            )
-        )
-        conn.execute(
-            text(
-                """
-                INSERT INTO jobs (task, queue, payload, status, finished_at)
-                SELECT 'noop', CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END, '{}',
-                       CASE WHEN g <= 118000 THEN 'done' ELSE 'queued' END,
-                       CASE WHEN g <= 118000 THEN now() END
-                  FROM generate_series(1, 120000) AS g
-                """
-            )
-        )
-    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE outbox"))
-        conn.execute(text("VACUUM ANALYZE jobs"))
-    yield shared_engine
-    with shared_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+    """120,000 rows per table, analyzed: 118,000 finished, 100 leased, the rest ready (outbox over 1,000
+    aggregates, jobs over two queues)."""
+    with queue_tables_shaped(shared_engine, "history"):
+        yield shared_engine
 
 
 def plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> dict[str, Any]:

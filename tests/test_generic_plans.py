@@ -23,61 +23,17 @@ from sqlalchemy.sql import Executable
 from sa_outbox import sql
 from sa_outbox.models import Job, OutboxEvent
 
+from .helpers import QUEUE_SHAPES, queue_tables_shaped
 from .test_explain import scans
 
 OUTBOX = sql.spec_for(OutboxEvent)
 JOBS = sql.spec_for(Job)
 
-# history: 118,000 finished rows, 2,000 ready, 100 leased; backlog: 120,000 ready rows, 100 leased; a small
-# backlog of 20,000 (where the planner's crossover to a hash join over the table sits); busy: half of 120,000
-# leased.
-SHAPES = {
-    "history": (120_000, "CASE WHEN g <= 118000 THEN 'done' WHEN g <= 118100 THEN '{active}' ELSE '{ready}' END",
-                "CASE WHEN g <= 118000 THEN now() END"),
-    "backlog": (120_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
-    "small backlog": (20_000, "CASE WHEN g <= 100 THEN '{active}' ELSE '{ready}' END", "NULL"),
-    "busy": (120_000, "CASE WHEN g % 2 = 0 THEN '{active}' ELSE '{ready}' END", "NULL"),
-}  # fmt: skip
 
-
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+@pytest.fixture(scope="module", params=sorted(QUEUE_SHAPES))
 def table_shape(request: pytest.FixtureRequest, shared_engine: Engine) -> Iterator[Engine]:
-    rows, status, finished = SHAPES[request.param]
-    with shared_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
-        ob = status.format(active="processing", ready="pending")
-        conn.execute(
-            text(
-                f"""
-                INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at,
-                                    lease_until, attempts)
-                SELECT 'order', 'agg-' || (g % 1000), 'E', '{{}}', {ob}, {finished},
-                       CASE WHEN ({ob}) = 'processing' THEN now() + interval '1 minute' END,
-                       CASE WHEN ({ob}) = 'processing' THEN 1 ELSE 0 END
-                  FROM generate_series(1, :rows) AS g
-                """
-            ),
-            {"rows": rows},
-        )
-        jb = status.format(active="running", ready="queued")
-        conn.execute(
-            text(
-                f"""
-                INSERT INTO jobs (task, queue, payload, status, finished_at, locked_at, attempts)
-                SELECT 'noop', CASE WHEN g % 2 = 0 THEN 'default' ELSE 'mail' END, '{{}}', {jb}, {finished},
-                       CASE WHEN ({jb}) = 'running' THEN now() END,
-                       CASE WHEN ({jb}) = 'running' THEN 1 ELSE 0 END
-                  FROM generate_series(1, :rows) AS g
-                """
-            ),
-            {"rows": rows},
-        )
-    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE outbox"))
-        conn.execute(text("VACUUM ANALYZE jobs"))
-    yield shared_engine
-    with shared_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+    with queue_tables_shaped(shared_engine, request.param):
+        yield shared_engine
 
 
 def generic_plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> dict[str, Any]:
