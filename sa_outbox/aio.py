@@ -276,14 +276,11 @@ class AsyncDispatcher(_AsyncLoop):
         async with gate:
             try:
                 started = time.perf_counter()
-                if core.enforce_publish_timeout:
-                    timeout = core.publish_timeout.total_seconds()
-                    try:
-                        result = await asyncio.wait_for(self.publisher.publish(msg), timeout)
-                    except TimeoutError:
-                        return RetryableError(f"publish exceeded publish_timeout ({timeout:g}s)")
-                else:
-                    result = await self.publisher.publish(msg)
+                timeout = core.publish_timeout.total_seconds() if core.enforce_publish_timeout else None
+                try:
+                    result = await asyncio.wait_for(self.publisher.publish(msg), timeout)
+                except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
+                    return core._timed_out() if timeout is not None else exc
                 core._observe_handled(started, msg.created_at)
                 return check_result(result)
             except Exception as exc:
@@ -354,8 +351,8 @@ class AsyncWorker(_AsyncLoop):
                 await asyncio.wait_for(handler(job), self.core.handler_timeout)
                 self.core._observe_handled(started, job.created_at)
                 return None
-            except TimeoutError:
-                return self.core._timed_out()
+            except TimeoutError as exc:  # ours only when handler_timeout is set; else the handler's own
+                return self.core._timed_out() if self.core.handler_timeout is not None else exc
             except Exception as exc:
                 return exc
 

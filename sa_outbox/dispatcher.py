@@ -214,9 +214,11 @@ class Dispatcher(LoopBase):
         except FutureTimeout:
             self._publish_pool.shutdown(wait=False)  # its thread is stuck in the publisher: abandon it
             self._publish_pool = None
-            raise RetryableError(
-                f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)"
-            ) from None
+            raise self._timed_out() from None
+
+    def _timed_out(self) -> RetryableError:
+        """A publish that overran publish_timeout (sync and async dispatchers): retried like any transient fault."""
+        return RetryableError(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
 
     def _outcomes(
         self, results: list[tuple[Message, BaseException | None]]

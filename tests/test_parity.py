@@ -401,3 +401,20 @@ def test_hanging_async_publish_many_is_bounded_by_the_lease_budget(engine: Engin
     for i in (1, 2):
         r = row(engine, "outbox", i)
         assert (r.status, r.attempts) == ("pending", 1) and "lease budget" in r.last_error, r
+
+
+def test_a_handlers_own_timeout_error_is_reported_as_raised(runner: Runner, engine: Engine) -> None:
+    """Without handler_timeout, a TimeoutError the handler raises itself (a network call) is that error, retried
+    like any unclassified failure — not mistaken for handler_timeout."""
+    seed_jobs(engine, 1, task="net")
+
+    async def net_async(job: ClaimedJob) -> None:
+        raise TimeoutError("upstream did not answer")
+
+    def net_sync(job: ClaimedJob) -> None:
+        raise TimeoutError("upstream did not answer")
+
+    w = runner.worker({"net": net_async if runner.kind == "async" else net_sync}, backoff=FAST)
+    assert runner.run_once(w) == 1
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts) == ("queued", 1) and "upstream did not answer" in r.last_error, r
