@@ -284,10 +284,10 @@ def test_sync_publishers_never_block_the_event_loop(engine: Engine, async_url: U
             order.extend(m.id for m in messages)
             return [None] * len(messages)
 
+    runner = Runner("async", engine, async_url)
+    d = runner.dispatcher(Blocking() if method == "publish" else BlockingBatch(), batch=10)
+
     async def main() -> float:
-        aengine = create_async_engine(async_url)
-        d = AsyncDispatcher(aengine, OutboxEvent, Blocking() if method == "publish" else BlockingBatch(),
-                            listen=False, batch=10)  # fmt: skip
         gaps: list[float] = []
         done = asyncio.Event()
 
@@ -305,11 +305,13 @@ def test_sync_publishers_never_block_the_event_loop(engine: Engine, async_url: U
         finally:
             done.set()
             await t
-            await d.close()
-            await aengine.dispose()
         return max(gaps)
 
-    worst_gap = asyncio.run(main())
+    assert runner.loop is not None
+    try:
+        worst_gap = runner.loop.run_until_complete(main())
+    finally:
+        runner.close()
     assert order == [1, 2, 3, 4, 5, 6] and statuses(engine) == {"done": 6}
     assert worst_gap < 0.2, f"the event loop stalled for {worst_gap:.3f}s"
 
@@ -383,20 +385,14 @@ def test_hanging_async_publish_many_is_bounded_by_the_lease_budget(engine: Engin
             await asyncio.sleep(10)
             return [None] * len(messages)
 
-    async def main() -> float:
-        aengine = create_async_engine(async_url)
-        d = AsyncDispatcher(
-            aengine, OutboxEvent, HangsAsyncBatch(), listen=False, lease=1.5, publish_timeout=0.5
-        )
-        started = time.monotonic()
-        try:
-            assert await d.run_once() == 2
-            return time.monotonic() - started
-        finally:
-            await d.close()
-            await aengine.dispose()
-
-    took = asyncio.run(main())
+    runner = Runner("async", engine, async_url)
+    d = runner.dispatcher(HangsAsyncBatch(), lease=1.5, publish_timeout=0.5)
+    started = time.monotonic()
+    try:
+        assert runner.run_once(d) == 2
+        took = time.monotonic() - started
+    finally:
+        runner.close()
     assert took < 3
     for i in (1, 2):
         r = row(engine, "outbox", i)
