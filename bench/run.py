@@ -29,10 +29,10 @@ from sqlalchemy import Engine, create_engine, insert, make_url, text
 from sqlalchemy.orm import Session
 
 from sa_outbox import Dispatcher, Message, Worker
-from sa_outbox import engine as eng
+from sa_outbox import _steps as eng
+from sa_outbox._sql import spec_for
 from sa_outbox.embedded import database_url
 from sa_outbox.models import Base, Job, OutboxEvent
-from sa_outbox.sql import spec_for
 
 from .baseline import baseline_worker
 
@@ -301,7 +301,7 @@ def _produce_orm(engine: Engine, start: int, n: int, tx_size: int) -> float:
 def _produce_orm_without_hook(engine: Engine, start: int, n: int, tx_size: int) -> float:
     from sqlalchemy import event
 
-    from sa_outbox import producer
+    from sa_outbox import _producer as producer
 
     event.remove(Session, "before_flush", producer._before_flush)
     try:

@@ -3,10 +3,15 @@
 Events and jobs are written in the caller's own transaction (they exist if and only if it commits) and are
 delivered by dispatcher/worker processes that claim rows in short transactions with a lease and a fencing
 token (``lease_version``): at least once, never for a rolled-back transaction, in per-aggregate order when
-asked. See README.md for the guarantees in plain words.
+asked. See README.md and docs/ for the guarantees in plain words.
+
+This module is the whole public surface, with the documented modules ``errors``, ``admin``, ``monitoring``,
+``doctor``, ``metrics``, ``migration``, ``inbox``, ``testing``, ``models``, ``embedded`` and
+``publishers.*``. Modules whose name starts with an underscore are implementation and may change.
 
 Public names are imported lazily (PEP 562), so ``python -m sa_outbox`` can install its signal handlers
-before anything heavy is imported. Importing a mixin registers the producer's flush hook.
+before anything heavy is imported. ``_EXPORTS`` is the one list of them; the ``TYPE_CHECKING`` block repeats
+it for type checkers and ``tests/test_public_api.py`` checks that the two agree.
 """
 
 from __future__ import annotations
@@ -17,96 +22,82 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from .aio import AsyncDispatcher, AsyncWorker
-    from .backoff import Backoff
-    from .dispatcher import Dispatcher
-    from .durations import Duration
-    from .errors import (
-        ConfigurationError,
-        Defer,
-        OutboxError,
-        PayloadError,
-        PermanentError,
-        RetryableError,
-        SchemaError,
-    )
-    from .inbox import InboxMixin, Receipt, receive
-    from .messages import BatchPublisher, ClaimedJob, Message, Publisher
-    from .migration import set_queue_storage_parameters
-    from .producer import LOCK_AGGREGATES, channel_for, emit, enqueue, event_for, lock_aggregate
-    from .schema import JOB_STATUSES, OUTBOX_STATUSES, JobMixin, OutboxMixin
-    from .worker import TaskRegistry, Worker
+    from ._aio import AsyncDispatcher as AsyncDispatcher
+    from ._aio import AsyncWorker as AsyncWorker
+    from ._backoff import Backoff as Backoff
+    from ._dispatcher import Dispatcher as Dispatcher
+    from ._durations import Duration as Duration
+    from ._messages import BatchPublisher as BatchPublisher
+    from ._messages import ClaimedJob as ClaimedJob
+    from ._messages import Message as Message
+    from ._messages import Publisher as Publisher
+    from ._producer import emit as emit
+    from ._producer import enqueue as enqueue
+    from ._producer import lock_aggregate as lock_aggregate
+    from ._schema import JOB_STATUSES as JOB_STATUSES
+    from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
+    from ._schema import JobMixin as JobMixin
+    from ._schema import OutboxMixin as OutboxMixin
+    from ._worker import TaskRegistry as TaskRegistry
+    from ._worker import Worker as Worker
+    from .admin import list_dead as list_dead
+    from .admin import retry_dead as retry_dead
+    from .admin import skip_dead as skip_dead
+    from .errors import ConfigurationError as ConfigurationError
+    from .errors import Defer as Defer
+    from .errors import DestinationUnavailable as DestinationUnavailable
+    from .errors import OutboxError as OutboxError
+    from .errors import PayloadError as PayloadError
+    from .errors import PermanentError as PermanentError
+    from .errors import RetryableError as RetryableError
+    from .errors import SchemaError as SchemaError
+    from .inbox import InboxMixin as InboxMixin
+    from .inbox import Receipt as Receipt
+    from .inbox import receive as receive
+    from .migration import set_queue_storage_parameters as set_queue_storage_parameters
+    from .monitoring import purge as purge
+    from .monitoring import queue_status as queue_status
 
+#: Public name -> the module that defines it (relative to this package).
 _EXPORTS: dict[str, str] = {
-    "AsyncDispatcher": "aio",
-    "AsyncWorker": "aio",
-    "Backoff": "backoff",
-    "BatchPublisher": "messages",
-    "ClaimedJob": "messages",
+    "AsyncDispatcher": "_aio",
+    "AsyncWorker": "_aio",
+    "Backoff": "_backoff",
+    "BatchPublisher": "_messages",
+    "ClaimedJob": "_messages",
     "ConfigurationError": "errors",
     "Defer": "errors",
-    "Dispatcher": "dispatcher",
+    "DestinationUnavailable": "errors",
+    "Dispatcher": "_dispatcher",
+    "Duration": "_durations",
     "InboxMixin": "inbox",
-    "Receipt": "inbox",
-    "receive": "inbox",
-    "Duration": "durations",
-    "JOB_STATUSES": "schema",
-    "JobMixin": "schema",
-    "LOCK_AGGREGATES": "producer",
-    "Message": "messages",
-    "OUTBOX_STATUSES": "schema",
+    "JOB_STATUSES": "_schema",
+    "JobMixin": "_schema",
+    "Message": "_messages",
+    "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",
-    "OutboxMixin": "schema",
+    "OutboxMixin": "_schema",
     "PayloadError": "errors",
     "PermanentError": "errors",
-    "Publisher": "messages",
+    "Publisher": "_messages",
+    "Receipt": "inbox",
     "RetryableError": "errors",
     "SchemaError": "errors",
-    "TaskRegistry": "worker",
-    "Worker": "worker",
-    "channel_for": "producer",
-    "emit": "producer",
-    "enqueue": "producer",
-    "event_for": "producer",
-    "lock_aggregate": "producer",
+    "TaskRegistry": "_worker",
+    "Worker": "_worker",
+    "emit": "_producer",
+    "enqueue": "_producer",
+    "list_dead": "admin",
+    "lock_aggregate": "_producer",
+    "purge": "monitoring",
+    "queue_status": "monitoring",
+    "receive": "inbox",
+    "retry_dead": "admin",
     "set_queue_storage_parameters": "migration",
+    "skip_dead": "admin",
 }
 
-__all__ = [
-    "JOB_STATUSES",
-    "LOCK_AGGREGATES",
-    "OUTBOX_STATUSES",
-    "AsyncDispatcher",
-    "AsyncWorker",
-    "Backoff",
-    "BatchPublisher",
-    "ClaimedJob",
-    "ConfigurationError",
-    "Defer",
-    "Dispatcher",
-    "Duration",
-    "InboxMixin",
-    "JobMixin",
-    "Message",
-    "OutboxError",
-    "OutboxMixin",
-    "PayloadError",
-    "PermanentError",
-    "Publisher",
-    "Receipt",
-    "RetryableError",
-    "SchemaError",
-    "TaskRegistry",
-    "Worker",
-    "__version__",
-    "channel_for",
-    "emit",
-    "enqueue",
-    "event_for",
-    "lock_aggregate",
-    "receive",
-    "set_queue_storage_parameters",
-]
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
@@ -119,4 +110,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return list(__all__)

@@ -17,6 +17,6 @@ def _remember(signum: int, frame: object) -> None:
 for _sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(_sig, _remember)
 
-from sa_outbox.cli import main  # noqa: E402
+from sa_outbox._cli import main  # noqa: E402
 
 sys.exit(main(early_signals=_early))

@@ -53,7 +53,7 @@ def _observed(conn: Connection) -> bool:
 def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     """Execute one of the library's statements and return its rows (tuples in RETURNING order).
 
-    The statements are SQLAlchemy Core, built once per table (``sql.py``, the producer's insert). On a
+    The statements are SQLAlchemy Core, built once per table (``_sql.py``, the producer's insert). On a
     psycopg 3 connection their compiled text is sent straight to the driver as a server-side prepared
     statement (unless the connection has ``prepare_threshold=None``): no per-call compile cache lookup,
     result processing or Row objects in the claim/finalize/produce hot paths. Errors come out as

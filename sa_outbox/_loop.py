@@ -22,11 +22,11 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from . import engine as eng
-from .durations import Duration, to_seconds
+from . import _steps as eng
+from ._durations import Duration, to_seconds
+from ._sql import QueueSpec, spec_for
+from ._wakeup import Waker
 from .errors import ConfigurationError, Defer, PermanentError, RetryableError, SchemaError
-from .sql import QueueSpec, spec_for
-from .wakeup import Waker
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from . import sql
-from .durations import Duration, to_timedelta
+from . import _sql
+from ._durations import Duration, to_timedelta
+from ._sql import QueueSpec, spec_for
 from .errors import ConfigurationError
-from .sql import QueueSpec, spec_for
 
 __all__ = ["list_dead", "retry_dead", "skip_dead"]
 
@@ -50,7 +50,7 @@ def list_dead(
     """Dead/failed rows matching the filters (all of them when none is given), oldest first."""
     spec = spec_for(model)
     f = _filters(spec, ids=ids, all=True, older_than=older_than, **filters)
-    selection = sql.dead_selection(spec, f)
+    selection = _sql.dead_selection(spec, f)
     stmt = (
         spec.table.select().where(spec.c.id.in_(selection.limit(limit).scalar_subquery())).order_by(spec.c.id)
     )
@@ -66,11 +66,11 @@ def _bulk(
     if action == "skip" and spec.kind != "outbox":
         raise ConfigurationError("skip applies to outbox dead letters; requeue failed jobs with retry_dead")
     f = _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
-    selection = sql.dead_selection(spec, f)
+    selection = _sql.dead_selection(spec, f)
     if dry_run:
         with engine.connect() as conn:
             return list(conn.execute(selection).scalars())
-    stmt = (sql.requeue_statement if action == "retry" else sql.skip_statement)(spec, selection, batch_size)
+    stmt = (_sql.requeue_statement if action == "retry" else _sql.skip_statement)(spec, selection, batch_size)
     changed: list[int] = []
     while True:
         with engine.begin() as conn:

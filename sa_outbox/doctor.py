@@ -14,11 +14,10 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.schema import CreateIndex
 
-from . import sql
-from .durations import Duration, to_seconds
-from .migration import storage_parameters_sql
+from . import _sql
+from ._durations import Duration, to_seconds
+from .migration import QUEUE_STORAGE_PARAMETERS, storage_parameters_sql
 from .monitoring import queue_status, xmin_horizon
-from .schema import QUEUE_STORAGE_PARAMETERS
 
 __all__ = ["Finding", "LockInfo", "doctor", "explain_claim", "locks"]
 
@@ -37,8 +36,8 @@ class Finding:
 
 def explain_claim(conn: Connection, model: type[Any], *, ordered: bool = False) -> dict[str, Any]:
     """The planner's plan (JSON, no ANALYZE) for this table's real claim statement."""
-    spec = sql.spec_for(model)
-    stmt = sql.claim_statement(spec, ordered=ordered, limit=50)  # as a loop with batch=50 sends it
+    spec = _sql.spec_for(model)
+    stmt = _sql.claim_statement(spec, ordered=ordered, limit=50)  # as a loop with batch=50 sends it
     params: dict[str, Any] = {"owner": "doctor"}
     if spec.kind == "outbox":
         params["lease"] = timedelta(seconds=60)
@@ -65,7 +64,7 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
-    spec = sql.spec_for(model)
+    spec = _sql.spec_for(model)
     t = spec.table.name
     index = f"ix_{t}_ready" if spec.kind == "outbox" else f"ix_{t}_dequeue"
     plan = explain_claim(conn, model)
@@ -86,7 +85,7 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
 
 
 def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
-    spec = sql.spec_for(model)
+    spec = _sql.spec_for(model)
     t = spec.table.name
     present = {
         r.indexname: r
@@ -117,7 +116,7 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
 
 
 def _storage_finding(conn: Connection, model: type[Any]) -> Finding:
-    t = sql.spec_for(model).table
+    t = _sql.spec_for(model).table
     options = conn.execute(
         text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = CAST(:t AS regclass)"),
         {"t": t.fullname},
@@ -151,7 +150,7 @@ def doctor(
     findings: list[Finding] = []
     with engine.connect() as conn:
         for model in models:
-            t = sql.spec_for(model).table.name
+            t = _sql.spec_for(model).table.name
             findings.append(_claim_plan_finding(conn, model))
             findings += _index_findings(conn, model)
             findings.append(_storage_finding(conn, model))
@@ -201,7 +200,7 @@ def doctor(
             findings.append(Finding("xmin horizon", None, "ok", "no long transaction, replication slot or prepared "
                                     "transaction holds back VACUUM"))  # fmt: skip
         idle = [
-            lk for lk in locks(conn, [sql.spec_for(m).table.name for m in models]) if lk.idle_in_transaction
+            lk for lk in locks(conn, [_sql.spec_for(m).table.name for m in models]) if lk.idle_in_transaction
         ]
         for lk in idle:
             findings.append(Finding("idle in transaction", None, "warn",

@@ -1,22 +1,24 @@
 """The one error vocabulary of sa_outbox.
 
-Two families live here:
+Two families live here, all rooted at :class:`OutboxError`:
 
 * the *failure classes* a publisher or a job handler raises to tell the loop what to do with a message
-  (``RetryableError``, ``PermanentError``, ``Defer``), exactly the classification of the outbox document §4;
-* errors sa_outbox raises to its caller (bad payload, bad configuration, missing table), all rooted at
-  :class:`OutboxError`, each with a message that says what to do.
+  (``RetryableError``, its special case ``DestinationUnavailable``, ``PermanentError``, ``Defer``);
+* errors sa_outbox raises to its caller (bad payload, bad configuration, missing table), each with a message
+  that says what to do.
+
+This module imports nothing else from the package.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
-
-from .durations import Duration, to_timedelta
 
 __all__ = [
     "ConfigurationError",
     "Defer",
+    "DestinationUnavailable",
     "OutboxError",
     "PayloadError",
     "PermanentError",
@@ -30,10 +32,19 @@ class OutboxError(Exception):
 
 
 class RetryableError(OutboxError):
-    """A transient failure (timeout, 5xx, 429, connection refused).
+    """A transient failure of this message (timeout, 5xx, 429).
 
     The message goes back to the ready state with backoff and consumes the attempt; once attempts are
     exhausted it ends ``dead`` (outbox) or ``failed`` (jobs).
+    """
+
+
+class DestinationUnavailable(RetryableError):
+    """The destination as a whole is down (connection refused or lost, DNS failure, broker not ready) — as
+    opposed to "this message failed".
+
+    Every shipped publisher raises it for those faults. The attempt is refunded and the dispatcher pauses
+    its claims (a circuit breaker) instead of spending the message's attempts on an outage.
     """
 
 
@@ -48,19 +59,29 @@ class Defer(OutboxError):
     """Not a failure: the message cannot be handled *yet* (a business precondition is missing).
 
     The message goes back to the ready state at ``now() + delay`` (database clock) and the attempt the
-    claim consumed is refunded, so deferring never exhausts ``max_attempts``.
+    claim consumed is refunded, so deferring never exhausts ``max_attempts``. ``delay`` is a ``timedelta`` or
+    a number of seconds.
     """
 
-    def __init__(self, delay: Duration, reason: str = "deferred") -> None:
+    def __init__(self, delay: timedelta | float, reason: str = "deferred") -> None:
         super().__init__(reason)
-        self.delay: timedelta = to_timedelta(delay, name="Defer.delay")
+        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise ConfigurationError(
+                f"Defer.delay must be a datetime.timedelta or a number of seconds, got {delay!r}"
+            )
+        if math.isnan(seconds) or math.isinf(seconds):
+            raise ConfigurationError(f"Defer.delay must be a finite duration, got {delay!r}")
+        if seconds < 0:
+            raise ConfigurationError(f"Defer.delay must be >= 0 seconds, got {seconds:g}")
+        self.delay: timedelta = delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
         self.reason = reason
 
 
 class PayloadError(OutboxError, ValueError):
     """An event or job cannot be written: its payload or a required field is invalid.
 
-    Raised at flush, before anything reaches the database; the flush writes nothing.
+    Raised before anything reaches the database; the flush or call writes nothing.
     """
 
 

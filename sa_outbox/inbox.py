@@ -39,7 +39,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Mapped, Session, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
-from .durations import Duration, to_timedelta
+from ._durations import Duration, to_timedelta
 from .errors import PayloadError
 
 __all__ = [

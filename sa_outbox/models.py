@@ -11,8 +11,8 @@ from typing import Any
 from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
+from ._schema import JobMixin, OutboxMixin
 from .inbox import InboxMixin
-from .schema import JobMixin, OutboxMixin
 
 __all__ = ["Base", "Inbox", "Job", "OutboxEvent", "model_for"]
 

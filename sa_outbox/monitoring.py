@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, literal_column, select, text
 
-from .durations import Duration, to_seconds
-from .sql import QueueSpec, const, spec_for
+from ._durations import Duration, to_seconds
+from ._sql import QueueSpec, const, spec_for
 
 __all__ = ["HorizonHolder", "QueueStatus", "TableHealth", "purge", "queue_status", "xmin_horizon"]
 
@@ -222,7 +222,7 @@ def queue_status(
 
 
 def _td(value: Duration) -> Any:
-    from .durations import to_timedelta
+    from ._durations import to_timedelta
 
     return to_timedelta(value, name="stale_after")
 
@@ -233,8 +233,8 @@ def purge(
     """Delete ``done`` rows finished more than ``older_than`` ago, ``batch_size`` rows per short transaction
     (through the done index: no long lock, no huge transaction). Returns how many rows were (or, with
     ``dry_run``, would be) deleted. Pending, leased and dead rows are never touched."""
-    from .durations import to_timedelta
-    from .sql import purge_selection, purge_statement
+    from ._durations import to_timedelta
+    from ._sql import purge_selection, purge_statement
 
     spec = spec_for(model)
     age = to_timedelta(older_than, name="older_than")

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .messages import Message
+from ._messages import Message
 
 __all__ = ["RecordingPublisher", "drain"]
 

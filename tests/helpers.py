@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy import Engine, insert, select, text
 
 from sa_outbox import ClaimedJob, Message
-from sa_outbox import engine as eng
+from sa_outbox import _steps as eng
+from sa_outbox._sql import spec_for
 from sa_outbox.models import Job, OutboxEvent
-from sa_outbox.sql import spec_for
 
 OUTBOX = spec_for(OutboxEvent)
 JOBS = spec_for(Job)

@@ -11,7 +11,7 @@ from sqlalchemy import Engine, MetaData, create_engine
 from sqlalchemy.orm import DeclarativeBase
 
 from sa_outbox import ConfigurationError, Dispatcher, OutboxMixin, SchemaError, Worker
-from sa_outbox.cli import main
+from sa_outbox._cli import main
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 
-from sa_outbox.demo import run_demo
+from sa_outbox._demo import run_demo
 
 
 def test_demo_verdict_holds_and_cleans_up(engine: Engine, db_url: URL) -> None:

@@ -303,7 +303,7 @@ def test_publisher_returning_garbage_is_a_retryable_failure(engine: Engine) -> N
 
 def _count_engine_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every engine statement goes through sa_outbox.engine.run; record which ones are sent."""
-    from sa_outbox import engine as eng_module
+    from sa_outbox import _steps as eng_module
 
     sent: list[str] = []
     real = eng_module.run

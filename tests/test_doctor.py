@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 
-from sa_outbox.cli import main
+from sa_outbox._cli import main
 from sa_outbox.doctor import Finding, doctor, locks
 from sa_outbox.models import Job, OutboxEvent
 

@@ -10,13 +10,13 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.sql import Executable
 
-from sa_outbox import sql
+from sa_outbox import _sql
 from sa_outbox.models import Job, OutboxEvent
 
 from .helpers import queue_tables_shaped
 
-OUTBOX = sql.spec_for(OutboxEvent)
-JOBS = sql.spec_for(Job)
+OUTBOX = _sql.spec_for(OutboxEvent)
+JOBS = _sql.spec_for(Job)
 
 
 @pytest.fixture(scope="module")
@@ -66,34 +66,34 @@ CLAIM = {"owner": "w", "batch": 50, "lease": timedelta(seconds=60)}
 
 
 def test_plain_claim_uses_the_ready_index(big: Engine) -> None:
-    assert_locking_index_scan(plan(big, sql.claim_statement(OUTBOX), CLAIM), "ix_outbox_ready")
+    assert_locking_index_scan(plan(big, _sql.claim_statement(OUTBOX), CLAIM), "ix_outbox_ready")
 
 
 def test_ordered_claim_uses_the_ready_and_aggregate_indexes(big: Engine) -> None:
-    p = plan(big, sql.claim_statement(OUTBOX, ordered=True), CLAIM)
+    p = plan(big, _sql.claim_statement(OUTBOX, ordered=True), CLAIM)
     assert_locking_index_scan(p, "ix_outbox_ready")
     assert "ix_outbox_aggregate" in {s[2] for s in scans(p)}
 
 
 def test_ordered_types_claim_uses_the_ready_index(big: Engine) -> None:
     p = plan(
-        big, sql.claim_statement(OUTBOX, ordered=True, ordered_types=True), {**CLAIM, "ordered_types": ["E"]}
+        big, _sql.claim_statement(OUTBOX, ordered=True, ordered_types=True), {**CLAIM, "ordered_types": ["E"]}
     )
     assert_locking_index_scan(p, "ix_outbox_ready")
 
 
 def test_rescue_uses_the_leased_index(big: Engine) -> None:
-    p = plan(big, sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12})
+    p = plan(big, _sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12})
     assert "ix_outbox_leased" in {s[2] for s in scans(p)}
     assert ("Seq Scan", "outbox", None) not in scans(p)
 
 
 def test_jobs_claim_uses_the_dequeue_index(big: Engine) -> None:
-    p = plan(big, sql.claim_statement(JOBS), {"owner": "w", "batch": 50, "queue_name": "default"})
+    p = plan(big, _sql.claim_statement(JOBS), {"owner": "w", "batch": 50, "queue_name": "default"})
     assert_locking_index_scan(p, "ix_jobs_dequeue")
 
 
 def test_jobs_reaper_uses_the_running_index(big: Engine) -> None:
-    p = plan(big, sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)})
+    p = plan(big, _sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)})
     assert "ix_jobs_running" in {s[2] for s in scans(p)}
     assert ("Seq Scan", "jobs", None) not in scans(p)

@@ -20,14 +20,14 @@ from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import Executable
 
-from sa_outbox import sql
+from sa_outbox import _sql
 from sa_outbox.models import Job, OutboxEvent
 
 from .helpers import QUEUE_SHAPES, queue_tables_shaped
 from .test_explain import scans
 
-OUTBOX = sql.spec_for(OutboxEvent)
-JOBS = sql.spec_for(Job)
+OUTBOX = _sql.spec_for(OutboxEvent)
+JOBS = _sql.spec_for(Job)
 
 
 @pytest.fixture(scope="module", params=sorted(QUEUE_SHAPES))
@@ -64,33 +64,33 @@ JOBS_CLAIM = {"owner": "w", "batch": 50, "queue_name": "default"}
 OUTCOMES = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
             "errors": [None, None], "refunds": [0, 0]}  # fmt: skip
 STATEMENTS = {
-    "outbox claim": (sql.claim_statement(OUTBOX), CLAIM),
-    "outbox ordered claim": (sql.claim_statement(OUTBOX, ordered=True), CLAIM),
+    "outbox claim": (_sql.claim_statement(OUTBOX), CLAIM),
+    "outbox ordered claim": (_sql.claim_statement(OUTBOX, ordered=True), CLAIM),
     "outbox ordered-types claim": (
-        sql.claim_statement(OUTBOX, ordered=True, ordered_types=True),
+        _sql.claim_statement(OUTBOX, ordered=True, ordered_types=True),
         {**CLAIM, "ordered_types": ["E"]},
     ),
-    "jobs claim": (sql.claim_statement(JOBS), JOBS_CLAIM),
-    "outbox rescue": (sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12}),
-    "jobs rescue": (sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
-    "outbox finalize": (sql.finalize_statement(OUTBOX), OUTCOMES),
-    "jobs finalize": (sql.finalize_statement(JOBS), OUTCOMES),
-    "outbox extend": (sql.extend_statement(OUTBOX), {**CLAIM, "ids": [1, 2], "versions": [1, 1]}),
-    "jobs extend": (sql.extend_statement(JOBS), {"ids": [1, 2], "versions": [1, 1]}),
-    "outbox finalize+claim": (sql.finalize_and_claim_statement(OUTBOX), {**CLAIM, **OUTCOMES}),
+    "jobs claim": (_sql.claim_statement(JOBS), JOBS_CLAIM),
+    "outbox rescue": (_sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12}),
+    "jobs rescue": (_sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
+    "outbox finalize": (_sql.finalize_statement(OUTBOX), OUTCOMES),
+    "jobs finalize": (_sql.finalize_statement(JOBS), OUTCOMES),
+    "outbox extend": (_sql.extend_statement(OUTBOX), {**CLAIM, "ids": [1, 2], "versions": [1, 1]}),
+    "jobs extend": (_sql.extend_statement(JOBS), {"ids": [1, 2], "versions": [1, 1]}),
+    "outbox finalize+claim": (_sql.finalize_and_claim_statement(OUTBOX), {**CLAIM, **OUTCOMES}),
     "outbox ordered finalize+claim": (
-        sql.finalize_and_claim_statement(OUTBOX, ordered=True),
+        _sql.finalize_and_claim_statement(OUTBOX, ordered=True),
         {**CLAIM, **OUTCOMES},
     ),
-    "jobs finalize+claim": (sql.finalize_and_claim_statement(JOBS), {**JOBS_CLAIM, **OUTCOMES}),
+    "jobs finalize+claim": (_sql.finalize_and_claim_statement(JOBS), {**JOBS_CLAIM, **OUTCOMES}),
     # what the loops send for their configured batch: the LIMIT written in
-    "outbox claim, batch 50 written in": (sql.claim_statement(OUTBOX, limit=50), CLAIM),
+    "outbox claim, batch 50 written in": (_sql.claim_statement(OUTBOX, limit=50), CLAIM),
     "outbox ordered finalize+claim, batch 50 written in": (
-        sql.finalize_and_claim_statement(OUTBOX, ordered=True, limit=50),
+        _sql.finalize_and_claim_statement(OUTBOX, ordered=True, limit=50),
         {**CLAIM, **OUTCOMES},
     ),
     "jobs finalize+claim, batch 1 written in": (
-        sql.finalize_and_claim_statement(JOBS, limit=1),
+        _sql.finalize_and_claim_statement(JOBS, limit=1),
         {**JOBS_CLAIM, **OUTCOMES},
     ),
 }

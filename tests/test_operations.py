@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.engine import URL
 
-from sa_outbox.cli import main
+from sa_outbox._cli import main
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.monitoring import purge, queue_status
 

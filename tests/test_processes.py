@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
-from sa_outbox import engine as eng
+from sa_outbox import _steps as eng
 
 from .conftest import ROOT
 from .helpers import JOBS, seed_events, seed_jobs, statuses

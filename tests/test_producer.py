@@ -16,7 +16,9 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
-from sa_outbox import LOCK_AGGREGATES, PayloadError, channel_for, enqueue
+from sa_outbox import PayloadError, enqueue
+from sa_outbox._names import channel_for
+from sa_outbox._producer import LOCK_AGGREGATES
 from sa_outbox.models import Job, OutboxEvent
 
 from .conftest import count_rows

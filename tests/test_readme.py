@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import URL
 
-from sa_outbox.cli import build_parser, main
+from sa_outbox._cli import build_parser, main
 
 from .conftest import ROOT
 

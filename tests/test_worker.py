@@ -22,7 +22,7 @@ from sa_outbox import (
     Worker,
     enqueue,
 )
-from sa_outbox import engine as eng
+from sa_outbox import _steps as eng
 from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import drain

@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .._messages import Message
 from ..errors import ConfigurationError
-from ..messages import Message
 
 __all__ = ["AmqpRouting", "envelope", "envelope_json", "headers_for", "missing_extra"]
 

@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from .._messages import Message
 from ..errors import RetryableError
-from ..messages import Message
 from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
 
 try:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._messages import Message
 from ..errors import Defer, PermanentError, RetryableError
-from ..messages import Message
 from ._common import envelope, headers_for, missing_extra
 
 try:

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._messages import Message
 from ..errors import RetryableError
-from ..messages import Message
 from ._common import envelope_json, missing_extra
 
 try:

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._messages import Message
 from ..errors import RetryableError
-from ..messages import Message
 from ._common import envelope, headers_for, missing_extra
 
 try:

@@ -19,8 +19,8 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._messages import Message
 from ..errors import PermanentError, RetryableError
-from ..messages import Message
 from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
 
 try:

@@ -12,8 +12,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._messages import Message
 from ..errors import PermanentError, RetryableError
-from ..messages import Message
 from ._common import envelope, missing_extra
 
 try:

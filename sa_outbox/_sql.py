@@ -39,7 +39,6 @@ from sqlalchemy import cast as sa_cast
 from sqlalchemy.sql import ColumnElement, Select, Update
 
 from .errors import SchemaError
-from .schema import JobMixin, OutboxMixin
 
 __all__ = ["QueueSpec", "spec_for"]
 
@@ -134,20 +133,21 @@ def spec_for(model: type[Any]) -> QueueSpec:
     if spec is not None:
         return spec
     c = table.c
-    if isinstance(model, type) and issubclass(model, OutboxMixin):
+    kind = getattr(model, "sa_outbox_kind", None) if isinstance(model, type) else None
+    if kind == "outbox":
         spec = QueueSpec(
             kind="outbox", table=table, ready="pending", active="processing", done="done", dead="dead",
             due=c.available_at, owner=c.lease_owner, finished=c.done_at, lease_until=c.lease_until,
             locked_at=None, finish_on_dead=False, clear_error_on_done=True, key_share=False,
         )  # fmt: skip
-    elif isinstance(model, type) and issubclass(model, JobMixin):
+    elif kind == "jobs":
         spec = QueueSpec(
             kind="jobs", table=table, ready="queued", active="running", done="done", dead="failed",
             due=c.run_at, owner=c.locked_by, finished=c.finished_at, lease_until=None, locked_at=c.locked_at,
             finish_on_dead=True, clear_error_on_done=False, key_share=True,
         )  # fmt: skip
     else:
-        raise SchemaError(f"{model.__name__} does not use OutboxMixin or JobMixin")
+        raise SchemaError(f"{getattr(model, '__name__', model)!r} does not use OutboxMixin or JobMixin")
     _SPECS[table] = spec
     return spec
 

@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .durations import Duration, to_seconds
+from ._durations import Duration, to_seconds
 
 __all__ = ["Backoff"]
 

@@ -46,9 +46,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def load_target(target: str, kind: str) -> Any:
     """Import ``module:attribute`` and return the Dispatcher/Worker it names (calling a factory if needed)."""
-    from .aio import AsyncDispatcher, AsyncWorker
-    from .dispatcher import Dispatcher
-    from .worker import Worker
+    from ._aio import AsyncDispatcher, AsyncWorker
+    from ._dispatcher import Dispatcher
+    from ._worker import Worker
 
     expected: tuple[type[Any], ...] = (
         (Dispatcher, AsyncDispatcher) if kind == "dispatch" else (Worker, AsyncWorker)
@@ -399,13 +399,13 @@ def _cmd_locks(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ._demo import run_demo
 
     return 0 if run_demo(args.url) else 1
 
 
 def _duration(text_: str) -> Any:
-    from .durations import parse_duration
+    from ._durations import parse_duration
 
     try:
         return parse_duration(text_)

@@ -36,28 +36,17 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
+from . import _producer, migration
+
 __all__ = [
     "JOB_STATUSES",
     "OUTBOX_STATUSES",
-    "QUEUE_STORAGE_PARAMETERS",
     "JobMixin",
     "OutboxMixin",
 ]
 
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "processing", "done", "dead")
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed")
-
-#: Per-table autovacuum settings written by the migration helper (see ``sa_outbox.migration``).
-#: A queue row is updated twice in its life (claim, finalize) and never HOT-updated (``status`` is in every
-#: partial index predicate), so dead tuples pile up at the table's throughput. The server default
-#: (vacuum at 20 % dead) lets the dequeue index fill with dead entries that every claim has to walk
-#: (the jobs document measured 462 buffers per claim before VACUUM, 4 after). 1 % keeps the walk short;
-#: the insert factor makes insert-only bursts get their visibility map set early as well.
-QUEUE_STORAGE_PARAMETERS: dict[str, str] = {
-    "autovacuum_vacuum_scale_factor": "0.01",
-    "autovacuum_vacuum_insert_scale_factor": "0.01",
-    "autovacuum_analyze_scale_factor": "0.02",
-}
 
 _NOW = text("now()")
 
@@ -133,10 +122,14 @@ class OutboxMixin:
         cls, aggregate: Any, event_type: str, payload: Any, *, aggregate_type: str | None = None
     ) -> Self:
         """An event of this model for a mapped aggregate instance (type and id derived from its mapper and
-        primary key); the producer hook locks that aggregate's row at flush. See :func:`sa_outbox.event_for`."""
-        from .producer import event_for
+        primary key); the producer hook locks that aggregate's row at flush. See ``sa_outbox._producer.event_for``."""
+        return _producer.event_for(cls, aggregate, event_type, payload, aggregate_type=aggregate_type)
 
-        return event_for(cls, aggregate, event_type, payload, aggregate_type=aggregate_type)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A model that uses this mixin needs the producer's flush hook and the storage-parameter hook.
+        _producer.install()
+        migration.install()
+        super().__init_subclass__(**kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -202,10 +195,11 @@ class JobMixin:
             {"info": {"sa_outbox_kind": "jobs"}},
         )
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A model that uses this mixin needs the producer's flush hook and the storage-parameter hook.
+        _producer.install()
+        migration.install()
+        super().__init_subclass__(**kwargs)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id} {self.queue}/{self.task} status={self.status}>"
-
-
-# The producer's flush hook and the storage-parameter hook are registered whenever the mixins are in use.
-from . import migration as _migration  # noqa: E402,F401
-from . import producer as _producer  # noqa: E402,F401

@@ -29,13 +29,13 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from . import engine as eng
+from . import _steps as eng
+from ._backoff import OUTBOX_BACKOFF, Backoff
+from ._durations import Duration, to_timedelta
 from ._loop import LoopBase, is_async_callable, positive_int
-from .backoff import OUTBOX_BACKOFF, Backoff
-from .durations import Duration, to_timedelta
+from ._messages import BatchPublisher, Message, Publisher
+from ._names import channel_for
 from .errors import ConfigurationError, RetryableError
-from .messages import BatchPublisher, Message, Publisher
-from .producer import channel_for
 
 __all__ = ["Dispatcher"]
 

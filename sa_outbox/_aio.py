@@ -31,13 +31,13 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tenacity import AsyncRetrying
 
-from . import engine as eng
+from . import _steps as eng
+from ._dispatcher import Dispatcher, check_batch, check_result, publisher_is_async
 from ._loop import LoopBase, is_async_callable, is_connection_error
-from .dispatcher import Dispatcher, check_batch, check_result, publisher_is_async
+from ._messages import ClaimedJob, Message
+from ._wakeup import libpq_url
+from ._worker import _NOT_STARTED, Worker
 from .errors import ConfigurationError, RetryableError
-from .messages import ClaimedJob, Message
-from .wakeup import libpq_url
-from .worker import _NOT_STARTED, Worker
 
 __all__ = ["AsyncDispatcher", "AsyncWorker"]
 

@@ -32,7 +32,7 @@ class Message:
     @classmethod
     def from_row(cls, row: Any) -> Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
-        created_at) — the order of ``sql.claim_returning``."""
+        created_at) — the order of ``_sql.claim_returning``."""
         id_, version, attempts, atype, aid, etype, payload, created = row
         return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created)
 
@@ -54,7 +54,7 @@ class ClaimedJob:
     @classmethod
     def from_row(cls, row: Any) -> ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
-        created_at) — the order of ``sql.claim_returning``."""
+        created_at) — the order of ``_sql.claim_returning``."""
         id_, version, attempts, max_attempts, task, queue, payload, priority, created = row
         return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created)
 

@@ -21,15 +21,15 @@ from typing import Any
 from sqlalchemy import BigInteger, Engine, Integer, MetaData, Text, create_engine, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from .backoff import Backoff
-from .dispatcher import Dispatcher
+from ._backoff import Backoff
+from ._dispatcher import Dispatcher
+from ._messages import ClaimedJob, Message
+from ._producer import enqueue
+from ._schema import JobMixin, OutboxMixin
+from ._worker import Worker
 from .embedded import database_url
 from .errors import RetryableError
-from .messages import ClaimedJob, Message
 from .monitoring import queue_status
-from .producer import enqueue
-from .schema import JobMixin, OutboxMixin
-from .worker import Worker
 
 __all__ = ["run_demo"]
 

@@ -29,7 +29,7 @@ import datetime as dt
 import functools
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import (
     ARRAY,
@@ -51,18 +51,18 @@ from sqlalchemy.orm import Mapper, Session, SessionTransaction, object_mapper, o
 from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
 
+from ._durations import Duration, to_timedelta
 from ._execute import run
-from .durations import Duration, to_timedelta
+from ._names import channel_for
+from ._payload import check_payload, describe, normalize_payload
 from .errors import PayloadError
-from .payload import check_payload, describe, normalize_payload
-from .schema import JobMixin, OutboxMixin
 
 __all__ = [
     "LOCK_AGGREGATES",
-    "channel_for",
     "emit",
     "enqueue",
     "event_for",
+    "install",
     "lock_aggregate",
 ]
 
@@ -73,13 +73,11 @@ LOCK_AGGREGATES = "sa_outbox.lock_aggregates"
 _AGGREGATE_ATTR = "_sa_outbox_aggregate"
 _STATE_KEY = "sa_outbox.tx_state"
 
-J = TypeVar("J", bound=JobMixin)
-E = TypeVar("E", bound=OutboxMixin)
+if TYPE_CHECKING:  # the mixins import this module (to install the hook), never the other way round
+    from ._schema import JobMixin, OutboxMixin
 
-
-def channel_for(table_name: str) -> str:
-    """The NOTIFY channel of an outbox/jobs table (the payload is '' for outbox, the queue name for jobs)."""
-    return f"sa_outbox.{table_name}"[:63]
+J = TypeVar("J", bound="JobMixin")
+E = TypeVar("E", bound="OutboxMixin")
 
 
 # The two halves of every producer statement, written once (constant SQL, values only as bound parameters):
@@ -412,15 +410,15 @@ def _table_name(obj: Any) -> str:
     return name
 
 
-@event.listens_for(Session, "before_flush")
 def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
     new = session.new
     events: list[OutboxMixin] = []
     jobs: list[JobMixin] = []
     for obj in new:
-        if isinstance(obj, OutboxMixin):
+        kind = getattr(type(obj), "sa_outbox_kind", None)
+        if kind == "outbox":
             events.append(obj)
-        elif isinstance(obj, JobMixin):
+        elif kind == "jobs":
             jobs.append(obj)
     if not events and not jobs:
         return
@@ -503,10 +501,17 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     state.notified.update(nts)
 
 
-@event.listens_for(Session, "after_transaction_end")
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
     """Forget what a finished transaction or savepoint locked and notified (a rolled back savepoint gave its
     locks and NOTIFYs back; after a released one the parent may take them again, which is harmless)."""
     states = session.info.get(_STATE_KEY)
     if states:
         states.pop(transaction, None)
+
+
+def install() -> None:
+    """Register the flush hook on every ``Session`` (idempotent). The mixins call it when a model class that
+    uses them is defined, so ``session.add(OutboxEvent(...))`` needs no setup call."""
+    if not event.contains(Session, "before_flush", _before_flush):
+        event.listen(Session, "before_flush", _before_flush)
+        event.listen(Session, "after_transaction_end", _after_transaction_end)

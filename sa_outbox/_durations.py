@@ -6,6 +6,8 @@ import math
 import re
 from datetime import timedelta
 
+from .errors import ConfigurationError
+
 Duration = timedelta | int | float
 
 __all__ = ["Duration", "parse_duration", "to_seconds", "to_timedelta"]
@@ -16,8 +18,6 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
 def to_timedelta(value: Duration, *, name: str = "duration", allow_zero: bool = True) -> timedelta:
     """Normalise a duration option; refuse negatives, NaN, infinities and non-numbers with a clear error."""
-    from .errors import ConfigurationError
-
     if isinstance(value, bool) or not isinstance(value, timedelta | int | float):
         raise ConfigurationError(
             f"{name} must be a datetime.timedelta or a number of seconds, got {type(value).__name__} {value!r}"
@@ -36,8 +36,6 @@ def to_seconds(value: Duration, *, name: str = "duration", allow_zero: bool = Tr
 
 def parse_duration(text: str) -> timedelta:
     """Parse a CLI duration: ``90`` (seconds), ``30s``, ``500ms``, ``5m``, ``3h``, ``7d``."""
-    from .errors import ConfigurationError
-
     match = _DURATION_RE.match(text)
     if not match:
         raise ConfigurationError(

@@ -32,13 +32,13 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
-from . import engine as eng
+from . import _steps as eng
+from ._backoff import JOBS_BACKOFF, Backoff
+from ._durations import Duration, to_seconds, to_timedelta
 from ._loop import LoopBase, is_async_callable, positive_int
-from .backoff import JOBS_BACKOFF, Backoff
-from .durations import Duration, to_seconds, to_timedelta
+from ._messages import ClaimedJob
+from ._names import channel_for
 from .errors import ConfigurationError, PermanentError, RetryableError
-from .messages import ClaimedJob
-from .producer import channel_for
 
 __all__ = ["Handler", "TaskRegistry", "Worker"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from . import sql
+from . import _sql
+from ._backoff import Backoff
 from ._execute import run
-from .backoff import Backoff
+from ._sql import QueueSpec
 from .errors import Defer, PermanentError
-from .sql import QueueSpec
 
 __all__ = [
     "Outcome",
@@ -52,7 +52,7 @@ class Outcome:
 
 def describe_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return text[: sql.LAST_ERROR_MAX]
+    return text[: _sql.LAST_ERROR_MAX]
 
 
 def decide(
@@ -79,13 +79,13 @@ def decide(
     if isinstance(error, Defer):
         return Outcome(
             id, lease_version, spec.ready, delay=error.delay.total_seconds(),
-            error=f"deferred: {error.reason}"[: sql.LAST_ERROR_MAX], refund=1, kind="defer",
+            error=f"deferred: {error.reason}"[: _sql.LAST_ERROR_MAX], refund=1, kind="defer",
         )  # fmt: skip
     if isinstance(error, PermanentError):
         return Outcome(id, lease_version, spec.dead, error=describe_error(error), kind="dead")
     if attempts >= max_attempts:
         text = f"retries exhausted ({attempts}/{max_attempts}): {describe_error(error)}"
-        return Outcome(id, lease_version, spec.dead, error=text[: sql.LAST_ERROR_MAX], kind="dead")
+        return Outcome(id, lease_version, spec.dead, error=text[: _sql.LAST_ERROR_MAX], kind="dead")
     return Outcome(
         id,
         lease_version,
@@ -115,7 +115,7 @@ def rescue(
         params["max_attempts"] = max_attempts
     else:
         params["stale_after"] = stale_after
-    rows = run(conn, sql.rescue_statement(spec), params)
+    rows = run(conn, _sql.rescue_statement(spec), params)
     for row_id, status, version in rows:
         level = logging.WARNING if status == spec.dead else logging.INFO
         log.log(
@@ -174,13 +174,13 @@ def claim(
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
 ) -> list[Any]:
-    """Run the claim statement; rows (tuples in :func:`sql.claim_returning` order) sorted by id.
+    """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
-    :func:`sql.claim_statement`); other sizes are a parameter."""
+    :func:`_sql.claim_statement`); other sizes are a parameter."""
     shape = _claim_shape(batch, ordered, ordered_types, fixed_batch)
     rows = run(
         conn,
-        sql.claim_statement(spec, **shape),
+        _sql.claim_statement(spec, **shape),
         _claim_params(spec, owner, batch, lease, queue, ordered_types),
     )
     rows.sort(key=lambda r: r[0])
@@ -192,7 +192,7 @@ def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> 
     items = list(outcomes)
     if not items:
         return set()
-    return {r[0] for r in run(conn, sql.finalize_statement(spec), _outcome_params(items))}
+    return {r[0] for r in run(conn, _sql.finalize_statement(spec), _outcome_params(items))}
 
 
 def finalize_and_claim(
@@ -209,7 +209,7 @@ def finalize_and_claim(
     fixed_batch: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
-    stmt = sql.finalize_and_claim_statement(spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch))
+    stmt = _sql.finalize_and_claim_statement(spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch))
     params = {**_claim_params(spec, owner, batch, lease, queue, ordered_types), **_outcome_params(outcomes)}
     applied: set[int] = set()
     claimed: list[Any] = []
@@ -232,4 +232,4 @@ def extend(
     params: dict[str, Any] = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
     if spec.kind == "outbox":
         params["lease"] = lease
-    return {r[0] for r in run(conn, sql.extend_statement(spec), params)}
+    return {r[0] for r in run(conn, _sql.extend_statement(spec), params)}
