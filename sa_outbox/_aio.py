@@ -32,8 +32,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tenacity import AsyncRetrying
 
 from . import _steps as eng
+from ._dbfaults import is_connection_error
 from ._dispatcher import Dispatcher, check_batch, check_result, publisher_is_async
-from ._loop import LoopBase, is_async_callable, is_connection_error
+from ._loop import LoopBase, is_async_callable
 from ._messages import ClaimedJob, Message
 from ._wakeup import libpq_url
 from ._worker import _NOT_STARTED, Worker

@@ -19,10 +19,11 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
+from sqlalchemy.exc import ProgrammingError
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from . import _steps as eng
+from ._dbfaults import is_connection_error
 from ._durations import Duration, to_seconds
 from ._sql import QueueSpec, spec_for
 from ._wakeup import Waker
@@ -30,14 +31,7 @@ from .errors import ConfigurationError, Defer, PermanentError, RetryableError, S
 
 T = TypeVar("T")
 
-__all__ = ["LoopBase", "LoopStats", "is_connection_error"]
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """A fault worth retrying: the server went away, restarted, or refused the connection."""
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    return isinstance(exc, OperationalError | InterfaceError)
+__all__ = ["LoopBase", "LoopStats"]
 
 
 def default_owner(prefix: str) -> str:
