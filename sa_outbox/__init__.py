@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
-    from ._aio import AsyncDispatcher as AsyncDispatcher
-    from ._aio import AsyncWorker as AsyncWorker
     from ._backoff import Backoff as Backoff
+    from ._dispatcher import AsyncDispatcher as AsyncDispatcher
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
     from ._messages import BatchPublisher as BatchPublisher
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
     from ._schema import JobMixin as JobMixin
     from ._schema import OutboxMixin as OutboxMixin
+    from ._worker import AsyncWorker as AsyncWorker
     from ._worker import TaskRegistry as TaskRegistry
     from ._worker import Worker as Worker
     from .admin import list_dead as list_dead
@@ -60,8 +60,8 @@ if TYPE_CHECKING:
 
 #: Public name -> the module that defines it (relative to this package).
 _EXPORTS: dict[str, str] = {
-    "AsyncDispatcher": "_aio",
-    "AsyncWorker": "_aio",
+    "AsyncDispatcher": "_dispatcher",
+    "AsyncWorker": "_worker",
     "Backoff": "_backoff",
     "BatchPublisher": "_messages",
     "ClaimedJob": "_messages",

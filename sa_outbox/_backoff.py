@@ -1,11 +1,15 @@
-"""Backoff: one policy type for both tables.
+"""Every delay the library waits, in one place.
 
-``delay(attempt) = min(cap, base · 2**attempt)`` seconds, and with ``jitter=True`` (AWS "full jitter") a uniform
-random value in ``[0, that]``. The delay is added to the *database's* ``now()`` by the finalize statement;
-only its length is computed here.
-
-Defaults: the outbox uses full jitter (base 1 s, cap 300 s) so that a recovered broker is not hit by every
-retry at once; jobs use ``min(300 s, 2**attempts s)`` without jitter, as in the jobs document (2 s, 4 s, …).
+* :class:`Backoff` — the retry policy of a failed message or job: ``delay(attempt) = min(cap, base · 2**attempt)``
+  seconds, and with ``jitter=True`` (AWS "full jitter") a uniform random value in ``[0, that]``. The delay is
+  added to the *database's* ``now()`` by the finalize statement; only its length is computed here. Defaults:
+  the outbox uses full jitter (base 1 s, cap 300 s) so that a recovered broker is not hit by every retry at
+  once; jobs use ``min(300 s, 2**attempts s)`` without jitter, as in the jobs design (2 s, 4 s, …).
+* :data:`DATABASE_OUTAGE` — how long a loop waits before trying a database that is down again;
+* :data:`STATEMENT_RETRY` — the waits between retries of one statement (a finalize) after a connection fault;
+* :data:`LISTEN_RECONNECT` — how long a waker polls before it tries its LISTEN connection again;
+* :data:`DESTINATION_OUTAGE` — how long a dispatcher stops claiming after its destination was unavailable
+  (the circuit breaker), before it sends one probe message.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from dataclasses import dataclass
 
 from ._durations import Duration, to_seconds
 
-__all__ = ["Backoff"]
+__all__ = ["DATABASE_OUTAGE", "DESTINATION_OUTAGE", "LISTEN_RECONNECT", "STATEMENT_RETRY", "Backoff"]
 
 
 @dataclass(frozen=True)
 class Backoff:
+    """``min(cap, base · 2**attempt)`` seconds, randomised in ``[0, that]`` with ``jitter``."""
+
     base: float = 1.0
     cap: float = 300.0
     jitter: bool = True
@@ -42,5 +48,27 @@ class Backoff:
         return random.uniform(0.0, ceiling) if self.jitter else ceiling
 
 
+@dataclass(frozen=True)
+class _HalfJitter:
+    """``min(cap, base · 2**n)`` scaled by a random factor in ``[0.5, 1]``: never a hot loop, never a herd."""
+
+    base: float
+    cap: float
+
+    def delay(self, failures: int) -> float:
+        ceiling = min(self.cap, self.base * 2 ** min(max(failures, 0), 30))
+        return float(ceiling * random.uniform(0.5, 1.0))
+
+
 OUTBOX_BACKOFF = Backoff(1.0, 300.0, jitter=True)
 JOBS_BACKOFF = Backoff(1.0, 300.0, jitter=False)
+
+#: Between attempts to reach a database that is down: 0.2 s, 0.4 s, … up to 30 s.
+DATABASE_OUTAGE = _HalfJitter(0.1, 30.0)
+#: Between retries of one statement after a connection fault (tenacity's ``wait``): 0.1 s … 5 s.
+STATEMENT_RETRY = _HalfJitter(0.05, 5.0)
+#: A waker whose LISTEN connection failed polls for this long before it tries again.
+LISTEN_RECONNECT = 5.0
+#: A dispatcher whose destination is unavailable claims nothing for this long (then sends one probe):
+#: 1 s, 2 s, … up to 60 s.
+DESTINATION_OUTAGE = _HalfJitter(0.5, 60.0)

@@ -46,9 +46,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def load_target(target: str, kind: str) -> Any:
     """Import ``module:attribute`` and return the Dispatcher/Worker it names (calling a factory if needed)."""
-    from ._aio import AsyncDispatcher, AsyncWorker
-    from ._dispatcher import Dispatcher
-    from ._worker import Worker
+    from ._dispatcher import AsyncDispatcher, Dispatcher
+    from ._worker import AsyncWorker, Worker
 
     expected: tuple[type[Any], ...] = (
         (Dispatcher, AsyncDispatcher) if kind == "dispatch" else (Worker, AsyncWorker)

@@ -1,45 +1,67 @@
 """The outbox dispatcher: claim with a lease, publish outside any transaction, finalize fenced.
 
-One batch: (1) a short transaction rescues expired leases and claims up to ``batch`` due rows, writing
-status/owner/lease/``lease_version + 1``/``attempts + 1``, and commits; (2) every message is published with
-no transaction or row lock open; (3) one fenced statement finalizes the whole batch, each row matched by its
-own ``lease_version``. A row whose lease was rescued or re-claimed meanwhile is not touched (a *lost lease*:
-logged, counted, never raised) — the message may then be published twice, which is why downstream must
-de-duplicate by ``message_id``.
+One turn: (1) one statement writes the previous batch's outcomes — each row fenced by its own
+``lease_version`` — and claims up to ``batch`` due rows, writing status/owner/lease/``lease_version + 1``/
+``attempts + 1``, committed at once; (2) every message is published with no transaction or row lock open. A
+row whose lease was rescued or re-claimed meanwhile is not touched (a *lost lease*: logged, counted, never
+raised) — the message may then be published twice, which is why downstream must de-duplicate by
+``message_id``.
 
-**Long batches.** Messages are published in id order; before each one the dispatcher checks that its lease
+**The lease budget.** Messages are published in id order; before each one the dispatcher checks that its lease
 still has at least ``publish_timeout`` left (measured from the claim). When it does not, the rest of the batch
 is *released* (back to pending, attempt refunded) instead of published on a lease that may already be gone.
-The same happens on :meth:`stop`: the message being published finishes, the rest is released.
+A publisher's ``publish_many`` (sync or async) is bounded by the same budget as a whole: what is unfinished
+then is retried. The same release happens on :meth:`stop`.
+
+**Ordered mode.** Only the head of each aggregate is claimable. The claim that writes a batch's outcomes shares
+their snapshot and still sees the just-finished predecessors as ``processing``, so after outcomes were written
+the dispatcher claims once more at once: a hot aggregate is delivered at the publisher's speed, not one event
+per poll.
+
+**Outages.** A :class:`~sa_outbox.DestinationUnavailable` (every shipped publisher raises it when its broker
+cannot be reached) refunds the attempt, releases the rest of the batch untouched and opens the dispatcher's
+circuit: no claims for an outage backoff, then one probe message; a probe that gets through closes it. An
+outage therefore never spends attempts and never sends a message (or an ordered aggregate) to ``dead``.
 
 **Unclassified exceptions** from a publisher are logged at ERROR with their traceback, recorded in
-``last_error`` and retried like :class:`~sa_outbox.RetryableError` (so they end ``dead`` after
-``max_attempts``); with ``stop_on_unclassified=True`` the batch is finalized and the exception re-raised out of
-``run_once``/``run`` instead (the outbox document's choice).
+``last_error`` and retried like :class:`~sa_outbox.RetryableError`; with ``stop_on_unclassified=True`` the
+batch is finalized and the exception re-raised out of ``run_once``/``run`` instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from datetime import timedelta
+from typing import Any, ClassVar
 
 from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+from tenacity import AsyncRetrying, Retrying
 
-from . import _steps as eng
 from ._backoff import OUTBOX_BACKOFF, Backoff
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, positive_int
+from ._db import AsyncLoopConnection, LoopConnection
+from ._dbfaults import is_connection_error
 from ._durations import Duration, to_timedelta
-from ._loop import LoopBase, is_async_callable, positive_int
 from ._messages import BatchPublisher, Message, Publisher
-from ._names import channel_for
-from .errors import ConfigurationError, RetryableError
+from ._services import Circuit
+from ._steps import Outcome
+from ._threads import CallThreads
+from ._wakeup import AsyncWaker, Waker
+from .errors import ConfigurationError, DestinationUnavailable, RetryableError
 
-__all__ = ["Dispatcher"]
+__all__ = ["AsyncDispatcher", "Dispatcher"]
 
 log = logging.getLogger("sa_outbox.dispatcher")
+
+_STOPPING = "released: dispatcher stopping"
+_BUDGET = "released: lease budget spent"
+_UNAVAILABLE = "released: destination unavailable"
 
 
 def publisher_is_async(publisher: Any) -> bool:
@@ -63,27 +85,223 @@ def check_result(result: Any) -> BaseException | None:
     return TypeError(f"publisher returned {result!r}; publish() must return None or raise")
 
 
-class Dispatcher(LoopBase):
-    """Delivers outbox rows to a :class:`~sa_outbox.Publisher`; run as many side by side as you like.
+class DispatcherBase(LoopBase):
+    """Options, validation and decisions of :class:`Dispatcher` and :class:`AsyncDispatcher` (no loop).
 
     Options (durations take a ``timedelta`` or seconds):
 
-    * ``batch`` — rows claimed per transaction (default 50);
+    * ``batch`` — rows claimed per statement (default 50);
     * ``lease`` — how long a claim is owned (default 60 s); ``publish_timeout`` — the longest one publish may
-      take (default 10 s; the publisher must enforce it). The constructor refuses ``lease <= publish_timeout``;
-    * ``max_attempts`` — claims before a message is dead (default 12, counting crashes);
+      take (default 10 s; the publisher bounds its own I/O, or set ``enforce_publish_timeout``). The
+      constructor refuses ``lease <= publish_timeout``;
+    * ``max_attempts`` — claims before a message is dead (default 12, counting crashes; outages refund);
     * ``ordered`` — ``True`` for per-aggregate order on every event type, or a collection of event types
       that are ordered (others are claimed freely);
     * ``backoff`` — retry policy (default full jitter, base 1 s, cap 300 s);
     * ``poll_interval`` — longest idle wait (default 1 s); ``listen`` — LISTEN/NOTIFY wake-ups (default on),
-      on ``listen_url`` if given (use the server's direct address behind PgBouncer).
+      on ``listen_url`` if given (use the server's direct address behind PgBouncer);
+    * ``stop_on_unclassified``, ``rescue_limit``, ``owner``, ``enforce_publish_timeout`` (run each publish on
+      a helper thread and treat one that outlives ``publish_timeout`` as retryable).
     """
 
+    _kind = "outbox"
     _owner_prefix = "dispatcher"
     _log = log
+    #: Whether this flavour can await an async publisher.
+    _awaits_publisher: ClassVar[bool] = False
 
-    #: The asyncio dispatcher's core awaits async publishers on its event loop; this class never does.
-    _awaits_publisher = False
+    def __init__(
+        self,
+        engine: Any,
+        model: type[Any],
+        publisher: Publisher,
+        *,
+        owner: str | None = None,
+        batch: int = 50,
+        lease: Duration = 60.0,
+        publish_timeout: Duration = 10.0,
+        max_attempts: int = 12,
+        ordered: bool | Collection[str] = False,
+        backoff: Backoff | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | URL | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+        enforce_publish_timeout: bool = False,
+    ) -> None:
+        super().__init__(
+            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
+            backoff=backoff or OUTBOX_BACKOFF,
+        )  # fmt: skip
+        if not callable(getattr(publisher, "publish", None)):
+            raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
+        if publisher_is_async(publisher) and not self._awaits_publisher:
+            raise ConfigurationError(
+                f"publisher {publisher!r} is async: Dispatcher would never await it; run it with AsyncDispatcher"
+            )
+        self.publisher = publisher
+        self.lease: timedelta = to_timedelta(lease, name="lease", allow_zero=False)
+        self.publish_timeout: timedelta = to_timedelta(
+            publish_timeout, name="publish_timeout", allow_zero=False
+        )
+        if self.lease <= self.publish_timeout:
+            raise ConfigurationError(
+                f"lease ({self.lease.total_seconds():g}s) must be longer than publish_timeout "
+                f"({self.publish_timeout.total_seconds():g}s): a publish could outlive its lease and be "
+                "delivered twice. Raise lease or lower publish_timeout"
+            )
+        self.max_attempts = positive_int(max_attempts, "max_attempts")
+        if isinstance(ordered, bool):
+            self.ordered, self.ordered_types = ordered, None
+        elif isinstance(ordered, str) or not all(isinstance(t, str) and t for t in ordered):
+            raise ConfigurationError("ordered must be True/False or a collection of event type names")
+        else:
+            self.ordered, self.ordered_types = True, sorted(set(ordered))
+        self.enforce_publish_timeout = bool(enforce_publish_timeout)
+        self._batch_publish = isinstance(publisher, BatchPublisher)
+        self._calls = CallThreads("sa_outbox-publish")
+        self._circuit = Circuit()
+        self._fatal: BaseException | None = None
+
+    @property
+    def circuit_open(self) -> bool:
+        """True while the destination is considered unavailable (no claims but probes)."""
+        return self._circuit.open
+
+    # -- decisions -------------------------------------------------------------------------------------
+
+    def _claim_params(self) -> list[dict[str, Any]]:
+        return [{"lease": self.lease, "ordered": self.ordered, "ordered_types": self.ordered_types}]
+
+    def _rescue_params(self) -> dict[str, Any]:
+        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit}
+
+    def _finalize_window(self) -> float:
+        return max(self.lease.total_seconds(), 1.0)
+
+    def _budget_end(self, claimed_at: float) -> float:
+        """Monotonic time after which no publish may start: the lease minus one publish_timeout."""
+        return claimed_at + (self.lease - self.publish_timeout).total_seconds()
+
+    def _want(self, *, one_shot: bool) -> int:
+        if self._stop.is_set() or self._fatal is not None:
+            return 0
+        return self.batch if one_shot else self._circuit.want(self.batch, time.monotonic())
+
+    def _timed_out(self) -> RetryableError:
+        """A publish that overran publish_timeout: retried like any transient fault."""
+        return RetryableError(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
+
+    def _over_budget(self) -> RetryableError:
+        return RetryableError(
+            f"publishing the batch exceeded the lease budget (lease {self.lease.total_seconds():g}s "
+            f"- publish_timeout {self.publish_timeout.total_seconds():g}s); the unfinished messages are retried"
+        )
+
+    def _released(self, messages: Sequence[Message], reason: str) -> list[Outcome]:
+        return [self._release(m.id, m.lease_version, reason) for m in messages]
+
+    def _classify(self, results: Sequence[tuple[Message, BaseException | None]]) -> list[Outcome]:
+        """Publish results → outcomes (the first fatal error is kept to be raised after finalizing)."""
+        outcomes: list[Outcome] = []
+        for msg, error in results:
+            outcome, fatal = self._outcome(
+                id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts, max_attempts=self.max_attempts,
+                error=error, label=f"the publisher (outbox {msg.id})",
+            )  # fmt: skip
+            outcomes.append(outcome)
+            if fatal is not None and self._fatal is None:
+                self._fatal = fatal
+        return outcomes
+
+    def _settle(self, outcomes: list[Outcome]) -> None:
+        """Queue a batch's outcomes for writing and let the circuit breaker learn from them."""
+        self._done.add(outcomes)
+        now = time.monotonic()
+        change = self._circuit.record(outcomes, now)
+        if change == "opened":
+            cause = next((o.error for o in outcomes if o.kind == "unavailable"), "?")
+            log.warning(
+                "destination unavailable: not claiming for a while, then one probe message (%s)", cause,
+                extra={"table": self.spec.table.name, "owner": self.owner, "cause": cause},
+            )  # fmt: skip
+        elif change == "closed":
+            outage = now - self._circuit.opened_at
+            log.info(
+                "destination available again after %.1fs", outage,
+                extra={"table": self.spec.table.name, "owner": self.owner, "outage_seconds": round(outage, 3)},
+            )  # fmt: skip
+
+    # -- publishing with a blocking publisher (the sync loop, and the async loop in a thread) -------------
+
+    def _publish_blocking(self, messages: list[Message], claimed_at: float) -> list[Outcome]:
+        """Publish a claimed batch with a blocking publisher; one outcome per message. Never raises."""
+        if self._stop.is_set():
+            return self._released(messages, _STOPPING)
+        budget_end = self._budget_end(claimed_at)
+        if self._batch_publish:
+            remaining = budget_end - time.monotonic()
+            if remaining <= 0:
+                return self._released(messages, _BUDGET)
+            started = time.perf_counter()
+            future = self._calls.submit(self._publish_many_blocking, messages)
+            try:
+                errors = future.result(timeout=remaining)
+            except FutureTimeout:
+                self._calls.abandon(future)  # its thread is stuck in the publisher: never used again
+                errors = [self._over_budget()] * len(messages)
+            seconds = time.perf_counter() - started
+            for m in messages:
+                self._observe_handled(seconds, m.created_at)
+            return self._classify(list(zip(messages, errors, strict=True)))
+        results: list[tuple[Message, BaseException | None]] = []
+        rest: list[Outcome] = []
+        for i, msg in enumerate(messages):
+            if self._stop.is_set() or time.monotonic() > budget_end:
+                rest = self._released(messages[i:], _STOPPING if self._stop.is_set() else _BUDGET)
+                break
+            started = time.perf_counter()
+            error = self._publish_one_blocking(msg)
+            self._observe_handled(time.perf_counter() - started, msg.created_at)
+            results.append((msg, error))
+            if isinstance(error, DestinationUnavailable):
+                rest = self._released(messages[i + 1 :], _UNAVAILABLE)
+                break
+        return self._classify(results) + rest
+
+    def _publish_many_blocking(self, messages: list[Message]) -> list[BaseException | None]:
+        try:
+            return check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
+        except Exception as exc:
+            return [exc] * len(messages)
+
+    def _publish_one_blocking(self, msg: Message) -> BaseException | None:
+        try:
+            publisher: Any = self.publisher
+            if not self.enforce_publish_timeout:
+                return check_result(publisher.publish(msg))
+            future = self._calls.submit(self.publisher.publish, msg)
+            try:
+                return check_result(future.result(timeout=self.publish_timeout.total_seconds()))
+            except FutureTimeout:
+                self._calls.abandon(future)  # its thread is stuck in the publisher: never used again
+                return self._timed_out()
+        except Exception as exc:
+            return exc
+
+    def _raise_fatal(self) -> None:
+        fatal, self._fatal = self._fatal, None
+        if fatal is not None:
+            raise fatal
+
+
+class Dispatcher(DispatcherBase):
+    """Delivers outbox rows to a :class:`~sa_outbox.Publisher`; run as many side by side as you like
+    (processes, hosts). See the module docs for what it guarantees and :class:`DispatcherBase` for options."""
+
+    _engine_types = (Engine,)
 
     def __init__(
         self,
@@ -100,138 +318,404 @@ class Dispatcher(LoopBase):
         backoff: Backoff | None = None,
         poll_interval: Duration = 1.0,
         listen: bool = True,
-        listen_url: str | None = None,
+        listen_url: str | URL | None = None,
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
     ) -> None:
         super().__init__(
-            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
-            listen_url=listen_url, channels=[channel_for(model.__table__.name)],
+            engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
+            max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
+            listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
+            rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
         )  # fmt: skip
-        if self.spec.kind != "outbox":
-            raise ConfigurationError(
-                f"Dispatcher needs an OutboxMixin model, got {model.__name__} (use Worker)"
-            )
-        if not callable(getattr(publisher, "publish", None)):
-            raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
-        if not self._awaits_publisher and publisher_is_async(publisher):
-            raise ConfigurationError(
-                f"publisher {publisher!r} is async: Dispatcher would never await it; run it with AsyncDispatcher"
-            )
-        self.publisher = publisher
-        self.lease = to_timedelta(lease, name="lease", allow_zero=False)
-        self.publish_timeout = to_timedelta(publish_timeout, name="publish_timeout", allow_zero=False)
-        if self.lease <= self.publish_timeout:
-            raise ConfigurationError(
-                f"lease ({self.lease.total_seconds():g}s) must be longer than publish_timeout "
-                f"({self.publish_timeout.total_seconds():g}s): a publish could outlive its lease and be "
-                "delivered twice. Raise lease or lower publish_timeout"
-            )
-        self.max_attempts = positive_int(max_attempts, "max_attempts")
-        self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
-        if isinstance(ordered, bool):
-            self.ordered, self.ordered_types = ordered, None
-        elif isinstance(ordered, str) or not all(isinstance(t, str) and t for t in ordered):
-            raise ConfigurationError("ordered must be True/False or a collection of event type names")
-        else:
-            self.ordered, self.ordered_types = True, sorted(set(ordered))
-        self.backoff = backoff or OUTBOX_BACKOFF
-        self.stop_on_unclassified = stop_on_unclassified
-        self._batch_publish = isinstance(publisher, BatchPublisher)
-        # With enforce_publish_timeout, each publish runs on a helper thread and the loop waits at most
-        # publish_timeout for it: a hung publisher becomes a retryable failure (its thread is abandoned and a
-        # fresh one used). Off by default: the shipped publishers bound their own I/O, and the hand-off costs
-        # a thread switch per message.
-        self.enforce_publish_timeout = enforce_publish_timeout
-        self._publish_pool: ThreadPoolExecutor | None = None
+        self.engine: Engine = engine
+        self._db = LoopConnection(engine, self.spec.table.name)
+        self._waker = Waker(self.listen_url, self.channels)
 
-    # -- one batch -------------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        self._waker.poke()
 
-    def _rescue_params(self) -> dict[str, Any]:
-        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit}
+    # -- public ----------------------------------------------------------------------------------------
 
-    def _claim_params(self) -> list[dict[str, Any]]:
-        return [{"lease": self.lease, "ordered": self.ordered, "ordered_types": self.ordered_types}]
+    def run_once(self) -> int:
+        """One rescue step plus one claimed batch, published and finalized; returns how many messages this
+        call claimed (rescued rows not counted). An explicit call claims even while the circuit is open."""
+        try:
+            self._rescue(force=True)
+            claimed = self._turn(one_shot=True)[0]
+            self._flush()
+            return claimed
+        finally:
+            self._end()
+            self._raise_fatal()
 
-    def _finalize_window(self) -> float:
-        return max(self.lease.total_seconds(), 1.0)
-
-    def _step(self, *, rescue: bool) -> int:
-        messages = [Message.from_row(r) for r in self._claim_rows(rescue=rescue)]
-        if not messages:
-            return 0
-        claimed_at = time.monotonic()
-        outcomes, fatal = self._publish(messages, claimed_at)
-        if fatal is not None:
-            self._finalize(outcomes)
-            raise fatal
-        self._settle(outcomes)
-        return len(messages)
-
-    def _publish(
-        self, messages: list[Message], claimed_at: float
-    ) -> tuple[list[eng.Outcome], BaseException | None]:
-        # Publishing must not start on a lease with less than publish_timeout left.
-        budget_end = claimed_at + (self.lease - self.publish_timeout).total_seconds()
-        results: list[tuple[Message, BaseException | None]] = []
-        outcomes: list[eng.Outcome] = []
-        if self._batch_publish and not self._stop.is_set():
-            try:
-                errors = check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
-            except Exception as exc:
-                errors = [exc] * len(messages)
-            results = list(zip(messages, errors, strict=True))
-        else:
-            for i, msg in enumerate(messages):
-                if self._stop.is_set() or time.monotonic() > budget_end:
-                    reason = (
-                        "released: dispatcher stopping"
-                        if self._stop.is_set()
-                        else "released: lease budget spent"
-                    )
-                    outcomes += [eng.release(self.spec, m.id, m.lease_version, reason) for m in messages[i:]]
-                    break
-                started = time.perf_counter()
+    def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        max_batches: int | None = None,
+        until_idle: bool = False,
+        startup_timeout: Duration | None = None,
+    ) -> None:
+        """Loop until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until a claim comes back empty;
+        with ``max_batches``, after that many claims). Expired leases are rescued at most once a second.
+        Database connection faults are logged and retried with capped exponential backoff; the loop never
+        spins hot on an empty queue, a dead server or a dead broker. ``startup_timeout``: a database never
+        reached within this long after start raises :class:`~sa_outbox.ConfigurationError`."""
+        restore = self._install_signals() if install_signal_handlers else None
+        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        batches = 0
+        self._lifecycle("started")
+        try:
+            while not self._stop.is_set() and self._fatal is None:
                 try:
-                    result: Any = self._call_publish(msg)
-                    error = check_result(result)
+                    claimed, wanted = self._turn(one_shot=False)
+                    policy.succeeded()
+                except Exception as exc:
+                    delay = policy.failed(exc)
+                    self.stats.db_errors += 1
+                    self._waker.wait(delay)
+                    continue
+                if wanted:
+                    batches += 1
+                    if max_batches is not None and batches >= max_batches:
+                        break
+                if until_idle and wanted and not claimed and not len(self._done):
+                    break
+                self._wait(claimed, wanted)
+        finally:
+            try:
+                self._end()
+            finally:
+                if restore:
+                    restore()
+                self._lifecycle("stopped")
+        self._raise_fatal()
+
+    def close(self) -> None:
+        """Release the loop's connections and threads (run()/run_once() reopen what they need)."""
+        self._waker.close()
+        self._db.drop()
+        self._calls.close()
+
+    # -- one turn --------------------------------------------------------------------------------------
+
+    def _turn(self, *, one_shot: bool) -> tuple[int, int]:
+        wanted = self._want(one_shot=one_shot)
+        claimed_at = time.monotonic()
+        rows = self._claim(wanted) if wanted else []
+        if not wanted and len(self._done):
+            self._flush()
+        self._rescue()
+        if rows:
+            self._settle(self._publish_blocking([Message.from_row(r) for r in rows], claimed_at))
+        return len(rows), wanted
+
+    def _wait(self, claimed: int, wanted: int) -> None:
+        if claimed or len(self._done):
+            return  # more may be waiting, or outcomes ride on the next claim (which may find new rows)
+        timeout = self._next_deadline(poll=not self._circuit.open)
+        reopen = self._circuit.next_due()
+        if reopen is not None:
+            timeout = min(timeout, max(0.0, reopen - time.monotonic()))
+        if self._waker.wait(timeout) == "notify":
+            self.stats.wakeups += 1
+
+    def _claim(self, want: int) -> list[Any]:
+        outcomes = self._done.take()
+        try:
+            applied, rows = self._db.run(lambda c: self._claim_on(c, want, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+        if self.ordered and applied and len(rows) < want:
+            # The claim shared the finalize's snapshot: heads it just unblocked are claimable only now.
+            try:
+                rows += self._db.run(lambda c: self._claim_on(c, want - len(rows), []))[1]
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+            rows.sort(key=lambda r: r[0])
+        return rows
+
+    def _flush(self) -> None:
+        outcomes = self._done.take()
+        if not outcomes:
+            return
+        applied: set[int] = set()
+        try:
+            for attempt in Retrying(**self._statement_retry(self._finalize_window())):
+                with attempt:
+                    applied = self._db.run(lambda c: self._finalize_on(c, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+
+    def _rescue(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self._rescuer.due(now):
+            self._rescuer.ran(now)
+            self._db.run(self._rescue_on)
+
+    def _end(self) -> None:
+        try:
+            self._flush()
+        except Exception:
+            log.exception("could not finalize the last batch; its leases will expire and be rescued")
+        finally:
+            self._waker.close()
+            self._db.drop()
+
+
+class AsyncDispatcher(DispatcherBase):
+    """The :class:`Dispatcher` under asyncio, with the same options and guarantees, plus
+    ``publish_concurrency`` (messages of one batch published at once by an async publisher, default 16; in
+    ordered mode a batch holds at most one message per ordered aggregate, so this never reorders one). A
+    sync publisher never runs on the event loop: each batch goes through the Dispatcher's own publishing
+    step (id order, lease budget, ``enforce_publish_timeout``) in one thread."""
+
+    _engine_types = (AsyncEngine,)
+    _awaits_publisher = True
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: type[Any],
+        publisher: Any,
+        *,
+        owner: str | None = None,
+        batch: int = 50,
+        lease: Duration = 60.0,
+        publish_timeout: Duration = 10.0,
+        max_attempts: int = 12,
+        ordered: bool | Collection[str] = False,
+        backoff: Backoff | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | URL | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+        enforce_publish_timeout: bool = False,
+        publish_concurrency: int = 16,
+    ) -> None:
+        super().__init__(
+            engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
+            max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
+            listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
+            rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
+        )  # fmt: skip
+        self.engine: AsyncEngine = engine
+        self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")
+        self._async_publisher = publisher_is_async(publisher)
+        self._db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._waker = AsyncWaker(self.listen_url, self.channels)
+
+    def _poke(self) -> None:
+        self._waker.poke()
+
+    # -- public ----------------------------------------------------------------------------------------
+
+    async def run_once(self) -> int:
+        """One rescue step plus one claimed batch, published and finalized (see :meth:`Dispatcher.run_once`)."""
+        try:
+            await self._rescue(force=True)
+            claimed = (await self._turn(one_shot=True))[0]
+            await self._flush()
+            return claimed
+        finally:
+            await self._end()
+            self._raise_fatal()
+
+    async def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        max_batches: int | None = None,
+        until_idle: bool = False,
+        startup_timeout: Duration | None = None,
+    ) -> None:
+        """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
+        ``max_batches`` — the same contract as :meth:`Dispatcher.run`."""
+        restore = install_async_signals(self.stop) if install_signal_handlers else None
+        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        batches = 0
+        self._lifecycle("started")
+        try:
+            while not self._stop.is_set() and self._fatal is None:
+                try:
+                    claimed, wanted = await self._turn(one_shot=False)
+                    policy.succeeded()
+                except Exception as exc:
+                    delay = policy.failed(exc)
+                    self.stats.db_errors += 1
+                    await self._waker.wait(delay)
+                    continue
+                if wanted:
+                    batches += 1
+                    if max_batches is not None and batches >= max_batches:
+                        break
+                if until_idle and wanted and not claimed and not len(self._done):
+                    break
+                await self._wait(claimed, wanted)
+        finally:
+            try:
+                await self._end()
+            finally:
+                if restore:
+                    restore()
+                self._lifecycle("stopped")
+        self._raise_fatal()
+
+    async def close(self) -> None:
+        """Release the loop's connections and threads."""
+        await self._waker.close()
+        await self._db.drop()
+        self._calls.close()
+
+    # -- one turn --------------------------------------------------------------------------------------
+
+    async def _turn(self, *, one_shot: bool) -> tuple[int, int]:
+        wanted = self._want(one_shot=one_shot)
+        claimed_at = time.monotonic()
+        rows = await self._claim(wanted) if wanted else []
+        if not wanted and len(self._done):
+            await self._flush()
+        await self._rescue()
+        if rows:
+            messages = [Message.from_row(r) for r in rows]
+            if self._async_publisher:
+                outcomes = await self._publish_async(messages, claimed_at)
+            else:
+                outcomes = await asyncio.to_thread(self._publish_blocking, messages, claimed_at)
+            self._settle(outcomes)
+        return len(rows), wanted
+
+    async def _wait(self, claimed: int, wanted: int) -> None:
+        if claimed or len(self._done):
+            return
+        timeout = self._next_deadline(poll=not self._circuit.open)
+        reopen = self._circuit.next_due()
+        if reopen is not None:
+            timeout = min(timeout, max(0.0, reopen - time.monotonic()))
+        if await self._waker.wait(timeout) == "notify":
+            self.stats.wakeups += 1
+
+    async def _claim(self, want: int) -> list[Any]:
+        outcomes = self._done.take()
+        try:
+            applied, rows = await self._db.run(lambda c: self._claim_on(c, want, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+        if self.ordered and applied and len(rows) < want:
+            try:
+                rows += (await self._db.run(lambda c: self._claim_on(c, want - len(rows), [])))[1]
+            except Exception as exc:
+                if not is_connection_error(exc):
+                    raise
+            rows.sort(key=lambda r: r[0])
+        return rows
+
+    async def _flush(self) -> None:
+        outcomes = self._done.take()
+        if not outcomes:
+            return
+        applied: set[int] = set()
+        try:
+            async for attempt in AsyncRetrying(**self._statement_retry(self._finalize_window())):
+                with attempt:
+                    applied = await self._db.run(lambda c: self._finalize_on(c, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+
+    async def _rescue(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self._rescuer.due(now):
+            self._rescuer.ran(now)
+            await self._db.run(self._rescue_on)
+
+    async def _end(self) -> None:
+        try:
+            await self._flush()
+        except Exception:
+            log.exception("could not finalize the last batch; its leases will expire and be rescued")
+        finally:
+            await self._waker.close()
+            await self._db.drop()
+
+    # -- publishing with an async publisher ---------------------------------------------------------------
+
+    async def _publish_async(self, messages: list[Message], claimed_at: float) -> list[Outcome]:
+        """Publish a batch with an async publisher, ``publish_concurrency`` at a time; the whole batch is bounded
+        by the lease budget (what is still running then is cancelled and retried, what has not started is
+        released). One outcome per message; never raises."""
+        if self._stop.is_set():
+            return self._released(messages, _STOPPING)
+        remaining = self._budget_end(claimed_at) - time.monotonic()
+        if remaining <= 0:
+            return self._released(messages, _BUDGET)
+        n = len(messages)
+        if hasattr(self.publisher, "publish_many"):
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(remaining):
+                    publisher: Any = self.publisher
+                    errors = check_batch(await publisher.publish_many(messages), n)
+            except TimeoutError:
+                errors = [self._over_budget()] * n
+            except Exception as exc:
+                errors = [exc] * n
+            seconds = time.perf_counter() - started
+            for m in messages:
+                self._observe_handled(seconds, m.created_at)
+            return self._classify(list(zip(messages, errors, strict=True)))
+        results: list[BaseException | str | None] = ["unstarted"] * n
+        gate = asyncio.Semaphore(self.publish_concurrency)
+        unavailable = False
+
+        async def one(i: int, msg: Message) -> None:
+            nonlocal unavailable
+            async with gate:
+                if unavailable or self._stop.is_set():
+                    return
+                results[i] = "running"
+                started = time.perf_counter()
+                timeout = self.publish_timeout.total_seconds() if self.enforce_publish_timeout else None
+                timer = asyncio.timeout(timeout)
+                try:
+                    async with timer:
+                        publisher: Any = self.publisher
+                        error = check_result(await publisher.publish(msg))
+                except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
+                    error = self._timed_out() if timer.expired() else exc
                 except Exception as exc:
                     error = exc
-                results.append((msg, error))
-                self._observe_handled(started, msg.created_at)
-        more, fatal = self._outcomes(results)
-        return outcomes + more, fatal
+                self._observe_handled(time.perf_counter() - started, msg.created_at)
+                results[i] = error
+                if isinstance(error, DestinationUnavailable):
+                    unavailable = True
 
-    def _call_publish(self, msg: Message) -> Any:
-        if not self.enforce_publish_timeout:
-            return self.publisher.publish(msg)
-        if self._publish_pool is None:
-            self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="sa_outbox-publish")
-        future = self._publish_pool.submit(self.publisher.publish, msg)
-        try:
-            return future.result(timeout=self.publish_timeout.total_seconds())
-        except FutureTimeout:
-            self._publish_pool.shutdown(wait=False)  # its thread is stuck in the publisher: abandon it
-            self._publish_pool = None
-            raise self._timed_out() from None
-
-    def _timed_out(self) -> RetryableError:
-        """A publish that overran publish_timeout (sync and async dispatchers): retried like any transient fault."""
-        return RetryableError(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
-
-    def _outcomes(
-        self, results: list[tuple[Message, BaseException | None]]
-    ) -> tuple[list[eng.Outcome], BaseException | None]:
-        """Classify publish results (shared by the sync and the async dispatcher)."""
-        outcomes: list[eng.Outcome] = []
-        fatal: BaseException | None = None
-        for msg, error in results:
-            outcome, stop = self._outcome(
-                id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts, max_attempts=self.max_attempts,
-                error=error, backoff=self.backoff, label=f"the publisher (outbox {msg.id})",
-                stop_on_unclassified=self.stop_on_unclassified,
-            )  # fmt: skip
-            outcomes.append(outcome)
-            fatal = fatal or stop
-        return outcomes, fatal
+        tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
+        _, late = await asyncio.wait(tasks, timeout=remaining)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+        outcomes: list[Outcome] = []
+        published: list[tuple[Message, BaseException | None]] = []
+        for msg, result in zip(messages, results, strict=True):
+            if result == "unstarted":
+                reason = _UNAVAILABLE if unavailable else (_STOPPING if self._stop.is_set() else _BUDGET)
+                outcomes.append(self._release(msg.id, msg.lease_version, reason))
+            elif result == "running":
+                published.append((msg, self._over_budget()))
+            else:
+                assert not isinstance(result, str)
+                published.append((msg, result))
+        return self._classify(published) + outcomes

@@ -32,6 +32,7 @@ __all__ = [
     "release",
     "rescue",
     "run",
+    "unavailable",
 ]
 
 log = logging.getLogger("sa_outbox.engine")
@@ -47,7 +48,7 @@ class Outcome:
     delay: float | None = None  # seconds from the database's now(); None keeps the due time
     error: str | None = None
     refund: int = 0  # 1 gives the claim's attempt back (Defer, release)
-    kind: str = "done"  # done | retry | defer | dead | release — for logs and metrics
+    kind: str = "done"  # done | retry | defer | dead | release | unavailable — for logs and metrics
 
 
 def describe_error(exc: BaseException) -> str:
@@ -99,6 +100,16 @@ def decide(
 def release(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:
     """Give a claimed row back untouched (shutdown, lease budget spent): ready now, attempt refunded."""
     return Outcome(id, lease_version, spec.ready, delay=0.0, error=reason, refund=1, kind="release")
+
+
+def unavailable(spec: QueueSpec, id: int, lease_version: int, error: BaseException) -> Outcome:
+    """The destination as a whole was down (:class:`~sa_outbox.DestinationUnavailable`): not this message's
+    fault, so the attempt is refunded and the row is ready again at once (the dispatcher's circuit breaker,
+    not the row, decides when to try the destination again)."""
+    return Outcome(
+        id, lease_version, spec.ready, delay=0.0, error=f"destination unavailable: {describe_error(error)}"[
+            : _sql.LAST_ERROR_MAX], refund=1, kind="unavailable",
+    )  # fmt: skip
 
 
 def rescue(

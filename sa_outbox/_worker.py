@@ -1,53 +1,67 @@
-"""The jobs worker: the jobs document's queue, on the same claim / lease / finalize engine as the outbox.
+"""The jobs worker: the jobs design's queue, on the same claim / lease / finalize engine as the outbox.
 
-One batch: a short transaction reaps stale ``running`` jobs (their worker died: back to ``queued``, or
-``failed`` when out of attempts) and claims up to ``batch`` due jobs per queue with
-``FOR NO KEY UPDATE SKIP LOCKED`` (child tables with a foreign key to jobs are not blocked); the handlers run
-with no transaction open; one fenced statement records every outcome. ``lease_version`` is the fencing token:
-a worker whose job was reaped and claimed again cannot mark it done or failed (``status = 'running'`` alone
-would let it, since the job is running again — for someone else).
+A worker keeps ``concurrency`` handlers busy. It claims only as many jobs as it has free slots, plus as many as
+it expects to start within a tenth of a second (measured from the handlers it has run), so long jobs spread
+over every worker instead of waiting behind one; each claim statement also writes the outcomes that finished
+since the last one (one round trip). A job is *in hand* from its claim until its outcome is written —
+waiting to start, running, or finished — and the heartbeat keeps the lease of every job in hand, so the
+rescue step never reaps a job whose worker is alive.
 
-**Concurrency.** ``concurrency=N`` runs up to N handlers of a batch at once in a thread pool inside the
-process — right for I/O-bound and for blocking handlers alike (a blocking call holds one thread, not the
-loop). For CPU-bound handlers run several processes (``sa-outbox worker --processes N``).
+``lease_version`` is the fencing token: a worker whose job was reaped and claimed again cannot mark it done or
+failed (``status = 'running'`` alone would let it, since the job is running again — for someone else).
 
-**Heartbeat.** While handlers run, a background thread refreshes ``locked_at`` of the jobs still in hand every
-``heartbeat`` (default ``stale_after / 4``), fenced by lease version, so a long job is not reaped while its
-worker lives. A worker that dies stops heart-beating and its jobs are reaped after ``stale_after``.
+**Handlers.** ``concurrency=1`` runs handlers in the loop's own thread; more, or a ``handler_timeout``, run
+them on threads of their own. Each job's ``handler_timeout`` counts from its own start; a handler still
+running then is abandoned — its thread is never given another job and a fresh thread takes its place — and
+the job is retried (attempt spent). Python cannot kill a thread: the abandoned call may still finish later,
+outside any lease, so handlers must be idempotent. :class:`AsyncWorker` awaits ``async def`` handlers
+(cancelled on timeout) and runs sync handlers on the same kind of threads.
 
-**Stopping.** On :meth:`stop` (SIGTERM/SIGINT under :meth:`run`) the jobs already running finish and are
-recorded; claimed jobs that have not started are released (back to ``queued``, attempt refunded).
+**Stopping.** On :meth:`stop` (SIGTERM/SIGINT under ``run()``) running handlers finish and are recorded, jobs
+that have not started are released (back to ``queued``, attempt refunded). A handler that raises
+``SystemExit``/``KeyboardInterrupt`` spends its job's attempt; what else finished is recorded, then the
+exception leaves the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import Engine
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+from tenacity import AsyncRetrying, Retrying
 
-from . import _steps as eng
 from ._backoff import JOBS_BACKOFF, Backoff
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, positive_int
+from ._db import AsyncLoopConnection, LoopConnection
 from ._durations import Duration, to_seconds, to_timedelta
-from ._loop import LoopBase, is_async_callable, positive_int
 from ._messages import ClaimedJob
-from ._names import channel_for
+from ._threads import CallThreads
+from ._wakeup import AsyncWaker, Waker
 from .errors import ConfigurationError, PermanentError, RetryableError
 
-__all__ = ["Handler", "TaskRegistry", "Worker"]
+__all__ = ["AsyncWorker", "Handler", "TaskRegistry", "Worker"]
 
 log = logging.getLogger("sa_outbox.worker")
 
 Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
 
-_NOT_STARTED = object()
+#: A worker claims ahead of its free slots as many jobs as it expects to start within this many seconds.
+PREFETCH_WINDOW = 0.1
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -72,49 +86,229 @@ class TaskRegistry(dict[str, Handler]):
         return register
 
 
-class _Heartbeat:
-    """One background thread per worker that refreshes the lease of the jobs in hand every ``interval``.
+class _Pace:
+    """How many jobs to claim ahead of the free slots: as many as the worker expects to start within
+    ``PREFETCH_WINDOW``, from a moving average of its handlers' durations — none before one has finished."""
 
-    Jobs are registered when their batch is claimed and released as each handler returns, so a batch costs two
-    dict updates per job, not a thread start.
+    def __init__(self) -> None:
+        self.average: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.average = seconds if self.average is None else 0.8 * self.average + 0.2 * seconds
+
+    def ahead(self, concurrency: int, cap: int) -> int:
+        if self.average is None:
+            return 0
+        return min(cap, int(concurrency * PREFETCH_WINDOW / max(self.average, 1e-6)))
+
+
+@dataclass(slots=True)
+class _Running:
+    job: ClaimedJob
+    started: float  # monotonic
+    deadline: float | None
+
+
+def _invoke(handler: Handler, job: ClaimedJob) -> tuple[BaseException | None, float]:
+    """Call a sync handler; its error (any BaseException) as a value, and how long it took."""
+    started = time.perf_counter()
+    try:
+        result = handler(job)
+        error: BaseException | None = None
+        if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
+            if inspect.iscoroutine(result):
+                result.close()
+            error = TypeError(
+                f"handler for task {job.task!r} returned an awaitable; async handlers run with AsyncWorker"
+            )
+    except BaseException as exc:
+        error = exc
+    return error, time.perf_counter() - started
+
+
+class WorkerBase(LoopBase):
+    """Options, validation and decisions of :class:`Worker` and :class:`AsyncWorker` (no loop of its own).
+
+    Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order, default
+    ``("default",)``); ``batch`` (most jobs per claim statement, default 10); ``stale_after`` (a running job
+    whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
+    disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
+    shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
+    ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``.
     """
 
+    _kind = "jobs"
+    _owner_prefix = "worker"
+    _log = log
+    #: Whether this flavour can await ``async def`` handlers.
+    _awaits_handlers: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        engine: Any,
+        model: type[Any],
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        queues: Iterable[str] = ("default",),
+        batch: int = 10,
+        stale_after: Duration = 60.0,
+        heartbeat: Duration | None = None,
+        concurrency: int = 1,
+        backoff: Backoff | None = None,
+        owner: str | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | URL | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+        handler_timeout: Duration | None = None,
+    ) -> None:
+        super().__init__(
+            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
+            backoff=backoff or JOBS_BACKOFF,
+        )  # fmt: skip
+        if isinstance(queues, str):
+            raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
+        self.queues = list(dict.fromkeys(queues))
+        if not self.queues or not all(isinstance(q, str) and q for q in self.queues):
+            raise ConfigurationError(f"queues must be non-empty queue names, got {self.queues!r}")
+        self.handlers: TaskRegistry = TaskRegistry()
+        for name, fn in (handlers or {}).items():
+            self._check_handler(name, fn)
+            self.handlers[name] = fn
+        self.stale_after: timedelta = to_timedelta(stale_after, name="stale_after", allow_zero=False)
+        beat = self.stale_after / 4 if heartbeat is None else to_timedelta(heartbeat, name="heartbeat")
+        if beat >= self.stale_after:
+            raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
+        self.heartbeat: float | None = beat.total_seconds() or None
+        self.concurrency = positive_int(concurrency, "concurrency")
+        self.handler_timeout: float | None = (
+            None
+            if handler_timeout is None
+            else to_seconds(handler_timeout, name="handler_timeout", allow_zero=False)
+        )
+        if self.handler_timeout is not None and self.handler_timeout >= self.stale_after.total_seconds():
+            raise ConfigurationError("handler_timeout must be shorter than stale_after")
+        self._pace = _Pace()
+        #: Claimed jobs that have not started yet.
+        self._queue: deque[ClaimedJob] = deque()
+        self._threads = CallThreads("sa_outbox-handler")
+        #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
+        self._fatal: BaseException | None = None
+
+    def task(self, name: str | None = None) -> Callable[[H], H]:
+        """Decorator registering a handler on this worker."""
+
+        def register(fn: H) -> H:
+            self._check_handler(str(name or getattr(fn, "__name__", "?")), fn)
+            return self.handlers.task(name)(fn)
+
+        return register
+
+    def _check_handler(self, name: str, fn: Any) -> None:
+        if not callable(fn):
+            raise ConfigurationError(f"handler for task {name!r} is not callable: {fn!r}")
+        if is_async_callable(fn) and not self._awaits_handlers:
+            raise ConfigurationError(
+                f"handler for task {name!r} is async: Worker would never await it; run it with AsyncWorker"
+            )
+
+    # -- decisions -------------------------------------------------------------------------------------
+
+    def _claim_params(self) -> list[dict[str, Any]]:
+        return [{"queue": q} for q in self.queues]
+
+    def _rescue_params(self) -> dict[str, Any]:
+        return {"stale_after": self.stale_after, "limit": self.rescue_limit}
+
+    def _finalize_window(self) -> float:
+        return max(self.stale_after.total_seconds(), 1.0)
+
+    def _want(self, running: int, *, inline: bool) -> int:
+        """How many jobs to claim now: the free slots plus what the worker expects to start soon; nothing
+        while enough claimed jobs still wait (in the loop's own thread: until they are all done)."""
+        ahead = self._pace.ahead(self.concurrency, self.batch)
+        refill_at = 0 if inline else ahead // 2
+        if len(self._queue) > refill_at:
+            return 0
+        free = max(0, self.concurrency - running)
+        return max(0, min(self.batch, free + ahead - len(self._queue)))
+
+    def _accept(self, rows: Sequence[Any]) -> int:
+        jobs = [ClaimedJob.from_row(r) for r in rows]
+        self._held.hold((j.id, j.lease_version) for j in jobs)
+        self._queue.extend(jobs)
+        return len(jobs)
+
+    def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError:
+        """The job's handler, or the permanent failure of a task nobody handles."""
+        handler = self.handlers.get(job.task)
+        if handler is None:
+            known = ", ".join(sorted(self.handlers)) or "none"
+            return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
+        return handler
+
+    def _timed_out(self) -> RetryableError:
+        return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
+
+    def _finish(self, job: ClaimedJob, error: BaseException | None, seconds: float) -> None:
+        """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
+        self._pace.observe(seconds)
+        self._observe_handled(seconds, job.created_at)
+        outcome, fatal = self._outcome(
+            id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
+            error=error, label=f"job {job.id} ({job.task})",
+        )  # fmt: skip
+        self._done.add([outcome])
+        if fatal is not None and self._fatal is None:
+            self._fatal = fatal  # no new job starts; what is in hand is recorded, then it is raised
+
+    def _release_unstarted(self, reason: str = "released: worker stopping") -> None:
+        released = [self._release(j.id, j.lease_version, reason) for j in self._queue]
+        self._queue.clear()
+        self._done.add(released)
+
+    def _may_start(self) -> bool:
+        return not self._stop.is_set() and self._fatal is None
+
+    def _beat_pairs(self) -> list[tuple[int, int]]:
+        return self._held.pairs()
+
+    def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: set[int]) -> None:
+        for job_id, version in pairs:
+            if job_id not in renewed:
+                log.warning(
+                    "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
+                    extra={"job_id": job_id, "lease_version": version},
+                )  # fmt: skip
+
+    def _raise_fatal(self) -> None:
+        fatal, self._fatal = self._fatal, None
+        if fatal is not None:
+            raise fatal
+
+
+class _HeartbeatThread:
+    """Renews the leases of the jobs in hand every ``interval`` seconds, on its own connection."""
+
     def __init__(self, worker: Worker, interval: float) -> None:
-        self.worker = worker
         self.interval = interval
-        self.held: dict[int, int] = {}
-        self.lock = threading.Lock()
+        self.beat = worker.beat_once
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def hold(self, jobs: Sequence[ClaimedJob]) -> None:
-        with self.lock:
-            self.held.update((j.id, j.lease_version) for j in jobs)
-            if self.thread is None:
-                self.stopped.clear()
-                self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
-                self.thread.start()
-
-    def release(self, job_id: int) -> None:
-        with self.lock:
-            self.held.pop(job_id, None)
+    def start(self) -> None:
+        if self.thread is None:
+            self.stopped.clear()
+            self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
+            self.thread.start()
 
     def _run(self) -> None:
         while not self.stopped.wait(self.interval):
-            with self.lock:
-                pairs = list(self.held.items())
-            if not pairs:
-                continue
             try:
-                with self.worker._side_connection() as conn:
-                    renewed = eng.extend(conn, self.worker.spec, pairs)
-                for job_id, version in pairs:
-                    if job_id not in renewed:
-                        log.warning(
-                            "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
-                            extra={"job_id": job_id, "lease_version": version},
-                        )  # fmt: skip
-            except Exception as exc:  # a missed beat is retried next interval; never kill the handler
+                self.beat()
+            except Exception as exc:  # a missed beat is retried next interval; never kill the handlers
                 log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
 
     def stop(self) -> None:
@@ -124,29 +318,12 @@ class _Heartbeat:
             thread.join()
 
 
-class _NoHeartbeat:
-    def hold(self, jobs: Sequence[ClaimedJob]) -> None:
-        pass
+class Worker(WorkerBase):
+    """Runs jobs from a :class:`~sa_outbox.JobMixin` table with the handlers registered for their task; run as
+    many side by side as you like (processes, hosts). See the module docs for what it guarantees and
+    :class:`WorkerBase` for the options."""
 
-    def release(self, job_id: int) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-class Worker(LoopBase):
-    """Runs jobs from a :class:`~sa_outbox.JobMixin` table with the handlers registered for their task.
-
-    Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order, default
-    ``("default",)``); ``batch`` (jobs claimed per transaction, default 10); ``stale_after`` (a running job whose
-    ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0`` disables);
-    ``concurrency`` (handlers at once, threads, default 1); ``backoff`` (default ``min(300 s, 2**attempts s)``);
-    ``poll_interval``, ``listen``, ``listen_url`` as for the Dispatcher.
-    """
-
-    _owner_prefix = "worker"
-    _log = log
+    _engine_types = (Engine,)
 
     def __init__(
         self,
@@ -163,172 +340,509 @@ class Worker(LoopBase):
         owner: str | None = None,
         poll_interval: Duration = 1.0,
         listen: bool = True,
-        listen_url: str | None = None,
+        listen_url: str | URL | None = None,
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
     ) -> None:
         super().__init__(
-            engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
-            listen_url=listen_url, channels=[channel_for(model.__table__.name)],
+            engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
+            concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
+            handler_timeout=handler_timeout,
         )  # fmt: skip
-        if self.spec.kind != "jobs":
-            raise ConfigurationError(f"Worker needs a JobMixin model, got {model.__name__} (use Dispatcher)")
-        if isinstance(queues, str):
-            raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
-        self.queues = list(dict.fromkeys(queues))
-        if not self.queues or not all(isinstance(q, str) and q for q in self.queues):
-            raise ConfigurationError(f"queues must be non-empty queue names, got {self.queues!r}")
-        self.handlers: TaskRegistry = TaskRegistry(handlers or {})
-        for name, fn in self.handlers.items():
-            self._check_handler(name, fn)
-        self.stale_after = to_timedelta(stale_after, name="stale_after", allow_zero=False)
-        beat = self.stale_after / 4 if heartbeat is None else to_timedelta(heartbeat, name="heartbeat")
-        if beat >= self.stale_after:
-            raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
-        self.heartbeat: float | None = beat.total_seconds() or None
-        self.concurrency = positive_int(concurrency, "concurrency")
-        self.backoff = backoff or JOBS_BACKOFF
-        self.stop_on_unclassified = stop_on_unclassified
-        self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
-        self.handler_timeout: float | None = (
-            None
-            if handler_timeout is None
-            else to_seconds(handler_timeout, name="handler_timeout", allow_zero=False)
-        )
-        if self.handler_timeout is not None and self.handler_timeout >= self.stale_after.total_seconds():
-            raise ConfigurationError("handler_timeout must be shorter than stale_after")
-        self._pool: ThreadPoolExecutor | None = None
-        self._beat: _Heartbeat | _NoHeartbeat = (
-            _Heartbeat(self, self.heartbeat) if self.heartbeat is not None else _NoHeartbeat()
-        )
+        self.engine: Engine = engine
+        #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
+        self._inline = self.concurrency == 1 and self.handler_timeout is None
+        self._db = LoopConnection(engine, self.spec.table.name)
+        self._beat_db = LoopConnection(engine, self.spec.table.name)
+        self._waker = Waker(self.listen_url, self.channels)
+        self._running: dict[Future[Any], _Running] = {}
+        self._finished: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+        self._beat = _HeartbeatThread(self, self.heartbeat) if self.heartbeat is not None else None
 
-    def task(self, name: str | None = None) -> Callable[[H], H]:
-        """Decorator registering a handler on this worker."""
+    def _poke(self) -> None:
+        self._waker.poke()
 
-        def register(fn: H) -> H:
-            self._check_handler(str(name or getattr(fn, "__name__", "?")), fn)
-            return self.handlers.task(name)(fn)
+    # -- public ----------------------------------------------------------------------------------------
 
-        return register
-
-    #: The asyncio worker's core runs coroutine handlers on its event loop; this class never awaits one.
-    _awaits_handlers = False
-
-    def _check_handler(self, name: str, fn: Any) -> None:
-        if not callable(fn):
-            raise ConfigurationError(f"handler for task {name!r} is not callable: {fn!r}")
-        if is_async_callable(fn) and not self._awaits_handlers:
-            raise ConfigurationError(
-                f"handler for task {name!r} is async: Worker would never await it; run it with AsyncWorker"
-            )
-
-    # -- one batch -------------------------------------------------------------------------------------
-
-    def _rescue_params(self) -> dict[str, Any]:
-        return {"stale_after": self.stale_after, "limit": self.rescue_limit}
-
-    def _claim_params(self) -> list[dict[str, Any]]:
-        return [{"queue": q} for q in self.queues]
-
-    def _finalize_window(self) -> float:
-        return max(self.stale_after.total_seconds(), 1.0)
-
-    def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError:
-        """The job's handler, or the permanent failure of a task nobody handles (sync and async workers)."""
-        handler = self.handlers.get(job.task)
-        if handler is None:
-            known = ", ".join(sorted(self.handlers)) or "none"
-            return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
-        return handler
-
-    def _call(self, job: ClaimedJob) -> BaseException | object | None:
-        if self._stop.is_set():
-            return _NOT_STARTED
+    def run_once(self) -> int:
+        """One rescue step plus one claimed batch (up to ``batch`` jobs), handled and finalized; returns how
+        many jobs it claimed. Raises what a handler's SystemExit/KeyboardInterrupt (or, with
+        ``stop_on_unclassified``, an unclassified error) raised, after recording every outcome."""
+        self._begin()
         try:
-            handler = self._handler_for(job)
-            if isinstance(handler, PermanentError):
-                return handler
-            started = time.perf_counter()
-            result = handler(job)
-            if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
-                if inspect.iscoroutine(result):
-                    result.close()
-                return TypeError(
-                    f"handler for task {job.task!r} returned an awaitable; async handlers run with AsyncWorker"
-                )
-            self._observe_handled(started, job.created_at)
-            return None
-        except Exception as exc:
-            return exc
+            self._rescue(force=True)
+            claimed = self._claim(self.batch)
+            self._handle_all()
+            self._flush()
+            return claimed
         finally:
-            self._beat.release(job.id)
+            self._end()
+            self._raise_fatal()
 
-    def _step(self, *, rescue: bool) -> int:
-        jobs = [ClaimedJob.from_row(r) for r in self._claim_rows(rescue=rescue)]
-        if not jobs:
-            return 0
-        self._beat.hold(jobs)
-        outcomes, fatal = self._outcomes(jobs, self._handle(jobs))
-        if fatal is not None:
-            self._finalize(outcomes)
-            raise fatal
-        self._settle(outcomes)
-        return len(jobs)
-
-    def _handle(self, jobs: Sequence[ClaimedJob]) -> list[object]:
-        """Run the jobs' (sync) handlers, at most ``concurrency`` at a time, each bounded by handler_timeout;
-        one result per job, in order (also the async worker's step for sync handlers, in a thread)."""
-        if self.handler_timeout is None and (self.concurrency == 1 or len(jobs) == 1):
-            return [self._call(j) for j in jobs]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sa_outbox-handler")
-        futures = [self._pool.submit(self._call, j) for j in jobs]
-        results: list[object] = []
-        for job, future in zip(jobs, futures, strict=True):
+    def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        max_batches: int | None = None,
+        until_idle: bool = False,
+        startup_timeout: Duration | None = None,
+    ) -> None:
+        """Loop until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until nothing is left to claim
+        or run; with ``max_batches``, after that many claims). Expired leases are rescued at most once a
+        second. Database connection faults are logged and retried with capped exponential backoff; the loop
+        never spins hot on an empty queue or a dead server. ``startup_timeout``: a database never reached
+        within this long after start raises :class:`~sa_outbox.ConfigurationError` naming the last error."""
+        restore = self._install_signals() if install_signal_handlers else None
+        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        batches = 0
+        self._begin()
+        self._lifecycle("started")
+        try:
+            while not self._stop.is_set() and self._fatal is None:
+                try:
+                    claimed, wanted = self._turn()
+                    policy.succeeded()
+                except Exception as exc:
+                    delay = policy.failed(exc)
+                    self.stats.db_errors += 1
+                    self._waker.wait(delay)
+                    continue
+                if wanted:
+                    batches += 1
+                    if max_batches is not None and batches >= max_batches:
+                        break
+                idle = not claimed and not self._queue and not self._running
+                if until_idle and idle and wanted:
+                    break
+                self._wait(claimed, wanted)
+        finally:
             try:
-                results.append(future.result(timeout=self.handler_timeout))
-            except FutureTimeout:
-                # The thread cannot be killed: it is abandoned (the job may still finish there), the job is
-                # retried like any transient failure — handlers must be idempotent anyway.
-                self._beat.release(job.id)
-                results.append(self._timed_out())
-        return results
+                self._end()
+            finally:
+                if restore:
+                    restore()
+                self._lifecycle("stopped")
+        self._raise_fatal()
 
-    def _timed_out(self) -> RetryableError:
-        return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
-
-    def _outcomes(
-        self, jobs: Sequence[ClaimedJob], results: Sequence[object]
-    ) -> tuple[list[eng.Outcome], BaseException | None]:
-        """Classify handler results (shared by the sync and the async worker)."""
-        outcomes: list[eng.Outcome] = []
-        fatal: BaseException | None = None
-        for job, result in zip(jobs, results, strict=True):
-            if result is _NOT_STARTED:
-                outcomes.append(
-                    eng.release(self.spec, job.id, job.lease_version, "released: worker stopping")
-                )
-                continue
-            outcome, stop = self._outcome(
-                id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
-                error=result if isinstance(result, BaseException) else None, backoff=self.backoff,
-                label=f"job {job.id} ({job.task})", stop_on_unclassified=self.stop_on_unclassified,
-            )  # fmt: skip
-            outcomes.append(outcome)
-            fatal = fatal or stop
-        return outcomes, fatal
-
-    def run(self, **kwargs: Any) -> None:
-        """See :meth:`LoopBase.run`; also stops the heartbeat thread and the handler pool at the end."""
-        try:
-            super().run(**kwargs)
-        finally:
-            self._beat.stop()
+    def beat_once(self) -> None:
+        """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
+        pairs = self._beat_pairs()
+        if pairs:
+            self._beat_result(pairs, self._beat_db.run(lambda c: self._extend_on(c, pairs)))
 
     def close(self) -> None:
-        super().close()
-        self._beat.stop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Release the loop's connections and threads (run()/run_once() reopen what they need)."""
+        self._waker.close()
+        self._db.drop()
+        self._beat_db.drop()
+        self._threads.close()
+
+    # -- one turn --------------------------------------------------------------------------------------
+
+    def _turn(self) -> tuple[int, int]:
+        """Collect finished handlers, claim (writing their outcomes) or write outcomes that are due, rescue
+        when due, start jobs. Returns (jobs claimed, jobs asked for)."""
+        self._collect()
+        wanted = self._want(len(self._running), inline=self._inline) if self._may_start() else 0
+        claimed = self._claim(wanted) if wanted else 0
+        if not wanted and self._done.due(time.monotonic()):
+            self._flush()
+        self._rescue()
+        if self._inline:
+            while self._queue and self._may_start():
+                job = self._queue.popleft()
+                self._run_inline(job)
+        else:
+            self._start_jobs()
+        return claimed, wanted
+
+    def _wait(self, claimed: int, wanted: int) -> None:
+        if claimed:
+            return  # more may be waiting: claim again at once (writing these outcomes on the way)
+        idle = not self._queue and not self._running
+        if idle and len(self._done):
+            self._flush()
+        timeout = self._next_deadline(poll=not self._queue and len(self._running) < self.concurrency)
+        deadlines = [r.deadline for r in self._running.values() if r.deadline is not None]
+        if deadlines:
+            timeout = min(timeout, max(0.0, min(deadlines) - time.monotonic()))
+        if self._waker.wait(timeout) == "notify":
+            self.stats.wakeups += 1
+
+    def _claim(self, want: int) -> int:
+        outcomes = self._done.take()
+        try:
+            applied, rows = self._db.run(lambda c: self._claim_on(c, want, outcomes))
+        except BaseException:
+            self._done.add(outcomes)  # written with the next statement (the fence makes that safe)
+            raise
+        self._report(outcomes, applied)
+        return self._accept(rows)
+
+    def _flush(self) -> None:
+        outcomes = self._done.take()
+        if not outcomes:
+            return
+        applied: set[int] = set()
+        try:
+            for attempt in Retrying(**self._statement_retry(self._finalize_window())):
+                with attempt:
+                    applied = self._db.run(lambda c: self._finalize_on(c, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+
+    def _rescue(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self._rescuer.due(now):
+            self._rescuer.ran(now)
+            self._db.run(self._rescue_on)
+
+    def _run_inline(self, job: ClaimedJob) -> None:
+        handler = self._handler_for(job)
+        if isinstance(handler, PermanentError):
+            self._finish(job, handler, 0.0)
+            return
+        error, seconds = _invoke(handler, job)
+        self._finish(job, error, seconds)
+
+    def _start_jobs(self) -> None:
+        while self._queue and len(self._running) < self.concurrency and self._may_start():
+            job = self._queue.popleft()
+            handler = self._handler_for(job)
+            if isinstance(handler, PermanentError):
+                self._finish(job, handler, 0.0)
+                continue
+            now = time.monotonic()
+            future = self._threads.submit(_invoke, handler, job)
+            deadline = None if self.handler_timeout is None else now + self.handler_timeout
+            self._running[future] = _Running(job, now, deadline)
+            future.add_done_callback(self._on_done)
+
+    def _on_done(self, future: Future[Any]) -> None:  # runs in the handler's thread
+        self._finished.put(future)
+        self._waker.poke()
+
+    def _collect(self) -> None:
+        """Results of handlers that finished, and handlers that overran their timeout."""
+        while True:
+            try:
+                future = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            running = self._running.pop(future, None)
+            if running is None:
+                continue  # abandoned after its timeout: its late result no longer counts
+            error, seconds = future.result()
+            self._finish(running.job, error, seconds)
+        now = time.monotonic()
+        for future, running in list(self._running.items()):
+            if running.deadline is not None and now >= running.deadline:
+                del self._running[future]
+                self._threads.abandon(future)
+                self.stats.timed_out += 1
+                self._finish(running.job, self._timed_out(), now - running.started)
+
+    def _handle_all(self) -> None:
+        """run_once: handle every claimed job (at most ``concurrency`` at once), then return."""
+        while self._queue or self._running:
+            if not self._may_start():
+                self._release_unstarted()
+            if self._inline:
+                while self._queue and self._may_start():
+                    self._run_inline(self._queue.popleft())
+            else:
+                self._start_jobs()
+            if self._running:
+                self._wait_running()
+            self._collect()
+
+    def _wait_running(self) -> None:
+        deadlines = [r.deadline for r in self._running.values() if r.deadline is not None]
+        timeout = 1.0 if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+        self._waker.wait(min(timeout, 1.0), listen=False)
+
+    # -- start and end ---------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        if self._beat is not None:
+            self._beat.start()
+
+    def _end(self) -> None:
+        """Release unstarted jobs, let running handlers finish, write every outcome, stop the helpers."""
+        try:
+            self._release_unstarted()
+            while self._running:
+                self._wait_running()
+                self._collect()
+            self._flush()
+        except Exception:
+            log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
+        finally:
+            if self._beat is not None:
+                self._beat.stop()
+            self._waker.close()
+            self._db.drop()
+            self._beat_db.drop()
+
+
+class AsyncWorker(WorkerBase):
+    """The :class:`Worker` under asyncio, with the same options and guarantees: ``async def`` handlers are
+    awaited (at most ``concurrency`` at once, cancelled on ``handler_timeout``); sync handlers run on threads
+    of their own, never on the event loop."""
+
+    _engine_types = (AsyncEngine,)
+    _awaits_handlers = True
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: type[Any],
+        handlers: Mapping[str, Handler] | None = None,
+        *,
+        queues: Iterable[str] = ("default",),
+        batch: int = 10,
+        stale_after: Duration = 60.0,
+        heartbeat: Duration | None = None,
+        concurrency: int = 1,
+        backoff: Backoff | None = None,
+        owner: str | None = None,
+        poll_interval: Duration = 1.0,
+        listen: bool = True,
+        listen_url: str | URL | None = None,
+        stop_on_unclassified: bool = False,
+        rescue_limit: int = 1000,
+        handler_timeout: Duration | None = None,
+    ) -> None:
+        super().__init__(
+            engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
+            concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
+            listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
+            handler_timeout=handler_timeout,
+        )  # fmt: skip
+        self.engine: AsyncEngine = engine
+        self._db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._waker = AsyncWaker(self.listen_url, self.channels)
+        self._running: dict[asyncio.Task[tuple[BaseException | None, float]], _Running] = {}
+        self._beat_task: asyncio.Task[None] | None = None
+
+    def _poke(self) -> None:
+        self._waker.poke()
+
+    # -- public ----------------------------------------------------------------------------------------
+
+    async def run_once(self) -> int:
+        """One rescue step plus one claimed batch, handled and finalized (see :meth:`Worker.run_once`)."""
+        self._begin()
+        try:
+            await self._rescue(force=True)
+            claimed = await self._claim(self.batch)
+            await self._handle_all()
+            await self._flush()
+            return claimed
+        finally:
+            await self._end()
+            self._raise_fatal()
+
+    async def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        max_batches: int | None = None,
+        until_idle: bool = False,
+        startup_timeout: Duration | None = None,
+    ) -> None:
+        """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
+        ``max_batches`` — the same contract as :meth:`Worker.run`."""
+        restore = install_async_signals(self.stop) if install_signal_handlers else None
+        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        batches = 0
+        self._begin()
+        self._lifecycle("started")
+        try:
+            while not self._stop.is_set() and self._fatal is None:
+                try:
+                    claimed, wanted = await self._turn()
+                    policy.succeeded()
+                except Exception as exc:
+                    delay = policy.failed(exc)
+                    self.stats.db_errors += 1
+                    await self._waker.wait(delay)
+                    continue
+                if wanted:
+                    batches += 1
+                    if max_batches is not None and batches >= max_batches:
+                        break
+                idle = not claimed and not self._queue and not self._running
+                if until_idle and idle and wanted:
+                    break
+                await self._wait(claimed, wanted)
+        finally:
+            try:
+                await self._end()
+            finally:
+                if restore:
+                    restore()
+                self._lifecycle("stopped")
+        self._raise_fatal()
+
+    async def beat_once(self) -> None:
+        """Renew the leases of the jobs in hand now (the heartbeat task calls this every ``heartbeat``)."""
+        pairs = self._beat_pairs()
+        if pairs:
+            self._beat_result(pairs, await self._beat_db.run(lambda c: self._extend_on(c, pairs)))
+
+    async def close(self) -> None:
+        """Release the loop's connections and threads."""
+        await self._waker.close()
+        await self._db.drop()
+        await self._beat_db.drop()
+        self._threads.close()
+
+    # -- one turn --------------------------------------------------------------------------------------
+
+    async def _turn(self) -> tuple[int, int]:
+        self._collect()
+        wanted = self._want(len(self._running), inline=False) if self._may_start() else 0
+        claimed = await self._claim(wanted) if wanted else 0
+        if not wanted and self._done.due(time.monotonic()):
+            await self._flush()
+        await self._rescue()
+        self._start_jobs()
+        return claimed, wanted
+
+    async def _wait(self, claimed: int, wanted: int) -> None:
+        if claimed:
+            return  # more may be waiting: claim again at once (writing these outcomes on the way)
+        idle = not self._queue and not self._running
+        if idle and len(self._done):
+            await self._flush()
+        poll = not self._queue and len(self._running) < self.concurrency
+        if await self._waker.wait(self._next_deadline(poll=poll)) == "notify":
+            self.stats.wakeups += 1
+
+    async def _claim(self, want: int) -> int:
+        outcomes = self._done.take()
+        try:
+            applied, rows = await self._db.run(lambda c: self._claim_on(c, want, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+        return self._accept(rows)
+
+    async def _flush(self) -> None:
+        outcomes = self._done.take()
+        if not outcomes:
+            return
+        applied: set[int] = set()
+        try:
+            async for attempt in AsyncRetrying(**self._statement_retry(self._finalize_window())):
+                with attempt:
+                    applied = await self._db.run(lambda c: self._finalize_on(c, outcomes))
+        except BaseException:
+            self._done.add(outcomes)
+            raise
+        self._report(outcomes, applied)
+
+    async def _rescue(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self._rescuer.due(now):
+            self._rescuer.ran(now)
+            await self._db.run(self._rescue_on)
+
+    def _start_jobs(self) -> None:
+        while self._queue and len(self._running) < self.concurrency and self._may_start():
+            job = self._queue.popleft()
+            handler = self._handler_for(job)
+            if isinstance(handler, PermanentError):
+                self._finish(job, handler, 0.0)
+                continue
+            task = asyncio.ensure_future(self._execute(handler, job))
+            self._running[task] = _Running(job, time.monotonic(), None)
+            task.add_done_callback(lambda _: self._waker.poke())
+
+    async def _execute(self, handler: Handler, job: ClaimedJob) -> tuple[BaseException | None, float]:
+        """Run one handler — awaited, or on a thread of its own — bounded by handler_timeout; its error as
+        a value (SystemExit/KeyboardInterrupt included, so they cannot tear through the event loop)."""
+        started = time.perf_counter()
+        future: Future[Any] | None = None
+        timer = asyncio.timeout(self.handler_timeout)
+        error: BaseException | None = None
+        try:
+            async with timer:
+                if is_async_callable(handler):
+                    await handler(job)
+                else:
+                    future = self._threads.submit(_invoke, handler, job)
+                    error, _ = await asyncio.wrap_future(future)
+        except TimeoutError as exc:
+            if timer.expired():
+                if future is not None:
+                    self._threads.abandon(future)
+                self.stats.timed_out += 1
+                error = self._timed_out()
+            else:
+                error = exc
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            error = exc
+        return error, time.perf_counter() - started
+
+    def _collect(self) -> None:
+        for task in [t for t in self._running if t.done()]:
+            running = self._running.pop(task)
+            if task.cancelled():
+                self._done.add(
+                    [self._release(running.job.id, running.job.lease_version, "released: cancelled")]
+                )
+                continue
+            error, seconds = task.result()
+            self._finish(running.job, error, seconds)
+
+    async def _handle_all(self) -> None:
+        while self._queue or self._running:
+            if not self._may_start():
+                self._release_unstarted()
+            self._start_jobs()
+            if self._running:
+                await asyncio.wait(list(self._running), return_when=asyncio.FIRST_COMPLETED)
+            self._collect()
+
+    # -- start and end ---------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
+            self._beat_task = asyncio.ensure_future(self._heartbeat(self.heartbeat))
+
+    async def _heartbeat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.beat_once()
+            except Exception as exc:  # a missed beat is retried next interval
+                log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
+
+    async def _end(self) -> None:
+        try:
+            self._release_unstarted()
+            if self._running:
+                await asyncio.wait(list(self._running))
+            self._collect()
+            await self._flush()
+        except Exception:
+            log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
+        finally:
+            beat, self._beat_task = self._beat_task, None
+            if beat is not None:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+            await self._waker.close()
+            await self._db.drop()
+            await self._beat_db.drop()

@@ -13,6 +13,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic import command
@@ -121,3 +122,13 @@ def async_url(db_url: URL) -> URL:
 def count_rows(engine: Engine, table: str, where: str = "true") -> int:
     with engine.connect() as conn:
         return int(conn.execute(text(f"SELECT count(*) FROM {table} WHERE {where}")).scalar_one())
+
+
+@pytest.fixture(params=["sync", "async"])
+def runner(request: pytest.FixtureRequest, engine: Engine, async_url: URL) -> Iterator[Any]:
+    """A Dispatcher/Worker builder of each flavour (sync and asyncio), closed after the test."""
+    from .factories import Runner
+
+    r = Runner(request.param, engine, async_url)
+    yield r
+    r.close()

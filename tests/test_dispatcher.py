@@ -23,9 +23,8 @@ from sa_outbox import (
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
+from .factories import FAST
 from .helpers import claim, ids_with_status, mark_done, row, seed_events, statuses
-
-FAST = Backoff(0.001, 0.001, jitter=False)
 
 
 def dispatcher(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:

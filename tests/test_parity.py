@@ -5,107 +5,30 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from sa_outbox import (
     AsyncDispatcher,
     AsyncWorker,
-    Backoff,
     ClaimedJob,
     ConfigurationError,
     Defer,
-    Dispatcher,
     Message,
     PermanentError,
     RetryableError,
-    Worker,
     enqueue,
 )
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
+from .factories import FAST, Runner
 from .helpers import claim_jobs, row, seed_events, seed_jobs, statuses
-
-FAST = Backoff(0.001, 0.001, jitter=False)
-
-
-class Runner:
-    """Builds a Dispatcher/Worker of the requested flavour and drives it synchronously for the test."""
-
-    def __init__(self, kind: str, engine: Engine, async_url: URL) -> None:
-        self.kind = kind
-        self.engine = engine
-        self.loop = asyncio.new_event_loop() if kind == "async" else None
-        self.aengine = create_async_engine(async_url) if kind == "async" else None
-        self.loops: list[Any] = []
-
-    def dispatcher(self, publisher: Any, **kw: Any) -> Any:
-        kw.setdefault("listen", False)
-        kw.setdefault("backoff", FAST)
-        d = (
-            AsyncDispatcher(self.aengine, OutboxEvent, publisher, **kw)
-            if self.aengine
-            else Dispatcher(self.engine, OutboxEvent, publisher, **kw)
-        )
-        self.loops.append(d)
-        return d
-
-    def worker(self, handlers: dict[str, Any], **kw: Any) -> Any:
-        kw.setdefault("listen", False)
-        w = (
-            AsyncWorker(self.aengine, Job, handlers, **kw)
-            if self.aengine
-            else Worker(self.engine, Job, handlers, **kw)
-        )
-        self.loops.append(w)
-        return w
-
-    def run_once(self, lp: Any) -> int:
-        if self.loop is not None:
-            return int(self.loop.run_until_complete(lp.run_once()))
-        return int(lp.run_once())
-
-    def drain(self, lp: Any) -> int:
-        total = 0
-        for _ in range(1000):
-            n = self.run_once(lp)
-            if not n:
-                return total
-            total += n
-        raise AssertionError("did not drain")
-
-    def run_in_thread(self, lp: Any) -> threading.Thread:
-        if self.loop is not None:
-            loop = self.loop
-            target: Any = lambda: loop.run_until_complete(lp.run(install_signal_handlers=False))  # noqa: E731
-        else:
-            target = lambda: lp.run(install_signal_handlers=False)  # noqa: E731
-        t = threading.Thread(target=target)
-        t.start()
-        return t
-
-    def close(self) -> None:
-        if self.loop is not None:
-            for lp in self.loops:
-                self.loop.run_until_complete(lp.close())
-            assert self.aengine is not None
-            self.loop.run_until_complete(self.aengine.dispose())
-            self.loop.close()
-
-
-@pytest.fixture(params=["sync", "async"])
-def runner(request: pytest.FixtureRequest, engine: Engine, async_url: URL) -> Iterator[Runner]:
-    r = Runner(request.param, engine, async_url)
-    yield r
-    r.close()
 
 
 def test_dispatch_each_message_once_and_done(runner: Runner, engine: Engine) -> None:

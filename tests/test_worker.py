@@ -12,7 +12,6 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from sa_outbox import (
-    Backoff,
     ClaimedJob,
     ConfigurationError,
     Defer,
@@ -27,9 +26,8 @@ from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import drain
 
+from .factories import FAST
 from .helpers import JOBS, claim_jobs, row, seed_jobs, statuses
-
-FAST = Backoff(0.001, 0.001, jitter=False)
 
 
 def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:

@@ -1,0 +1,405 @@
+"""What every loop shares, with no loop of its own: options, owner names, the database steps of one turn
+(claim with the previous outcomes, finalize, rescue, heartbeat) as plain functions on a ``Connection``,
+classification of results into outcomes, counters and log lines, the run policy (start-up timeout, outages)
+and stopping.
+
+``Dispatcher``/``AsyncDispatcher`` and ``Worker``/``AsyncWorker`` each own a complete, typed loop on top of it
+(httpx's ``BaseClient``/``Client``/``AsyncClient`` pattern): the sync classes wait on threads and a self-pipe,
+the async ones on the event loop, and both run the same steps (the async ones through
+``AsyncConnection.run_sync``) and take the same decisions from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from types import FrameType
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection
+from sqlalchemy.engine import URL
+from tenacity import retry_if_exception, stop_after_delay
+
+from . import _steps
+from ._backoff import DATABASE_OUTAGE, STATEMENT_RETRY, Backoff
+from ._dbfaults import is_connection_error
+from ._durations import Duration, to_seconds
+from ._names import channel_for
+from ._services import Completer, Held, Rescuer
+from ._sql import QueueSpec, spec_for
+from ._steps import Outcome
+from .errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
+
+__all__ = ["LoopBase", "LoopStats", "RunPolicy", "install_async_signals", "is_async_callable", "positive_int"]
+
+
+def default_owner(prefix: str) -> str:
+    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def is_async_callable(fn: Any) -> bool:
+    """``async def`` functions and objects whose ``__call__`` is one: what only the async loops can await."""
+    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass
+class LoopStats:
+    """Counters of one loop since it was created (read them from tests, logs or a metrics exporter)."""
+
+    batches: int = 0
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    deferred: int = 0
+    dead: int = 0
+    released: int = 0
+    lost_leases: int = 0
+    rescued: int = 0
+    unclassified: int = 0
+    timed_out: int = 0
+    unavailable: int = 0
+    db_errors: int = 0
+    wakeups: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class RunPolicy:
+    """How ``run()`` treats database faults, the same in every loop: connection faults are ridden out with
+    capped exponential backoff and jitter (never a hot loop); a database never reached within
+    ``startup_timeout`` of the start is a :class:`ConfigurationError` naming the last error."""
+
+    def __init__(self, log: logging.Logger, owner: str, startup_timeout: Duration | None) -> None:
+        self.log = log
+        self.owner = owner
+        self.limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
+        self.started = time.monotonic()
+        self.reached = False
+        self.failures = 0
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.reached = True
+
+    def failed(self, exc: BaseException) -> float:
+        """The delay before the next try after ``exc``; re-raises what is not an outage."""
+        if not is_connection_error(exc):
+            raise exc
+        self.failures += 1
+        if not self.reached and self.limit is not None and time.monotonic() - self.started > self.limit:
+            raise ConfigurationError(
+                f"database unreachable for {self.limit:g}s since start ({type(exc).__name__}: "
+                f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
+            ) from exc
+        delay = DATABASE_OUTAGE.delay(self.failures)
+        self.log.warning(
+            "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,
+            extra={"owner": self.owner, "failures": self.failures},
+        )  # fmt: skip
+        return delay
+
+
+class LoopBase:
+    """Options and shared steps of a Dispatcher/Worker of either flavour (see the module docs)."""
+
+    _log: ClassVar[logging.Logger]
+    _owner_prefix: ClassVar[str] = "loop"
+    _kind: ClassVar[str] = "outbox"
+    #: The engine classes a flavour accepts (``Engine`` or ``AsyncEngine``).
+    _engine_types: ClassVar[tuple[type[Any], ...]] = ()
+    #: Longest an outcome waits before it is written on its own (when no claim takes it along).
+    _flush_after: ClassVar[float] = 0.05
+
+    def __init__(
+        self,
+        engine: Any,
+        model: type[Any],
+        *,
+        owner: str | None,
+        batch: int,
+        poll_interval: Duration,
+        listen: bool,
+        listen_url: str | URL | None,
+        stop_on_unclassified: bool,
+        rescue_limit: int,
+        backoff: Backoff,
+    ) -> None:
+        if not isinstance(engine, self._engine_types):
+            wanted = " or ".join(t.__name__ for t in self._engine_types)
+            hint = " (use the Async class for an AsyncEngine)" if "Async" in type(engine).__name__ else ""
+            raise ConfigurationError(
+                f"{type(self).__name__} needs a sqlalchemy {wanted}, got {type(engine).__name__}{hint}"
+            )
+        self.engine = engine
+        self.model = model
+        self.spec: QueueSpec = spec_for(model)
+        if self.spec.kind != self._kind:
+            other = "Worker" if self._kind == "outbox" else "Dispatcher"
+            mixin = "an OutboxMixin" if self._kind == "outbox" else "a JobMixin"
+            raise ConfigurationError(
+                f"{type(self).__name__} needs {mixin} model, got {model.__name__} (use {other})"
+            )
+        self.owner = owner or default_owner(self._owner_prefix)
+        self.batch = positive_int(batch, "batch")
+        self.poll_interval = to_seconds(poll_interval, name="poll_interval", allow_zero=False)
+        self.listen = bool(listen)
+        self.listen_url: str | URL | None = (listen_url or engine.url) if listen else None
+        self.channels = [channel_for(self.spec.table.name)]
+        self.stop_on_unclassified = bool(stop_on_unclassified)
+        self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
+        self.backoff = backoff
+        self.stats = LoopStats()
+        #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
+        self.observer: Callable[[str, float], None] | None = None
+        self._stop = threading.Event()
+        self._rescuer = Rescuer()
+        self._held = Held()
+        self._done = Completer(flush_after=self._flush_after, limit=self.batch)
+
+    # -- stopping ----------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to finish: no new claims; what is in hand is finished and finalized, unstarted rows
+        are released (back to ready, attempt refunded). Safe from any thread and from signal handlers."""
+        self._stop.set()
+        self._poke()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _poke(self) -> None:
+        """Wake the loop's waiter (each flavour has its own)."""
+        raise NotImplementedError
+
+    def _install_signals(self) -> Callable[[], None] | None:
+        """SIGTERM/SIGINT call :meth:`stop` (sync loops in the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self._log.info("signal %s: finishing what is in hand, then stopping", signum)
+            self.stop()
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
+
+    def _lifecycle(self, what: str) -> None:
+        if what == "started":
+            self._log.info(
+                "started",
+                extra={"owner": self.owner, "table": self.spec.table.name, "flavour": self._flavour()},
+            )
+        else:
+            self._log.info("stopped", extra={"owner": self.owner, **self.stats.as_dict()})
+
+    def _flavour(self) -> str:
+        return "async" if "Async" in type(self).__name__ else "sync"
+
+    # -- the steps of one turn, on a Connection -----------------------------------------------------------
+
+    def _claim_params(self) -> list[dict[str, Any]]:
+        """Keyword arguments of one claim call each (the worker makes one per queue)."""
+        raise NotImplementedError
+
+    def _rescue_params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _claim_on(
+        self, conn: Connection, want: int, outcomes: Sequence[Outcome]
+    ) -> tuple[set[int], list[Any]]:
+        """Claim up to ``want`` rows, writing ``outcomes`` in the same statement (one round trip); returns
+        (ids whose outcome was applied, claimed rows by id)."""
+        started = time.perf_counter()
+        applied: set[int] = set()
+        rows: list[Any] = []
+        pending = list(outcomes)
+        for params in self._claim_params():
+            left = want - len(rows)
+            if left <= 0:
+                break
+            fixed = left == self.batch
+            if pending:
+                done, got = _steps.finalize_and_claim(
+                    conn, self.spec, pending, owner=self.owner, batch=left, fixed_batch=fixed, **params
+                )
+                applied |= done
+                pending = []
+            else:
+                got = _steps.claim(conn, self.spec, owner=self.owner, batch=left, fixed_batch=fixed, **params)
+            rows += got
+        if pending:  # no claim call at all: write the outcomes on their own
+            applied |= _steps.finalize(conn, self.spec, pending)
+        if rows:
+            self.stats.batches += 1
+            self.stats.claimed += len(rows)
+        if self.observer is not None:
+            self.observer("claim", time.perf_counter() - started)
+        return applied, rows
+
+    def _finalize_on(self, conn: Connection, outcomes: Sequence[Outcome]) -> set[int]:
+        return _steps.finalize(conn, self.spec, outcomes)
+
+    def _rescue_on(self, conn: Connection) -> None:
+        """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages)."""
+        rows = _steps.rescue(conn, self.spec, **self._rescue_params())
+        self.stats.rescued += len(rows)
+        self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
+
+    def _extend_on(self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any) -> set[int]:
+        return _steps.extend(conn, self.spec, pairs, **params)
+
+    def _statement_retry(self, window: float) -> dict[str, Any]:
+        """tenacity keyword arguments for retrying one statement through connection faults for ``window``
+        seconds (the sync ``Retrying`` and the async ``AsyncRetrying`` take the same)."""
+        return dict(
+            retry=retry_if_exception(is_connection_error),
+            wait=lambda state: STATEMENT_RETRY.delay(state.attempt_number),
+            stop=stop_after_delay(window),
+            reraise=True,
+            before_sleep=lambda state: self._log.warning(
+                "database error, retrying: %s", state.outcome.exception() if state.outcome else "?",
+                extra={"attempt": state.attempt_number},
+            ),
+        )  # fmt: skip
+
+    def _finalize_window(self) -> float:
+        """How long a finalize is worth retrying: after that the fence would refuse it anyway."""
+        raise NotImplementedError
+
+    # -- results -> outcomes -> counters and log lines --------------------------------------------------
+
+    def _outcome(
+        self, *, id: int, lease_version: int, attempts: int, max_attempts: int, error: BaseException | None,
+        label: str,
+    ) -> tuple[Outcome, BaseException | None]:  # fmt: skip
+        """Classify one result; an unclassified exception is logged with its traceback and counted. Returns the
+        outcome and, when the loop must stop on it, the exception (``stop_on_unclassified``, or a
+        SystemExit/KeyboardInterrupt raised by the callable — what finished before it is still recorded)."""
+        fatal: BaseException | None = None
+        if error is not None and not isinstance(error, RetryableError | PermanentError | Defer):
+            if isinstance(error, Exception):
+                self.stats.unclassified += 1
+                self._log.error(
+                    "%s raised an unclassified exception (treated as retryable)", label, exc_info=error,
+                    extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
+                )  # fmt: skip
+                fatal = error if self.stop_on_unclassified else None
+            else:
+                self._log.error(
+                    "%s raised %s: recording what finished, then leaving", label, type(error).__name__,
+                    extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
+                )  # fmt: skip
+                fatal = error
+        outcome = _steps.decide(
+            self.spec, id=id, lease_version=lease_version, attempts=attempts, max_attempts=max_attempts,
+            error=error, backoff=self.backoff,
+        )  # fmt: skip
+        if isinstance(error, DestinationUnavailable) and outcome.status != self.spec.dead:
+            outcome = _steps.unavailable(self.spec, id, lease_version, error)
+        return outcome, fatal
+
+    def _release(self, id: int, lease_version: int, reason: str) -> Outcome:
+        return _steps.release(self.spec, id, lease_version, reason)
+
+    def _report(self, outcomes: Sequence[Outcome], applied: set[int]) -> None:
+        """Count and log each outcome (one line per state change); unapplied ones are lost leases. Their rows
+        are no longer held either way."""
+        self._held.drop(o.id for o in outcomes)
+        debug = self._log.isEnabledFor(logging.DEBUG)
+        kind = self.spec.kind
+        for o in outcomes:
+            if o.kind == "done" and o.id in applied:
+                self.stats.done += 1
+                if debug:
+                    self._log.debug(
+                        "%s %s done", kind, o.id, extra={"row_id": o.id, "lease_version": o.lease_version}
+                    )
+                continue
+            extra = {"table": self.spec.table.name, "row_id": o.id, "lease_version": o.lease_version,
+                     "status": o.status, "outcome": o.kind}  # fmt: skip
+            if o.id not in applied:
+                self.stats.lost_leases += 1
+                self._log.warning(
+                    "lost lease: %s %s version %s was rescued or re-claimed; its %s was not recorded",
+                    kind, o.id, o.lease_version, o.kind, extra=extra,
+                )  # fmt: skip
+            elif o.kind == "retry":
+                self.stats.retried += 1
+                self._log.info(
+                    "%s %s -> %s, retry in %.2fs: %s", kind, o.id, o.status, o.delay, o.error, extra=extra
+                )
+            elif o.kind == "defer":
+                self.stats.deferred += 1
+                self._log.info("%s %s deferred %.2fs: %s", kind, o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "unavailable":
+                self.stats.unavailable += 1
+                self._log.info(
+                    "%s %s released, destination unavailable: %s", kind, o.id, o.error, extra=extra
+                )
+            elif o.kind == "dead":
+                self.stats.dead += 1
+                self._log.error("%s %s -> %s: %s", kind, o.id, o.status, o.error, extra=extra)
+            else:
+                self.stats.released += 1
+                self._log.info("%s %s released: %s", kind, o.id, o.error, extra=extra)
+
+    def _observe_handled(self, seconds: float, created_at: Any) -> None:
+        """Publish/handler latency (successful or not) and end-to-end age, for the metrics exporter."""
+        if self.observer is not None:
+            self.observer("handle", seconds)
+            self.observer("age", max(0.0, time.time() - created_at.timestamp()))
+
+    # -- when the loop wakes up next -------------------------------------------------------------------------
+
+    def _next_deadline(self, *, poll: bool) -> float:
+        """Seconds the loop may wait: until outcomes must be written, the next rescue, or — when it would
+        claim if work appeared (``poll``) — the next poll (NOTIFY usually comes first)."""
+        now = time.monotonic()
+        limits = [self._rescuer.next_due()]
+        flush = self._done.next_due()
+        if flush is not None:
+            limits.append(flush)
+        if poll:
+            limits.append(now + self.poll_interval)
+        return max(0.0, min(limits) - now)
+
+
+def install_async_signals(stop: Callable[[], None]) -> Callable[[], None] | None:
+    """SIGTERM/SIGINT call ``stop`` from the running event loop (where the platform allows it)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for s in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(s, stop)
+            installed.append(s)
+
+    def restore() -> None:
+        for s in installed:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(s)
+
+    return restore if installed else None

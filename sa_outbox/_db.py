@@ -1,0 +1,102 @@
+"""A loop's own database connection: autocommit, kept between statements, dropped after a fault.
+
+Each engine step (rescue, claim, finalize, heartbeat) is one statement, atomic by itself and committed as it
+runs — one round trip, no BEGIN/COMMIT. The connection is kept open between batches (no pool checkout per
+step) and reopened on the next use after a fault. A missing table surfaces as :class:`SchemaError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .errors import SchemaError
+
+__all__ = ["AsyncLoopConnection", "LoopConnection"]
+
+T = TypeVar("T")
+
+
+def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
+    if "does not exist" in str(exc.orig):
+        return SchemaError(
+            f"table {table!r} is missing or incomplete ({exc.orig}); run the migration (alembic upgrade head) first"
+        )
+    return None
+
+
+class LoopConnection:
+    """One autocommit connection used by one thread."""
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self.engine = engine
+        self.table = table
+        self._conn: Connection | None = None
+
+    @contextmanager
+    def use(self) -> Iterator[Connection]:
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            self._conn = conn
+        try:
+            yield conn
+        except ProgrammingError as exc:
+            self.drop()
+            missing = _schema_error(exc, self.table)
+            if missing is not None:
+                raise missing from exc
+            raise
+        except BaseException:
+            self.drop()
+            raise
+
+    def run(self, fn: Callable[[Connection], T]) -> T:
+        with self.use() as conn:
+            return fn(conn)
+
+    def drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+class AsyncLoopConnection:
+    """The same for an asyncio loop: steps are plain functions on a sync ``Connection``, run through
+    ``AsyncConnection.run_sync`` (statements still go straight to psycopg's async driver)."""
+
+    def __init__(self, engine: AsyncEngine, table: str) -> None:
+        self.engine = engine
+        self.table = table
+        self._conn: AsyncConnection | None = None
+
+    async def run(self, fn: Callable[[Connection], T]) -> T:
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = await self.engine.connect()
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            self._conn = conn
+        try:
+            return await conn.run_sync(fn)
+        except ProgrammingError as exc:
+            await self.drop()
+            missing = _schema_error(exc, self.table)
+            if missing is not None:
+                raise missing from exc
+            raise
+        except BaseException:
+            await self.drop()
+            raise
+
+    async def drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.close()

@@ -1,0 +1,153 @@
+"""Small services the loops compose, each with one job and no I/O of its own (after River's ``jobcompleter``
+and ``job_rescuer``): the loops run their statements, these decide *what* and *when*.
+
+* :class:`Completer` — outcomes decided but not yet written, and when they must be written;
+* :class:`Held` — the rows this loop holds (claimed and not yet finalized), for the heartbeat;
+* :class:`Rescuer` — when the next rescue of expired leases is due;
+* :class:`Circuit` — whether a dispatcher may claim while its destination is unavailable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+from ._backoff import DESTINATION_OUTAGE
+from ._steps import Outcome
+
+__all__ = ["Circuit", "Completer", "Held", "Rescuer"]
+
+
+class Completer:
+    """Outcomes waiting to be written.
+
+    They ride on the loop's next claim (one round trip for both), or are written on their own once the
+    oldest has waited ``flush_after`` seconds or ``limit`` of them are waiting — so an outcome is never
+    later than that, even when no claim is coming (all slots busy, prefetched jobs in hand). Until written,
+    their rows stay in :class:`Held`: a finished job is still leased, and no rescue can take it.
+    """
+
+    def __init__(self, *, flush_after: float, limit: int) -> None:
+        self.flush_after = flush_after
+        self.limit = limit
+        self._outcomes: list[Outcome] = []
+        self._since = 0.0
+
+    def add(self, outcomes: Iterable[Outcome]) -> None:
+        if not self._outcomes:
+            self._since = time.monotonic()
+        self._outcomes.extend(outcomes)
+
+    def take(self) -> list[Outcome]:
+        taken, self._outcomes = self._outcomes, []
+        return taken
+
+    def due(self, now: float) -> bool:
+        return bool(self._outcomes) and (
+            len(self._outcomes) >= self.limit or now - self._since >= self.flush_after
+        )
+
+    def next_due(self) -> float | None:
+        """Monotonic time at which the waiting outcomes must be written (None: nothing waits)."""
+        return self._since + self.flush_after if self._outcomes else None
+
+    def __len__(self) -> int:
+        return len(self._outcomes)
+
+
+class Held:
+    """(id → lease_version) of the rows a loop holds: claimed, and not yet finalized. Thread-safe (the
+    heartbeat reads it from its own thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}
+
+    def hold(self, pairs: Iterable[tuple[int, int]]) -> None:
+        with self._lock:
+            self._held.update(pairs)
+
+    def drop(self, ids: Iterable[int]) -> None:
+        with self._lock:
+            for row_id in ids:
+                self._held.pop(row_id, None)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._held.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Rescuer:
+    """Expired leases are rescued at most once per ``every`` seconds by each loop (any number of loops may do
+    it at once: the rescue statement uses SKIP LOCKED)."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self._last = float("-inf")
+
+    def due(self, now: float) -> bool:
+        return now - self._last >= self.every
+
+    def ran(self, now: float) -> None:
+        self._last = now
+
+    def next_due(self) -> float:
+        return self._last + self.every
+
+
+def lost(outcomes: Sequence[Outcome], applied: set[int]) -> list[Outcome]:
+    """The outcomes the fence refused (their lease was rescued or re-claimed meanwhile)."""
+    return [o for o in outcomes if o.id not in applied]
+
+
+class Circuit:
+    """A dispatcher's view of its destination (a circuit breaker).
+
+    *closed*: claim whole batches. A :class:`~sa_outbox.DestinationUnavailable` opens it: nothing is claimed
+    for an outage backoff (capped exponential with jitter, ``_backoff.DESTINATION_OUTAGE``), then one message
+    is claimed as a probe (*probing*); a probe that gets through closes it, one that meets the outage again
+    re-opens it for longer. Each dispatcher keeps its own: others learn of an outage from their own probes.
+    """
+
+    def __init__(self) -> None:
+        self.state = "closed"
+        self.failures = 0
+        self.until = 0.0
+        self.opened_at = 0.0
+
+    @property
+    def open(self) -> bool:
+        return self.state != "closed"
+
+    def want(self, batch: int, now: float) -> int:
+        """How many rows to claim now."""
+        if self.state == "closed":
+            return batch
+        if now < self.until:
+            return 0
+        self.state = "probing"
+        return 1
+
+    def record(self, outcomes: Sequence[Outcome], now: float) -> str | None:
+        """Update from a batch's outcomes; returns "opened" or "closed" when the state changed that way."""
+        if any(o.kind == "unavailable" for o in outcomes):
+            was = self.state
+            self.failures += 1
+            self.state = "open"
+            self.until = now + DESTINATION_OUTAGE.delay(self.failures)
+            if was == "closed":
+                self.opened_at = now
+                return "opened"
+            return None
+        if self.state == "probing" and any(o.kind != "release" for o in outcomes):
+            self.state, self.failures = "closed", 0
+            return "closed"
+        return None
+
+    def next_due(self) -> float | None:
+        return self.until if self.state == "open" else None

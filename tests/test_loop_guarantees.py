@@ -1,0 +1,108 @@
+"""What the loops guarantee where features meet (issue #17 items 1, 2, 3, 10), for the sync and asyncio twins.
+
+Each test drives a real loop against the real database and waits with a bounded loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from sa_outbox import ClaimedJob
+from sa_outbox.testing import RecordingPublisher
+
+from .factories import Runner
+from .helpers import row, seed_events, seed_jobs, statuses
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 15.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return condition()
+
+
+def run_until(runner: Runner, loop: Any, condition: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Run ``loop.run()`` in a thread until ``condition`` holds (or the timeout), then stop it."""
+    thread = runner.run_in_thread(loop)
+    try:
+        return wait_until(condition, timeout)
+    finally:
+        loop.stop()
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_a_finished_job_stays_leased_until_its_outcome_is_written(runner: Runner, engine: Engine) -> None:
+    """Batch-mates that finished early are not reaped and run again while the rest of the batch runs."""
+    seed_jobs(engine, 3, task="slow")
+    calls: Counter[int] = Counter()
+
+    def slow(job: ClaimedJob) -> None:
+        calls[job.id] += 1
+        time.sleep(0.4)
+
+    w = runner.worker({"slow": slow}, batch=3, stale_after=0.6, heartbeat=0.1)
+    assert run_until(runner, w, lambda: statuses(engine, "jobs") == {"done": 3})
+    assert dict(calls) == {1: 1, 2: 1, 3: 1}
+    assert w.stats.lost_leases == 0 and w.stats.rescued == 0
+
+
+def test_a_hung_handler_never_delays_or_fails_the_jobs_after_it(runner: Runner, engine: Engine) -> None:
+    """Each job's handler_timeout counts from its own start; a stuck thread never takes later jobs with it."""
+    release = threading.Event()
+    seed_jobs(engine, 1, task="hang")
+    seed_jobs(engine, 3, task="quick")
+    ran: list[int] = []
+    handlers = {"hang": lambda j: release.wait(20), "quick": lambda j: ran.append(j.id)}
+    w = runner.worker(handlers, batch=4, concurrency=1, handler_timeout=0.3, stale_after=5)
+    try:
+        assert runner.run_once(w) == 4
+        assert sorted(ran) == [2, 3, 4]
+        for job_id in (2, 3, 4):
+            assert (row(engine, "jobs", job_id).status, row(engine, "jobs", job_id).attempts) == ("done", 1)
+        hung = row(engine, "jobs", 1)
+        assert hung.status == "queued" and "handler_timeout" in hung.last_error
+    finally:
+        release.set()
+
+
+def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
+    runner: Runner, engine: Engine
+) -> None:
+    """The next event of an aggregate is claimed as soon as its predecessor is finalized — not a poll later."""
+    seed_events(engine, 10, aggregate="A")
+    pub = RecordingPublisher()
+    d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
+    assert run_until(runner, d, lambda: len(pub.ids) == 10, timeout=20)
+    assert pub.ids == list(range(1, 11))
+
+
+@pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
+def test_a_handler_raising_systemexit_keeps_its_finished_batch_mates(
+    runner: Runner, engine: Engine, exit_exc: type[BaseException]
+) -> None:
+    """What finished before the process goes is recorded; the job that raised spends its attempt."""
+    seed_jobs(engine, 2, task="ok")
+    seed_jobs(engine, 1, task="exit")
+    seed_jobs(engine, 1, task="ok")
+
+    def leave(job: ClaimedJob) -> None:
+        raise exit_exc()
+
+    w = runner.worker({"ok": lambda j: None, "exit": leave}, batch=4)
+    with pytest.raises(exit_exc):
+        runner.run_once(w)
+    assert [row(engine, "jobs", i).status for i in (1, 2)] == ["done", "done"]
+    gone = row(engine, "jobs", 3)
+    assert gone.status == "queued" and gone.attempts == 1 and exit_exc.__name__ in gone.last_error
+    unstarted = row(engine, "jobs", 4)
+    assert unstarted.status == "queued" and unstarted.attempts == 0
