@@ -413,11 +413,28 @@ def _duration(text_: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _nonneg(text_: str) -> int:
-    value = int(text_)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
+def _positive_duration(text_: str) -> Any:
+    value = _duration(text_)
+    if value.total_seconds() <= 0:
+        raise argparse.ArgumentTypeError(f"must be a duration > 0, got {text_!r}")
     return value
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text_: str) -> int:
+        try:
+            value = int(text_)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text_!r}")
+        return value
+
+    return parse
+
+
+_positive = _int_at_least(1)
+_nonneg = _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -489,12 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--error", help="text contained in last_error")
             p.add_argument("--older-than", type=_duration)
         if action == "list":
-            p.add_argument("--limit", type=int, default=100)
+            p.add_argument("--limit", type=_positive, default=100)
         if action in ("retry", "skip"):
             p.add_argument("ids", nargs="*", type=int, help="ids to act on")
             p.add_argument("--all", action="store_true", help="every dead row (with no ids/filters)")
             p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
-            p.add_argument("--batch-size", type=int, default=1000)
+            p.add_argument("--batch-size", type=_positive, default=1000)
         p.set_defaults(handler=_cmd_dead)
 
     p = sub.add_parser(
@@ -515,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--older-than", type=_duration, required=True)
-    p.add_argument("--batch-size", type=int, default=10_000)
+    p.add_argument("--batch-size", type=_positive, default=10_000)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(handler=_cmd_purge)
     return parser

@@ -8,11 +8,12 @@ cheap on a table with millions of done rows; the number of done rows is counted 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, literal_column, select, text
+from sqlalchemy import Connection, Engine, Interval, bindparam, func, literal_column, select, text
 
 from ._durations import Duration, to_seconds
 from ._sql import QueueSpec, const, spec_for
@@ -20,6 +21,8 @@ from ._sql import QueueSpec, const, spec_for
 __all__ = ["HorizonHolder", "QueueStatus", "TableHealth", "purge", "queue_status", "xmin_horizon"]
 
 DONE_COUNT_CAP = 100_000
+
+log = logging.getLogger("sa_outbox.monitoring")
 
 
 @dataclass(frozen=True)
@@ -230,23 +233,33 @@ def _td(value: Duration) -> Any:
 def purge(
     engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000, dry_run: bool = False
 ) -> int:
-    """Delete ``done`` rows finished more than ``older_than`` ago, ``batch_size`` rows per short transaction
-    (through the done index: no long lock, no huge transaction). Returns how many rows were (or, with
-    ``dry_run``, would be) deleted. Pending, leased and dead rows are never touched."""
+    """Delete ``done`` rows finished more than ``older_than`` before the call started, ``batch_size`` (>= 1)
+    rows per short transaction (through the done index: no long lock, no huge transaction). The cutoff is
+    fixed once from the database clock, so rows finished while it runs are left for the next purge and it
+    ends under any load. Returns how many rows were (or, with ``dry_run``, would be) deleted. Pending,
+    leased and dead rows are never touched."""
     from ._durations import to_timedelta
+    from ._loop import positive_int
     from ._sql import purge_selection, purge_statement
 
     spec = spec_for(model)
     age = to_timedelta(older_than, name="older_than")
-    if dry_run:
-        with engine.connect() as conn:
+    batch_size = positive_int(batch_size, "batch_size")
+    with engine.connect() as conn:
+        cutoff = conn.execute(select(func.now() - bindparam("age", age, type_=Interval))).scalar_one()
+        if dry_run:
             sel = purge_selection(spec).subquery()
-            return int(conn.execute(select(func.count()).select_from(sel), {"older_than": age}).scalar_one())
+            return int(conn.execute(select(func.count()).select_from(sel), {"cutoff": cutoff}).scalar_one())
     stmt = purge_statement(spec)
     total = 0
     while True:
         with engine.begin() as conn:
-            deleted = conn.execute(stmt, {"older_than": age, "batch": batch_size}).rowcount
+            deleted = conn.execute(stmt, {"cutoff": cutoff, "batch": batch_size}).rowcount
         total += deleted
         if deleted < batch_size:
-            return total
+            break
+    log.info(
+        "purged %d done row(s) of %s finished before %s", total, spec.table.fullname, cutoff.isoformat(),
+        extra={"table": spec.table.fullname, "deleted": total},
+    )  # fmt: skip
+    return total

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, event, text
 from sqlalchemy.engine import URL
 
 from sa_outbox._cli import main
+from sa_outbox.errors import ConfigurationError
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.monitoring import purge, queue_status
 
@@ -203,3 +204,76 @@ def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], db_ur
     with pytest.raises(SystemExit) as info:
         main(["purge", "--older-than", "soon"])
     assert info.value.code == 2 and "invalid duration 'soon'" in capsys.readouterr().err
+
+
+def test_purge_fixes_its_cutoff_when_it_starts_and_does_not_chase_rows_finished_meanwhile(
+    engine: Engine,
+) -> None:
+    seed_events(engine, 60)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox SET status = 'done', done_at = now() - interval '1 hour' WHERE id <= 30")
+        )
+    finished_meanwhile = iter(range(31, 61))
+
+    def finish_one_more(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # Dispatchers keep finishing messages while the purge runs: one more done row before each batch.
+        if statement.lstrip().upper().startswith("DELETE"):
+            n = next(finished_meanwhile, None)
+            if n is not None:
+                with engine.begin() as other:
+                    other.execute(
+                        text("UPDATE outbox SET status = 'done', done_at = now() WHERE id = :n"), {"n": n}
+                    )
+
+    assert purge(engine, OutboxEvent, older_than=0, dry_run=True) == 30
+    event.listen(engine, "before_cursor_execute", finish_one_more)
+    try:
+        deleted = purge(engine, OutboxEvent, older_than=0, batch_size=1)
+    finally:
+        event.remove(engine, "before_cursor_execute", finish_one_more)
+    assert deleted == 30  # what was done before it started; the dry run said the same
+    assert statuses(engine) == {"done": 30}
+
+
+@pytest.mark.timeout(60)  # a batch size of 0 used to loop forever
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5])
+def test_purge_refuses_a_batch_size_below_one(engine: Engine, batch_size: Any) -> None:
+    seed_events(engine, 2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'done', done_at = now() - interval '1 day'"))
+    with pytest.raises(ConfigurationError, match=r"batch_size must be an integer >= 1"):
+        purge(engine, OutboxEvent, older_than=60, batch_size=batch_size)
+    assert statuses(engine) == {"done": 2}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["purge", "--older-than", "7d", "--batch-size", "0"],
+            "--batch-size: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["purge", "--older-than", "7d", "--batch-size", "-3"],
+            "--batch-size: must be an integer >= 1, got '-3'",
+        ),
+        (["dead", "retry", "--all", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
+        (["dead", "skip", "--all", "--batch-size", "x"], "--batch-size: must be an integer >= 1, got 'x'"),
+        (["dead", "list", "--limit", "-1"], "--limit: must be an integer >= 1, got '-1'"),
+        (["check", "--max-dead", "-1"], "--max-dead: must be an integer >= 0, got '-1'"),
+        (
+            ["check", "--max-expired-leases", "two"],
+            "--max-expired-leases: must be an integer >= 0, got 'two'",
+        ),
+        (["status", "--long-transaction", "-5"], "--long-transaction: invalid duration '-5'"),
+    ],
+)
+def test_cli_numeric_options_are_validated_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
+    assert "Traceback" not in err
