@@ -286,7 +286,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"{k} {v:,}" + ("~" if r.done_is_estimate and k == "done" else "") for k, v in r.counts.items()
         )
         print(f"  {counts}" + ("   (~ estimated from the statistics)" if r.done_is_estimate else ""))
-        print(f"  oldest due, not started {_fmt_age(r.oldest_pending_age):>9}    (what check alerts on)")
+        print(
+            f"  oldest pending age      {_fmt_age(r.oldest_pending_age):>9}    (due, not started: what check alerts on)"
+        )
         print(
             f"  oldest unfinished age   {_fmt_age(r.oldest_unfinished_age):>9}    (includes rows due later)"
         )
@@ -725,6 +727,7 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         os.close(devnull)
         return EXIT_PIPE
     except OutboxError as exc:
+        log.debug("configuration error", exc_info=True)
         sys.stderr.write(f"sa-outbox: error: {exc}\n")
         return EXIT_USAGE
     except DBAPIError as exc:
