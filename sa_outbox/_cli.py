@@ -172,41 +172,80 @@ def _cmd_loop(args: argparse.Namespace) -> int:
     return _run_processes(args.target, args.command, args.processes, args.early_signals, args.metrics_port)
 
 
-# --- operations: status / check / dead / purge ------------------------------------------------------------
+# --- operations: status / check / dead / purge / doctor / locks ---------------------------------------------
 
 
 def _engine(args: argparse.Namespace) -> Any:
     from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
 
     from .embedded import normalize_url
 
     if not args.url:
         raise ConfigurationError("no database URL: pass --url or set DATABASE_URL")
-    engine = create_engine(normalize_url(args.url))
+    try:
+        url = make_url(normalize_url(args.url))
+        engine = create_engine(url)
+    except Exception as exc:  # ArgumentError, a bad port, an unknown or missing driver
+        raise ConfigurationError(
+            f"invalid database URL (--url / DATABASE_URL): {exc}; expected "
+            "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
+        ) from None
     args.engines.append(engine)  # disposed by main()
     return engine
+
+
+def _split_table(option: str, name: str) -> tuple[str | None, str]:
+    """``schema.table`` or ``table`` (in the search path)."""
+    parts = name.split(".")
+    if len(parts) > 2 or not all(parts):
+        raise ConfigurationError(f"{option} {name!r}: give a table name or schema.table")
+    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
 
 
 def _tables(
     args: argparse.Namespace, engine: Any, kinds: Sequence[str] = ("outbox", "jobs")
 ) -> list[tuple[str, Any]]:
-    """(kind, model) for each requested table that exists."""
-    from sqlalchemy import inspect
+    """(kind, model) for each requested table that exists; schema-qualified names (``app.outbox``) work."""
+    from sqlalchemy import inspect, text
 
     from .models import model_for
 
-    found = []
+    found, absent = [], []
     insp = inspect(engine)
     for kind in kinds:
-        name = args.outbox_table if kind == "outbox" else args.jobs_table
-        if insp.has_table(name):
-            found.append((kind, model_for(kind, name)))
-    if not found:
-        names = ", ".join(args.outbox_table if k == "outbox" else args.jobs_table for k in kinds)
-        raise ConfigurationError(
-            f"no table {names} in this database: run the migration (alembic upgrade head)"
-        )
-    return found
+        option = f"--{kind}-table"
+        schema, table = _split_table(option, args.outbox_table if kind == "outbox" else args.jobs_table)
+        if insp.has_table(table, schema=schema):
+            found.append((kind, model_for(kind, table, schema)))
+        else:
+            absent.append((option, schema, table))
+    if found:
+        return found
+    hints = []
+    with engine.connect() as conn:
+        for option, _schema, table in absent:
+            elsewhere = (
+                conn.execute(
+                    text(
+                        "SELECT table_schema FROM information_schema.tables WHERE table_name = :t "
+                        "AND table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1"
+                    ),
+                    {"t": table},
+                )
+                .scalars()
+                .all()
+            )
+            if elsewhere:
+                hints.append(f"{table} exists in schema {', '.join(elsewhere)}: pass {option} "
+                             f"{elsewhere[0]}.{table}")  # fmt: skip
+    names = ", ".join(f"{s + '.' if s else ''}{t}" for _, s, t in absent)
+    if hints:
+        raise ConfigurationError(f"no table {names} where this command looked; " + "; ".join(hints))
+    raise ConfigurationError(
+        f"no table {names} in this database: check --outbox-table/--jobs-table (schema.table for a table "
+        "outside the search path), or create the tables (alembic upgrade head)"
+    )
 
 
 def _print_json(data: Any) -> None:
@@ -225,12 +264,16 @@ def _fmt_age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def _stale_after(args: argparse.Namespace) -> Any:
+    return args.stale_after if args.stale_after is not None else 60.0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from .monitoring import queue_status
 
     engine = _engine(args)
     reports = [
-        queue_status(engine, model, long_transaction=args.long_transaction)
+        queue_status(engine, model, long_transaction=args.long_transaction, stale_after=_stale_after(args))
         for _, model in _tables(args, engine)
     ]
     if args.json:
@@ -241,22 +284,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
         counts = "   ".join(
             f"{k} {v:,}" + ("~" if r.done_is_estimate and k == "done" else "") for k, v in r.counts.items()
         )
-        print(f"  {counts}")
+        print(f"  {counts}" + ("   (~ estimated from the statistics)" if r.done_is_estimate else ""))
         print(
-            f"  oldest unfinished age  {_fmt_age(r.oldest_pending_age):>10}    oldest due ready  {_fmt_age(r.oldest_ready_age)}"
+            f"  oldest pending age      {_fmt_age(r.oldest_pending_age):>9}    (due, not started: what check alerts on)"
         )
-        print(f"  expired leases         {r.expired_leases:>10}")
+        print(
+            f"  oldest unfinished age   {_fmt_age(r.oldest_unfinished_age):>9}    (includes rows due later)"
+        )
+        window = (
+            f"    (running longer than stale_after {r.stale_after:g}s)" if r.stale_after is not None else ""
+        )
+        print(f"  expired leases          {r.expired_leases:>9}{window}")
         if r.attempts:
-            print("  attempts               " + "  ".join(f"{a}: {n}" for a, n in r.attempts.items()))
+            print("  attempts                " + "  ".join(f"{a}: {n}" for a, n in r.attempts.items()))
         for q, by in sorted(r.queues.items()):
-            print(f"  queue {q:<16} " + "  ".join(f"{k} {v}" for k, v in by.items()))
+            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()))
         if r.health:
             h = r.health
             print(
-                f"  table                  live {h.live_tuples:,}  dead {h.dead_tuples:,} ({h.dead_ratio:.0%})  "
+                f"  table                   live {h.live_tuples:,}  dead {h.dead_tuples:,} ({h.dead_ratio:.0%})  "
                 f"last autovacuum {h.last_autovacuum or 'never'}  size {h.total_bytes / 1024:.0f} kB"
             )
+        for b in r.blocked_aggregates:
+            print(f"  blocked aggregate       {b.aggregate_type}/{b.aggregate_id}: {b.waiting} pending behind dead "
+                  f"{b.dead_id} (sa-outbox dead show {b.dead_id})")  # fmt: skip
         for w in r.warnings:
+            print(f"  ! {w}")
+        print()
+    horizon = reports[0].horizon_warnings if reports else []
+    if horizon:  # about the database, not one table: said once
+        print("database")
+        for w in horizon:
             print(f"  ! {w}")
         print()
     return 0
@@ -266,28 +324,37 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .monitoring import queue_status
 
     engine = _engine(args)
+    age_limit = None if args.max_oldest_pending_age is None else args.max_oldest_pending_age.total_seconds()
+    max_dead = args.max_dead
+    if age_limit is None and max_dead is None and args.max_expired_leases is None:
+        max_dead = 0  # no threshold given: dead letters never fix themselves, so any of them fails the check
+    thresholds = {"max_oldest_pending_age": age_limit, "max_dead": max_dead,
+                  "max_expired_leases": args.max_expired_leases}  # fmt: skip
     problems: list[str] = []
     summary: dict[str, Any] = {}
     for _, model in _tables(args, engine):
-        r = queue_status(engine, model)
+        r = queue_status(engine, model, stale_after=_stale_after(args))
+        dead_word = "failed" if r.kind == "jobs" else "dead"
         summary[r.table] = {
             "oldest_pending_age": r.oldest_pending_age,
+            "oldest_unfinished_age": r.oldest_unfinished_age,
             "dead": r.dead,
             "expired_leases": r.expired_leases,
         }
-        limit = (
-            args.max_oldest_pending_age.total_seconds() if args.max_oldest_pending_age is not None else None
-        )
-        if limit is not None and r.oldest_pending_age is not None and r.oldest_pending_age > limit:
-            problems.append(f"{r.table}: oldest pending age {r.oldest_pending_age:.0f}s > {limit:g}s")
-        if args.max_dead is not None and r.dead > args.max_dead:
-            problems.append(f"{r.table}: {r.dead} dead/failed > {args.max_dead}")
+        if age_limit is not None and r.oldest_pending_age is not None and r.oldest_pending_age > age_limit:
+            problems.append(
+                f"{r.table}: oldest pending age (due, not started) {r.oldest_pending_age:.0f}s > {age_limit:g}s"
+            )
+        if max_dead is not None and r.dead > max_dead:
+            problems.append(f"{r.table}: {r.dead} {dead_word} > {max_dead}")
         if args.max_expired_leases is not None and r.expired_leases > args.max_expired_leases:
             problems.append(f"{r.table}: {r.expired_leases} expired leases > {args.max_expired_leases}")
     if args.json:
-        _print_json({"ok": not problems, "problems": problems, "tables": summary})
+        _print_json({"ok": not problems, "problems": problems, "thresholds": thresholds, "tables": summary})
     else:
-        print(("FAIL: " + "; ".join(problems)) if problems else "OK: " + ", ".join(summary))
+        checked = ", ".join(f"{k.removeprefix('max_').replace('_', ' ')} <= {v:g}"
+                            for k, v in thresholds.items() if v is not None)  # fmt: skip
+        print(("FAIL: " + "; ".join(problems)) if problems else f"OK: {', '.join(summary)} ({checked})")
     return 1 if problems else 0
 
 
@@ -300,6 +367,12 @@ def _dead_filters(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     else:
         filters.update(task=args.task, queue=args.queue)
     return filters
+
+
+def _last_line(error: str | None, width: int = 120) -> str:
+    lines = [line for line in (error or "").splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "-"
+    return last if len(last) <= width else last[: width - 1] + "…"
 
 
 def _cmd_dead(args: argparse.Namespace) -> int:
@@ -319,16 +392,18 @@ def _cmd_dead(args: argparse.Namespace) -> int:
                     if kind == "outbox"
                     else f"{r['queue']}/{r['task']}"
                 )
-                print(
-                    f"{r['id']:>10}  {what}  attempts={r['attempts']}  {str(r['last_error'] or '').splitlines()[-1:]}"
-                )
+                print(f"{r['id']:>10}  {what}  attempts={r['attempts']}  {_last_line(r['last_error'])}")
             print(f"{len(rows)} row(s)")
         return 0
     if args.action == "show":
         rows = admin.list_dead(engine, model, ids=[args.id], limit=1)
         if not rows:
-            raise ConfigurationError(f"no dead/failed row with id {args.id} in {model.__table__.name}")
-        _print_json(rows[0]) if args.json else [print(f"{k:>15}: {v}") for k, v in rows[0].items()]
+            raise ConfigurationError(f"no dead/failed row with id {args.id} in {model.__table__.fullname}")
+        if args.json:
+            _print_json(rows[0])
+        else:
+            for k, v in rows[0].items():
+                print(f"{k:>15}: {v}")
         return 0
     fn = admin.retry_dead if args.action == "retry" else admin.skip_dead
     ids = args.ids or None
@@ -338,7 +413,12 @@ def _cmd_dead(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"dry_run": args.dry_run, verb: changed})
     else:
-        print(f"{'would be ' if args.dry_run else ''}{verb}: {len(changed)} row(s) {changed[:50]}")
+        shown = ", ".join(map(str, changed[:50])) + (
+            f", … ({len(changed) - 50} more)" if len(changed) > 50 else ""
+        )
+        print(
+            f"{'would be ' if args.dry_run else ''}{verb}: {len(changed)} row(s){': ' + shown if changed else ''}"
+        )
     return 0
 
 
@@ -348,8 +428,8 @@ def _cmd_purge(args: argparse.Namespace) -> int:
     engine = _engine(args)
     result = {}
     for _, model in _tables(args, engine):
-        result[model.__table__.name] = purge(engine, model, older_than=args.older_than, batch_size=args.batch_size,
-                                             dry_run=args.dry_run)  # fmt: skip
+        result[model.__table__.fullname] = purge(engine, model, older_than=args.older_than,
+                                                 batch_size=args.batch_size, dry_run=args.dry_run)  # fmt: skip
     if args.json:
         _print_json({"dry_run": args.dry_run, "deleted": result})
     else:
@@ -364,7 +444,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     engine = _engine(args)
     target = load_target(args.target, "dispatch") if args.target else None
     findings = doctor(engine, [m for _, m in _tables(args, engine)], long_transaction=args.long_transaction,
-                      target=target)  # fmt: skip
+                      stale_after=args.stale_after, target=target)  # fmt: skip
     failed = any(f.status == "fail" for f in findings)
     if args.json:
         _print_json({"ok": not failed, "findings": [f.as_dict() for f in findings]})
@@ -373,15 +453,21 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             where = f" [{f.table}]" if f.table else ""
             print(f"{f.status.upper():<4}  {f.check}{where}: {f.message}")
             if f.fix and f.status != "ok":
-                print(f"      fix: {f.fix}")
+                lines = f.fix.splitlines()
+                print(f"      fix: {lines[0]}")
+                for line in lines[1:]:
+                    print(f"           {line}")
     return 1 if failed else 0
 
 
 def _cmd_locks(args: argparse.Namespace) -> int:
     from .doctor import locks
+    from .monitoring import regclass_name
 
     engine = _engine(args)
-    found = locks(engine, [args.outbox_table, args.jobs_table])
+    models = [m for _, m in _tables(args, engine)]
+    with engine.connect() as conn:
+        found = locks(conn, [regclass_name(conn, m.__table__) for m in models])
     if args.json:
         _print_json([lk.as_dict() for lk in found])
         return 0
@@ -412,11 +498,28 @@ def _duration(text_: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _nonneg(text_: str) -> int:
-    value = int(text_)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
+def _positive_duration(text_: str) -> Any:
+    value = _duration(text_)
+    if value.total_seconds() <= 0:
+        raise argparse.ArgumentTypeError(f"must be a duration > 0, got {text_!r}")
     return value
+
+
+def _int_at_least(minimum: int) -> Any:
+    def parse(text_: str) -> int:
+        try:
+            value = int(text_)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text_!r}")
+        return value
+
+    return parse
+
+
+_positive = _int_at_least(1)
+_nonneg = _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -457,14 +560,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=_duration("60s"),
         help="report transactions open longer than this as holding back the xmin horizon (default 60s)",
     )
+    p.add_argument(
+        "--stale-after",
+        type=_positive_duration,
+        default=None,
+        help="the workers' stale_after: a running job locked longer ago is an expired lease (default 60s)",
+    )
     p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("check", help="exit non-zero with a one-line reason when a threshold is passed")
     _common(p)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--max-oldest-pending-age", type=_duration, default=None)
-    p.add_argument("--max-dead", type=_nonneg, default=None)
+    p.add_argument(
+        "--max-oldest-pending-age",
+        type=_duration,
+        default=None,
+        help="fail when a row due to run has waited longer than this (rows scheduled for later do not count)",
+    )
+    p.add_argument("--max-dead", type=_nonneg, default=None, help="fail above this many dead/failed rows "
+                   "(the default when no threshold is given: 0)")  # fmt: skip
     p.add_argument("--max-expired-leases", type=_nonneg, default=None)
+    p.add_argument(
+        "--stale-after",
+        type=_positive_duration,
+        default=None,
+        help="the workers' stale_after: a running job locked longer ago is an expired lease (default 60s)",
+    )
     p.set_defaults(handler=_cmd_check)
 
     dead = sub.add_parser(
@@ -488,12 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--error", help="text contained in last_error")
             p.add_argument("--older-than", type=_duration)
         if action == "list":
-            p.add_argument("--limit", type=int, default=100)
+            p.add_argument("--limit", type=_positive, default=100)
         if action in ("retry", "skip"):
             p.add_argument("ids", nargs="*", type=int, help="ids to act on")
             p.add_argument("--all", action="store_true", help="every dead row (with no ids/filters)")
             p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
-            p.add_argument("--batch-size", type=int, default=1000)
+            p.add_argument("--batch-size", type=_positive, default=1000)
         p.set_defaults(handler=_cmd_dead)
 
     p = sub.add_parser(
@@ -503,6 +624,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--long-transaction", type=_duration, default=_duration("5m"))
     p.add_argument("--target", help="module:attribute of a Dispatcher, to check its lease against its batch")
+    p.add_argument(
+        "--stale-after",
+        type=_positive_duration,
+        default=None,
+        help="the workers' stale_after: a running job locked longer ago is an expired lease (default 60s)",
+    )
     p.set_defaults(handler=_cmd_doctor)
 
     p = sub.add_parser("locks", help="who holds or waits for locks on the queue tables, and who blocks whom")
@@ -514,27 +641,99 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--json", action="store_true")
     p.add_argument("--older-than", type=_duration, required=True)
-    p.add_argument("--batch-size", type=int, default=10_000)
+    p.add_argument("--batch-size", type=_positive, default=10_000)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(handler=_cmd_purge)
     return parser
 
 
+# Exit codes (README, "Operations"): 0 success; 1 a check threshold passed or doctor found a failure (the
+# queue needs attention); 2 bad usage or configuration, fix the command (invalid option, malformed URL, no
+# such table, no such database or role, authentication refused, unknown host); 3 the database could not be
+# reached or failed meanwhile, worth retrying (refused, timed out, restarting); 141 the output was closed
+# early (``| head``), as for a process killed by SIGPIPE.
+EXIT_THRESHOLD, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PIPE = 1, 2, 3, 141
+
+_LOG_RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class LogFormatter(logging.Formatter):
+    """The CLI's log line: ``time LEVEL logger message key=value …`` — the ``extra`` fields a record carries
+    (the loops' and commands' structured stats) follow the message on the same line."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        extras = [
+            (k, v) for k, v in vars(record).items() if k not in _LOG_RECORD_FIELDS and not k.startswith("_")
+        ]
+        return line + "".join(f" {k}={_log_value(v)}" for k, v in extras)
+
+
+def _log_value(value: Any) -> str:
+    import json
+
+    text_ = value if isinstance(value, str) else json.dumps(value, default=str, separators=(",", ":"))
+    return json.dumps(text_) if (not text_ or any(c.isspace() or c in '="' for c in text_)) else text_
+
+
+def _configure_logging(level_name: str) -> None:
+    level = logging.getLevelName(str(level_name).upper())
+    if not isinstance(level, int):
+        raise ConfigurationError(f"invalid --log-level {level_name!r}: use DEBUG, INFO, WARNING or ERROR")
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:  # an embedding program (or a test runner) may have configured logging already
+        handler = logging.StreamHandler()
+        handler.setFormatter(LogFormatter())
+        root.addHandler(handler)
+
+
+def _database_error(exc: Exception) -> tuple[int, str]:
+    """Exit code and one-line message for a database error that reached the top."""
+    from ._dbfaults import connection_error_cause, is_connect_failure, is_permanent_connection_error
+
+    cause = connection_error_cause(exc)
+    if is_permanent_connection_error(exc):
+        return EXIT_USAGE, (f"cannot connect to the database: {cause}; retrying will not help: check the "
+                            "database URL (--url / DATABASE_URL)")  # fmt: skip
+    if is_connect_failure(exc) or getattr(exc, "connection_invalidated", False):
+        return EXIT_UNREACHABLE, f"cannot reach the database: {cause}; is PostgreSQL running and reachable?"
+    return EXIT_USAGE, f"the database refused the command: {cause}"
+
+
 def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()) -> int:
-    """Run the CLI; ``early_signals`` are SIGTERM/SIGINT received before it started (see ``__main__``)."""
+    """Run the CLI and return its exit code (see ``EXIT_*``); ``early_signals`` are SIGTERM/SIGINT received
+    before it started (see ``__main__``). Errors are one ``sa-outbox: error: …`` line on stderr (the
+    traceback with ``--log-level DEBUG``)."""
+    from sqlalchemy.exc import DBAPIError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.early_signals = early_signals
     args.engines = []
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
     try:
+        _configure_logging(args.log_level)
         code: int = args.handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`sa-outbox status | head`): no traceback, and no second error when Python
+        # flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE
     except OutboxError as exc:
+        log.debug("configuration error", exc_info=True)
         sys.stderr.write(f"sa-outbox: error: {exc}\n")
-        return 2
+        return EXIT_USAGE
+    except DBAPIError as exc:
+        log.debug("database error", exc_info=True)
+        code, message = _database_error(exc)
+        sys.stderr.write(f"sa-outbox: error: {message}\n")
+        return code
     finally:
         for engine in args.engines:
             engine.dispose()

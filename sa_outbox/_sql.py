@@ -394,11 +394,16 @@ def extend_statement(spec: QueueSpec) -> Update:
 
 
 # --- operator actions on dead letters -------------------------------------------------------------------
+#
+# A bulk action selects its rows ONCE (dead_selection, one statement: the snapshot of ids it acts on), then
+# changes them in batches by id. A row that a running dispatcher dead-letters again after the action
+# requeued it is therefore never picked up a second time, and the action ends after len(ids) / batch
+# statements whatever the dispatchers do. The dry run reports exactly that snapshot.
 
 
 def dead_selection(spec: QueueSpec, filters: dict[str, Any]) -> Select[Any]:
-    """Ids of dead/failed rows matching the operator's filters (values are bound, never formatted). The filters
-    are checked against the table by ``sa_outbox.admin`` before they get here."""
+    """Ids of dead/failed rows matching the operator's filters, in id order (values are bound, never
+    formatted). The filters are checked against the table by ``sa_outbox.admin`` before they get here."""
     c = spec.c
     where: list[ColumnElement[bool]] = [c.status == const(spec.dead)]
     if filters.get("ids") is not None:
@@ -406,7 +411,7 @@ def dead_selection(spec: QueueSpec, filters: dict[str, Any]) -> Select[Any]:
     for name in ("event_type", "aggregate_type", "aggregate_id", "task", "queue"):
         if filters.get(name) is not None:
             where.append(c[name] == filters[name])
-    if filters.get("error_contains"):
+    if filters.get("error_contains") is not None:
         where.append(c.last_error.contains(filters["error_contains"], autoescape=True))
     if filters.get("older_than") is not None:
         where.append(
@@ -415,10 +420,17 @@ def dead_selection(spec: QueueSpec, filters: dict[str, Any]) -> Select[Any]:
     return select(c.id).where(*where).order_by(c.id)
 
 
-def requeue_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Update:
+def _still_dead(spec: QueueSpec) -> list[ColumnElement[bool]]:
+    """The rows of ``:ids`` (one batch of the snapshot) that are still dead: a row requeued or skipped by
+    someone else meanwhile is left alone, and RETURNING reports exactly the rows this statement changed."""
+    c = spec.c
+    return [c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))), c.status == const(spec.dead)]
+
+
+@cache
+def requeue_statement(spec: QueueSpec) -> Update:
     """Back to the ready state, attempts reset, due now; the action is appended to last_error."""
     c = spec.c
-    picked = selection.limit(batch).with_for_update(skip_locked=True).scalar_subquery()
     values: dict[str, Any] = {
         "status": const(spec.ready),
         "attempts": 0,
@@ -426,13 +438,13 @@ def requeue_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Up
         spec.finished.name: None,
         "last_error": func.right(func.concat_ws("\n", c.last_error, "requeued by operator"), LAST_ERROR_MAX),
     }
-    return update(spec.table).where(c.id.in_(picked)).values(values).returning(c.id)
+    return update(spec.table).where(*_still_dead(spec)).values(values).returning(c.id)
 
 
-def skip_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Update:
+@cache
+def skip_statement(spec: QueueSpec) -> Update:
     """Mark dead rows done without delivering them (so an ordered aggregate can move on); recorded."""
     c = spec.c
-    picked = selection.limit(batch).with_for_update(skip_locked=True).scalar_subquery()
     values: dict[str, Any] = {
         "status": const(spec.done),
         spec.finished.name: func.now(),
@@ -440,22 +452,27 @@ def skip_statement(spec: QueueSpec, selection: Select[Any], batch: int) -> Updat
             func.concat_ws("\n", c.last_error, "skipped by operator (not delivered)"), LAST_ERROR_MAX
         ),
     }
-    return update(spec.table).where(c.id.in_(picked)).values(values).returning(c.id)
+    return update(spec.table).where(*_still_dead(spec)).values(values).returning(c.id)
 
 
 # --- retention ------------------------------------------------------------------------------------------
+#
+# A purge fixes its cutoff once, from the database clock, when it starts (:cutoff = now() - older_than):
+# rows finished while it runs are not chased, so it ends under any load, and its dry run counts the same rows.
 
 
 def purge_selection(spec: QueueSpec) -> Select[Any]:
+    """Ids of done rows finished before ``:cutoff`` (read through the done partial index)."""
     c = spec.c
     return select(c.id).where(
-        c.status == const(spec.done), spec.finished < func.now() - bindparam("older_than", type_=Interval)
+        c.status == const(spec.done), spec.finished < bindparam("cutoff", type_=spec.finished.type)
     )
 
 
 @cache
 def purge_statement(spec: QueueSpec) -> Any:
-    """Delete up to ``:batch`` done rows older than ``:older_than`` (read through the done partial index)."""
+    """Delete up to ``:batch`` done rows finished before ``:cutoff``, oldest first (SKIP LOCKED: a row someone
+    holds is left for the next purge)."""
     from sqlalchemy import delete
 
     c = spec.c

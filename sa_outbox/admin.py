@@ -1,12 +1,17 @@
 """Operator actions on dead letters (outbox ``dead``, jobs ``failed``), for the CLI and for Python callers.
 
-Every bulk action runs in batches of ``batch_size`` rows, one short transaction each (no long lock, no huge
-transaction), and returns the ids it changed. ``dry_run=True`` returns the ids it *would* change and writes
-nothing. A call must name what it acts on: ids, at least one filter, or ``all=True``.
+A bulk action selects its rows **once**, in one statement, when it starts (the ids of the dead rows that
+match), then changes them in batches of ``batch_size`` ids, one short transaction each (no long lock, no huge
+transaction). So it ends after ``ceil(selected / batch_size)`` statements even while dispatchers keep
+dead-lettering messages, never acts twice on one row, and returns exactly the ids it changed: a selected row
+that someone else requeued or skipped meanwhile is left alone and not reported. ``dry_run=True`` returns the
+ids the same call would select and writes nothing. A call must name what it acts on: ids, at least one
+filter, or ``all=True``. Bad arguments raise :class:`~sa_outbox.errors.ConfigurationError` before any SQL.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,10 +19,25 @@ from sqlalchemy import Engine
 
 from . import _sql
 from ._durations import Duration, to_timedelta
+from ._loop import positive_int
 from ._sql import QueueSpec, spec_for
 from .errors import ConfigurationError
 
 __all__ = ["list_dead", "retry_dead", "skip_dead"]
+
+log = logging.getLogger("sa_outbox.admin")
+
+_TEXT_FILTERS = ("event_type", "aggregate_type", "aggregate_id", "task", "queue", "error_contains")
+
+
+def _ids(ids: Iterable[int]) -> list[int]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise ConfigurationError(f"ids must be a collection of integers, got {ids!r}")
+    out = list(ids)
+    bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int)]
+    if bad:
+        raise ConfigurationError(f"ids must be integers, got {bad[0]!r}")
+    return out
 
 
 def _filters(
@@ -29,13 +49,15 @@ def _filters(
     **named: Any,
 ) -> dict[str, Any]:
     filters: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
-    for key in filters:
+    for key, value in filters.items():
         if key not in ("error_contains",) and key not in spec.c:
             raise ConfigurationError(
-                f"filter {key!r} does not apply to the {spec.kind} table {spec.table.name!r}"
+                f"filter {key!r} does not apply to the {spec.kind} table {spec.table.fullname!r}"
             )
+        if key in _TEXT_FILTERS and (not isinstance(value, str) or not value):
+            raise ConfigurationError(f"filter {key} must be a non-empty string, got {value!r}")
     if ids is not None:
-        filters["ids"] = [int(i) for i in ids]
+        filters["ids"] = _ids(ids)
     if older_than is not None:
         filters["older_than"] = to_timedelta(older_than, name="older_than")
     if not filters and not all:
@@ -47,8 +69,10 @@ def list_dead(
     engine: Engine, model: type[Any], *, limit: int = 100, ids: Iterable[int] | None = None,
     older_than: Duration | None = None, **filters: Any,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Dead/failed rows matching the filters (all of them when none is given), oldest first."""
+    """Up to ``limit`` (>= 1) dead/failed rows matching the filters (all of them when none is given), oldest
+    first, each as a dict of its columns."""
     spec = spec_for(model)
+    limit = positive_int(limit, "limit")
     f = _filters(spec, ids=ids, all=True, older_than=older_than, **filters)
     selection = _sql.dead_selection(spec, f)
     stmt = (
@@ -65,19 +89,25 @@ def _bulk(
     spec = spec_for(model)
     if action == "skip" and spec.kind != "outbox":
         raise ConfigurationError("skip applies to outbox dead letters; requeue failed jobs with retry_dead")
+    batch_size = positive_int(batch_size, "batch_size")
     f = _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
-    selection = _sql.dead_selection(spec, f)
+    with engine.connect() as conn:  # the selection, taken once: everything below acts on these ids only
+        selected = list(conn.execute(_sql.dead_selection(spec, f)).scalars())
     if dry_run:
-        with engine.connect() as conn:
-            return list(conn.execute(selection).scalars())
-    stmt = (_sql.requeue_statement if action == "retry" else _sql.skip_statement)(spec, selection, batch_size)
+        return selected
+    stmt = _sql.requeue_statement(spec) if action == "retry" else _sql.skip_statement(spec)
     changed: list[int] = []
-    while True:
+    for start in range(0, len(selected), batch_size):
         with engine.begin() as conn:
-            got = list(conn.execute(stmt).scalars())
-        changed += got
-        if len(got) < batch_size:
-            return sorted(changed)
+            changed += conn.execute(stmt, {"ids": selected[start : start + batch_size]}).scalars()
+    changed.sort()
+    verb = "requeued" if action == "retry" else "skipped"
+    log.info(
+        "%s %d %s row(s) of %s (%d selected; %d no longer %s)", verb, len(changed), spec.dead,
+        spec.table.fullname, len(selected), len(selected) - len(changed), spec.dead,
+        extra={"table": spec.table.fullname, "action": action, "selected": len(selected), "changed": len(changed)},
+    )  # fmt: skip
+    return changed
 
 
 def retry_dead(
@@ -86,7 +116,7 @@ def retry_dead(
 ) -> list[int]:  # fmt: skip
     """Requeue dead/failed rows: back to pending/queued, attempts reset, due now. Filters: ``event_type``,
     ``aggregate_type``, ``aggregate_id`` (outbox), ``task``, ``queue`` (jobs), ``error_contains``,
-    ``older_than``."""
+    ``older_than``. Selects the rows once and returns the ids it changed (see the module docstring)."""
     return _bulk(engine, model, "retry", batch_size=batch_size, dry_run=dry_run, ids=ids, all=all,
                  older_than=older_than, filters=filters)  # fmt: skip
 
@@ -96,6 +126,6 @@ def skip_dead(
     older_than: Duration | None = None, batch_size: int = 1000, dry_run: bool = False, **filters: Any,
 ) -> list[int]:  # fmt: skip
     """Mark dead outbox rows done without delivering them, so the next message of an ordered aggregate can be
-    claimed; the skip is recorded in ``last_error``."""
+    claimed; the skip is recorded in ``last_error``. Selects the rows once and returns the ids it changed."""
     return _bulk(engine, model, "skip", batch_size=batch_size, dry_run=dry_run, ids=ids, all=all,
                  older_than=older_than, filters=filters)  # fmt: skip

@@ -1,8 +1,10 @@
 """``sa-outbox doctor`` and ``sa-outbox locks``: the diagnosis the jobs document does by hand, in one command.
 
 Each :class:`Finding` is ``ok``/``warn``/``fail`` with a one-line explanation and, when not ok, the fix.
-Nothing here runs ``EXPLAIN ANALYZE`` or takes a lock: it reads the catalog, the statistics views and the
-*plans* (``EXPLAIN`` without ``ANALYZE``) of this installation's real claim statements.
+A fix that is SQL holds one statement per line: run each line on its own (``psql -c LINE``), as statements
+like ``CREATE INDEX CONCURRENTLY`` or ``ALTER SYSTEM`` cannot share a transaction. Nothing here runs
+``EXPLAIN ANALYZE`` or takes a lock: it reads the catalog, the settings, the statistics views and the *plans*
+(``EXPLAIN`` without ``ANALYZE``) of this installation's real claim statements.
 """
 
 from __future__ import annotations
@@ -15,15 +17,26 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.schema import CreateIndex
 
 from . import _sql
-from ._durations import Duration, to_seconds
+from ._durations import Duration, to_seconds, to_timedelta
+from .errors import ConfigurationError
 from .migration import QUEUE_STORAGE_PARAMETERS, storage_parameters_sql
-from .monitoring import queue_status, xmin_horizon
+from .monitoring import (
+    HorizonHolder,
+    dead_list_command,
+    describe_holder,
+    long_horizon_holders,
+    queue_status,
+    regclass_name,
+)
 
 __all__ = ["Finding", "LockInfo", "doctor", "explain_claim", "locks"]
 
 
 @dataclass(frozen=True)
 class Finding:
+    """One diagnosis: ``status`` is ``ok``/``warn``/``fail``; ``fix`` (when not ok) is one statement or
+    instruction per line; ``table`` is ``None`` for findings about the whole database."""
+
     check: str
     table: str | None
     status: str  # ok | warn | fail
@@ -65,7 +78,7 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     spec = _sql.spec_for(model)
-    t = spec.table.name
+    t, name = spec.table.name, spec.table.fullname
     index = f"ix_{t}_ready" if spec.kind == "outbox" else f"ix_{t}_dequeue"
     plan = explain_claim(conn, model)
     nodes = _nodes(plan)
@@ -74,19 +87,20 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     lock_rows = limits[0]["Plans"][0] if limits and limits[0].get("Plans") else {}
     uses_index = any(n.get("Index Name") == index for n in _nodes(lock_rows)) if lock_rows else False
     if lock_rows.get("Node Type") == "LockRows" and uses_index and not seq:
-        return Finding("claim plan", t, "ok", f"claim: LockRows under Limit on an index scan of {index}")
+        return Finding("claim plan", name, "ok", f"claim: LockRows under Limit on an index scan of {index}")
     shape = ", ".join(f"{n['Node Type']}{' on ' + n['Relation Name'] if n.get('Relation Name') else ''}"
                       f"{' using ' + n['Index Name'] if n.get('Index Name') else ''}" for n in nodes)  # fmt: skip
     return Finding(
-        "claim plan", t, "fail",
+        "claim plan", name, "fail",
         f"the claim does not read {index} under LockRows (plan: {shape}); every claim scans and sorts the table",
-        f"create the partial index (run the migration; see the 'indexes' finding) and ANALYZE {t}",
+        f"create the partial index (run the migration; see the 'indexes' finding) and ANALYZE {name}",
     )  # fmt: skip
 
 
 def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     spec = _sql.spec_for(model)
-    t = spec.table.name
+    table = spec.table
+    prep = conn.dialect.identifier_preparer
     present = {
         r.indexname: r
         for r in conn.execute(
@@ -94,47 +108,158 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
                 "SELECT i.relname AS indexname, x.indisvalid, x.indisready FROM pg_index x "
                 "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indrelid = CAST(:t AS regclass)"
             ),
-            {"t": spec.table.fullname},
+            {"t": regclass_name(conn, table)},
         )
     }
     out = []
-    for index in sorted(spec.table.indexes, key=lambda i: str(i.name)):
+    for index in sorted(table.indexes, key=lambda i: str(i.name)):
         name = str(index.name)
         ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).replace(
             "CREATE INDEX", "CREATE INDEX CONCURRENTLY"
         )
         if name not in present:
-            out.append(Finding("indexes", t, "fail", f"index {name} is missing", ddl))
+            out.append(Finding("indexes", table.fullname, "fail", f"index {name} is missing", ddl))
         elif not present[name].indisvalid:
-            out.append(Finding("indexes", t, "fail", f"index {name} is INVALID (a failed CREATE INDEX CONCURRENTLY?)",
-                               f"DROP INDEX CONCURRENTLY {name}; {ddl}"))  # fmt: skip
+            qualified = (f"{prep.quote_schema(table.schema)}." if table.schema else "") + prep.quote(name)
+            # Two statements, two lines: neither may run inside a transaction block, so they cannot be sent
+            # together (psql -c "A; B" runs both in one implicit transaction and fails).
+            out.append(Finding("indexes", table.fullname, "fail",
+                               f"index {name} is INVALID (a failed CREATE INDEX CONCURRENTLY?)",
+                               f"DROP INDEX CONCURRENTLY {qualified}\n{ddl}"))  # fmt: skip
     if not out:
         out.append(
-            Finding("indexes", t, "ok", f"all {len(spec.table.indexes)} partial indexes present and valid")
+            Finding(
+                "indexes", table.fullname, "ok", f"all {len(table.indexes)} partial indexes present and valid"
+            )
         )
     return out
 
 
-def _storage_finding(conn: Connection, model: type[Any]) -> Finding:
+def _reloptions(conn: Connection, model: type[Any]) -> dict[str, str]:
     t = _sql.spec_for(model).table
     options = conn.execute(
         text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = CAST(:t AS regclass)"),
-        {"t": t.fullname},
+        {"t": regclass_name(conn, t)},
     ).scalar_one()
-    have = dict(o.split("=", 1) for o in options)
+    return dict(o.split("=", 1) for o in options)
+
+
+def _storage_finding(conn: Connection, model: type[Any], have: dict[str, str]) -> Finding:
+    t = _sql.spec_for(model).table
     missing = [k for k in QUEUE_STORAGE_PARAMETERS if k not in have]
     if not missing:
         return Finding(
-            "autovacuum settings",
-            t.name,
-            "ok",
-            "per-table autovacuum settings present: " + ", ".join(options),
-        )
+            "autovacuum settings", t.fullname, "ok",
+            "per-table autovacuum settings present: " + ", ".join(f"{k}={v}" for k, v in have.items()),
+        )  # fmt: skip
     return Finding(
-        "autovacuum settings", t.name, "warn",
+        "autovacuum settings", t.fullname, "warn",
         f"missing {', '.join(missing)}: with the server default (vacuum at 20 % dead) dead queue rows pile up "
         "in the claim's index between vacuums",
-        f"ALTER TABLE {t.fullname} SET ({storage_parameters_sql()})",
+        f"ALTER TABLE {regclass_name(conn, t)} SET ({storage_parameters_sql()})",
+    )  # fmt: skip
+
+
+def _table_autovacuum_off(have: dict[str, str]) -> bool:
+    return have.get("autovacuum_enabled", "true").lower() in ("false", "off", "no", "0")
+
+
+def _server_autovacuum_finding(conn: Connection) -> tuple[Finding, bool]:
+    """Whether autovacuum runs at all on this server (``autovacuum`` and ``track_counts`` both on)."""
+    autovacuum = str(conn.execute(text("SELECT current_setting('autovacuum')")).scalar_one())
+    track = str(conn.execute(text("SELECT current_setting('track_counts')")).scalar_one())
+    if autovacuum == "on" and track == "on":
+        return Finding("autovacuum", None, "ok", "autovacuum = on, track_counts = on"), True
+    off = [
+        f"{name} = off"
+        for name, value in (("autovacuum", autovacuum), ("track_counts", track))
+        if value != "on"
+    ]
+    fix = [f"ALTER SYSTEM SET {s.split(' =')[0]} = on" for s in off] + ["SELECT pg_reload_conf()"]
+    return Finding(
+        "autovacuum", None, "warn",
+        f"{' and '.join(off)} on this server: nothing vacuums the queue tables unless you schedule VACUUM "
+        "(only anti-wraparound vacuums still run), so dead queue rows pile up and every claim slows down",
+        "\n".join(fix),
+    ), False  # fmt: skip
+
+
+def _dead_tuples_finding(
+    conn: Connection, model: type[Any], h: Any, *, ratio_warn: float, server_on: bool, table_off: bool,
+    settings_missing: bool, holders: list[HorizonHolder],
+) -> Finding:  # fmt: skip
+    name = _sql.spec_for(model).table.fullname
+    if not (h.dead_tuples > 10_000 and h.dead_ratio > ratio_warn):
+        return Finding("dead tuples", name, "ok",
+                       f"{h.dead_tuples:,} dead / {h.live_tuples:,} live; size {h.total_bytes / 1024:.0f} kB")  # fmt: skip
+    # The fix names the causes that are really there, each with its own finding.
+    causes = []
+    if table_off:
+        causes.append(
+            "autovacuum is off for this table (autovacuum_enabled = false; see the 'autovacuum' finding)"
+        )
+    if not server_on:
+        causes.append(
+            "autovacuum is off on this server (see the 'autovacuum' finding): schedule VACUUM or turn it on"
+        )
+    if settings_missing:
+        causes.append("the per-table autovacuum settings are missing (see 'autovacuum settings')")
+    if holders:
+        who = ", ".join(
+            f"pid {x.pid}" if x.pid else f"{x.kind.replace('_', ' ')} {x.name!r}" for x in holders
+        )
+        causes.append(
+            f"{who} holds back the xmin horizon: VACUUM cannot remove them until it ends (see 'xmin horizon')"
+        )
+    if not causes:
+        causes.append("autovacuum has not caught up with this table: if it recurs, let it work faster here "
+                      f"(ALTER TABLE {regclass_name(conn, _sql.spec_for(model).table)} SET "
+                      "(autovacuum_vacuum_cost_delay = 0))")  # fmt: skip
+    return Finding(
+        "dead tuples", name, "warn",
+        f"{h.dead_tuples:,} dead tuples ({h.dead_ratio:.0%}); last autovacuum {h.last_autovacuum or 'never'}",
+        "\n".join([f"VACUUM (ANALYZE) {regclass_name(conn, _sql.spec_for(model).table)}", *causes]),
+    )  # fmt: skip
+
+
+# Table lock modes by what they block for the queue: SHARE and stronger conflict with the ROW EXCLUSIVE lock
+# every claim and finalize takes (UPDATE); ROW SHARE / ROW EXCLUSIVE come with row locks (SELECT … FOR
+# UPDATE/SHARE, UPDATE, DELETE) that block claims of those rows only; ACCESS SHARE (a plain SELECT) blocks
+# only what needs ACCESS EXCLUSIVE.
+_BLOCKS_CLAIMS = ("ShareLock", "ShareRowExclusiveLock", "ExclusiveLock", "AccessExclusiveLock")
+_ROW_LOCKS = ("RowShareLock", "RowExclusiveLock")
+
+
+def _held_locks_message(lk: LockInfo) -> str:
+    """What an idle-in-transaction session's locks on the queue tables really block."""
+    modes = {h.split(" ", 1)[0] for h in lk.holds if " on table " in h}
+    what = f"pid {lk.pid} ({lk.application_name or '?'}) is idle in transaction holding {', '.join(lk.holds)}"
+    if modes & set(_BLOCKS_CLAIMS):
+        return f"{what}: this lock blocks every claim and finalize on the table until the transaction ends"
+    if modes & set(_ROW_LOCKS):
+        return (f"{what}: it locked or changed queue rows (SELECT … FOR UPDATE/SHARE, UPDATE or DELETE) and "
+                "keeps those row locks until it ends, so claims of those rows skip or wait for them")  # fmt: skip
+    return (f"{what}: it only read the table, which blocks no claim, but it blocks ALTER TABLE, DROP, "
+            "TRUNCATE and VACUUM FULL on it (anything that needs an ACCESS EXCLUSIVE lock)")  # fmt: skip
+
+
+def _lease_finding(target: Any) -> Finding:
+    lease, timeout, batch = target.lease.total_seconds(), target.publish_timeout.total_seconds(), target.batch
+    # The dispatcher releases the rest of a batch when less than publish_timeout of the lease is left, so a
+    # large batch never outlives its lease; what hurts is a publish_timeout that eats most of the lease: after
+    # one publish that runs to its timeout, everything else in the batch is released unpublished.
+    if 2 * timeout > lease:
+        return Finding(
+            "lease vs publish timeout", None, "warn",
+            f"publish_timeout {timeout:g}s is more than half the lease {lease:g}s: after one publish that runs "
+            "to its timeout the rest of the batch is released unpublished, so a slow broker delivers about one "
+            "message per claim",
+            f"raise lease to at least {3 * timeout:g}s or lower publish_timeout",
+        )  # fmt: skip
+    return Finding(
+        "lease vs publish timeout", None, "ok",
+        f"lease {lease:g}s leaves room for several publishes of up to {timeout:g}s each; the rest of a batch of "
+        f"{batch} is released, never held past the lease, if the broker is slow",
     )  # fmt: skip
 
 
@@ -144,69 +269,86 @@ def doctor(
     *,
     long_transaction: Duration = 300.0,
     dead_ratio_warn: float = 0.2,
+    stale_after: Duration | None = None,
     target: Any = None,
 ) -> list[Finding]:
-    """Run every check on the given outbox/jobs models; ``target`` (a Dispatcher) adds the lease checks."""
+    """Run every check on the given outbox/jobs models and return the findings (none raises; any ``fail``
+    means a claim cannot work as designed).
+
+    ``stale_after`` is the workers' reaping window for counting stuck jobs (default: the target's
+    ``stale_after`` if it has one, else 60 s); ``target`` (a Dispatcher) adds the lease check. Invalid
+    options raise ``ConfigurationError`` before any query."""
+    threshold = to_seconds(long_transaction, name="long_transaction")
+    if (
+        isinstance(dead_ratio_warn, bool)
+        or not isinstance(dead_ratio_warn, int | float)
+        or not 0 <= dead_ratio_warn <= 1
+    ):
+        raise ConfigurationError(
+            f"dead_ratio_warn must be a fraction between 0 and 1, got {dead_ratio_warn!r}"
+        )
+    if stale_after is None:
+        stale_after = getattr(target, "stale_after", None) or 60.0
+    stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
     findings: list[Finding] = []
     with engine.connect() as conn:
+        server, server_on = _server_autovacuum_finding(conn)
+        holders = long_horizon_holders(conn, threshold)
         for model in models:
-            t = _sql.spec_for(model).table.name
+            name = _sql.spec_for(model).table.fullname
             findings.append(_claim_plan_finding(conn, model))
             findings += _index_findings(conn, model)
-            findings.append(_storage_finding(conn, model))
-            status = queue_status(conn, model, long_transaction=long_transaction)
-            h = status.health
-            if h is not None:
-                if h.dead_tuples > 10_000 and h.dead_ratio > dead_ratio_warn:
-                    findings.append(Finding(
-                        "dead tuples", t, "warn",
-                        f"{h.dead_tuples:,} dead tuples ({h.dead_ratio:.0%}); last autovacuum {h.last_autovacuum or 'never'}",
-                        f"VACUUM (ANALYZE) {t}; check that the autovacuum settings are present and nothing holds the xmin horizon",
-                    ))  # fmt: skip
-                else:
-                    findings.append(Finding("dead tuples", t, "ok",
-                                            f"{h.dead_tuples:,} dead / {h.live_tuples:,} live; size {h.total_bytes / 1024:.0f} kB"))  # fmt: skip
-            if status.expired_leases:
+            have = _reloptions(conn, model)
+            storage = _storage_finding(conn, model, have)
+            findings.append(storage)
+            table_off = _table_autovacuum_off(have)
+            if table_off:
                 findings.append(Finding(
-                    "stuck rows", t, "warn",
-                    f"{status.expired_leases} row(s) leased past their lease (a dispatcher/worker died or hangs)",
+                    "autovacuum", name, "warn",
+                    f"autovacuum_enabled = false on {name}: autovacuum never vacuums it, so dead queue rows pile "
+                    "up and every claim slows down",
+                    f"ALTER TABLE {regclass_name(conn, _sql.spec_for(model).table)} RESET (autovacuum_enabled)",
+                ))  # fmt: skip
+            status = queue_status(conn, model, long_transaction=threshold, stale_after=stale)
+            if status.health is not None:
+                findings.append(_dead_tuples_finding(
+                    conn, model, status.health, ratio_warn=dead_ratio_warn, server_on=server_on,
+                    table_off=table_off, settings_missing=storage.status != "ok", holders=holders,
+                ))  # fmt: skip
+            if status.expired_leases:
+                window = (
+                    f" (running longer than stale_after {stale.total_seconds():g}s)"
+                    if status.kind == "jobs"
+                    else ""
+                )
+                findings.append(Finding(
+                    "stuck rows", name, "warn",
+                    f"{status.expired_leases} row(s) leased past their lease{window} (a dispatcher/worker died or "
+                    "hangs)",
                     "they are rescued by the next run of any dispatcher/worker; if none runs, start one",
                 ))  # fmt: skip
             else:
-                findings.append(Finding("stuck rows", t, "ok", "no lease past its expiry"))
+                findings.append(Finding("stuck rows", name, "ok", "no lease past its expiry"))
             if status.dead:
-                findings.append(Finding("dead letters", t, "warn", f"{status.dead} dead/failed row(s) need a person",
-                                        f"sa-outbox dead list{' --jobs' if status.kind == 'jobs' else ''}"))  # fmt: skip
+                findings.append(Finding("dead letters", name, "warn",
+                                        f"{status.dead} {_sql.spec_for(model).dead} row(s) need a person",
+                                        dead_list_command(_sql.spec_for(model))))  # fmt: skip
             else:
-                findings.append(Finding("dead letters", t, "ok", "no dead/failed rows"))
-        threshold = to_seconds(long_transaction, name="long_transaction")
-        holders = [
-            h for h in xmin_horizon(conn) if h.kind != "transaction" or (h.age_seconds or 0) >= threshold
-        ]
-        if holders:
-            for holder in holders:
-                who = (
-                    f"pid {holder.pid} ({holder.name or 'no application_name'}, {holder.state})"
-                    if holder.pid
-                    else f"{holder.kind} {holder.name!r}"
-                )
-                fix = f"SELECT pg_terminate_backend({holder.pid})" if holder.pid else (
-                    f"SELECT pg_drop_replication_slot('{holder.name}')" if holder.kind == "replication_slot" else f"ROLLBACK PREPARED '{holder.name}'")  # fmt: skip
-                findings.append(Finding("xmin horizon", None, "warn",
-                                        f"{who} holds back the xmin horizon ({holder.xmin_age} xids"
-                                        f"{f', open {holder.age_seconds:.0f}s' if holder.age_seconds else ''}): VACUUM cannot "
-                                        "remove dead queue rows", fix))  # fmt: skip
-        else:
-            findings.append(Finding("xmin horizon", None, "ok", "no long transaction, replication slot or prepared "
-                                    "transaction holds back VACUUM"))  # fmt: skip
-        idle = [
-            lk for lk in locks(conn, [_sql.spec_for(m).table.name for m in models]) if lk.idle_in_transaction
-        ]
+                findings.append(Finding("dead letters", name, "ok", "no dead/failed rows"))
+        findings.append(server)
+        for holder in holders:
+            fix = f"SELECT pg_terminate_backend({holder.pid})" if holder.pid else (
+                f"SELECT pg_drop_replication_slot('{holder.name}')" if holder.kind == "replication_slot"
+                else f"ROLLBACK PREPARED '{holder.name}'")  # fmt: skip
+            findings.append(Finding("xmin horizon", None, "warn", describe_holder(holder), fix))
+        if not holders:
+            findings.append(Finding("xmin horizon", None, "ok", "no long transaction of this database, replication "
+                                    "slot or prepared transaction holds back VACUUM"))  # fmt: skip
+        names = [regclass_name(conn, _sql.spec_for(m).table) for m in models]
+        idle = [lk for lk in locks(conn, names) if lk.idle_in_transaction]
         for lk in idle:
-            findings.append(Finding("idle in transaction", None, "warn",
-                                    f"pid {lk.pid} ({lk.application_name or '?'}) is idle in transaction holding "
-                                    f"{', '.join(lk.holds)}: its row locks block claims of those rows",
-                                    f"SELECT pg_terminate_backend({lk.pid}) — and fix the client that leaves transactions open"))  # fmt: skip
+            findings.append(Finding("idle in transaction", None, "warn", _held_locks_message(lk),
+                                    f"SELECT pg_terminate_backend({lk.pid})"))  # fmt: skip
         if not idle:
             findings.append(
                 Finding("idle in transaction", None, "ok", "no idle-in-transaction session holds queue locks")
@@ -216,19 +358,7 @@ def doctor(
         "NOTIFY is sent by the sa_outbox flush hook at commit; rows written without it are found by polling",
     ))  # fmt: skip
     if target is not None and hasattr(target, "publish_timeout"):
-        lease, timeout, batch = (
-            target.lease.total_seconds(),
-            target.publish_timeout.total_seconds(),
-            target.batch,
-        )
-        if batch * timeout > lease:
-            findings.append(Finding("lease vs publish timeout", None, "warn",
-                                    f"batch {batch} × publish_timeout {timeout:g}s > lease {lease:g}s: a slow broker "
-                                    "makes the end of a batch be released instead of published",
-                                    "lower batch or publish_timeout, or raise lease"))  # fmt: skip
-        else:
-            findings.append(Finding("lease vs publish timeout", None, "ok",
-                                    f"lease {lease:g}s covers batch {batch} × publish_timeout {timeout:g}s"))  # fmt: skip
+        findings.append(_lease_finding(target))
     return findings
 
 
@@ -243,7 +373,9 @@ class LockInfo:
     query_seconds: float | None
     query: str
     blocked_by: list[int]
-    holds: list[str]  # "<mode> on <table>"
+    #: granted locks on the queue tables: "<mode> on table <t>" for a table lock, "<mode> on row (page,item)
+    #: of <t> (tuple lock: …)" for the lock a session takes while it queues for one row.
+    holds: list[str]
     idle_in_transaction: bool
 
     def as_dict(self) -> dict[str, Any]:
@@ -251,16 +383,20 @@ class LockInfo:
 
 
 def locks(conn: Connection | Engine, tables: list[str]) -> list[LockInfo]:
-    """Sessions holding or waiting for locks on the queue tables, with who blocks whom."""
+    """Sessions holding or waiting for locks on the queue tables (names as in SQL, schema-qualified if
+    needed), with who blocks whom."""
     if isinstance(conn, Engine):
         with conn.connect() as c:
             return locks(c, tables)
     rows = conn.execute(
         text(
             """
-            WITH involved AS (
-                SELECT DISTINCT l.pid FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-                 WHERE c.relname = ANY(CAST(:tables AS text[])) AND l.pid <> pg_backend_pid()
+            WITH queue AS (
+                SELECT to_regclass(name)::oid AS oid FROM unnest(CAST(:tables AS text[])) AS name
+                 WHERE to_regclass(name) IS NOT NULL
+            ), involved AS (
+                SELECT DISTINCT l.pid FROM pg_locks l JOIN queue q ON q.oid = l.relation
+                 WHERE l.pid <> pg_backend_pid()
             ), related AS (
                 SELECT pid FROM involved
                 UNION SELECT a.pid FROM pg_stat_activity a
@@ -269,8 +405,13 @@ def locks(conn: Connection | Engine, tables: list[str]) -> list[LockInfo]:
             SELECT a.pid, coalesce(a.application_name, '') AS app, a.state, a.wait_event_type, a.wait_event,
                    EXTRACT(epoch FROM now() - a.xact_start) AS xact_s, EXTRACT(epoch FROM now() - a.query_start) AS query_s,
                    left(a.query, 300) AS query, pg_blocking_pids(a.pid) AS blocked_by,
-                   ARRAY(SELECT l.mode || ' on ' || c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-                          WHERE l.pid = a.pid AND l.granted AND c.relname = ANY(CAST(:tables AS text[]))
+                   ARRAY(SELECT CASE l.locktype
+                                WHEN 'relation' THEN l.mode || ' on table ' || l.relation::regclass::text
+                                WHEN 'tuple' THEN l.mode || ' on row (' || l.page || ',' || l.tuple || ') of '
+                                     || l.relation::regclass::text || ' (tuple lock: first in line for that row)'
+                                ELSE l.mode || ' on ' || l.locktype || ' of ' || l.relation::regclass::text END
+                           FROM pg_locks l JOIN queue q ON q.oid = l.relation
+                          WHERE l.pid = a.pid AND l.granted
                           ORDER BY 1) AS holds
               FROM pg_stat_activity a JOIN related r USING (pid)
              ORDER BY a.xact_start NULLS LAST

@@ -12,6 +12,7 @@ from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
 from ._schema import JobMixin, OutboxMixin
+from .errors import ConfigurationError
 from .inbox import InboxMixin
 
 __all__ = ["Base", "Inbox", "Job", "OutboxEvent", "model_for"]
@@ -34,18 +35,28 @@ class Inbox(InboxMixin, Base):
 
 
 _DYNAMIC: dict[tuple[str, str, str | None], type[Any]] = {}
+_BASES: dict[str | None, type[DeclarativeBase]] = {}
 
 
-class _DynamicBase(DeclarativeBase):
-    metadata = MetaData()
+def _base_for(schema: str | None) -> type[DeclarativeBase]:
+    """A private declarative base per schema whose metadata puts its tables in that schema (the mixins'
+    own ``__table_args__`` — constraints and partial indexes — stay intact)."""
+    if schema not in _BASES:
+        _BASES[schema] = type(
+            f"_DynamicBase_{schema or 'default'}", (DeclarativeBase,), {"metadata": MetaData(schema=schema)}
+        )
+    return _BASES[schema]
 
 
 def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
-    """A mapped class for an existing outbox/jobs table known only by name (the CLI's ``--outbox-table``).
+    """A mapped class for an existing outbox/jobs table known only by name (the CLI's ``--outbox-table``,
+    ``schema.table`` split into ``schema`` and ``table``).
 
     The reference models are returned for the default names; other names get a class of their own on a
     private metadata (cached), never touching the application's metadata.
     """
+    if kind not in ("outbox", "jobs"):
+        raise ConfigurationError(f"kind must be 'outbox' or 'jobs', got {kind!r}")
     if schema is None and (kind, table) == ("outbox", OutboxEvent.__tablename__):
         return OutboxEvent
     if schema is None and (kind, table) == ("jobs", Job.__tablename__):
@@ -53,9 +64,6 @@ def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
     key = (kind, table, schema)
     if key not in _DYNAMIC:
         mixin: type[Any] = OutboxMixin if kind == "outbox" else JobMixin
-        attrs: dict[str, Any] = {"__tablename__": table}
-        if schema:
-            attrs["__table_args__"] = {"schema": schema}
-        name = "".join(part.capitalize() for part in f"{kind}_{table}".split("_") if part)
-        _DYNAMIC[key] = type(name, (mixin, _DynamicBase), attrs)
+        name = "".join(part.capitalize() for part in f"{schema or ''}_{kind}_{table}".split("_") if part)
+        _DYNAMIC[key] = type(name, (mixin, _base_for(schema)), {"__tablename__": table})
     return _DYNAMIC[key]

@@ -1,25 +1,52 @@
-"""What an operator watches: depth, oldest age, expired leases, attempts, dead letters, table health and
-the xmin horizon — as frozen values for Python callers and as the data behind ``sa-outbox status/check``.
+"""What an operator watches: depth, oldest ages, expired leases, attempts, dead letters and the aggregates
+they block, table health and the xmin horizon — as frozen values for Python callers and as the data behind
+``sa-outbox status/check``.
 
-Every query reads the queue through its partial indexes (ready, leased/running, dead/failed), so it stays
-cheap on a table with millions of done rows; the number of done rows is counted exactly up to
-``done_count_cap`` and estimated from the planner's statistics beyond that.
+Every query reads the queue through its partial indexes (ready, leased/running, aggregate, dead/failed), so
+it stays cheap on a table with millions of done rows; the number of done rows is counted exactly up to
+``done_count_cap`` and estimated beyond that (``done_is_estimate`` says so).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from functools import cache
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, literal_column, select, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Integer,
+    Interval,
+    Table,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    text,
+)
+from sqlalchemy.sql import Select
 
-from ._durations import Duration, to_seconds
+from ._durations import Duration, to_seconds, to_timedelta
+from ._loop import positive_int
 from ._sql import QueueSpec, const, spec_for
+from .errors import ConfigurationError
 
-__all__ = ["HorizonHolder", "QueueStatus", "TableHealth", "purge", "queue_status", "xmin_horizon"]
+__all__ = [
+    "BlockedAggregate",
+    "HorizonHolder",
+    "QueueStatus",
+    "TableHealth",
+    "purge",
+    "queue_status",
+    "xmin_horizon",
+]
 
 DONE_COUNT_CAP = 100_000
+
+log = logging.getLogger("sa_outbox.monitoring")
 
 
 @dataclass(frozen=True)
@@ -37,34 +64,59 @@ class TableHealth:
 
 @dataclass(frozen=True)
 class HorizonHolder:
-    """Something that holds back the xmin horizon (VACUUM cannot remove dead tuples newer than it)."""
+    """Something that holds back this database's xmin horizon: VACUUM cannot remove dead tuples that became
+    dead after it started (a transaction's snapshot or its own xid, a replication slot, a prepared
+    transaction)."""
 
     kind: str  # transaction | replication_slot | prepared_transaction
     pid: int | None
     name: str  # application name, slot name or gid
     state: str | None
     age_seconds: float | None  # how long the transaction has been open
-    xmin_age: int  # transactions since its xmin
+    xmin_age: int  # transactions since the oldest xid it holds back
     query: str | None
+    #: what holds the horizon: "snapshot" (backend_xmin), "xid" (it wrote and has not ended; a READ COMMITTED
+    #: session idle in transaction has no snapshot but still holds VACUUM back through its xid), or both.
+    via: str = ""
+
+
+@dataclass(frozen=True)
+class BlockedAggregate:
+    """An aggregate whose oldest dead message has later pending messages: an ordered dispatcher delivers none
+    of them until an operator retries or skips the dead one (``sa-outbox dead retry|skip ID``)."""
+
+    aggregate_type: str
+    aggregate_id: str
+    dead_id: int  # the first dead message of the aggregate
+    waiting: int  # pending messages after it
 
 
 @dataclass(frozen=True)
 class QueueStatus:
-    table: str
+    """A snapshot of one outbox/jobs table. Ages are seconds (``None`` when there is no such row)."""
+
+    table: str  # schema-qualified when the table is not in the search path's default schema
     kind: str  # outbox | jobs
     counts: dict[str, int]  # per status; "done" is exact up to done_count_cap
     done_is_estimate: bool
-    oldest_pending_age: (
-        float | None
-    )  # seconds; the most important number (pending/processing | queued/running)
-    oldest_ready_age: float | None  # seconds since the oldest *due* ready row became due
+    #: For alerting: how long the oldest row that is due and not started (pending/queued, its available_at /
+    #: run_at passed) has waited since it became due. Rows scheduled for later or deferred do not count.
+    oldest_pending_age: float | None
+    #: For information: age (from created_at) of the oldest unfinished row, due or not, started or not.
+    oldest_unfinished_age: float | None
     expired_leases: int  # leased rows past their lease (outbox) / running jobs older than stale_after
+    stale_after: float | None  # jobs: the reaping window expired_leases was counted with (seconds)
     attempts: dict[int, int]  # histogram over unfinished rows
     dead: int
     queues: dict[str, dict[str, int]]  # jobs: per queue, queued/running counts
     health: TableHealth | None
+    blocked_aggregates: list[BlockedAggregate] = field(default_factory=list)  # outbox: the first few
+    blocked_aggregates_total: int = 0
     horizon: list[HorizonHolder] = field(default_factory=list)
+    #: About this table (expired leases, dead letters, blocked aggregates).
     warnings: list[str] = field(default_factory=list)
+    #: About the whole database (what holds back the xmin horizon): the same for every table.
+    horizon_warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -73,6 +125,11 @@ class QueueStatus:
                 data["health"][key] = data["health"][key].isoformat()
         data["attempts"] = {str(k): v for k, v in self.attempts.items()}
         return data
+
+
+def regclass_name(conn: Connection, table: Table) -> str:
+    """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept)."""
+    return str(conn.dialect.identifier_preparer.format_table(table))
 
 
 def _age(conn: Connection, expr: Any) -> float | None:
@@ -87,7 +144,7 @@ def _health(conn: Connection, spec: QueueSpec) -> TableHealth | None:
             "autovacuum_count, pg_total_relation_size(relid) AS total_bytes "
             "FROM pg_stat_user_tables WHERE relid = CAST(:t AS regclass)"
         ),
-        {"t": spec.table.fullname},
+        {"t": regclass_name(conn, spec.table)},
     ).first()
     if row is None:
         return None
@@ -98,22 +155,39 @@ def _health(conn: Connection, spec: QueueSpec) -> TableHealth | None:
     )  # fmt: skip
 
 
+# Only sessions of THIS database hold back its tables' horizon (PostgreSQL computes the data horizon per
+# database; a snapshot in another database matters only for shared catalogs), plus walsenders, whose
+# hot_standby_feedback holds every database. A session holds it through its snapshot (backend_xmin) or,
+# without one, through its own xid (backend_xid: a READ COMMITTED session that wrote and sits idle in
+# transaction). Autovacuum workers never hold it.
+_TRANSACTIONS = text(
+    """
+    SELECT pid, application_name, state, EXTRACT(epoch FROM now() - xact_start) AS age,
+           greatest(age(backend_xmin), age(backend_xid)) AS xmin_age,
+           backend_xmin IS NOT NULL AS has_snapshot, backend_xid IS NOT NULL AS has_xid,
+           left(query, 200) AS query
+      FROM pg_stat_activity
+     WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+       AND pid <> pg_backend_pid()
+       AND (datname = current_database() OR backend_type = 'walsender')
+       AND backend_type <> 'autovacuum worker'
+     ORDER BY greatest(age(backend_xmin), age(backend_xid)) DESC
+     LIMIT :n
+    """
+)
+
+
 def xmin_horizon(conn: Connection, *, limit: int = 5) -> list[HorizonHolder]:
-    """The oldest transactions, replication slots and prepared transactions holding back VACUUM."""
+    """The oldest transactions of this database (by snapshot or by xid), replication slots and this
+    database's prepared transactions holding back VACUUM of its tables, oldest first per kind."""
+    limit = positive_int(limit, "limit")
     holders: list[HorizonHolder] = []
-    for r in conn.execute(
-        text(
-            "SELECT pid, application_name, state, EXTRACT(epoch FROM now() - xact_start) AS age, "
-            "age(backend_xmin) AS xmin_age, left(query, 200) AS query FROM pg_stat_activity "
-            "WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() "
-            "ORDER BY age(backend_xmin) DESC LIMIT :n"
-        ),
-        {"n": limit},
-    ):
+    for r in conn.execute(_TRANSACTIONS, {"n": limit}):
         age = None if r.age is None else float(r.age)
+        via = " and ".join(w for w, on in (("snapshot", r.has_snapshot), ("xid", r.has_xid)) if on)
         holders.append(
             HorizonHolder(
-                "transaction", r.pid, r.application_name or "", r.state, age, int(r.xmin_age), r.query
+                "transaction", r.pid, r.application_name or "", r.state, age, int(r.xmin_age), r.query, via
             )
         )
     for r in conn.execute(
@@ -123,17 +197,102 @@ def xmin_horizon(conn: Connection, *, limit: int = 5) -> list[HorizonHolder]:
         )
     ):
         holders.append(
-            HorizonHolder("replication_slot", None, r.slot_name, None, None, int(r.xmin_age), None)
+            HorizonHolder("replication_slot", None, r.slot_name, None, None, int(r.xmin_age), None, "slot")
         )
     for r in conn.execute(
         text(
-            "SELECT gid, EXTRACT(epoch FROM now() - prepared) AS age, age(transaction) AS xmin_age FROM pg_prepared_xacts"
+            "SELECT gid, EXTRACT(epoch FROM now() - prepared) AS age, age(transaction) AS xmin_age "
+            "FROM pg_prepared_xacts WHERE database = current_database()"
         )
     ):
         holders.append(
-            HorizonHolder("prepared_transaction", None, r.gid, None, float(r.age), int(r.xmin_age), None)
+            HorizonHolder(
+                "prepared_transaction", None, r.gid, None, float(r.age), int(r.xmin_age), None, "xid"
+            )
         )
     return holders
+
+
+def long_horizon_holders(conn: Connection, long_transaction: Duration) -> list[HorizonHolder]:
+    """:func:`xmin_horizon`, keeping transactions open at least ``long_transaction``."""
+    threshold = to_seconds(long_transaction, name="long_transaction")
+    return [h for h in xmin_horizon(conn) if h.kind != "transaction" or (h.age_seconds or 0) >= threshold]
+
+
+def describe_holder(h: HorizonHolder) -> str:
+    """One line naming what holds the horizon and what that costs (for status and doctor)."""
+    if h.kind == "transaction":
+        through = {"xid": "its uncommitted writes (xid)", "snapshot": "its snapshot"}.get(
+            h.via, "its snapshot and uncommitted writes"
+        )
+        return (
+            f"transaction pid {h.pid} ({h.name or 'no application_name'}, {h.state}) has been open "
+            f"{h.age_seconds or 0:.0f}s and holds back the xmin horizon through {through} ({h.xmin_age} xids): "
+            "VACUUM cannot remove dead queue rows and every SKIP LOCKED claim slows down; end it "
+            f"(COMMIT/ROLLBACK in its client, or SELECT pg_terminate_backend({h.pid}))"
+        )
+    return f"{h.kind.replace('_', ' ')} {h.name!r} holds back the xmin horizon ({h.xmin_age} xids)"
+
+
+@cache
+def _blocked_statement(spec: QueueSpec) -> Select[Any]:
+    """Aggregates whose first dead message has pending messages after it, first dead message first. Both
+    sides read the aggregate partial index ``(aggregate_id, id) WHERE status IN (pending, processing, dead)``:
+    the cost follows the unfinished and dead rows, never the done history."""
+    dead, later = spec.table.alias("d"), spec.table.alias("w")
+    heads = (
+        select(dead.c.aggregate_type, dead.c.aggregate_id, func.min(dead.c.id).label("dead_id"))
+        .where(dead.c.status == const(spec.dead))
+        .group_by(dead.c.aggregate_type, dead.c.aggregate_id)
+        .subquery("heads")
+    )
+    waiting = (
+        select(func.count())
+        .select_from(later)
+        .where(
+            later.c.aggregate_id == heads.c.aggregate_id,
+            later.c.aggregate_type == heads.c.aggregate_type,
+            later.c.id > heads.c.dead_id,
+            later.c.status == const(spec.ready),
+        )
+        .scalar_subquery()
+    )
+    per_head = select(heads, waiting.label("waiting")).subquery("per_head")
+    return (
+        select(per_head, func.count().over().label("total"))
+        .where(per_head.c.waiting > 0)
+        .order_by(per_head.c.dead_id)
+        .limit(bindparam("n", type_=Integer))
+    )
+
+
+def dead_list_command(spec: QueueSpec) -> str:
+    """The command that lists this table's dead letters (``--jobs`` and the table option when needed)."""
+    name = spec.table.fullname
+    if spec.kind == "jobs":
+        return "sa-outbox dead list --jobs" + ("" if name == "jobs" else f" --jobs-table {name}")
+    return "sa-outbox dead list" + ("" if name == "outbox" else f" --outbox-table {name}")
+
+
+def _done_count(conn: Connection, spec: QueueSpec, others: int, cap: int) -> tuple[int, bool]:
+    """Done rows: counted exactly up to ``cap``; beyond it estimated from the statistics' live-tuple count
+    (kept current by every insert and delete, so a purge shows at once — unlike reltuples, which only moves
+    at the next VACUUM/ANALYZE) minus the unfinished and dead rows counted exactly."""
+    t, c = spec.table, spec.c
+    capped: Any = (
+        select(literal_column("1")).select_from(t).where(c.status == const(spec.done)).limit(cap + 1)
+    )
+    done = int(conn.execute(select(func.count()).select_from(capped.subquery())).scalar_one())
+    if done <= cap:
+        return done, False
+    live = conn.execute(
+        text(
+            "SELECT coalesce(s.n_live_tup, c.reltuples::bigint) FROM pg_class c "
+            "LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.oid = CAST(:t AS regclass)"
+        ),
+        {"t": regclass_name(conn, t)},
+    ).scalar_one()
+    return max(int(live) - others, cap + 1), True
 
 
 def queue_status(
@@ -143,14 +302,24 @@ def queue_status(
     stale_after: Duration = 60.0,
     long_transaction: Duration = 60.0,
     done_count_cap: int = DONE_COUNT_CAP,
+    blocked_limit: int = 10,
 ) -> QueueStatus:
-    """A snapshot of one outbox/jobs table. ``stale_after`` is the jobs reaping window (what counts as an
-    expired lease for jobs); ``long_transaction`` is the age at which an open transaction is reported as
-    holding back the xmin horizon."""
+    """A snapshot of one outbox/jobs table.
+
+    ``stale_after`` is the workers' reaping window (a running job locked longer ago counts as an expired
+    lease; pass the ``stale_after`` your workers use); ``long_transaction`` is the age at which an open
+    transaction is reported as holding back the xmin horizon; at most ``blocked_limit`` blocked aggregates
+    are listed (``blocked_aggregates_total`` counts them all). Invalid options raise ``ConfigurationError``
+    before any query."""
+    stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
+    to_seconds(long_transaction, name="long_transaction")
+    if isinstance(done_count_cap, bool) or not isinstance(done_count_cap, int) or done_count_cap < 0:
+        raise ConfigurationError(f"done_count_cap must be an integer >= 0, got {done_count_cap!r}")
+    blocked_limit = positive_int(blocked_limit, "blocked_limit")
     if isinstance(engine, Engine):
         with engine.connect() as conn:
-            return queue_status(conn, model, stale_after=stale_after, long_transaction=long_transaction,
-                                done_count_cap=done_count_cap)  # fmt: skip
+            return queue_status(conn, model, stale_after=stale, long_transaction=long_transaction,
+                                done_count_cap=done_count_cap, blocked_limit=blocked_limit)  # fmt: skip
     conn = engine
     spec = spec_for(model)
     t, c = spec.table, spec.c
@@ -159,30 +328,17 @@ def queue_status(
         counts[status] = int(
             conn.execute(select(func.count()).select_from(t).where(c.status == const(status))).scalar_one()
         )
-    capped: Any = (
-        select(literal_column("1"))
-        .select_from(t)
-        .where(c.status == const(spec.done))
-        .limit(done_count_cap + 1)
-    )
-    done = int(conn.execute(select(func.count()).select_from(capped.subquery())).scalar_one())
-    estimate = done > done_count_cap
-    if estimate:
-        reltuples = conn.execute(
-            text("SELECT reltuples::bigint FROM pg_class WHERE oid = CAST(:t AS regclass)"), {"t": t.fullname}
-        ).scalar_one()
-        done = max(int(reltuples) - sum(counts.values()), done_count_cap)
-    counts[spec.done] = done
+    counts[spec.done], estimate = _done_count(conn, spec, sum(counts.values()), done_count_cap)
 
     unfinished = c.status.in_([const(spec.ready), const(spec.active)])
     oldest = conn.execute(select(func.min(c.created_at)).where(unfinished)).scalar()
-    oldest_age = _age(conn, oldest) if oldest is not None else None
+    oldest_unfinished = _age(conn, oldest) if oldest is not None else None
     oldest_due = conn.execute(
         select(func.min(spec.due)).where(c.status == const(spec.ready), spec.due <= func.now())
     ).scalar()
-    oldest_ready_age = _age(conn, oldest_due) if oldest_due is not None else None
+    oldest_pending = _age(conn, oldest_due) if oldest_due is not None else None
     expired_q = select(func.count()).select_from(t).where(spec.lease_expired())
-    params = {} if spec.kind == "outbox" else {"stale_after": _td(stale_after)}
+    params = {} if spec.kind == "outbox" else {"stale_after": stale}
     expired = int(conn.execute(expired_q, params).scalar_one())
     attempts = {
         int(a): int(n)
@@ -196,57 +352,61 @@ def queue_status(
             select(c.queue, c.status, func.count()).where(unfinished).group_by(c.queue, c.status)
         ):
             queues.setdefault(q, {spec.ready: 0, spec.active: 0})[st] = int(n)
+    blocked: list[BlockedAggregate] = []
+    blocked_total = 0
+    if spec.kind == "outbox" and counts[spec.dead]:
+        for r in conn.execute(_blocked_statement(spec), {"n": blocked_limit}):
+            blocked.append(BlockedAggregate(r.aggregate_type, r.aggregate_id, int(r.dead_id), int(r.waiting)))
+            blocked_total = int(r.total)
     health = _health(conn, spec)
-    threshold = to_seconds(long_transaction, name="long_transaction")
-    horizon = [h for h in xmin_horizon(conn) if h.kind != "transaction" or (h.age_seconds or 0) >= threshold]
+    horizon = long_horizon_holders(conn, long_transaction)
     warnings: list[str] = []
-    for h in horizon:
-        if h.kind == "transaction":
-            warnings.append(
-                f"transaction pid {h.pid} ({h.name or 'no application_name'}, {h.state}) has been open "
-                f"{h.age_seconds:.0f}s and holds back the xmin horizon: VACUUM cannot remove dead queue rows "
-                "and every SKIP LOCKED claim slows down; end it (pg_terminate_backend) or fix the client"
-            )
-        else:
-            warnings.append(
-                f"{h.kind.replace('_', ' ')} {h.name!r} holds back the xmin horizon ({h.xmin_age} xids)"
-            )
     if expired:
         warnings.append(f"{expired} expired lease(s): a dispatcher/worker crashed or its lease is too short")
     if counts[spec.dead]:
-        warnings.append(f"{counts[spec.dead]} {spec.dead} row(s) need a person (sa-outbox dead list)")
+        warnings.append(f"{counts[spec.dead]} {spec.dead} row(s) need a person ({dead_list_command(spec)})")
+    if blocked_total:
+        first = blocked[0]
+        warnings.append(
+            f"{blocked_total} aggregate(s) have pending messages behind a dead one (the first: "
+            f"{first.aggregate_type}/{first.aggregate_id}, {first.waiting} waiting behind dead {first.dead_id}): "
+            "an ordered dispatcher delivers none of them until the dead message is retried or skipped"
+        )
     return QueueStatus(
-        t.name, spec.kind, counts, estimate, oldest_age, oldest_ready_age, expired, attempts, counts[spec.dead],
-        queues, health, horizon, warnings,
+        t.fullname, spec.kind, counts, estimate, oldest_pending, oldest_unfinished, expired,
+        stale.total_seconds() if spec.kind == "jobs" else None, attempts, counts[spec.dead], queues, health,
+        blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon],
     )  # fmt: skip
-
-
-def _td(value: Duration) -> Any:
-    from ._durations import to_timedelta
-
-    return to_timedelta(value, name="stale_after")
 
 
 def purge(
     engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000, dry_run: bool = False
 ) -> int:
-    """Delete ``done`` rows finished more than ``older_than`` ago, ``batch_size`` rows per short transaction
-    (through the done index: no long lock, no huge transaction). Returns how many rows were (or, with
-    ``dry_run``, would be) deleted. Pending, leased and dead rows are never touched."""
-    from ._durations import to_timedelta
+    """Delete ``done`` rows finished more than ``older_than`` before the call started, ``batch_size`` (>= 1)
+    rows per short transaction (through the done index: no long lock, no huge transaction). The cutoff is
+    fixed once from the database clock, so rows finished while it runs are left for the next purge and it
+    ends under any load. Returns how many rows were (or, with ``dry_run``, would be) deleted. Pending,
+    leased and dead rows are never touched."""
     from ._sql import purge_selection, purge_statement
 
     spec = spec_for(model)
     age = to_timedelta(older_than, name="older_than")
-    if dry_run:
-        with engine.connect() as conn:
+    batch_size = positive_int(batch_size, "batch_size")
+    with engine.connect() as conn:
+        cutoff = conn.execute(select(func.now() - bindparam("age", age, type_=Interval))).scalar_one()
+        if dry_run:
             sel = purge_selection(spec).subquery()
-            return int(conn.execute(select(func.count()).select_from(sel), {"older_than": age}).scalar_one())
+            return int(conn.execute(select(func.count()).select_from(sel), {"cutoff": cutoff}).scalar_one())
     stmt = purge_statement(spec)
     total = 0
     while True:
         with engine.begin() as conn:
-            deleted = conn.execute(stmt, {"older_than": age, "batch": batch_size}).rowcount
+            deleted = conn.execute(stmt, {"cutoff": cutoff, "batch": batch_size}).rowcount
         total += deleted
         if deleted < batch_size:
-            return total
+            break
+    log.info(
+        "purged %d done row(s) of %s finished before %s", total, spec.table.fullname, cutoff.isoformat(),
+        extra={"table": spec.table.fullname, "deleted": total},
+    )  # fmt: skip
+    return total

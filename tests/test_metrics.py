@@ -109,3 +109,111 @@ def test_async_loops_feed_the_same_histograms(engine: Engine, async_url: URL) ->
     assert 'sa_outbox_handle_seconds_count{kind="outbox",table="outbox"} 4.0' in body
     assert 'sa_outbox_claim_seconds_count{kind="outbox",table="outbox"} 1.0' in body
     assert 'sa_outbox_rows{kind="outbox",status="done",table="outbox"} 4.0' in body  # status gauges too
+
+
+def _gauge(body: str, series: str) -> float:
+    for line in body.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in the scrape:\n{body}")
+
+
+def test_worker_gauges_use_the_workers_stale_after_and_the_due_age(engine: Engine) -> None:
+    from sqlalchemy import text
+
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    with engine.begin() as conn:
+        conn.execute(  # a healthy long job for a fleet with stale_after=600, and a job scheduled for tomorrow
+            text(
+                "INSERT INTO jobs (task, queue, payload, status, attempts, lease_version, locked_by, locked_at) "
+                "VALUES ('export', 'default', '{}', 'running', 1, 1, 'w', now() - interval '2 minutes');"
+                "INSERT INTO jobs (task, queue, payload, created_at, run_at) "
+                "VALUES ('report', 'default', '{}', now() - interval '2 days', now() + interval '1 day')"
+            )
+        )
+    worker = Worker(engine, Job, {"export": lambda job: None}, stale_after=600, listen=False)
+    port = _free_port()
+    exporter = MetricsExporter(worker, status_interval=0).start(port, addr="127.0.0.1")
+    try:
+        body = _scrape(port)
+    finally:
+        exporter.stop()
+        worker.close()
+    labels = '{kind="jobs",table="jobs"}'
+    assert _gauge(body, f"sa_outbox_expired_leases{labels}") == 0.0  # 2 minutes < the worker's 600 s
+    assert _gauge(body, f"sa_outbox_oldest_pending_age_seconds{labels}") == 0.0  # nothing due is waiting
+    assert _gauge(body, f"sa_outbox_oldest_unfinished_age_seconds{labels}") > 2 * 86400 - 60
+
+
+def test_the_rows_gauge_says_when_it_is_an_estimate_and_follows_a_purge(engine: Engine) -> None:
+    from sqlalchemy import text
+
+    from sa_outbox.models import model_for
+    from sa_outbox.monitoring import purge
+
+    # A table of its own: its statistics see only this test's statements (no other test's pending counts).
+    model = model_for("outbox", "outbox_estimate")
+    model.__table__.create(engine)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox_estimate (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
+                    "SELECT 'o', g::text, 'E', '{}', CASE WHEN g <= 2 THEN 'pending' ELSE 'done' END, "
+                    "CASE WHEN g > 62 THEN now() - interval '1 day' WHEN g > 2 THEN now() - interval '10 days' END "
+                    "FROM generate_series(1, 102) g"
+                )
+            )
+            conn.execute(text("SELECT pg_stat_force_next_flush()"))  # counted before the commit returns
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ANALYZE outbox_estimate"))  # reltuples 102, until the next ANALYZE/VACUUM
+
+        def live_tuples() -> int:
+            with engine.connect() as conn:
+                return int(
+                    conn.execute(
+                        text("SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = 'outbox_estimate'")
+                    ).scalar_one()
+                )
+
+        d = Dispatcher(engine, model, RecordingPublisher(), listen=False)
+        port = _free_port()
+        exporter = MetricsExporter(d, status_interval=0, done_count_cap=10).start(port, addr="127.0.0.1")
+        try:
+            before = _scrape(port)
+            assert purge(engine, model, older_than=5 * 86400) == 60  # the 60 oldest done rows
+            deadline = time.monotonic() + 15  # the deleting session reports its counts within about 1 s
+            while time.monotonic() < deadline and live_tuples() != 42:
+                time.sleep(0.1)
+            after = _scrape(port)
+        finally:
+            exporter.stop()
+            d.close()
+    finally:
+        model.__table__.drop(engine)
+    labels = '{kind="outbox",status="done",table="outbox_estimate"}'
+    assert _gauge(before, f"sa_outbox_rows_estimated{labels}") == 1.0  # beyond the exact-count cap
+    assert (
+        _gauge(before, 'sa_outbox_rows_estimated{kind="outbox",status="pending",table="outbox_estimate"}')
+        == 0
+    )
+    assert _gauge(before, f"sa_outbox_rows{labels}") == 100.0
+    assert _gauge(after, f"sa_outbox_rows{labels}") == 40.0  # not the stale 100 of reltuples
+    assert _gauge(after, 'sa_outbox_status_age_seconds{kind="outbox",table="outbox_estimate"}') < 60
+
+
+def test_metrics_exporter_refuses_bad_options(engine: Engine) -> None:
+    import pytest
+
+    from sa_outbox.errors import ConfigurationError
+
+    d = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
+    try:
+        with pytest.raises(ConfigurationError, match="status_interval must be >= 0"):
+            MetricsExporter(d, status_interval=-1)
+        with pytest.raises(ConfigurationError, match="stale_after must be > 0"):
+            MetricsExporter(d, stale_after=0)
+    finally:
+        d.close()

@@ -11,10 +11,12 @@ from sqlalchemy import Engine, event, text
 from sqlalchemy.engine import URL
 
 from sa_outbox._cli import main
+from sa_outbox.errors import ConfigurationError
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.monitoring import purge, queue_status
 
-from .helpers import ids_with_status, row, seed_events, seed_jobs, statuses
+from .helpers import ids_with_status, queue_tables_shaped, row, seed_events, seed_jobs, statuses
+from .sessions import open_snapshot
 
 
 def cli(capsys: pytest.CaptureFixture[str], url: URL, *argv: str) -> tuple[int, str]:
@@ -25,7 +27,12 @@ def cli(capsys: pytest.CaptureFixture[str], url: URL, *argv: str) -> tuple[int, 
 def _seed_known_state(engine: Engine) -> None:
     seed_events(engine, 10)  # ids 1..10
     with engine.begin() as conn:
-        conn.execute(text("UPDATE outbox SET created_at = now() - interval '100 seconds' WHERE id = 1"))
+        conn.execute(
+            text(
+                "UPDATE outbox SET created_at = now() - interval '100 seconds', "
+                "available_at = now() - interval '100 seconds' WHERE id = 1"
+            )
+        )
         conn.execute(text("UPDATE outbox SET attempts = 2 WHERE id = 2"))
         conn.execute(
             text(
@@ -54,7 +61,8 @@ def test_status_json_reports_exact_figures(
     report = json.loads(out)["outbox"]
     assert report["counts"] == {"pending": 3, "processing": 2, "dead": 1, "done": 4}
     assert report["done_is_estimate"] is False
-    assert 100 <= report["oldest_pending_age"] < 110  # the most important number, in seconds
+    assert 100 <= report["oldest_pending_age"] < 110  # due 100 s ago, not started: the alerting number
+    assert 100 <= report["oldest_unfinished_age"] < 110
     assert report["expired_leases"] == 1
     assert report["attempts"] == {"0": 2, "1": 1, "2": 1, "3": 1}
     assert report["dead"] == 1
@@ -75,17 +83,13 @@ def test_status_human_output_names_the_numbers(
 def test_status_warns_about_a_transaction_holding_back_the_xmin_horizon(engine: Engine) -> None:
     seed_events(engine, 1)
     with engine.connect() as holder:
-        holder.execute(text("SET application_name = 'long-report'"))
-        holder.commit()
-        holder.execution_options(isolation_level="REPEATABLE READ")
-        holder.begin()
-        holder.execute(text("SELECT count(*) FROM outbox"))  # takes the snapshot
-        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        pid = open_snapshot(holder, "long-report", "SELECT count(*) FROM outbox")
         time.sleep(1.2)
         report = queue_status(engine, OutboxEvent, long_transaction=1.0)
         holder.rollback()
     assert any(h.pid == pid and h.name == "long-report" for h in report.horizon)
-    assert any(f"pid {pid}" in w and "xmin horizon" in w for w in report.warnings)
+    assert any(f"pid {pid}" in w and "xmin horizon" in w for w in report.horizon_warnings)
+    assert not any("xmin horizon" in w for w in report.warnings)  # table warnings: about this table only
     after = queue_status(engine, OutboxEvent, long_transaction=1.0)
     assert not any(h.pid == pid for h in after.horizon)
 
@@ -96,7 +100,7 @@ def test_check_exits_zero_and_non_zero_at_the_thresholds(
     _seed_known_state(engine)
     assert cli(capsys, db_url, "check", "--max-dead", "1", "--max-expired-leases", "1")[0] == 0
     code, out = cli(capsys, db_url, "check", "--max-dead", "0")
-    assert code == 1 and out.strip() == "FAIL: outbox: 1 dead/failed > 0"
+    assert code == 1 and out.strip() == "FAIL: outbox: 1 dead > 0"
     code, out = cli(capsys, db_url, "check", "--max-oldest-pending-age", "1m")
     assert code == 1 and "oldest pending age" in out and "> 60s" in out
     assert cli(capsys, db_url, "check", "--max-oldest-pending-age", "5m")[0] == 0
@@ -199,7 +203,184 @@ def test_cli_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], db_ur
             "nope2",
         ]
     )
-    assert code == 2 and "run the migration" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and "no table nope, nope2 in this database" in err and "alembic upgrade head" in err
     with pytest.raises(SystemExit) as info:
         main(["purge", "--older-than", "soon"])
     assert info.value.code == 2 and "invalid duration 'soon'" in capsys.readouterr().err
+
+
+def test_purge_fixes_its_cutoff_when_it_starts_and_does_not_chase_rows_finished_meanwhile(
+    engine: Engine,
+) -> None:
+    seed_events(engine, 60)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE outbox SET status = 'done', done_at = now() - interval '1 hour' WHERE id <= 30")
+        )
+    finished_meanwhile = iter(range(31, 61))
+
+    def finish_one_more(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # Dispatchers keep finishing messages while the purge runs: one more done row before each batch.
+        if statement.lstrip().upper().startswith("DELETE"):
+            n = next(finished_meanwhile, None)
+            if n is not None:
+                with engine.begin() as other:
+                    other.execute(
+                        text("UPDATE outbox SET status = 'done', done_at = now() WHERE id = :n"), {"n": n}
+                    )
+
+    assert purge(engine, OutboxEvent, older_than=0, dry_run=True) == 30
+    event.listen(engine, "before_cursor_execute", finish_one_more)
+    try:
+        deleted = purge(engine, OutboxEvent, older_than=0, batch_size=1)
+    finally:
+        event.remove(engine, "before_cursor_execute", finish_one_more)
+    assert deleted == 30  # what was done before it started; the dry run said the same
+    assert statuses(engine) == {"done": 30}
+
+
+@pytest.mark.timeout(60)  # a batch size of 0 used to loop forever
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5])
+def test_purge_refuses_a_batch_size_below_one(engine: Engine, batch_size: Any) -> None:
+    seed_events(engine, 2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'done', done_at = now() - interval '1 day'"))
+    with pytest.raises(ConfigurationError, match=r"batch_size must be an integer >= 1"):
+        purge(engine, OutboxEvent, older_than=60, batch_size=batch_size)
+    assert statuses(engine) == {"done": 2}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["purge", "--older-than", "7d", "--batch-size", "0"],
+            "--batch-size: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["purge", "--older-than", "7d", "--batch-size", "-3"],
+            "--batch-size: must be an integer >= 1, got '-3'",
+        ),
+        (["dead", "retry", "--all", "--batch-size", "0"], "--batch-size: must be an integer >= 1, got '0'"),
+        (["dead", "skip", "--all", "--batch-size", "x"], "--batch-size: must be an integer >= 1, got 'x'"),
+        (["dead", "list", "--limit", "-1"], "--limit: must be an integer >= 1, got '-1'"),
+        (["check", "--max-dead", "-1"], "--max-dead: must be an integer >= 0, got '-1'"),
+        (
+            ["check", "--max-expired-leases", "two"],
+            "--max-expired-leases: must be an integer >= 0, got 'two'",
+        ),
+        (["status", "--long-transaction", "-5"], "--long-transaction: invalid duration '-5'"),
+        (["status", "--stale-after", "0"], "--stale-after: must be a duration > 0"),
+        (["doctor", "--stale-after", "soon"], "--stale-after: invalid duration 'soon'"),
+    ],
+)
+def test_cli_numeric_options_are_validated_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_check_alerts_on_rows_due_and_waiting_not_on_rows_scheduled_for_later(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(  # enqueued two days ago to run tomorrow
+            text(
+                "INSERT INTO jobs (task, queue, payload, created_at, run_at) "
+                "VALUES ('report', 'default', '{}', now() - interval '2 days', now() + interval '1 day')"
+            )
+        )
+        conn.execute(  # written an hour ago, deferred by its publisher for another hour
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, available_at, "
+                "attempts) VALUES ('order', '1', 'E', '{}', now() - interval '1 hour', now() + interval '1 hour', 1)"
+            )
+        )
+    code, out = cli(capsys, db_url, "check", "--max-oldest-pending-age", "5m")
+    assert code == 0, out
+    code, out = cli(capsys, db_url, "status", "--json")
+    report = json.loads(out)
+    assert report["jobs"]["oldest_pending_age"] is None and report["outbox"]["oldest_pending_age"] is None
+    assert report["jobs"]["oldest_unfinished_age"] > 2 * 86400 - 60  # still shown, for information
+    assert 3600 <= report["outbox"]["oldest_unfinished_age"] < 3700
+    with engine.begin() as conn:  # a job that has been due for ten minutes and nobody ran it
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, queue, payload, run_at) "
+                "VALUES ('mail', 'default', '{}', now() - interval '10 minutes')"
+            )
+        )
+    code, out = cli(capsys, db_url, "check", "--max-oldest-pending-age", "5m")
+    assert code == 1 and "jobs: oldest pending age (due, not started) 600s > 300s" in out
+
+
+def _long_running_job(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, queue, payload, status, attempts, lease_version, locked_by, locked_at) "
+                "VALUES ('export', 'default', '{}', 'running', 1, 1, 'w', now() - interval '2 minutes')"
+            )
+        )
+
+
+def test_expired_job_leases_are_counted_with_the_stale_after_given(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _long_running_job(engine)  # healthy for a fleet with stale_after=10m, stale for the 60 s default
+    assert cli(capsys, db_url, "check", "--max-expired-leases", "0")[0] == 1
+    code, out = cli(capsys, db_url, "check", "--max-expired-leases", "0", "--stale-after", "10m")
+    assert code == 0, out
+    code, out = cli(capsys, db_url, "status", "--json", "--stale-after", "10m")
+    assert json.loads(out)["jobs"]["expired_leases"] == 0 and json.loads(out)["jobs"]["stale_after"] == 600
+    code, out = cli(capsys, db_url, "status", "--stale-after", "90s")
+    assert "(running longer than stale_after 90s)" in out
+    code, out = cli(capsys, db_url, "doctor", "--json", "--stale-after", "10m")
+    stuck = [f for f in json.loads(out)["findings"] if f["check"] == "stuck rows" and f["table"] == "jobs"]
+    assert [f["status"] for f in stuck] == ["ok"]
+
+
+def test_queue_status_refuses_bad_options(engine: Engine) -> None:
+    for bad, message in (
+        ({"stale_after": 0}, "stale_after must be > 0"),
+        ({"long_transaction": -1}, "long_transaction must be >= 0"),
+        ({"done_count_cap": -1}, "done_count_cap must be an integer >= 0"),
+        ({"blocked_limit": 0}, "blocked_limit must be an integer >= 1"),
+    ):
+        with pytest.raises(ConfigurationError, match=message):
+            queue_status(engine, OutboxEvent, **bad)
+
+
+def test_blocked_aggregates_are_read_through_the_aggregate_index_not_the_history(engine: Engine) -> None:
+    from sa_outbox._sql import spec_for
+    from sa_outbox.monitoring import _blocked_statement
+
+    with queue_tables_shaped(engine, "history"):  # 118,000 done rows, 2,000 pending over 1,000 aggregates
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "UPDATE outbox SET status = 'dead' WHERE status = 'pending' AND id < 119000 AND id % 7 = 0"
+                )
+            )
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ANALYZE outbox"))
+        stmt = _blocked_statement(spec_for(OutboxEvent))
+        with engine.connect() as conn:
+            compiled = stmt.compile(dialect=conn.dialect)
+            plan = conn.exec_driver_sql(
+                "EXPLAIN (FORMAT JSON) " + str(compiled), compiled.construct_params({"n": 10})
+            ).scalar_one()[0]["Plan"]
+        report = queue_status(engine, OutboxEvent)
+
+    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node, *(n for child in node.get("Plans", []) for n in nodes(child))]
+
+    seq = [n for n in nodes(plan) if n["Node Type"] == "Seq Scan"]
+    indexes = {n["Index Name"] for n in nodes(plan) if "Index Name" in n}
+    assert not seq and indexes == {"ix_outbox_aggregate"}, (seq, indexes)
+    assert report.blocked_aggregates_total > 0 and len(report.blocked_aggregates) == 10

@@ -1,0 +1,259 @@
+"""The command line as an operator meets it: one-line errors with distinct exit codes, output that survives a
+closed pipe, log lines that carry their fields, and every operations command on tables outside ``public``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import URL
+
+from sa_outbox._cli import EXIT_PIPE, EXIT_THRESHOLD, EXIT_UNREACHABLE, EXIT_USAGE, LogFormatter, main
+from sa_outbox.models import model_for
+from sa_outbox.monitoring import queue_status
+
+from .conftest import ROOT
+from .helpers import seed_events, seed_jobs, statuses
+from .sessions import open_snapshot
+
+
+def run(capsys: pytest.CaptureFixture[str], url: URL | str, *argv: str) -> tuple[int, str, str]:
+    target = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+    code = main([*argv, "--url", target])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sa-outbox: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# --- errors and exit codes -----------------------------------------------------------------------------------
+
+
+def test_exit_codes_are_distinct_and_documented() -> None:
+    assert len({0, EXIT_THRESHOLD, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PIPE}) == 5
+    readme = (ROOT / "README.md").read_text()
+    for code in (EXIT_THRESHOLD, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PIPE):
+        assert f"`{code}`" in readme
+
+
+def test_an_unreachable_server_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "postgresql+psycopg://postgres@127.0.0.1:1/postgres", "status")
+    line = one_line_error(err)
+    assert code == EXIT_UNREACHABLE != EXIT_THRESHOLD
+    assert "cannot reach the database" in line and "Connection refused" in line
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["not a url", "postgresql+psycopg://postgres@127.0.0.1:notaport/x", "postgresql+nodriver://x/y"],
+)
+def test_a_malformed_url_is_one_line_and_a_usage_error(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    code, _, err = run(capsys, url, "check")
+    assert code == EXIT_USAGE and "invalid database URL" in one_line_error(err)
+
+
+def test_a_missing_database_fails_fast_naming_it(capsys: pytest.CaptureFixture[str], server_url: URL) -> None:
+    missing = server_url.set(database=f"no_such_db_{uuid.uuid4().hex[:6]}")
+    code, _, err = run(capsys, missing, "status")
+    line = one_line_error(err)
+    assert code == EXIT_USAGE
+    assert f'database "{missing.database}" does not exist' in line and "retrying will not help" in line
+
+
+def test_an_unknown_role_fails_fast_naming_it(capsys: pytest.CaptureFixture[str], server_url: URL) -> None:
+    code, _, err = run(capsys, server_url.set(username="no_such_role_x1"), "check")
+    assert code == EXIT_USAGE and 'role "no_such_role_x1" does not exist' in one_line_error(err)
+
+
+def test_a_log_level_that_does_not_exist_is_refused(capsys: pytest.CaptureFixture[str], db_url: URL) -> None:
+    code = main(["--log-level", "LOUD", "status", "--url", db_url.render_as_string(hide_password=False)])
+    assert code == EXIT_USAGE and "invalid --log-level 'LOUD'" in one_line_error(capsys.readouterr().err)
+
+
+def test_output_to_a_closed_pipe_ends_quietly(engine: Engine, db_url: URL) -> None:
+    seed_events(engine, 3)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head` that has already gone: every write meets EPIPE
+    env = dict(os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False))
+    try:
+        done = subprocess.run([sys.executable, "-m", "sa_outbox", "status"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=60)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == EXIT_PIPE
+
+
+# --- what the commands say -----------------------------------------------------------------------------------
+
+
+def test_check_with_no_threshold_fails_on_failed_jobs(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, db_url, "check")
+    assert code == 0 and out.strip() == "OK: outbox, jobs (dead <= 0)"
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'failed', last_error = 'smtp down'"))
+    code, out, _ = run(capsys, db_url, "check")
+    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: jobs: 1 failed > 0"
+    code, out, _ = run(capsys, db_url, "check", "--max-expired-leases", "5")  # explicit thresholds only
+    assert code == 0
+
+
+def test_status_points_failed_jobs_at_dead_list_with_jobs(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'failed'"))
+    code, out, _ = run(capsys, db_url, "status")
+    assert code == 0 and "1 failed row(s) need a person (sa-outbox dead list --jobs)" in out
+
+
+def test_dead_list_prints_the_last_line_of_last_error_as_text(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_events(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE outbox SET status = 'dead', last_error = 'Traceback:\nboom\nPermanentError: 422 invalid'"
+            )
+        )
+    code, out, _ = run(capsys, db_url, "dead", "list")
+    first = out.splitlines()[0]
+    assert code == 0 and first.endswith("attempts=0  PermanentError: 422 invalid"), first
+    assert "['" not in out
+
+
+def test_status_names_the_ordered_aggregates_blocked_behind_a_dead_message(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_events(engine, 3, aggregate="A")  # 1, 2, 3
+    seed_events(engine, 2, aggregate="B", start=3)  # 4, 5
+    seed_events(engine, 1, aggregate="C", start=5)  # 6: dead, nothing behind it
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead' WHERE id IN (1, 2, 4, 6)"))
+    report = queue_status(engine, model_for("outbox", "outbox"))
+    assert [(b.aggregate_id, b.dead_id, b.waiting) for b in report.blocked_aggregates] == [
+        ("A", 1, 1),
+        ("B", 4, 1),
+    ]
+    assert report.blocked_aggregates_total == 2
+    code, out, _ = run(capsys, db_url, "status")
+    assert code == 0
+    assert "blocked aggregate       order/A: 1 pending behind dead 1 (sa-outbox dead show 1)" in out
+    assert "order/B: 1 pending behind dead 4" in out and "order/C" not in out
+    assert "2 aggregate(s) have pending messages behind a dead one" in out
+
+
+def test_status_says_each_horizon_warning_once(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with engine.connect() as holder:
+        pid = open_snapshot(holder, "long-report", "SELECT count(*) FROM jobs")
+        code, out, _ = run(capsys, db_url, "status", "--long-transaction", "0")
+        holder.rollback()
+    assert code == 0 and out.count(f"transaction pid {pid} (long-report") == 1, out
+
+
+def test_the_cli_log_format_shows_a_records_extra_fields(engine: Engine, db_url: URL) -> None:
+    record = logging.makeLogRecord({"name": "sa_outbox.worker", "levelname": "INFO", "msg": "batch done",
+                                    "claimed": 5, "queue": "mail", "error": "a b"})  # fmt: skip
+    assert LogFormatter().format(record).endswith('batch done claimed=5 queue=mail error="a b"')
+    seed_events(engine, 2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead'"))
+    env = dict(os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False))
+    done = subprocess.run([sys.executable, "-m", "sa_outbox", "dead", "retry", "--all"], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "requeued 2 dead row(s) of outbox" in done.stderr
+    assert "table=outbox action=retry selected=2 changed=2" in done.stderr
+
+
+# --- tables outside public --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_schema(engine: Engine) -> Iterator[str]:
+    """Outbox and jobs tables in schema ``app`` (not on the search path), as the mixins create them."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE SCHEMA app"))
+        for kind in ("outbox", "jobs"):
+            model_for(kind, kind, "app").__table__.create(conn)
+    try:
+        yield "app"
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA app CASCADE"))
+
+
+def test_every_operations_command_works_on_schema_qualified_tables(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str], app_schema: str
+) -> None:
+    tables = ("--outbox-table", "app.outbox", "--jobs-table", "app.jobs")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO app.outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) VALUES "
+                "('o', '1', 'E', '{}', 'dead', NULL), ('o', '1', 'E', '{}', 'pending', NULL), "
+                "('o', '2', 'E', '{}', 'done', now() - interval '2 days')"
+            )
+        )
+    seed_events(engine, 1)  # public.outbox: must stay untouched
+    code, out, err = run(capsys, db_url, "status", "--json", *tables)
+    report = json.loads(out)
+    assert code == 0 and set(report) == {"app.outbox", "app.jobs"}, err
+    assert report["app.outbox"]["counts"] == {"pending": 1, "processing": 0, "dead": 1, "done": 1}
+    assert "sa-outbox dead list --outbox-table app.outbox" in " ".join(report["app.outbox"]["warnings"])
+    code, out, _ = run(capsys, db_url, "check", *tables)
+    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: app.outbox: 1 dead > 0"
+    code, out, _ = run(capsys, db_url, "dead", "retry", "--all", "--json", *tables)
+    assert code == 0 and json.loads(out)["requeued"] == [1]
+    code, out, _ = run(capsys, db_url, "purge", "--older-than", "1d", "--json", *tables)
+    assert code == 0 and json.loads(out)["deleted"] == {"app.outbox": 1, "app.jobs": 0}
+    code, out, _ = run(capsys, db_url, "doctor", "--json", *tables)
+    findings = json.loads(out)["findings"]
+    indexes = [f for f in findings if f["check"] == "indexes"]
+    assert [(f["table"], f["status"]) for f in indexes] == [("app.outbox", "ok"), ("app.jobs", "ok")]
+    assert "all 4 partial indexes" in indexes[0]["message"]
+    assert code == 0 and not [f for f in findings if f["status"] == "fail"]
+    code, out, _ = run(capsys, db_url, "locks", "--json", *tables)
+    assert code == 0 and json.loads(out) == []
+    assert statuses(engine) == {"pending": 1}
+
+
+def test_a_table_in_another_schema_is_pointed_at_not_called_missing(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str], app_schema: str
+) -> None:
+    code, _, err = run(capsys, db_url, "status", "--outbox-table", "orders_outbox", "--jobs-table", "jobs_x")
+    assert code == EXIT_USAGE and "no table orders_outbox, jobs_x in this database" in one_line_error(err)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE app.outbox RENAME TO orders_outbox"))
+    code, _, err = run(capsys, db_url, "dead", "list", "--outbox-table", "orders_outbox")
+    line = one_line_error(err)
+    assert code == EXIT_USAGE and "pass --outbox-table app.orders_outbox" in line
+    assert "alembic" not in line  # running the migration would create a second table in public
+    code, _, err = run(capsys, db_url, "status", "--outbox-table", "a.b.c")
+    assert code == EXIT_USAGE and "give a table name or schema.table" in one_line_error(err)
+
+
+def test_queue_status_reads_a_schema_qualified_table_and_its_statistics(
+    engine: Engine, app_schema: str
+) -> None:
+    report = queue_status(engine, model_for("outbox", "outbox", "app"))
+    assert report.table == "app.outbox" and report.counts["pending"] == 0
+    assert report.health is not None  # pg_stat_user_tables found app.outbox, not public.outbox
