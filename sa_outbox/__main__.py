@@ -1,7 +1,9 @@
-"""``python -m sa_outbox`` — the same CLI as the ``sa-outbox`` console script.
+"""The entry point of ``python -m sa_outbox`` and of the ``sa-outbox`` console script (``run``).
 
-Signal handlers go in first, before the heavy imports: a SIGTERM/SIGINT that arrives during start-up is
-remembered and leads to a clean exit 0 instead of an abrupt death.
+:func:`run` installs its SIGTERM/SIGINT handlers first, before anything heavy is imported: a signal that
+arrives during start-up is remembered and leads to a clean exit 0 instead of an abrupt death. Only the
+interpreter's own start-up comes before that (measured on this machine: ~30 ms for ``python -c pass``); a
+signal in that window ends the process before it has done anything.
 """
 
 import signal
@@ -14,9 +16,14 @@ def _remember(signum: int, frame: object) -> None:
     _early.append(signum)
 
 
-for _sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(_sig, _remember)
+def run() -> int:
+    """Run the CLI with SIGTERM/SIGINT remembered from this moment on (``main`` receives the live list)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _remember)
+    from sa_outbox._cli import main
 
-from sa_outbox._cli import main  # noqa: E402
+    return main(early_signals=_early)
 
-sys.exit(main(early_signals=_early))
+
+if __name__ == "__main__":
+    sys.exit(run())

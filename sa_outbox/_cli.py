@@ -8,17 +8,11 @@ exit code 0 — also when the signal arrives during start-up.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
-import inspect
 import logging
-import multiprocessing
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from ._version import __version__
@@ -79,94 +73,11 @@ def load_target(target: str, kind: str) -> Any:
     return obj
 
 
-def _run_target(
-    target: str,
-    kind: str,
-    early_signals: Sequence[int] = (),
-    startup_timeout: float | None = 60.0,
-    metrics_port: int | None = None,
-) -> int:
-    """Load and run one loop in this process; SIGTERM/SIGINT at any point → graceful stop, exit 0."""
-    state: dict[str, Any] = {"loop": None, "stop": bool(early_signals)}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        state["stop"] = True
-        if state["loop"] is not None:
-            state["loop"].stop()
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, on_signal)
-    if state["stop"]:
-        return 0
-    loop = load_target(target, kind)
-    state["loop"] = loop
-    if state["stop"]:
-        return 0
-    if metrics_port is not None:
-        from .metrics import MetricsExporter
-
-        MetricsExporter(loop).start(metrics_port)
-    if inspect.iscoroutinefunction(loop.run):
-        return asyncio.run(_run_async(loop, state))
-    try:
-        loop.run(install_signal_handlers=False, startup_timeout=startup_timeout)
-    finally:
-        loop.close()
-    return 0
-
-
-async def _run_async(loop: Any, state: dict[str, Any]) -> int:
-    """Run an AsyncDispatcher/AsyncWorker; signals stop it from the event loop's own thread."""
-    running = asyncio.get_running_loop()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        running.add_signal_handler(s, loop.stop)
-    if state["stop"]:
-        loop.stop()
-    try:
-        await loop.run(install_signal_handlers=False)
-    finally:
-        await loop.close()
-    return 0
-
-
-def _child(target: str, kind: str, metrics_port: int | None) -> None:  # pragma: no cover - child process
-    raise SystemExit(_run_target(target, kind, metrics_port=metrics_port))
-
-
-def _run_processes(
-    target: str, kind: str, processes: int, early_signals: Sequence[int] = (), metrics_port: int | None = None
-) -> int:
-    """Run the target here, or in ``processes`` children (child i serves metrics on ``metrics_port + i``)."""
-    if processes == 1 or early_signals:
-        return _run_target(target, kind, early_signals, metrics_port=metrics_port)
-    ctx = multiprocessing.get_context("spawn")
-    children = [
-        ctx.Process(
-            target=_child,
-            args=(target, kind, None if metrics_port is None else metrics_port + i),
-            name=f"sa-outbox-{kind}-{i}",
-        )
-        for i in range(processes)
-    ]
-    stopping = threading.Event()
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-        for c in children:
-            if c.pid is not None and c.is_alive():
-                os.kill(c.pid, signal.SIGTERM)
-
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, forward)
-    for c in children:
-        c.start()
-    for c in children:
-        c.join()
-    codes = [c.exitcode for c in children]
-    return 0 if all(code == 0 for code in codes) else 1
-
-
 def _cmd_loop(args: argparse.Namespace) -> int:
+    """``dispatch``/``worker``: the loop here, or ``--processes N`` children under a supervisor (see
+    ``sa_outbox._supervisor`` for what the supervisor guarantees)."""
+    from ._supervisor import _run_processes
+
     if args.processes < 1:
         raise ConfigurationError("--processes must be >= 1")
     return _run_processes(args.target, args.command, args.processes, args.early_signals, args.metrics_port)
@@ -539,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--metrics-port",
             type=int,
             default=None,
-            help="serve Prometheus metrics on this port (process i of --processes uses port + i)",
+            help="serve Prometheus metrics on this port (with --processes N: the whole pool's, on this one port)",
         )
         p.set_defaults(handler=_cmd_loop)
 
