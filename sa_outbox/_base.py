@@ -32,8 +32,8 @@ from tenacity import retry_if_exception, stop_after_delay
 
 from . import _steps
 from ._backoff import DATABASE_OUTAGE, STATEMENT_RETRY, Backoff
-from ._dbfaults import is_connection_error
-from ._durations import Duration, to_seconds
+from ._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
+from ._durations import Duration, positive_int, to_seconds
 from ._names import channel_for
 from ._services import Completer, Held, Rescuer
 from ._sql import QueueSpec, spec_for
@@ -51,12 +51,6 @@ def is_async_callable(fn: Any) -> bool:
     """``async def`` functions and objects whose ``__call__`` is one: what only the async loops can await."""
     call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
-
-
-def positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 @dataclass
@@ -100,9 +94,16 @@ class RunPolicy:
         self.reached = True
 
     def failed(self, exc: BaseException) -> float:
-        """The delay before the next try after ``exc``; re-raises what is not an outage."""
+        """The delay before the next try after ``exc``; re-raises what is not an outage, and names the cause
+        of a connection that can never succeed (no such database or role, authentication failed, unknown
+        host) at once instead of retrying it as an outage."""
         if not is_connection_error(exc):
             raise exc
+        if is_permanent_connection_error(exc):
+            raise ConfigurationError(
+                f"cannot connect to the database: {connection_error_cause(exc)}; check the URL "
+                "(--url / DATABASE_URL), the role and the database name"
+            ) from exc
         self.failures += 1
         if not self.reached and self.limit is not None and time.monotonic() - self.started > self.limit:
             raise ConfigurationError(
@@ -276,7 +277,7 @@ class LoopBase:
         """tenacity keyword arguments for retrying one statement through connection faults for ``window``
         seconds (the sync ``Retrying`` and the async ``AsyncRetrying`` take the same)."""
         return dict(
-            retry=retry_if_exception(is_connection_error),
+            retry=retry_if_exception(lambda e: is_connection_error(e) and not is_permanent_connection_error(e)),
             wait=lambda state: STATEMENT_RETRY.delay(state.attempt_number),
             stop=stop_after_delay(window),
             reraise=True,

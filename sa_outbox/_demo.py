@@ -274,7 +274,7 @@ def _run(engine: Engine, models: Any, say: Any, console: Any, quiet: bool) -> bo
         for r in reports:
             c = list(r.counts.values())
             table.add_row(r.table, str(c[0]), str(c[1]), str(r.counts["done"]), str(r.dead),
-                          "-" if r.oldest_pending_age is None else f"{r.oldest_pending_age:.1f}s", str(r.expired_leases))  # fmt: skip
+                          "-" if r.oldest_unfinished_age is None else f"{r.oldest_unfinished_age:.1f}s", str(r.expired_leases))  # fmt: skip
         say(table)
     for name, ok in checks.items():
         say(f"{'PASS' if ok else 'FAIL'}  {name}")

@@ -44,10 +44,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import AsyncRetrying, Retrying
 
 from ._backoff import OUTBOX_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, positive_int
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
 from ._dbfaults import is_connection_error
-from ._durations import Duration, to_timedelta
+from ._durations import Duration, positive_int, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit
 from ._steps import Outcome
@@ -393,6 +393,14 @@ class Dispatcher(DispatcherBase):
                 self._lifecycle("stopped")
         self._raise_fatal()
 
+    def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
+        """Run until stopped, then close: the blocking entry point of a process (``sa-outbox dispatch|worker``
+        calls it for every flavour). SIGTERM/SIGINT stop it gracefully when ``install_signal_handlers``."""
+        try:
+            self.run(install_signal_handlers=install_signal_handlers, startup_timeout=startup_timeout)
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Release the loop's connections and threads (run()/run_once() reopen what they need)."""
         self._waker.close()
@@ -568,6 +576,20 @@ class AsyncDispatcher(DispatcherBase):
                     restore()
                 self._lifecycle("stopped")
         self._raise_fatal()
+
+    def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
+        """Run on a new event loop until stopped, then close: the blocking entry point of a process (the same
+        call as the sync class's). SIGTERM/SIGINT stop it gracefully when ``install_signal_handlers``."""
+
+        async def main() -> None:
+            try:
+                await self.run(
+                    install_signal_handlers=install_signal_handlers, startup_timeout=startup_timeout
+                )
+            finally:
+                await self.close()
+
+        asyncio.run(main())
 
     async def close(self) -> None:
         """Release the loop's connections and threads."""

@@ -1,4 +1,5 @@
-"""Durations: every lease, timeout, delay and interval option takes a ``timedelta`` or seconds."""
+"""Option values: every lease, timeout, delay and interval option takes a ``timedelta`` or seconds; counts are
+integers >= 1."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .errors import ConfigurationError
 
 Duration = timedelta | int | float
 
-__all__ = ["Duration", "parse_duration", "to_seconds", "to_timedelta"]
+__all__ = ["Duration", "parse_duration", "positive_int", "to_seconds", "to_timedelta"]
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -43,3 +44,10 @@ def parse_duration(text: str) -> timedelta:
         )
     number, unit = match.groups()
     return timedelta(seconds=float(number) * _UNITS[unit or "s"])
+
+
+def positive_int(value: object, name: str) -> int:
+    """An integer option that must be >= 1 (a batch size, a count); bool and other types are refused."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an integer >= 1, got {value!r}")
+    return value

@@ -108,40 +108,11 @@ def _run_target(
 
         reporter = ChildReport(loop, report, with_status=report_status).start()
     try:
-        if _is_async(loop):
-            import asyncio
-
-            return asyncio.run(_run_async(loop, state))
-        try:
-            loop.run(install_signal_handlers=False, startup_timeout=startup_timeout)
-        finally:
-            loop.close()
+        loop.serve(startup_timeout=startup_timeout)  # every flavour: handlers installed, closed at the end
         return 0
     finally:
         if reporter is not None:
             reporter.close()
-
-
-def _is_async(loop: Any) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(loop.run)
-
-
-async def _run_async(loop: Any, state: dict[str, Any]) -> int:
-    """Run an AsyncDispatcher/AsyncWorker; signals stop it from the event loop's own thread."""
-    import asyncio
-
-    running = asyncio.get_running_loop()
-    for s in _STOP_SIGNALS:
-        running.add_signal_handler(s, loop.stop)
-    if state["stop"]:
-        loop.stop()
-    try:
-        await loop.run(install_signal_handlers=False)
-    finally:
-        await loop.close()
-    return 0
 
 
 def _serve_metrics(loop: Any, port: int) -> None:

@@ -45,9 +45,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import AsyncRetrying, Retrying
 
 from ._backoff import JOBS_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, positive_int
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
-from ._durations import Duration, to_seconds, to_timedelta
+from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._messages import ClaimedJob
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
@@ -432,6 +432,14 @@ class Worker(WorkerBase):
         if pairs:
             self._beat_result(pairs, self._beat_db.run(lambda c: self._extend_on(c, pairs)))
 
+    def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
+        """Run until stopped, then close: the blocking entry point of a process (``sa-outbox dispatch|worker``
+        calls it for every flavour). SIGTERM/SIGINT stop it gracefully when ``install_signal_handlers``."""
+        try:
+            self.run(install_signal_handlers=install_signal_handlers, startup_timeout=startup_timeout)
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Release the loop's connections and threads (run()/run_once() reopen what they need)."""
         self._waker.close()
@@ -695,6 +703,20 @@ class AsyncWorker(WorkerBase):
         pairs = self._beat_pairs()
         if pairs:
             self._beat_result(pairs, await self._beat_db.run(lambda c: self._extend_on(c, pairs)))
+
+    def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
+        """Run on a new event loop until stopped, then close: the blocking entry point of a process (the same
+        call as the sync class's). SIGTERM/SIGINT stop it gracefully when ``install_signal_handlers``."""
+
+        async def main() -> None:
+            try:
+                await self.run(
+                    install_signal_handlers=install_signal_handlers, startup_timeout=startup_timeout
+                )
+            finally:
+                await self.close()
+
+        asyncio.run(main())
 
     async def close(self) -> None:
         """Release the loop's connections and threads."""

@@ -18,8 +18,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from . import _sql
-from ._durations import Duration, to_timedelta
-from ._loop import positive_int
+from ._durations import Duration, positive_int, to_timedelta
 from ._sql import QueueSpec, spec_for
 from .errors import ConfigurationError
 

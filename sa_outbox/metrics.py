@@ -125,7 +125,7 @@ class MetricsExporter:
         stale_after: Duration | None = None,
         done_count_cap: int = DONE_COUNT_CAP,
     ) -> None:
-        self.core = getattr(loop, "core", loop)  # the async classes keep a sync core
+        self.core = loop
         self.status_interval = to_seconds(status_interval, name="status_interval")
         if stale_after is None:
             stale_after = getattr(self.core, "stale_after", None) or 60.0

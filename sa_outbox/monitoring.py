@@ -29,8 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
-from ._durations import Duration, to_seconds, to_timedelta
-from ._loop import positive_int
+from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._sql import QueueSpec, const, spec_for
 from .errors import ConfigurationError
 

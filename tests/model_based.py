@@ -1,0 +1,704 @@
+"""A model-based test of producers and loops together: random rules, checked against a model after every step.
+
+A seeded random driver (replay a failure with its printed seed) writes events and jobs through every
+producer path, starts and stops sync and asyncio dispatchers and workers with random options, injects
+failures, and compares what the loops did with what the model says must hold. Every action is real: the real
+database, real threads with their own connections, real backend terminations. Rules:
+
+* produce events: ``session.add`` (string aggregates), ``for_aggregate`` (mapped ``Order`` rows), ``emit``,
+  an ``AsyncSession``, inside a savepoint that is rolled back; each transaction commits or rolls back;
+* enqueue jobs;
+* start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off),
+  stop one gracefully;
+* terminate every backend of the loops (``pg_terminate_backend``);
+* a broker outage begins or ends (the publisher raises ``DestinationUnavailable``);
+* an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
+* let time pass.
+
+Each event and job carries a *plan* — what its publisher/handler does on its 1st, 2nd, … claim (``retry``,
+``defer``, ``hang`` past the timeout, ``boom`` = an unclassified exception, ``exit`` = SystemExit for jobs,
+else success) — and a few are *poison* (always permanent). The invariants:
+
+After every step
+    I1  nothing from a rolled-back transaction (or savepoint) is ever published or handled;
+    I2  per-aggregate order: for ordered event types, an event's first successful delivery comes after the
+        first successful delivery (or the operator's skip) of every earlier event of its aggregate;
+    I3  one claim is handled at most once (no two executions with the same id and lease_version);
+    I4  successful executions beyond the first, summed over all rows, never exceed the lost leases the
+        loops counted: a duplicate is always explained by a lease that was lost;
+At the end (faults off, loops drained)
+    F1  nothing lost: every committed event is delivered, except poison ones and those behind a poison
+        event of an ordered aggregate that no one skipped; every committed job is done, poison ones failed;
+    F2  only poison rows are ``dead``/``failed`` (outages, crashes, timeouts and retries never kill a row);
+    F3  no aggregate is blocked except behind a dead row;
+    F4  no row of a rolled-back transaction exists;
+    F5  no hot loop: an idle loop sends at most a few statements per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine, select, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import (
+    AsyncDispatcher,
+    AsyncWorker,
+    Backoff,
+    ClaimedJob,
+    Defer,
+    DestinationUnavailable,
+    Dispatcher,
+    Message,
+    PermanentError,
+    RetryableError,
+    Worker,
+    _steps,
+    emit,
+    enqueue,
+    skip_dead,
+)
+from sa_outbox.models import Job, OutboxEvent
+
+from .models import Order
+
+ORDERED = ("OrderPlaced", "OrderPaid")
+EVENT_TYPES = (*ORDERED, "Noted")
+STRING_AGGREGATES = [f"a{i}" for i in range(8)]
+POISON_AGGREGATES = {"a0", "a1"}  # the only ones that may get a poison event
+FAST = Backoff(0.01, 0.05, jitter=True)
+HANG = 0.7  # longer than any publish_timeout / handler_timeout below
+EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
+JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit")
+
+
+@dataclass
+class Profile:
+    steps: int = 40
+    max_dispatchers: int = 3
+    max_workers: int = 3
+    drain_seconds: float = 60.0
+
+
+@dataclass
+class Planned:
+    seq: int
+    plan: list[str]
+    poison: bool
+    aggregate: tuple[str, str] | None = None  # (type, id) for events
+    event_type: str = ""
+
+
+class Record:
+    """What the publishers and handlers did, in the order they did it (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, int, int, str]] = []  # (kind, seq, lease_version, action)
+
+    def add(self, kind: str, seq: int, lease_version: int, action: str) -> None:
+        with self.lock:
+            self.events.append((kind, seq, lease_version, action))
+
+    def snapshot(self) -> list[tuple[str, int, int, str]]:
+        with self.lock:
+            return list(self.events)
+
+
+def _action(plan: list[str], lease_version: int) -> str:
+    return plan[lease_version - 1] if 0 < lease_version <= len(plan) else "ok"
+
+
+class ModelPublisher:
+    """Publishes by the message's plan; raises DestinationUnavailable while the outage lasts."""
+
+    def __init__(self, record: Record, outage: threading.Event) -> None:
+        self.record = record
+        self.outage = outage
+
+    def _do(self, message: Message) -> str:
+        if self.outage.is_set():
+            raise DestinationUnavailable("model broker is down")
+        payload = message.payload
+        action = "permanent" if payload["poison"] else _action(payload["plan"], message.lease_version)
+        self.record.add("publish", payload["seq"], message.lease_version, action)
+        if action == "retry":
+            raise RetryableError("planned retry")
+        if action == "defer":
+            raise Defer(0.02, "planned defer")
+        if action == "boom":
+            raise ValueError("planned unclassified error")
+        if action == "permanent":
+            raise PermanentError("poison event")
+        return action
+
+    def publish(self, message: Message) -> None:
+        if self._do(message) == "hang":
+            time.sleep(HANG)
+            raise RetryableError("planned hang (the publish timeout should have fired first)")
+
+
+class AsyncModelPublisher(ModelPublisher):
+    async def publish(self, message: Message) -> None:  # type: ignore[override]
+        if self._do(message) == "hang":
+            await asyncio.sleep(HANG)
+            raise RetryableError("planned hang")
+
+
+def make_handler(record: Record, *, is_async: bool) -> Any:
+    def act(job: ClaimedJob) -> str:
+        payload = job.payload
+        action = "permanent" if payload["poison"] else _action(payload["plan"], job.lease_version)
+        record.add("handle", payload["seq"], job.lease_version, action)
+        if action == "retry":
+            raise RetryableError("planned retry")
+        if action == "defer":
+            raise Defer(0.02, "planned defer")
+        if action == "boom":
+            raise ValueError("planned unclassified error")
+        if action == "permanent":
+            raise PermanentError("poison job")
+        if action == "exit":
+            raise SystemExit(3)
+        return action
+
+    if is_async:
+
+        async def handle_async(job: ClaimedJob) -> None:
+            if act(job) == "hang":
+                await asyncio.sleep(HANG)
+                raise RetryableError("planned hang")
+
+        return handle_async
+
+    def handle(job: ClaimedJob) -> None:
+        if act(job) == "hang":
+            time.sleep(HANG)
+            raise RetryableError("planned hang")
+
+    return handle
+
+
+class LoopThread:
+    """One Dispatcher/Worker (sync, or async on its own event loop) running in a thread of its own."""
+
+    def __init__(
+        self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL
+    ):
+        self.name = name
+        self.build = build
+        self.is_async = is_async
+        self.engine = engine
+        self.async_url = async_url
+        self.loop: Any = None
+        self.exited: BaseException | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def _main(self) -> None:
+        try:
+            if self.is_async:
+                asyncio.run(self._amain())
+            else:
+                self.loop = self.build(self.engine)
+                self.ready.set()
+                try:
+                    self.loop.run(install_signal_handlers=False)
+                finally:
+                    self.loop.close()
+        except BaseException as exc:  # SystemExit from a handler: the "process" leaves, as it would
+            self.exited = exc
+        finally:
+            self.ready.set()
+
+    async def _amain(self) -> None:
+        aengine = create_async_engine(self.async_url, pool_size=3)
+        try:
+            self.loop = self.build(aengine)
+            self.ready.set()
+            try:
+                await self.loop.run(install_signal_handlers=False)
+            finally:
+                await self.loop.close()
+        finally:
+            await aengine.dispose()
+
+    def start(self) -> LoopThread:
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.name} did not stop within {timeout}s"
+
+
+class StatementCounter:
+    """Counts the loops' statements per thread (every engine step goes through ``_steps.run``)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[int] = Counter()
+        self.lock = threading.Lock()
+        self.real = _steps.run
+
+    def __call__(self, conn: Any, stmt: Any, params: dict[str, Any]) -> list[Any]:
+        with self.lock:
+            self.counts[threading.get_ident()] += 1
+        return self.real(conn, stmt, params)
+
+    @contextmanager
+    def installed(self) -> Iterator[StatementCounter]:
+        _steps.run = self  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            _steps.run = self.real
+
+    def snapshot(self) -> Counter[int]:
+        with self.lock:
+            return Counter(self.counts)
+
+
+@dataclass
+class Model:
+    """What the database and the loops must agree with."""
+
+    events: dict[int, Planned] = field(default_factory=dict)  # committed, by seq
+    jobs: dict[int, Planned] = field(default_factory=dict)
+    rolled_back_events: set[int] = field(default_factory=set)
+    rolled_back_jobs: set[int] = field(default_factory=set)
+    order: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(list))
+    skipped: dict[int, int] = field(default_factory=dict)  # seq -> position in the record when skipped
+
+
+class Scenario:
+    def __init__(self, seed: int, engine: Engine, async_url: URL, profile: Profile) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.engine = engine
+        self.async_url = async_url
+        self.profile = profile
+        self.model = Model()
+        self.record = Record()
+        self.outage = threading.Event()
+        self.seq = itertools.count(1)
+        self.dispatchers: list[LoopThread] = []
+        self.workers: list[LoopThread] = []
+        self.finished: list[LoopThread] = []
+        self.orders: list[int] = []
+        self.log: list[str] = []
+        self.names = itertools.count(1)
+
+    # -- rules: producers ----------------------------------------------------------------------------------
+
+    def _event(self, aggregate: tuple[str, str]) -> Planned:
+        poison = aggregate[1] in POISON_AGGREGATES and self.rng.random() < 0.3
+        plan = [self.rng.choice(EVENT_ACTIONS) for _ in range(self.rng.randint(0, 2))]
+        return Planned(next(self.seq), plan, poison, aggregate, self.rng.choice(EVENT_TYPES))
+
+    def _payload(self, p: Planned) -> dict[str, Any]:
+        return {"seq": p.seq, "plan": p.plan, "poison": p.poison}
+
+    def _commit_or_not(self) -> bool:
+        return self.rng.random() < 0.85
+
+    def _remember(self, planned: list[Planned], committed: bool) -> None:
+        for p in planned:
+            if committed:
+                self.model.events[p.seq] = p
+                assert p.aggregate is not None
+                self.model.order[p.aggregate].append(p.seq)
+            else:
+                self.model.rolled_back_events.add(p.seq)
+
+    def rule_produce_add(self) -> None:
+        planned = [
+            self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 4))
+        ]
+        commit = self._commit_or_not()
+        with Session(self.engine) as s:
+            s.begin()
+            for p in planned:
+                assert p.aggregate is not None
+                s.add(OutboxEvent(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1],
+                                  event_type=p.event_type, payload=self._payload(p)))  # fmt: skip
+            s.flush()
+            s.commit() if commit else s.rollback()
+        self._remember(planned, commit)
+
+    def rule_produce_emit(self) -> None:
+        planned = [
+            self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 4))
+        ]
+        commit = self._commit_or_not()
+        with Session(self.engine) as s:
+            s.begin()
+            emit(s, OutboxEvent, [(p.aggregate[0], p.aggregate[1], p.event_type, self._payload(p))
+                                  for p in planned if p.aggregate])  # fmt: skip
+            s.commit() if commit else s.rollback()
+        self._remember(planned, commit)
+
+    def rule_produce_savepoint(self) -> None:
+        """Events in a savepoint that is rolled back; the outer transaction's own events commit."""
+        outer = [
+            self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 2))
+        ]
+        inner = [
+            self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 2))
+        ]
+        with Session(self.engine) as s, s.begin():
+            s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
+                                  payload=self._payload(p)) for p in outer if p.aggregate)  # fmt: skip
+            s.flush()
+            nested = s.begin_nested()
+            s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
+                                  payload=self._payload(p)) for p in inner if p.aggregate)  # fmt: skip
+            s.flush()
+            nested.rollback()
+        self._remember(outer, True)
+        self._remember(inner, False)
+
+    def rule_produce_for_aggregate(self) -> None:
+        with Session(self.engine) as s:
+            s.begin()
+            if not self.orders or self.rng.random() < 0.3:
+                order = Order(status="new")
+                s.add(order)
+                s.flush()
+            else:
+                order = s.get(Order, self.rng.choice(self.orders))
+            assert order is not None
+            planned = [self._event(("order", str(order.id))) for _ in range(self.rng.randint(1, 3))]
+            for p in planned:
+                s.add(OutboxEvent.for_aggregate(order, p.event_type, self._payload(p)))
+            order.status = f"v{planned[-1].seq}"
+            s.flush()
+            commit = self._commit_or_not()
+            if commit:
+                s.commit()
+                if order.id not in self.orders:
+                    self.orders.append(order.id)
+            else:
+                s.rollback()
+        self._remember(planned, commit)
+
+    def rule_produce_async(self) -> None:
+        planned = [
+            self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 3))
+        ]
+        commit = self._commit_or_not()
+
+        async def write() -> None:
+            aengine = create_async_engine(self.async_url)
+            try:
+                async with AsyncSession(aengine) as s:
+                    await s.begin()
+                    s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1],
+                                          event_type=p.event_type, payload=self._payload(p))
+                              for p in planned if p.aggregate)  # fmt: skip
+                    await s.flush()
+                    await (s.commit() if commit else s.rollback())
+            finally:
+                await aengine.dispose()
+
+        asyncio.run(write())
+        self._remember(planned, commit)
+
+    def rule_enqueue(self) -> None:
+        planned = [
+            Planned(next(self.seq), [self.rng.choice(JOB_ACTIONS) for _ in range(self.rng.randint(0, 2))],
+                    self.rng.random() < 0.05)
+            for _ in range(self.rng.randint(1, 5))
+        ]  # fmt: skip
+        commit = self._commit_or_not()
+        with Session(self.engine) as s:
+            s.begin()
+            for p in planned:
+                enqueue(s, Job, "model", self._payload(p), max_attempts=10)
+            s.flush()
+            s.commit() if commit else s.rollback()
+        for p in planned:
+            if commit:
+                self.model.jobs[p.seq] = p
+            else:
+                self.model.rolled_back_jobs.add(p.seq)
+
+    # -- rules: loops and faults ------------------------------------------------------------------------------
+
+    def start_dispatcher(self, is_async: bool | None = None) -> None:
+        is_async = self.rng.random() < 0.5 if is_async is None else is_async
+        options = dict(
+            batch=self.rng.choice((1, 3, 10)), ordered=set(ORDERED), lease=3.0, publish_timeout=0.4,
+            enforce_publish_timeout=True, backoff=FAST, poll_interval=0.3, listen=self.rng.random() < 0.5,
+        )  # fmt: skip
+        sync_publisher = not is_async or self.rng.random() < 0.3
+        publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(self.record, self.outage)
+        cls: Any = AsyncDispatcher if is_async else Dispatcher
+        name = f"dispatcher-{next(self.names)}"
+        self.log.append(f"start {name} async={is_async} sync_publisher={sync_publisher} {options}")
+        self.dispatchers.append(
+            LoopThread(name, lambda e: cls(e, OutboxEvent, publisher, **options), is_async=is_async,
+                       engine=self.engine, async_url=self.async_url).start()
+        )  # fmt: skip
+
+    def start_worker(self, is_async: bool | None = None) -> None:
+        is_async = self.rng.random() < 0.5 if is_async is None else is_async
+        options = dict(
+            batch=self.rng.choice((1, 4, 10)), concurrency=self.rng.choice((1, 2, 4)),
+            handler_timeout=self.rng.choice((None, 0.4)), stale_after=3.0, heartbeat=0.3, backoff=FAST,
+            poll_interval=0.3, listen=self.rng.random() < 0.5,
+        )  # fmt: skip
+        async_handler = is_async and self.rng.random() < 0.6
+        handler = make_handler(self.record, is_async=async_handler)
+        cls: Any = AsyncWorker if is_async else Worker
+        name = f"worker-{next(self.names)}"
+        self.log.append(f"start {name} async={is_async} async_handler={async_handler} {options}")
+        self.workers.append(
+            LoopThread(name, lambda e: cls(e, Job, {"model": handler}, **options), is_async=is_async,
+                       engine=self.engine, async_url=self.async_url).start()
+        )  # fmt: skip
+
+    def _reap_exited(self) -> None:
+        for pool in (self.dispatchers, self.workers):
+            for lt in [lt for lt in pool if not lt.alive]:
+                pool.remove(lt)
+                self.finished.append(lt)
+                self.log.append(f"{lt.name} left: {lt.exited!r}")
+                if lt.exited is not None and not isinstance(lt.exited, SystemExit):
+                    raise AssertionError(f"{lt.name} died: {lt.exited!r}") from lt.exited
+
+    def rule_start_dispatcher(self) -> None:
+        if len(self.dispatchers) < self.profile.max_dispatchers:
+            self.start_dispatcher()
+
+    def rule_start_worker(self) -> None:
+        if len(self.workers) < self.profile.max_workers:
+            self.start_worker()
+
+    def rule_stop_loop(self) -> None:
+        pool = self.rng.choice((self.dispatchers, self.workers))
+        if pool:
+            lt = pool.pop(self.rng.randrange(len(pool)))
+            self.log.append(f"stop {lt.name}")
+            lt.stop()
+            self.finished.append(lt)
+
+    def rule_terminate_backends(self) -> None:
+        with self.engine.connect() as conn:
+            n = conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                )
+            ).scalar_one()
+        self.engine.dispose()  # the pool's own connections were among them
+        self.log.append(f"terminated {n} backends")
+
+    def rule_outage(self) -> None:
+        if self.outage.is_set():
+            self.outage.clear()
+            self.log.append("outage ends")
+        else:
+            self.outage.set()
+            self.log.append("outage begins")
+
+    def rule_skip_dead(self) -> None:
+        with self.engine.connect() as conn:
+            dead = conn.execute(
+                select(OutboxEvent.id, OutboxEvent.payload).where(OutboxEvent.status == "dead")
+            ).all()
+        if dead:
+            row_id, payload = self.rng.choice(dead)
+            position = len(self.record.snapshot())
+            if skip_dead(self.engine, OutboxEvent, ids=[row_id]):
+                self.model.skipped[payload["seq"]] = position
+                self.log.append(f"skipped dead event seq {payload['seq']}")
+
+    def rule_pause(self) -> None:
+        time.sleep(self.rng.uniform(0.05, 0.3))
+
+    RULES: tuple[tuple[str, int], ...] = (
+        ("rule_produce_add", 6), ("rule_produce_emit", 3), ("rule_produce_savepoint", 2),
+        ("rule_produce_for_aggregate", 3), ("rule_produce_async", 2), ("rule_enqueue", 5),
+        ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
+        ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
+    )  # fmt: skip
+
+    # -- the run ---------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        names = [n for n, _ in self.RULES]
+        weights = [w for _, w in self.RULES]
+        counter = StatementCounter()
+        with counter.installed():
+            try:
+                for step in range(self.profile.steps):
+                    rule = self.rng.choices(names, weights)[0]
+                    self.log.append(f"step {step}: {rule}")
+                    getattr(self, rule)()
+                    self._reap_exited()
+                    self.check_always()
+                self.drain()
+                self.check_idle(counter)
+            finally:
+                for lt in self.dispatchers + self.workers:
+                    lt.stop()
+        self.check_always()
+        self.check_final()
+
+    def lost_leases(self) -> int:
+        return sum(
+            lt.loop.stats.lost_leases for lt in self.dispatchers + self.workers + self.finished if lt.loop
+        )
+
+    def drain(self) -> None:
+        """Faults off, one loop of each kind at least, until every row is finished or blocked."""
+        self.outage.clear()
+        if not self.dispatchers:
+            self.start_dispatcher(is_async=False)
+        if not self.workers:
+            self.start_worker(is_async=False)
+        deadline = time.monotonic() + self.profile.drain_seconds
+        while time.monotonic() < deadline:
+            self._reap_exited()
+            if not self.workers:
+                self.start_worker(is_async=False)
+            if self._settled():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"not drained within {self.profile.drain_seconds}s: {self._unsettled()}")
+
+    def _settled(self) -> bool:
+        return not self._unsettled()
+
+    def _unsettled(self) -> list[str]:
+        """Rows not finished, except ordered ones behind a dead row of their aggregate (F3)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(OutboxEvent.id, OutboxEvent.aggregate_type, OutboxEvent.aggregate_id, OutboxEvent.status,
+                       OutboxEvent.event_type).order_by(OutboxEvent.id)
+            ).all()  # fmt: skip
+            jobs = conn.execute(select(Job.id, Job.status).where(Job.status.in_(("queued", "running")))).all()
+        out = [f"job {j.id} {j.status}" for j in jobs]
+        dead_before: set[tuple[str, str]] = set()
+        for r in rows:
+            key = (r.aggregate_type, r.aggregate_id)
+            if r.status == "dead" and r.event_type in ORDERED:
+                dead_before.add(key)
+            elif r.status in ("pending", "processing") and not (
+                r.status == "pending" and r.event_type in ORDERED and key in dead_before
+            ):
+                out.append(f"event {r.id} {r.status} {key}")
+        return out
+
+    def _aggregate_dump(self, aggregate: tuple[str, str], events: dict[int, Any]) -> str:
+        return "; ".join(
+            f"seq {s} {self.model.events[s].event_type} poison={self.model.events[s].poison} "
+            f"plan={self.model.events[s].plan} id={events[s].id} {events[s].status} att={events[s].attempts} "
+            f"err={(events[s].last_error or '')[-80:]!r}"
+            for s in self.model.order[aggregate]
+        )
+
+    # -- invariants ------------------------------------------------------------------------------------------
+
+    def check_always(self) -> None:
+        rec = self.record.snapshot()
+        published = {seq for kind, seq, _, _ in rec if kind == "publish"}
+        handled = {seq for kind, seq, _, _ in rec if kind == "handle"}
+        # I1
+        assert not published & self.model.rolled_back_events, "a rolled-back event was published"
+        assert not handled & self.model.rolled_back_jobs, "a rolled-back job was handled"
+        # I3
+        claims = Counter((kind, seq, lv) for kind, seq, lv, _ in rec)
+        twice = [c for c, n in claims.items() if n > 1]
+        assert not twice, f"one claim handled twice: {twice[:5]}"
+        # I2
+        first_ok: dict[int, int] = {}
+        for position, (kind, seq, _, action) in enumerate(rec):
+            if kind == "publish" and action == "ok" and seq not in first_ok:
+                first_ok[seq] = position
+        for aggregate, seqs in self.model.order.items():
+            ordered = [s for s in seqs if self.model.events[s].event_type in ORDERED]
+            for i, seq in enumerate(ordered):
+                if seq not in first_ok:
+                    continue
+                for earlier in ordered[:i]:
+                    done_at = first_ok.get(earlier, self.model.skipped.get(earlier))
+                    assert done_at is not None and done_at < first_ok[seq], (
+                        f"aggregate {aggregate}: event {seq} delivered before earlier event {earlier}"
+                    )
+        # I4
+        successes = Counter((kind, seq) for kind, seq, _, action in rec if action == "ok")
+        extra = sum(n - 1 for n in successes.values() if n > 1)
+        assert extra <= self.lost_leases(), (
+            f"{extra} duplicate successes but {self.lost_leases()} lost leases"
+        )
+
+    def check_idle(self, counter: StatementCounter) -> None:
+        """F5: with nothing to do, a loop's threads send a few statements per second at most."""
+        time.sleep(0.5)
+        before = counter.snapshot()
+        time.sleep(2.0)
+        after = counter.snapshot()
+        busiest = max(((after[t] - before[t]) for t in after), default=0)
+        assert busiest <= 16, f"an idle loop sent {busiest} statements in 2 s"
+
+    def check_final(self) -> None:
+        rec = self.record.snapshot()
+        delivered = {seq for kind, seq, _, action in rec if kind == "publish" and action == "ok"}
+        handled_ok = {seq for kind, seq, _, action in rec if kind == "handle" and action == "ok"}
+        with self.engine.connect() as conn:
+            events = {r.payload["seq"]: r for r in conn.execute(select(OutboxEvent))}
+            jobs = {r.payload["seq"]: r for r in conn.execute(select(Job))}
+        # F4
+        assert not set(events) & self.model.rolled_back_events and not set(jobs) & self.model.rolled_back_jobs
+        assert set(events) == set(self.model.events) and set(jobs) == set(self.model.jobs)
+        # F1, F2, F3
+        for aggregate, seqs in self.model.order.items():
+            blocked_by: int | None = None
+            for seq in seqs:
+                p, row = self.model.events[seq], events[seq]
+                in_scope = p.event_type in ORDERED
+                dump = self._aggregate_dump(aggregate, events)
+                if in_scope and blocked_by is not None:
+                    assert row.status == "pending", f"{seq} should wait behind dead {blocked_by}: {dump}"
+                elif p.poison:
+                    assert row.status == "dead" or seq in self.model.skipped, f"poison {seq}: {dump}"
+                    if in_scope and seq not in self.model.skipped:
+                        blocked_by = seq
+                else:
+                    assert row.status == "done" and seq in delivered, f"{seq} not delivered: {dump}"
+        for seq, p in self.model.jobs.items():
+            row = jobs[seq]
+            if p.poison:
+                assert row.status == "failed", (seq, row.status)
+            else:
+                assert row.status == "done" and seq in handled_ok, (seq, p.plan, row.status, row.last_error)
+
+
+def run_scenario(seed: int, engine: Engine, async_url: URL, profile: Profile) -> Scenario:
+    scenario = Scenario(seed, engine, async_url, profile)
+    try:
+        scenario.run()
+    except BaseException as exc:
+        tail = "\n  ".join(scenario.log[-40:])
+        raise AssertionError(f"model-based scenario seed={seed} failed: {exc}\n  {tail}") from exc
+    return scenario
