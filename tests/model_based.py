@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, create_engine, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
@@ -79,6 +79,8 @@ EVENT_TYPES = (*ORDERED, "Noted")
 STRING_AGGREGATES = [f"a{i}" for i in range(8)]
 POISON_AGGREGATES = {"a0", "a1"}  # the only ones that may get a poison event
 FAST = Backoff(0.01, 0.05, jitter=True)
+#: The loops' connections (and their LISTEN connections) are the ones the fault rule terminates.
+LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit")
@@ -224,7 +226,7 @@ class LoopThread:
             self.ready.set()
 
     async def _amain(self) -> None:
-        aengine = create_async_engine(self.async_url, pool_size=3)
+        aengine = create_async_engine(self.async_url, pool_size=3, connect_args=LOOP_APP)
         try:
             self.loop = self.build(aengine)
             self.ready.set()
@@ -293,7 +295,10 @@ class Scenario:
     def __init__(self, seed: int, engine: Engine, async_url: URL, profile: Profile) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        self.engine = engine
+        # Its own engine: backends are terminated under it (pre-ping replaces a terminated pooled connection).
+        self.engine = create_engine(engine.url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        # The sync loops' engine has no pre-ping: the loops must ride out terminated connections themselves.
+        self.loop_engine = create_engine(engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP)
         self.async_url = async_url
         self.profile = profile
         self.model = Model()
@@ -456,7 +461,7 @@ class Scenario:
         self.log.append(f"start {name} async={is_async} sync_publisher={sync_publisher} {options}")
         self.dispatchers.append(
             LoopThread(name, lambda e: cls(e, OutboxEvent, publisher, **options), is_async=is_async,
-                       engine=self.engine, async_url=self.async_url).start()
+                       engine=self.loop_engine, async_url=self.async_url).start()
         )  # fmt: skip
 
     def start_worker(self, is_async: bool | None = None) -> None:
@@ -473,7 +478,7 @@ class Scenario:
         self.log.append(f"start {name} async={is_async} async_handler={async_handler} {options}")
         self.workers.append(
             LoopThread(name, lambda e: cls(e, Job, {"model": handler}, **options), is_async=is_async,
-                       engine=self.engine, async_url=self.async_url).start()
+                       engine=self.loop_engine, async_url=self.async_url).start()
         )  # fmt: skip
 
     def _reap_exited(self) -> None:
@@ -506,10 +511,9 @@ class Scenario:
             n = conn.execute(
                 text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                    "AND application_name IN ('model-loop', 'sa_outbox.listen')"
                 )
             ).scalar_one()
-        self.engine.dispose()  # the pool's own connections were among them
         self.log.append(f"terminated {n} backends")
 
     def rule_outage(self) -> None:
@@ -561,8 +565,12 @@ class Scenario:
             finally:
                 for lt in self.dispatchers + self.workers:
                     lt.stop()
-        self.check_always()
-        self.check_final()
+        try:
+            self.check_always()
+            self.check_final()
+        finally:
+            self.engine.dispose()
+            self.loop_engine.dispose()
 
     def lost_leases(self) -> int:
         return sum(
