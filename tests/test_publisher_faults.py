@@ -1,0 +1,420 @@
+"""Publishers under broker faults: outages, restarts, hung connections, broker-side limits, odd HTTP answers.
+
+Every fault is real: a private broker on a free port (stopped, restarted or configured with a limit), or a
+:class:`~tests.brokers.TcpProxy` in front of a shared broker that the test freezes or cuts. The shared brokers
+themselves are never stopped or reconfigured. Waits are bounded: a call that used to hang runs on a helper
+thread that the test joins with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pika
+import pytest
+
+from sa_outbox import DestinationUnavailable, Message, RetryableError
+
+from .brokers import PrivateRabbit, TcpProxy, closed_port
+
+AMQP_PORT = 5672
+NATS_PORT = 4222
+REDIS_PORT = 6379
+MQTT_PORT = 1883
+NOWHERE = "sa-outbox-nowhere.invalid"  # RFC 6761: never resolves
+
+
+def msg(i: int, payload: Any = None, *, created_at: datetime | None = None, event_type: str = "x") -> Message:
+    return Message(
+        i, str(i), "order", str(i), event_type, {"i": i} if payload is None else payload, 1, 1,
+        created_at or datetime.now(UTC),
+    )  # fmt: skip
+
+
+def bounded(fn: Callable[[], Any], limit: float) -> tuple[Any, float]:
+    """Run ``fn`` on a helper thread; (its result or exception, seconds taken). Fails the test when it is
+    still running after ``limit`` seconds (the thread is left behind as a daemon)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    elapsed = time.monotonic() - t0
+    assert not thread.is_alive(), f"still blocked after {limit:g}s"
+    return out[0], elapsed
+
+
+def raised(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def kinds(results: list[BaseException | None]) -> list[str]:
+    return [type(r).__name__ if r is not None else "ok" for r in results]
+
+
+@pytest.fixture
+def proxy_to() -> Iterator[Callable[[int], TcpProxy]]:
+    proxies: list[TcpProxy] = []
+
+    def make(port: int) -> TcpProxy:
+        proxies.append(TcpProxy(port))
+        return proxies[-1]
+
+    yield make
+    for p in proxies:
+        p.close()
+
+
+# --- RabbitMQ: a private node for restarts and queue limits ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rabbit() -> Iterator[PrivateRabbit]:
+    node = PrivateRabbit()
+    node.start()
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def _queue(url: str, name: str) -> None:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    conn.channel().queue_declare(name, durable=True)
+    conn.close()
+
+
+def _queue_depth(url: str, name: str) -> int:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    depth = int(conn.channel().queue_declare(name, passive=True).method.message_count)
+    conn.close()
+    return depth
+
+
+def _queue_ids(url: str, name: str) -> list[str]:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ids = []
+    while True:
+        method, props, _ = ch.basic_get(name, auto_ack=True)
+        if method is None:
+            break
+        ids.append(props.message_id)
+    conn.close()
+    return ids
+
+
+def _limited_queue(rabbit: PrivateRabbit, max_length: int) -> str:
+    """A durable queue that refuses what exceeds ``max_length`` (a ``reject-publish`` policy on the node)."""
+    name = f"lim.{uuid.uuid4().hex[:6]}"
+    policy = f'{{"max-length":{max_length},"overflow":"reject-publish"}}'
+    rabbit.ctl("set_policy", f"lim-{name}", f"^{name}$", policy, "--apply-to", "queues")
+    _queue(rabbit.url, name)
+    return name
+
+
+def test_rabbitmq_batch_on_a_reject_publish_queue_reports_each_message(rabbit: PrivateRabbit) -> None:
+    """Item 12: a full queue nacks what does not fit; the messages it took are delivered, once."""
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    name = _limited_queue(rabbit, 3)
+    pub = RabbitMQPublisher(rabbit.url, routing_key=name, timeout=5)
+    try:
+        results = pub.publish_many([msg(i) for i in range(1, 9)])
+    finally:
+        pub.close()
+    assert kinds(results) == ["ok"] * 3 + ["RetryableError"] * 5
+    assert "nack" in str(results[3])
+    assert _queue_ids(rabbit.url, name) == ["1", "2", "3"]  # each taken message exactly once
+
+
+def test_rabbitmq_single_publish_on_a_full_queue_is_retryable_and_the_channel_goes_on(
+    rabbit: PrivateRabbit,
+) -> None:
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    name = _limited_queue(rabbit, 1)
+    pub = RabbitMQPublisher(rabbit.url, routing_key=name, timeout=5)
+    try:
+        first = raised(lambda: pub.publish(msg(1)))
+        full = raised(lambda: pub.publish(msg(2)))
+        assert _queue_ids(rabbit.url, name) == ["1"]  # consumed: room again
+        again = pub.publish_many([msg(3)])
+    finally:
+        pub.close()
+    assert first is None and type(full) is RetryableError and "nack" in str(full)
+    assert again == [None] and _queue_ids(rabbit.url, name) == ["3"]
+
+
+def _restart_mid_stream(
+    rabbit: PrivateRabbit,
+    publish_batch: Callable[[list[Message]], list[Any]],
+    publish_one: Callable[[Message], Any],
+) -> dict[str, Any]:
+    """Publish 10-message batches while the node restarts, restart it again while the publisher is idle, then
+    publish 5 single messages and 10 more batches."""
+    queue = f"restart.{uuid.uuid4().hex[:6]}"
+    _queue(rabbit.url, queue)
+    outcomes: list[BaseException | None] = []
+    restarted = threading.Event()
+    restarter = threading.Thread(target=lambda: (rabbit.restart(), restarted.set()), daemon=True)
+    n = 0
+
+    def batch() -> list[Any]:
+        nonlocal n
+        ms = [msg(n + i + 1, event_type=queue) for i in range(10)]
+        n += 10
+        return publish_batch(ms)
+
+    for _ in range(3):
+        outcomes += batch()
+    restarter.start()
+    deadline = time.monotonic() + 90
+    while not restarted.is_set() and time.monotonic() < deadline:
+        outcomes += batch()
+        time.sleep(0.05)
+    assert restarted.is_set(), "the private node did not come back"
+    rabbit.restart()  # and once more while the publisher holds an idle connection
+    singles = []
+    for _ in range(5):
+        n += 1
+        single = msg(n, event_type=queue)
+        singles.append(raised(lambda m=single: publish_one(m)))  # type: ignore[misc]
+    after = singles
+    for _ in range(10):
+        after += batch()
+    outcomes += after
+    delivered = sum(r is None for r in outcomes)
+    return {
+        "queue": queue, "sent": n, "delivered": delivered, "after": after,
+        "errors": sorted({type(r).__name__ for r in outcomes if r is not None}),
+        "depth": _queue_depth(rabbit.url, queue),
+    }  # fmt: skip
+
+
+def test_async_rabbitmq_reconnects_after_a_broker_restart(rabbit: PrivateRabbit) -> None:
+    """Item 10: after the node restarts, the async publisher reconnects instead of failing forever."""
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    # The publisher lives on an event loop that keeps running, as in an application.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    pub = AsyncRabbitMQPublisher(rabbit.url, routing_key=lambda m: m.event_type, timeout=3)
+    try:
+        figures = _restart_mid_stream(
+            rabbit, lambda ms: call(pub.publish_many(ms)), lambda m: call(pub.publish(m))
+        )
+    finally:
+        call(pub.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    print(f"async rabbitmq through two restarts: {figures['delivered']}/{figures['sent']} delivered, "
+          f"{kinds(figures['after']).count('ok')}/105 after; errors {figures['errors']}")  # fmt: skip
+    assert kinds(figures["after"]) == ["ok"] * 105  # every batch once the node is back
+    assert set(figures["errors"]) <= {"DestinationUnavailable", "RetryableError"}
+    assert figures["delivered"] <= figures["depth"] <= figures["sent"]  # confirmed means stored
+
+
+def test_rabbitmq_reconnects_after_a_broker_restart(rabbit: PrivateRabbit) -> None:
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    pub = RabbitMQPublisher(rabbit.url, routing_key=lambda m: m.event_type, timeout=3)
+    try:
+        figures = _restart_mid_stream(rabbit, pub.publish_many, pub.publish)
+    finally:
+        pub.close()
+    print(f"rabbitmq (pika) through two restarts: {figures['delivered']}/{figures['sent']} delivered, "
+          f"{kinds(figures['after']).count('ok')}/105 after; errors {figures['errors']}")  # fmt: skip
+    assert kinds(figures["after"]) == ["ok"] * 105
+    assert set(figures["errors"]) <= {"DestinationUnavailable", "RetryableError"}
+    assert figures["delivered"] <= figures["depth"] <= figures["sent"]
+
+
+def _declare_bound(url: str, exchange: str, queue: str) -> None:
+    """What a consumer starting later does: declare the exchange and a queue bound to routing key "k"."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.exchange_declare(exchange, "direct")
+    ch.queue_declare(queue)
+    ch.queue_bind(queue, exchange, routing_key="k")
+    conn.close()
+
+
+def test_async_rabbitmq_missing_exchange_at_first_use_recovers_once_declared(rabbit: PrivateRabbit) -> None:
+    """Item 11: the exchange does not exist yet; a consumer declares it later; then messages flow."""
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    exchange, queue = f"late.{uuid.uuid4().hex[:6]}", f"late.q.{uuid.uuid4().hex[:6]}"
+
+    async def go() -> tuple[list[Any], Any, list[Any]]:
+        pub = AsyncRabbitMQPublisher(rabbit.url, exchange=exchange, routing_key="k", timeout=3)
+        try:
+            before = await pub.publish_many([msg(1), msg(2)])
+            single = None
+            try:
+                await pub.publish(msg(3))
+            except BaseException as exc:
+                single = exc
+            _declare_bound(rabbit.url, exchange, queue)
+            after = await pub.publish_many([msg(4), msg(5)])
+            return before, single, after
+        finally:
+            await pub.close()
+
+    before, single, after = asyncio.run(go())
+    assert kinds(before) == ["RetryableError"] * 2 and "does not exist" in str(before[0])
+    assert type(single) is RetryableError
+    assert kinds(after) == ["ok", "ok"]
+    assert _queue_ids(rabbit.url, queue) == ["4", "5"]
+
+
+def test_rabbitmq_missing_exchange_is_retryable_then_flows(rabbit: PrivateRabbit) -> None:
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    exchange, queue = f"late.{uuid.uuid4().hex[:6]}", f"late.q.{uuid.uuid4().hex[:6]}"
+    pub = RabbitMQPublisher(rabbit.url, exchange=exchange, routing_key="k", timeout=3)
+    try:
+        before = pub.publish_many([msg(1), msg(2)])
+        _declare_bound(rabbit.url, exchange, queue)
+        after = pub.publish_many([msg(4), msg(5)])
+    finally:
+        pub.close()
+    assert kinds(before) == ["RetryableError"] * 2 and "does not exist" in str(before[0])
+    assert kinds(after) == ["ok", "ok"]
+    assert _queue_ids(rabbit.url, queue) == ["4", "5"]
+
+
+def test_rabbitmq_publish_through_a_frozen_connection_returns_within_its_timeout(
+    proxy_to: Callable[[int], TcpProxy],
+) -> None:
+    """Item 14: a hung connection (no byte moves, socket open) bounds publish and publish_many by timeout."""
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    queue = f"frozen.{uuid.uuid4().hex[:6]}"
+    _queue(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F", queue)
+    proxy = proxy_to(AMQP_PORT)
+    pub = RabbitMQPublisher(f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F", routing_key=queue, timeout=2)
+    try:
+        pub.publish(msg(1))
+        proxy.freeze()
+        single, single_took = bounded(lambda: raised(lambda: pub.publish(msg(2))), 60)
+        batch, batch_took = bounded(lambda: pub.publish_many([msg(i) for i in range(3, 13)]), 60)
+        print(f"rabbitmq frozen: publish {single_took:.1f}s, publish_many(10) {batch_took:.1f}s (timeout=2)")
+        proxy.thaw()
+        proxy.cut()
+        after = pub.publish_many([msg(20)])
+    finally:
+        pub.close()
+        conn = pika.BlockingConnection(pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F"))
+        conn.channel().queue_delete(queue)
+        conn.close()
+    assert isinstance(single, RetryableError) and single_took < 3 * 2
+    assert all(isinstance(r, RetryableError) for r in batch) and batch_took < 3 * 2
+    assert kinds(after) == ["ok"]  # reconnected after the hang
+
+
+def test_rabbitmq_refused_and_lost_connections_are_destination_unavailable(
+    proxy_to: Callable[[int], TcpProxy],
+) -> None:
+    """Issue 19 §1: connection refused / lost → DestinationUnavailable for the call and every batch entry."""
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    refused = RabbitMQPublisher(
+        f"amqp://guest:guest@127.0.0.1:{closed_port()}/%2F", routing_key="q", timeout=2
+    )
+    dns = RabbitMQPublisher(f"amqp://guest:guest@{NOWHERE}:5672/%2F", routing_key="q", timeout=2)
+    queue = f"lost.{uuid.uuid4().hex[:6]}"
+    _queue(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F", queue)
+    proxy = proxy_to(AMQP_PORT)
+    lost = RabbitMQPublisher(f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F", routing_key=queue, timeout=2)
+    try:
+        assert type(raised(lambda: refused.publish(msg(1)))) is DestinationUnavailable
+        assert kinds(refused.publish_many([msg(1), msg(2)])) == ["DestinationUnavailable"] * 2
+        assert kinds(dns.publish_many([msg(1)])) == ["DestinationUnavailable"]
+        assert lost.publish_many([msg(1)]) == [None]
+        proxy.refuse()
+        proxy.cut()
+        assert kinds(lost.publish_many([msg(2), msg(3)])) == ["DestinationUnavailable"] * 2
+        assert type(raised(lambda: lost.publish(msg(4)))) is DestinationUnavailable
+        proxy.accept()
+        assert lost.publish_many([msg(5)]) == [None]
+    finally:
+        for p in (refused, dns, lost):
+            p.close()
+        conn = pika.BlockingConnection(pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F"))
+        conn.channel().queue_delete(queue)
+        conn.close()
+
+
+def test_async_rabbitmq_refused_lost_and_frozen(proxy_to: Callable[[int], TcpProxy]) -> None:
+    """Issue 19 §1 and item 14 for aio-pika: refused/lost → DestinationUnavailable; a hung connection is
+    bounded by the timeout, and the publisher reconnects afterwards."""
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    queue = f"alost.{uuid.uuid4().hex[:6]}"
+    _queue(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F", queue)
+    proxy = proxy_to(AMQP_PORT)
+
+    async def go() -> dict[str, Any]:
+        refused = AsyncRabbitMQPublisher(f"amqp://guest:guest@127.0.0.1:{closed_port()}/", timeout=2)
+        pub = AsyncRabbitMQPublisher(
+            f"amqp://guest:guest@127.0.0.1:{proxy.port}/", routing_key=queue, timeout=2
+        )
+        out: dict[str, Any] = {}
+        try:
+            out["refused"] = kinds(await refused.publish_many([msg(1), msg(2)]))
+            out["first"] = kinds(await pub.publish_many([msg(1)]))
+            proxy.refuse()
+            proxy.cut()
+            await asyncio.sleep(0.2)
+            out["lost"] = kinds(await pub.publish_many([msg(2), msg(3)]))
+            proxy.accept()
+            out["back"] = kinds(await pub.publish_many([msg(4)]))
+            proxy.freeze()
+            t0 = time.monotonic()
+            out["frozen"] = kinds(
+                await asyncio.wait_for(pub.publish_many([msg(i) for i in range(5, 15)]), 60)
+            )
+            out["frozen_took"] = time.monotonic() - t0
+            proxy.thaw()
+            proxy.cut()
+            out["after"] = kinds(await pub.publish_many([msg(20)]))
+        finally:
+            await asyncio.wait_for(refused.close(), 10)
+            await asyncio.wait_for(pub.close(), 10)
+        return out
+
+    try:
+        out = asyncio.run(go())
+    finally:
+        conn = pika.BlockingConnection(pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{AMQP_PORT}/%2F"))
+        conn.channel().queue_delete(queue)
+        conn.close()
+    print(f"aio-pika frozen: publish_many(10) {out['frozen_took']:.1f}s (timeout=2)")
+    assert out["refused"] == ["DestinationUnavailable"] * 2
+    assert out["first"] == ["ok"] and out["back"] == ["ok"] and out["after"] == ["ok"]
+    assert out["lost"] == ["DestinationUnavailable"] * 2
+    assert set(out["frozen"]) == {"RetryableError"} and out["frozen_took"] < 3 * 2
