@@ -120,6 +120,15 @@ class PrivateRedis(_Server):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(
+                OSError, subprocess.SubprocessError
+            ):  # quick exit even when a save fails
+                subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "nosave"], capture_output=True,
+                               timeout=5, check=False)  # fmt: skip
+        super().stop()
+
     def command(self) -> Sequence[str]:
         return ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir), *self.args]  # fmt: skip

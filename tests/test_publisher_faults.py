@@ -19,9 +19,9 @@ from typing import Any
 import pika
 import pytest
 
-from sa_outbox import DestinationUnavailable, Message, RetryableError
+from sa_outbox import DestinationUnavailable, Message, PermanentError, RetryableError
 
-from .brokers import PrivateRabbit, TcpProxy, closed_port
+from .brokers import PrivateRabbit, PrivateRedis, TcpProxy, closed_port
 
 AMQP_PORT = 5672
 NATS_PORT = 4222
@@ -418,3 +418,173 @@ def test_async_rabbitmq_refused_lost_and_frozen(proxy_to: Callable[[int], TcpPro
     assert out["first"] == ["ok"] and out["back"] == ["ok"] and out["after"] == ["ok"]
     assert out["lost"] == ["DestinationUnavailable"] * 2
     assert set(out["frozen"]) == {"RetryableError"} and out["frozen_took"] < 3 * 2
+
+
+# --- Redis: private servers for memory limits, replicas, scripts and failed saves ------------------------
+
+
+@pytest.fixture
+def private_redis() -> Iterator[Callable[..., PrivateRedis]]:
+    servers: list[PrivateRedis] = []
+
+    def start(*args: str) -> PrivateRedis:
+        servers.append(PrivateRedis(*args))
+        servers[-1].start()
+        return servers[-1]
+
+    yield start
+    for s in reversed(servers):
+        s.close()
+
+
+def _redis_outcomes(url: str) -> tuple[BaseException | None, list[str]]:
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    pub = RedisStreamPublisher(url, stream="s", timeout=2)
+    try:
+        return raised(lambda: pub.publish(msg(1))), kinds(pub.publish_many([msg(2), msg(3)]))
+    finally:
+        pub.close()
+
+
+def test_redis_out_of_memory_is_transient_then_delivers(private_redis: Callable[..., PrivateRedis]) -> None:
+    """Item 13: OOM (maxmemory + noeviction) is the destination refusing writes for now, not a bad message."""
+    import redis
+
+    server = private_redis("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    client = redis.Redis.from_url(server.url)
+    for i in range(100):  # fill up to maxmemory
+        if raised(lambda i=i: client.set(f"ballast:{i}", b"x" * 100_000)) is not None:  # type: ignore[misc]
+            break
+    single, batch = _redis_outcomes(server.url)
+    assert type(single) is DestinationUnavailable and "OOM" in str(single)
+    assert batch == ["DestinationUnavailable"] * 2
+    client.flushall()
+    assert _redis_outcomes(server.url) == (None, ["ok", "ok"])
+    client.close()
+
+
+def test_redis_readonly_replica_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
+    """Item 13: READONLY is what a client still connected to a demoted master sees right after a failover."""
+    primary = private_redis()
+    replica = private_redis("--replicaof", "127.0.0.1", str(primary.port))
+    single, batch = _redis_outcomes(replica.url)
+    assert type(single) is DestinationUnavailable and "READONLY" in str(single)
+    assert batch == ["DestinationUnavailable"] * 2
+
+
+def test_redis_busy_script_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
+    """Item 13: BUSY (a script runs past busy-reply-threshold) passes once the script ends."""
+    import redis
+
+    server = private_redis("--busy-reply-threshold", "100")
+    blocker = threading.Thread(
+        target=lambda: raised(lambda: redis.Redis.from_url(server.url).eval("while true do end", 0)),
+        daemon=True,
+    )
+    blocker.start()
+    time.sleep(0.5)
+    try:
+        single, batch = _redis_outcomes(server.url)
+    finally:
+        redis.Redis.from_url(server.url).script_kill()
+        blocker.join(10)
+    assert type(single) is DestinationUnavailable and "BUSY" in str(single)
+    assert batch == ["DestinationUnavailable"] * 2
+
+
+def test_redis_misconf_after_a_failed_save_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
+    """Item 13: MISCONF (the last background save failed, stop-writes-on-bgsave-error) is not a bad message."""
+    import shutil
+
+    import redis
+
+    server = private_redis(
+        "--enable-protected-configs", "yes", "--save", "3600 1"
+    )  # MISCONF needs save points
+    client = redis.Redis.from_url(server.url)
+    gone = server.dir / "gone"
+    gone.mkdir()
+    client.config_set("dir", str(gone))
+    shutil.rmtree(gone)
+    client.bgsave()
+    deadline = time.monotonic() + 10
+    while client.info("persistence")["rdb_last_bgsave_status"] != "err" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    single, batch = _redis_outcomes(server.url)
+    client.close()
+    assert type(single) is DestinationUnavailable and "MISCONF" in str(single)
+    assert batch == ["DestinationUnavailable"] * 2
+
+
+def test_redis_error_replies_are_classified() -> None:
+    """The replies no single server can be made to give here (cluster, loading): classified by their code."""
+    import redis.exceptions as rex
+
+    from sa_outbox.publishers.redis import classify_redis_error
+
+    assert type(classify_redis_error(rex.BusyLoadingError("Redis is loading the dataset in memory"))) is (
+        DestinationUnavailable
+    )
+    assert (
+        type(classify_redis_error(rex.MasterDownError("Link with MASTER is down"))) is DestinationUnavailable
+    )
+    assert type(classify_redis_error(rex.ClusterDownError("The cluster is down"))) is DestinationUnavailable
+    assert type(classify_redis_error(rex.TryAgainError("Multiple keys request during rehashing"))) is (
+        RetryableError
+    )
+    assert (
+        type(classify_redis_error(rex.ResponseError("WRONGTYPE Operation against a key"))) is PermanentError
+    )
+    assert type(classify_redis_error(rex.ResponseError("ERR syntax error"))) is PermanentError
+
+
+def test_redis_refused_stopped_and_unknown_host_are_destination_unavailable(
+    private_redis: Callable[..., PrivateRedis],
+) -> None:
+    """Issue 19 §1: nothing listening, a server that went away, a name that does not resolve."""
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    single, batch = _redis_outcomes(f"redis://127.0.0.1:{closed_port()}/0")
+    assert type(single) is DestinationUnavailable and batch == ["DestinationUnavailable"] * 2
+    single, batch = _redis_outcomes(f"redis://{NOWHERE}:6379/0")
+    assert type(single) is DestinationUnavailable and batch == ["DestinationUnavailable"] * 2
+    server = private_redis()
+    pub = RedisStreamPublisher(server.url, stream="s", timeout=2)
+    try:
+        assert pub.publish_many([msg(1)]) == [None]
+        server.stop()
+        assert kinds(pub.publish_many([msg(2), msg(3)])) == ["DestinationUnavailable"] * 2
+        assert type(raised(lambda: pub.publish(msg(4)))) is DestinationUnavailable
+        server.start()
+        assert pub.publish_many([msg(5)]) == [None]
+    finally:
+        pub.close()
+
+
+def test_redis_publish_through_a_frozen_connection_returns_within_its_timeout(
+    proxy_to: Callable[[int], TcpProxy],
+) -> None:
+    """Item 14: redis-py retries a timed-out command by default (10 times with backoff); one deadline here."""
+    import redis
+
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    stream = f"sa_outbox_test:{uuid.uuid4().hex[:8]}"
+    proxy = proxy_to(REDIS_PORT)
+    pub = RedisStreamPublisher(f"redis://127.0.0.1:{proxy.port}/0", stream=stream, timeout=1)
+    try:
+        pub.publish(msg(1))
+        proxy.freeze()
+        single, single_took = bounded(lambda: raised(lambda: pub.publish(msg(2))), 60)
+        batch, batch_took = bounded(lambda: pub.publish_many([msg(i) for i in range(3, 13)]), 60)
+        print(f"redis frozen: publish {single_took:.1f}s, publish_many(10) {batch_took:.1f}s (timeout=1)")
+        proxy.thaw()
+        proxy.cut()
+        after = pub.publish_many([msg(20)])
+    finally:
+        pub.close()
+        redis.Redis(port=REDIS_PORT).delete(stream)
+    assert type(single) is RetryableError and single_took < 3 * 1
+    assert kinds(batch) == ["RetryableError"] * 10 and batch_took < 3 * 1
+    assert after == [None]
