@@ -21,7 +21,7 @@ import pytest
 
 from sa_outbox import DestinationUnavailable, Message, PermanentError, RetryableError
 
-from .brokers import PrivateRabbit, PrivateRedis, TcpProxy, closed_port
+from .brokers import PrivateNats, PrivateRabbit, PrivateRedis, TcpProxy, closed_port
 
 AMQP_PORT = 5672
 NATS_PORT = 4222
@@ -85,25 +85,26 @@ def proxy_to() -> Iterator[Callable[[int], TcpProxy]]:
 class Frozen:
     """What a sync publisher did through a frozen connection: one publish, one batch of 10, then after a thaw."""
 
-    def __init__(self, proxy: TcpProxy, pub: Any, name: str) -> None:
+    def __init__(self, proxy: TcpProxy, pub: Any, name: str, timeout: float) -> None:
+        self.timeout = timeout
         pub.publish(msg(1))
         proxy.freeze()
         self.single, self.single_took = bounded(lambda: raised(lambda: pub.publish(msg(2))), 60)
         self.batch, self.batch_took = bounded(lambda: pub.publish_many([msg(i) for i in range(3, 13)]), 60)
         print(f"{name} frozen: publish {self.single_took:.1f}s, publish_many(10) {self.batch_took:.1f}s "
-              f"(timeout={pub.timeout:g})")  # fmt: skip
+              f"(timeout={timeout:g})")  # fmt: skip
         proxy.thaw()
         proxy.cut()
         self.after = pub.publish_many([msg(20)])
 
-    def bounded_by(self, timeout: float) -> bool:
+    def bounded(self) -> bool:
         """Both calls returned within 3 × timeout with a retryable failure (a timeout, or
         DestinationUnavailable when the hung peer does not even complete a new handshake), and the publisher
         recovered after."""
         return (
-            isinstance(self.single, RetryableError) and self.single_took < 3 * timeout
+            isinstance(self.single, RetryableError) and self.single_took < 3 * self.timeout
             and all(isinstance(r, RetryableError) for r in self.batch) and len(self.batch) == 10
-            and self.batch_took < 3 * timeout
+            and self.batch_took < 3 * self.timeout
             and self.after == [None]
         )  # fmt: skip
 
@@ -371,10 +372,10 @@ def test_rabbitmq_publish_through_a_frozen_connection_returns_within_its_timeout
         f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F", routing_key=shared_queue, timeout=2
     )
     try:
-        frozen = Frozen(proxy, pub, "rabbitmq")
+        frozen = Frozen(proxy, pub, "rabbitmq", 2)
     finally:
         pub.close()
-    assert frozen.bounded_by(2)
+    assert frozen.bounded()
 
 
 def test_rabbitmq_refused_and_lost_connections_are_destination_unavailable(
@@ -598,8 +599,152 @@ def test_redis_publish_through_a_frozen_connection_returns_within_its_timeout(
     proxy = proxy_to(REDIS_PORT)
     pub = RedisStreamPublisher(f"redis://127.0.0.1:{proxy.port}/0", stream=stream, timeout=1)
     try:
-        frozen = Frozen(proxy, pub, "redis")
+        frozen = Frozen(proxy, pub, "redis", 1)
     finally:
         pub.close()
         redis.Redis(port=REDIS_PORT).delete(stream)
-    assert frozen.bounded_by(1)
+    assert frozen.bounded()
+
+
+# --- NATS JetStream: a private server with a small max_payload --------------------------------------------
+
+
+def _add_stream(url: str, name: str, subjects: str) -> None:
+    import nats
+
+    async def go() -> None:
+        nc = await nats.connect(url)
+        await nc.jetstream().add_stream(name=name, subjects=[subjects])
+        await nc.close()
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def shared_stream() -> Iterator[str]:
+    """A stream of its own on the shared NATS (subjects ``<prefix>.>``); yields the subject prefix."""
+    import nats
+
+    name = f"SAOUTBOXF{uuid.uuid4().hex[:6].upper()}"
+    _add_stream(f"nats://127.0.0.1:{NATS_PORT}", name, f"{name.lower()}.>")
+    yield name.lower()
+
+    async def drop() -> None:
+        nc = await nats.connect(f"nats://127.0.0.1:{NATS_PORT}")
+        await nc.jetstream().delete_stream(name)
+        await nc.close()
+
+    asyncio.run(drop())
+
+
+def test_nats_message_over_max_payload_is_permanent_and_names_both_sizes() -> None:
+    """Item 17: too big for the server is permanent at once, checked before sending (envelope and headers
+    included, which the client library does not count), and the connection stays usable."""
+    from sa_outbox.publishers._common import envelope_json, headers_for
+    from sa_outbox.publishers.nats import NatsPublisher
+
+    def _wire_size(m: Message) -> int:  # what nats-server counts: body + "NATS/1.0" header block
+        headers = {
+            "Nats-Msg-Id": m.message_id,
+            **{f"Outbox-{k.title()}": v for k, v in headers_for(m).items()},
+        }
+        return (
+            len(envelope_json(m))
+            + len("NATS/1.0\r\n\r\n")
+            + sum(len(f"{k}: {v}\r\n") for k, v in headers.items())
+        )
+
+    server = PrivateNats(max_payload=4096)
+    server.start()
+    try:
+        _add_stream(server.url, "S", "s.>")
+        pub = NatsPublisher(server.url, subject_prefix="s", timeout=2)
+        big = msg(2, {"s": "x" * 5000})
+        near = next(
+            m
+            for n in range(3700, 4096)
+            if 4096 - 100 < len(envelope_json(m := msg(3, {"s": "y" * n}))) <= 4096
+        )  # fits the library's check on the body alone, not the server's on body + headers
+        try:
+            results = pub.publish_many([msg(1), big, near, msg(4)])
+            single = raised(lambda: pub.publish(big))
+        finally:
+            pub.close()
+    finally:
+        server.close()
+    assert kinds(results) == ["ok", "PermanentError", "PermanentError", "ok"]
+    text = str(single).replace(",", "")
+    assert type(single) is PermanentError and "max_payload of 4096 bytes" in text
+    assert f"{_wire_size(big)} bytes as sent" in text
+
+
+def test_nats_message_over_the_stream_max_msg_size_is_permanent(shared_stream: str) -> None:
+    import nats
+
+    from sa_outbox.publishers.nats import NatsPublisher
+
+    async def limit() -> None:
+        nc = await nats.connect(f"nats://127.0.0.1:{NATS_PORT}")
+        js = nc.jetstream()
+        config = (await js.stream_info(shared_stream.upper())).config
+        config.max_msg_size = 1000
+        await js.update_stream(config)
+        await nc.close()
+
+    asyncio.run(limit())
+    pub = NatsPublisher(f"nats://127.0.0.1:{NATS_PORT}", subject_prefix=shared_stream, timeout=2)
+    try:
+        results = pub.publish_many([msg(1), msg(2, {"s": "x" * 2000})])
+    finally:
+        pub.close()
+    assert kinds(results) == ["ok", "PermanentError"] and "max_msg_size" in str(results[1])
+
+
+def test_nats_refused_stopped_and_unknown_host_are_destination_unavailable() -> None:
+    """Issue 19 §1: NoServersError, a server that went away, a name that does not resolve."""
+    from sa_outbox.publishers.nats import AsyncNatsPublisher, NatsPublisher
+
+    for url in (f"nats://127.0.0.1:{closed_port()}", f"nats://{NOWHERE}:4222"):
+        pub = NatsPublisher(url, timeout=2)
+        try:
+            assert kinds(pub.publish_many([msg(1), msg(2)])) == ["DestinationUnavailable"] * 2
+            assert type(raised(lambda p=pub: p.publish(msg(3)))) is DestinationUnavailable  # type: ignore[misc]
+        finally:
+            pub.close()
+    server = PrivateNats()
+    server.start()
+    try:
+        _add_stream(server.url, "S", "s.>")
+        pub = NatsPublisher(server.url, subject_prefix="s", timeout=2)
+        try:
+            assert through_an_outage(pub, server.stop, server.start) == UNAVAILABLE_CYCLE
+        finally:
+            pub.close()
+
+        async def lost() -> list[str]:  # the async face, the server stopping under an open connection
+            apub = AsyncNatsPublisher(server.url, subject_prefix="s", timeout=2)
+            try:
+                first = await apub.publish_many([msg(1)])
+                server.stop()
+                await asyncio.sleep(0.3)
+                return kinds(first + await apub.publish_many([msg(2), msg(3)]))
+            finally:
+                await apub.close()
+
+        assert asyncio.run(lost()) == ["ok", "DestinationUnavailable", "DestinationUnavailable"]
+    finally:
+        server.close()
+
+
+def test_nats_publish_through_a_frozen_connection_returns_within_its_timeout(
+    proxy_to: Callable[[int], TcpProxy], shared_stream: str
+) -> None:
+    from sa_outbox.publishers.nats import NatsPublisher
+
+    proxy = proxy_to(NATS_PORT)
+    pub = NatsPublisher(f"nats://127.0.0.1:{proxy.port}", subject_prefix=shared_stream, timeout=1)
+    try:
+        frozen = Frozen(proxy, pub, "nats", 1)
+    finally:
+        pub.close()
+    assert frozen.bounded()

@@ -194,7 +194,7 @@ def test_nats_down_is_retryable(engine: Engine) -> None:
     Dispatcher(engine, OutboxEvent, pub, listen=False, backoff=FAST).run_once()
     pub.close()
     r = row(engine, "outbox", 1)
-    assert r.status == "pending" and "nats unavailable" in r.last_error
+    assert r.status == "pending" and r.last_error.startswith("DestinationUnavailable: nats")
 
 
 def test_nats_async_batch_publish(jetstream: tuple[str, str]) -> None:

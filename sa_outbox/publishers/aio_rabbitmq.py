@@ -18,13 +18,12 @@ as :mod:`sa_outbox.publishers.rabbitmq`, for :class:`~sa_outbox.AsyncDispatcher`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from .._messages import Message
 from ..errors import DestinationUnavailable, RetryableError
-from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
+from ._common import AmqpRouting, BackgroundCloser, envelope_json, headers_for, missing_extra, publish_each
 
 try:
     import aio_pika
@@ -53,7 +52,7 @@ class AsyncRabbitMQPublisher(AmqpRouting):
         self._channel: Any = None
         self._exchange: Any = None
         self._lost = False  # set by the connection's close callback: aio-pika's is_closed stays false
-        self._closing: set[asyncio.Future[None]] = set()
+        self._closer = BackgroundCloser(self.timeout)
 
     # --- connection, channel, exchange: cached only once all three exist ---------------------------------
 
@@ -115,13 +114,7 @@ class AsyncRabbitMQPublisher(AmqpRouting):
         """Forget the connection; close it in the background (a hung one never answers a close)."""
         conn, self._conn, self._channel, self._exchange = self._conn, None, None, None
         if conn is not None and not conn.is_closed:
-            task = asyncio.ensure_future(self._close_quietly(conn))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-
-    async def _close_quietly(self, conn: Any) -> None:
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(conn.close(), self.timeout)
+            self._closer.close_later(conn)
 
     # --- publishing -------------------------------------------------------------------------------------
 
@@ -187,14 +180,11 @@ class AsyncRabbitMQPublisher(AmqpRouting):
         """Publish a batch and await all its confirms together, within ``timeout`` in total; one entry per
         message, in order: ``None`` when confirmed, else its failure class."""
         deadline = asyncio.get_running_loop().time() + self.timeout
-        try:
-            exchange = await self._connect_by(deadline)
-        except RetryableError as exc:
-            return [exc] * len(messages)
-        results = await asyncio.gather(
-            *(self._publish(exchange, m, deadline) for m in messages), return_exceptions=True
+        return await publish_each(
+            lambda: self._connect_by(deadline),
+            lambda exchange, m: self._publish(exchange, m, deadline),
+            messages,
         )
-        return [r if isinstance(r, BaseException) else None for r in results]
 
     async def close(self) -> None:
         """Close the connection (waits at most ``timeout`` for the broker to answer)."""
@@ -202,9 +192,7 @@ class AsyncRabbitMQPublisher(AmqpRouting):
             self._discard()
         else:  # opened on another loop, which is gone: nothing can be awaited there
             self._conn = self._channel = self._exchange = None
-        closing, self._closing = list(self._closing), set()
-        if closing:
-            await asyncio.gather(*closing, return_exceptions=True)
+        await self._closer.wait()
 
     async def aclose(self) -> None:
         """The same as :meth:`close`."""
