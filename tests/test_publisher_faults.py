@@ -21,7 +21,7 @@ import pytest
 
 from sa_outbox import DestinationUnavailable, Message, PermanentError, RetryableError
 
-from .brokers import PrivateNats, PrivateRabbit, PrivateRedis, TcpProxy, closed_port
+from .brokers import PrivateMosquitto, PrivateNats, PrivateRabbit, PrivateRedis, TcpProxy, closed_port
 
 AMQP_PORT = 5672
 NATS_PORT = 4222
@@ -83,14 +83,15 @@ def proxy_to() -> Iterator[Callable[[int], TcpProxy]]:
 
 
 class Frozen:
-    """What a sync publisher did through a frozen connection: one publish, one batch of 10, then after a thaw."""
+    """What a sync publisher did through a frozen connection: a batch of 10 on the open connection, then one
+    publish, then one batch after a thaw."""
 
     def __init__(self, proxy: TcpProxy, pub: Any, name: str, timeout: float) -> None:
         self.timeout = timeout
         pub.publish(msg(1))
         proxy.freeze()
-        self.single, self.single_took = bounded(lambda: raised(lambda: pub.publish(msg(2))), 60)
         self.batch, self.batch_took = bounded(lambda: pub.publish_many([msg(i) for i in range(3, 13)]), 60)
+        self.single, self.single_took = bounded(lambda: raised(lambda: pub.publish(msg(2))), 60)
         print(f"{name} frozen: publish {self.single_took:.1f}s, publish_many(10) {self.batch_took:.1f}s "
               f"(timeout={timeout:g})")  # fmt: skip
         proxy.thaw()
@@ -110,6 +111,15 @@ class Frozen:
 
 
 UNAVAILABLE_CYCLE = [["ok"], ["DestinationUnavailable"] * 3, ["ok"]]
+
+
+def unreachable(pub: Any) -> list[str]:
+    """What a sync publisher whose destination cannot be reached returns for a batch of two and a single
+    publish (then closed); ``["DestinationUnavailable"] * 3`` is the right answer."""
+    try:
+        return kinds(pub.publish_many([msg(1), msg(2)])) + kinds([raised(lambda: pub.publish(msg(3)))])
+    finally:
+        pub.close()
 
 
 def through_an_outage(pub: Any, down: Callable[[], Any], up: Callable[[], Any]) -> list[list[str]]:
@@ -384,24 +394,23 @@ def test_rabbitmq_refused_and_lost_connections_are_destination_unavailable(
     """Issue 19 §1: connection refused / lost → DestinationUnavailable for the call and every batch entry."""
     from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
 
-    refused = RabbitMQPublisher(
-        f"amqp://guest:guest@127.0.0.1:{closed_port()}/%2F", routing_key="q", timeout=2
-    )
-    dns = RabbitMQPublisher(f"amqp://guest:guest@{NOWHERE}:5672/%2F", routing_key="q", timeout=2)
+    for url in (
+        f"amqp://guest:guest@127.0.0.1:{closed_port()}/%2F",
+        f"amqp://guest:guest@{NOWHERE}:5672/%2F",
+    ):
+        assert (
+            unreachable(RabbitMQPublisher(url, routing_key="q", timeout=2)) == ["DestinationUnavailable"] * 3
+        )
     proxy = proxy_to(AMQP_PORT)
     lost = RabbitMQPublisher(
         f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F", routing_key=shared_queue, timeout=2
     )
     try:
-        assert type(raised(lambda: refused.publish(msg(1)))) is DestinationUnavailable
-        assert kinds(refused.publish_many([msg(1), msg(2)])) == ["DestinationUnavailable"] * 2
-        assert kinds(dns.publish_many([msg(1)])) == ["DestinationUnavailable"]
         assert (
             through_an_outage(lost, lambda: (proxy.refuse(), proxy.cut()), proxy.accept) == UNAVAILABLE_CYCLE
         )
     finally:
-        for p in (refused, dns, lost):
-            p.close()
+        lost.close()
 
 
 def test_async_rabbitmq_refused_lost_and_frozen(
@@ -575,10 +584,8 @@ def test_redis_refused_stopped_and_unknown_host_are_destination_unavailable(
     """Issue 19 §1: nothing listening, a server that went away, a name that does not resolve."""
     from sa_outbox.publishers.redis import RedisStreamPublisher
 
-    single, batch = _redis_outcomes(f"redis://127.0.0.1:{closed_port()}/0")
-    assert type(single) is DestinationUnavailable and batch == ["DestinationUnavailable"] * 2
-    single, batch = _redis_outcomes(f"redis://{NOWHERE}:6379/0")
-    assert type(single) is DestinationUnavailable and batch == ["DestinationUnavailable"] * 2
+    for url in (f"redis://127.0.0.1:{closed_port()}/0", f"redis://{NOWHERE}:6379/0"):
+        assert unreachable(RedisStreamPublisher(url, stream="s", timeout=2)) == ["DestinationUnavailable"] * 3
     server = private_redis()
     pub = RedisStreamPublisher(server.url, stream="s", timeout=2)
     try:
@@ -705,12 +712,7 @@ def test_nats_refused_stopped_and_unknown_host_are_destination_unavailable() -> 
     from sa_outbox.publishers.nats import AsyncNatsPublisher, NatsPublisher
 
     for url in (f"nats://127.0.0.1:{closed_port()}", f"nats://{NOWHERE}:4222"):
-        pub = NatsPublisher(url, timeout=2)
-        try:
-            assert kinds(pub.publish_many([msg(1), msg(2)])) == ["DestinationUnavailable"] * 2
-            assert type(raised(lambda p=pub: p.publish(msg(3)))) is DestinationUnavailable  # type: ignore[misc]
-        finally:
-            pub.close()
+        assert unreachable(NatsPublisher(url, timeout=2)) == ["DestinationUnavailable"] * 3
     server = PrivateNats()
     server.start()
     try:
@@ -748,3 +750,37 @@ def test_nats_publish_through_a_frozen_connection_returns_within_its_timeout(
     finally:
         pub.close()
     assert frozen.bounded()
+
+
+# --- MQTT (Mosquitto) -------------------------------------------------------------------------------------
+
+
+def test_mqtt_batch_through_a_frozen_connection_has_one_deadline(proxy_to: Callable[[int], TcpProxy]) -> None:
+    """Item 14: publish_many waited the full timeout per message in turn (10 x 2 s); one deadline now."""
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+
+    proxy = proxy_to(MQTT_PORT)
+    pub = MQTTPublisher(
+        "127.0.0.1", proxy.port, topic_prefix=f"sa_outbox_faults_{uuid.uuid4().hex[:6]}", timeout=2
+    )
+    try:
+        frozen = Frozen(proxy, pub, "mqtt", 2)
+    finally:
+        pub.close()
+    assert frozen.bounded()
+
+
+def test_mqtt_refused_stopped_and_unknown_host_are_destination_unavailable() -> None:
+    """Issue 19 §1: connection refused, a broker that went away, a name that does not resolve."""
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+
+    for host, port in (("127.0.0.1", closed_port()), (NOWHERE, 1883)):
+        assert unreachable(MQTTPublisher(host, port, timeout=2)) == ["DestinationUnavailable"] * 3
+    server = PrivateMosquitto()
+    server.start()
+    pub = MQTTPublisher("127.0.0.1", server.port, timeout=2)
+    try:
+        assert through_an_outage(pub, server.stop, server.start) == UNAVAILABLE_CYCLE
+    finally:
+        pub.close()
+        server.close()

@@ -188,7 +188,7 @@ class RecordingThenNats:
         self.nats.publish(message)
 
 
-def test_nats_down_is_retryable(engine: Engine) -> None:
+def test_nats_down_is_destination_unavailable(engine: Engine) -> None:
     _business_tx(engine, 1)
     pub = NatsPublisher(f"nats://127.0.0.1:{CLOSED}", timeout=1)
     Dispatcher(engine, OutboxEvent, pub, listen=False, backoff=FAST).run_once()
@@ -492,10 +492,10 @@ def test_mqtt_end_to_end_qos1(engine: Engine) -> None:
     assert got[0]["event_type"] == "OrderPaid" and statuses(engine) == {"done": 4}
 
 
-def test_mqtt_down_is_retryable(engine: Engine) -> None:
+def test_mqtt_down_is_destination_unavailable(engine: Engine) -> None:
     from sa_outbox.publishers.mqtt import MQTTPublisher
 
     _business_tx(engine, 1)
     Dispatcher(engine, OutboxEvent, MQTTPublisher("127.0.0.1", CLOSED, timeout=1), listen=False).run_once()
     r = row(engine, "outbox", 1)
-    assert r.status == "pending" and "mqtt broker unavailable" in r.last_error
+    assert r.status == "pending" and r.last_error.startswith("DestinationUnavailable: mqtt broker")
