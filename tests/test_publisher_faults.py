@@ -9,12 +9,16 @@ thread that the test joins with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+from urllib.parse import unquote
 
 import pika
 import pytest
@@ -784,3 +788,240 @@ def test_mqtt_refused_stopped_and_unknown_host_are_destination_unavailable() -> 
     finally:
         pub.close()
         server.close()
+
+
+# --- HTTP webhooks: a scripted server in a thread -----------------------------------------------------------
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    """Answers by path: ``/ok``; ``/status/<code>`` (query ``retry_after``, ``location``); ``/trickle-headers``;
+    ``/trickle/<code>`` (headers at once, then the body a byte every 0.5 s); ``/huge/<code>`` (a 256 MB
+    body); ``/gzip-broken``; ``/slow`` (answers after 10 s). Requests are recorded; ``sent`` counts body bytes
+    the server managed to write."""
+
+    protocol_version = "HTTP/1.1"
+    received: ClassVar[list[tuple[str, str, dict[str, str], bytes]]] = []
+    sent: ClassVar[list[int]] = []
+    stop: ClassVar[threading.Event]
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).received.append(("POST", self.path, dict(self.headers), body))
+        path, _, query = self.path.partition("?")
+        params = {k: unquote(v) for k, v in (p.split("=", 1) for p in query.split("&") if "=" in p)}
+        parts = path.strip("/").split("/")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            getattr(self, "answer_" + parts[0].replace("-", "_"))(*parts[1:], **params)
+
+    def raw(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def trickle(self, data: bytes) -> None:
+        for i in range(len(data)):
+            if type(self).stop.wait(0.5):
+                return
+            self.raw(data[i : i + 1])
+
+    def answer_ok(self) -> None:
+        self.raw(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    def answer_status(self, code: str, retry_after: str | None = None, location: str | None = None) -> None:
+        extra = f"Retry-After: {retry_after}\r\n" if retry_after is not None else ""
+        extra += f"Location: {location}\r\n" if location is not None else ""
+        self.raw(f"HTTP/1.1 {code} X\r\n{extra}Content-Length: 4\r\n\r\nnope".encode("latin-1"))
+
+    def answer_trickle_headers(self) -> None:
+        self.raw(b"HTTP/1.1 200 OK\r\n")
+        self.trickle(b"X-Slow: " + b"x" * 200 + b"\r\nContent-Length: 0\r\n\r\n")
+
+    def answer_trickle(self, code: str) -> None:
+        self.raw(f"HTTP/1.1 {code} X\r\nContent-Length: 1000\r\n\r\n".encode())
+        self.trickle(b"e" * 1000)
+
+    def answer_huge(self, code: str) -> None:
+        size, chunk = 256 * 1024 * 1024, b"z" * (1024 * 1024)
+        self.raw(f"HTTP/1.1 {code} X\r\nContent-Length: {size}\r\n\r\n".encode())
+        for _ in range(size // len(chunk)):
+            self.raw(chunk)
+            type(self).sent.append(len(chunk))
+
+    def answer_gzip_broken(self) -> None:
+        self.raw(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 10\r\n\r\nnot-gzip!!")
+
+    def answer_slow(self) -> None:
+        if not type(self).stop.wait(10):
+            self.answer_ok()
+
+    def answer_new(self) -> None:
+        self.answer_ok()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[str, type[_Receiver]]]:
+    handler = type("Receiver", (_Receiver,), {"received": [], "sent": [], "stop": threading.Event()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    handler.stop.set()
+    server.shutdown()
+    server.server_close()
+
+
+def _webhook(url: str, message: Message | None = None, **options: Any) -> tuple[BaseException | None, float]:
+    """Publish one message with the sync and the async webhook publisher; (outcome, seconds) of each must
+    agree — the sync one's is returned, the async one's is asserted equal in kind."""
+    from sa_outbox.publishers.http import AsyncWebhookPublisher, WebhookPublisher
+
+    m = message or msg(1)
+    pub = WebhookPublisher(url, **options)
+    try:
+        outcome, took = bounded(lambda: raised(lambda: pub.publish(m)), 60)
+    finally:
+        pub.close()
+
+    async def go() -> BaseException | None:
+        apub = AsyncWebhookPublisher(url, **options)
+        try:
+            return await asyncio.wait_for(_catch(apub.publish(m)), 60)
+        finally:
+            await apub.aclose()
+
+    async_outcome = asyncio.run(go())
+    assert type(async_outcome) is type(outcome), (outcome, async_outcome)
+    return outcome, took
+
+
+async def _catch(coro: Any) -> BaseException | None:
+    try:
+        await coro
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def test_webhook_trickled_response_headers_are_bounded_by_the_timeout(receiver: Any) -> None:
+    """Item 14: the timeout was per read; a byte every 0.5 s held a call for as long as the server liked."""
+    base, _ = receiver
+    outcome, took = _webhook(f"{base}/trickle-headers", timeout=2)
+    print(f"webhook, headers trickled: {took:.1f}s (timeout=2)")
+    assert type(outcome) is RetryableError and took < 3 * 2
+
+
+def test_webhook_trickled_error_body_is_bounded_by_the_timeout(receiver: Any) -> None:
+    base, _ = receiver
+    outcome, took = _webhook(f"{base}/trickle/500", timeout=2)
+    assert type(outcome) is RetryableError and "HTTP 500" in str(outcome) and took < 3 * 2
+
+
+def test_webhook_2xx_is_delivered_whatever_its_body(receiver: Any) -> None:
+    """Item 16: the receiver took the message once it answered 2xx; a slow, broken or huge body must not turn a
+    delivered message into a retry (a second delivery)."""
+    base, hook = receiver
+    for path in ("/trickle/200", "/gzip-broken", "/huge/200"):
+        outcome, took = _webhook(f"{base}{path}", timeout=2)
+        assert outcome is None and took < 3 * 2, path
+    assert sum(hook.sent) < 64 * 1024 * 1024  # the 256 MB body was not read
+
+
+def test_webhook_reads_only_a_prefix_of_an_error_body(receiver: Any) -> None:
+    """Item 16: a large error body was read whole (512 MB → 1-2 GB RSS); only a prefix is read for the text."""
+    base, hook = receiver
+    outcome, took = _webhook(f"{base}/huge/500", timeout=5)
+    assert type(outcome) is RetryableError and str(outcome).count("z") <= 200 and took < 3 * 5
+    assert sum(hook.sent) < 64 * 1024 * 1024
+
+
+def test_webhook_retry_after_zero_or_past_is_floored(receiver: Any) -> None:
+    """Item 15: Retry-After 0 (or a past date) refunded the attempt and came back at once (~1,800 POST/s)."""
+    from sa_outbox import Defer
+
+    base, _ = receiver
+    for value in ("0", "Wed,%2021%20Oct%202015%2007:28:00%20GMT"):
+        outcome, _took = _webhook(f"{base}/status/503?retry_after={value}")
+        assert isinstance(outcome, Defer) and outcome.delay == timedelta(seconds=1), value
+    outcome, _took = _webhook(f"{base}/status/429?retry_after=0", min_retry_after=5)
+    assert isinstance(outcome, Defer) and outcome.delay == timedelta(seconds=5)
+
+
+def test_webhook_deferrals_stop_refunding_past_max_defer_age(receiver: Any) -> None:
+    """Item 15: a receiver that always answers Retry-After <= 300 parked messages forever; past max_defer_age
+    (message age, from created_at) a Retry-After is a plain retryable failure: attempts are spent."""
+    from sa_outbox import Defer
+
+    base, _ = receiver
+    fresh, _took = _webhook(f"{base}/status/429?retry_after=30")
+    old = msg(1, created_at=datetime.now(UTC) - timedelta(hours=2))
+    aged, _took = _webhook(f"{base}/status/429?retry_after=30", old)
+    kept, _took = _webhook(f"{base}/status/429?retry_after=30", old, max_defer_age=None)
+    assert isinstance(fresh, Defer) and fresh.delay == timedelta(seconds=30)
+    assert type(aged) is RetryableError and "max_defer_age" in str(aged)
+    assert isinstance(kept, Defer)
+
+
+def test_webhook_malformed_retry_after_is_ignored(receiver: Any) -> None:
+    """Item 16: a malformed Retry-After raised ValueError (unclassified); it is treated as absent."""
+    base, _ = receiver
+    for value in ("soon", "-5", "Wed,%2099%20Foo%202015", "1.5", "%C2%B2"):
+        outcome, _took = _webhook(f"{base}/status/503?retry_after={value}")
+        assert type(outcome) is RetryableError and "HTTP 503" in str(outcome), value
+
+
+def test_webhook_follows_307_and_308_keeping_method_and_body(receiver: Any) -> None:
+    """Item 16: 307/308 mean "POST the same thing there"; followed on the same origin, up to max_redirects."""
+    base, hook = receiver
+    for code in ("307", "308"):
+        outcome, _took = _webhook(f"{base}/status/{code}?location=/new")
+        assert outcome is None, code
+    redirected = [(method, path, headers["Idempotency-Key"], json.loads(body)["message_id"])
+                  for method, path, headers, body in hook.received if path == "/new"]  # fmt: skip
+    assert redirected == [("POST", "/new", "1", "1")] * 4  # sync and async, 307 and 308
+    loop, _took = _webhook(f"{base}/status/307?location=/status/307%3Flocation=/new", max_redirects=0)
+    assert type(loop) is PermanentError and "redirect" in str(loop)
+
+
+def test_webhook_other_redirects_are_permanent_with_the_new_location(receiver: Any) -> None:
+    """Item 16: 301/302/303 would turn the POST into a GET; a redirect to another origin could leak the
+    headers: both are a configuration to fix, said clearly (PermanentError naming the Location)."""
+    base, hook = receiver
+    for code in ("301", "302", "303"):
+        outcome, _took = _webhook(f"{base}/status/{code}?location=/new")
+        assert type(outcome) is PermanentError and "/new" in str(outcome), code
+    away, _took = _webhook(f"{base}/status/307?location=http://{NOWHERE}/new")
+    assert type(away) is PermanentError and NOWHERE in str(away)
+    assert not [path for _, path, _, _ in hook.received if path == "/new"]
+
+
+def test_webhook_close_works_sync_and_async() -> None:
+    """Item 16: AsyncWebhookPublisher.close() raised (it called a sync close on an AsyncClient)."""
+    from sa_outbox.publishers.http import AsyncWebhookPublisher, WebhookPublisher
+
+    sync = WebhookPublisher("http://127.0.0.1:1/")
+    sync.close()
+    assert sync.client.is_closed
+
+    async def go() -> tuple[bool, bool]:
+        a, b = AsyncWebhookPublisher("http://127.0.0.1:1/"), AsyncWebhookPublisher("http://127.0.0.1:1/")
+        await a.close()
+        await b.aclose()
+        return a.client.is_closed, b.client.is_closed
+
+    assert asyncio.run(go()) == (True, True)
+
+
+def test_webhook_connect_failures_are_destination_unavailable_not_timeouts_or_5xx(receiver: Any) -> None:
+    """Issue 19 §1: refused and DNS failure mean the receiver is down; a slow answer or a 5xx is this
+    message's failure."""
+    base, _ = receiver
+    for url in (f"http://127.0.0.1:{closed_port()}/", f"http://{NOWHERE}/"):
+        outcome, _took = _webhook(url, timeout=2)
+        assert type(outcome) is DestinationUnavailable, url
+    slow, _took = _webhook(f"{base}/slow", timeout=1)
+    assert type(slow) is RetryableError
+    err, _took = _webhook(f"{base}/status/502")
+    assert type(err) is RetryableError
