@@ -9,6 +9,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import ConfigurationError
 
@@ -70,7 +71,7 @@ class AmqpRouting:
         routing_key: str | Callable[[Message], str] | None = None,
         mandatory: bool = True,
         unroutable: str = "retry",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         if unroutable not in ("retry", "dead"):
             raise ConfigurationError("unroutable must be 'retry' or 'dead'")
@@ -78,7 +79,7 @@ class AmqpRouting:
         self.routing_key = routing_key
         self.mandatory = mandatory
         self.unroutable = unroutable
-        self.timeout = timeout
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
 
     def _key(self, message: Message) -> str:
         if self.routing_key is None:
@@ -113,7 +114,7 @@ class BackgroundCloser:
     peer never answers a close. Each close is bounded by ``timeout``; :meth:`wait` awaits those in progress."""
 
     def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         self._tasks: set[asyncio.Future[None]] = set()
 
     def close_later(self, conn: Any) -> None:

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import DestinationUnavailable, PermanentError, RetryableError
 from ._common import envelope_json, missing_extra
@@ -46,9 +47,10 @@ class MQTTPublisher:
         topic: Callable[[Message], str] | None = None,
         topic_prefix: str = "outbox",
         qos: int = 1,
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
-        self.host, self.port, self.qos, self.timeout = host, port, qos, timeout
+        self.host, self.port, self.qos = host, port, qos
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         self.topic = topic or (lambda m: f"{topic_prefix}/{m.event_type}")
         self._client: Any = None
         # What the network thread reports, under one condition: PUBACKs by mid, CONNACK, disconnect.

@@ -40,6 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import DestinationUnavailable, PermanentError, RetryableError
 from ._common import BackgroundCloser, envelope, headers_for, missing_extra, publish_each
@@ -81,15 +82,15 @@ class AsyncNatsPublisher:
         *,
         subject: Callable[[Message], str] | None = None,
         subject_prefix: str = "outbox",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         self.url = url
         self.subject = subject or (lambda m: f"{subject_prefix}.{m.event_type}")
-        self.timeout = timeout
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         self._nc: Any = None
         self._js: Any = None
         self._max_payload = 1024 * 1024  # the server's, learnt at connect (its INFO)
-        self._closer = BackgroundCloser(timeout)
+        self._closer = BackgroundCloser(self.timeout)
 
     async def _connect_by(self, deadline: float) -> Any:
         """The JetStream context of a live connection, connecting first if needed (by ``deadline``)."""

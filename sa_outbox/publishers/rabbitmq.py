@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._durations import Duration
 from .._messages import Message
 from ..errors import DestinationUnavailable, RetryableError
 from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
@@ -126,14 +127,12 @@ class RabbitMQPublisher(AmqpRouting):
         routing_key: str | Callable[[Message], str] | None = None,
         mandatory: bool = True,
         unroutable: str = "retry",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         super().__init__(exchange=exchange, routing_key=routing_key, mandatory=mandatory, unroutable=unroutable,
                          timeout=timeout)  # fmt: skip
         params = pika.URLParameters(url)
-        params.socket_timeout = timeout
-        params.stack_timeout = timeout
-        params.blocked_connection_timeout = timeout
+        params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = self.timeout
         params.connection_attempts = 1
         self.params = params
         self._where = f"{params.host}:{params.port}"

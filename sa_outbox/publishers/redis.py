@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import DestinationUnavailable, PermanentError, RetryableError
 from ._common import envelope, missing_extra
@@ -92,8 +93,9 @@ class RedisStreamPublisher:
         *,
         stream: str | Callable[[Message], str] = "outbox",
         maxlen: int | None = None,
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
+        timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         if isinstance(url_or_client, str):
             self.client = redis.Redis.from_url(
                 url_or_client,
