@@ -1025,3 +1025,19 @@ def test_webhook_connect_failures_are_destination_unavailable_not_timeouts_or_5x
     assert type(slow) is RetryableError
     err, _took = _webhook(f"{base}/status/502")
     assert type(err) is RetryableError
+
+
+def test_rabbitmq_a_failing_routing_key_callable_fails_only_its_message(shared_queue: str) -> None:
+    """The I/O thread never runs user code: a routing_key callable that raises fails its own message (an
+    unclassified error the dispatcher logs with its traceback), and the others of the batch go out."""
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    pub = RabbitMQPublisher(
+        SHARED_AMQP, routing_key=lambda m: shared_queue if m.id != 2 else str(1 / 0), timeout=2
+    )
+    try:
+        results = pub.publish_many([msg(1), msg(2), msg(3)])
+    finally:
+        pub.close()
+    assert kinds(results) == ["ok", "ZeroDivisionError", "ok"]
+    assert _queue_ids(SHARED_AMQP, shared_queue) == ["1", "3"]

@@ -28,7 +28,9 @@ asynchronous ``SelectConnection`` on a private I/O thread, started at the first 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -137,6 +139,7 @@ class RabbitMQPublisher(AmqpRouting):
         self.params = params
         self._where = f"{params.host}:{params.port}"
         self._lock = threading.Lock()  # guards starting/stopping the I/O thread
+        self._pid = os.getpid()
         self._ioloop: Any = None
         self._thread: threading.Thread | None = None
         # Owned by the I/O thread from here on.
@@ -175,7 +178,7 @@ class RabbitMQPublisher(AmqpRouting):
         if batch.done.is_set():
             return list(batch.results)
         ioloop = self._start()
-        ioloop.add_callback_threadsafe(lambda: self._submit(batch))
+        ioloop.add_callback_threadsafe(lambda: self._submit(batch, ioloop))
         if not batch.done.wait(self.timeout):
             blocked = self._blocked
 
@@ -200,6 +203,10 @@ class RabbitMQPublisher(AmqpRouting):
 
     def _start(self) -> Any:
         with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's connection and thread are not ours
+                self._pid, self._thread, self._waiting, self._inflight = os.getpid(), None, deque(), {}
+                self._tags_by_id, self._returned = {}, set()
+                self._reset()
             if self._thread is None or not self._thread.is_alive():
                 self._ioloop = IOLoop()
                 self._thread = threading.Thread(
@@ -221,7 +228,7 @@ class RabbitMQPublisher(AmqpRouting):
 
     # --- the I/O thread's side -------------------------------------------------------------------------
 
-    def _submit(self, batch: _Batch) -> None:
+    def _submit(self, batch: _Batch, ioloop: Any) -> None:
         if self._channel is not None:
             self._send(batch)
             return
@@ -232,7 +239,7 @@ class RabbitMQPublisher(AmqpRouting):
                 on_open_callback=self._on_connection_open,
                 on_open_error_callback=self._on_connection_error,
                 on_close_callback=self._on_connection_closed,
-                custom_ioloop=self._ioloop,
+                custom_ioloop=ioloop,
             )
         elif self._conn.is_open and not self._opening_channel:
             self._open_channel()
@@ -298,17 +305,15 @@ class RabbitMQPublisher(AmqpRouting):
         if frame.channel_number != getattr(self._channel, "channel_number", None):
             return
         acked = isinstance(method, pika.spec.Basic.Ack)
-        tags = (
-            [t for t in self._inflight if t <= method.delivery_tag]
-            if method.multiple
-            else [method.delivery_tag]
-        )
+        tags = [method.delivery_tag]
+        if method.multiple:  # every tag up to this one; _inflight holds tags in increasing order
+            tags = list(itertools.takewhile(lambda t: t <= method.delivery_tag, self._inflight))
         for tag in tags:
             entry = self._inflight.pop(tag, None)
             if entry is None:
                 continue
             batch, i = entry
-            message = batch.messages[i]
+            message, key = batch.messages[i], batch.frames[i][0]  # type: ignore[index]
             queue = self._tags_by_id.get(message.message_id)
             if queue and tag in queue:
                 queue.remove(tag)
@@ -317,12 +322,12 @@ class RabbitMQPublisher(AmqpRouting):
             if not acked:
                 batch.settle(i, RetryableError(
                     f"rabbitmq nacked the message (a queue at max-length with overflow=reject-publish, or a "
-                    f"broker error): exchange {self.exchange!r} routing key {self._key(message)!r}"
+                    f"broker error): exchange {self.exchange!r} routing key {key!r}"
                 ))  # fmt: skip
             elif tag in self._returned:
                 self._returned.discard(tag)
                 batch.settle(i, self._unroutable(
-                    f"unroutable: no queue bound for exchange {self.exchange!r} routing key {self._key(message)!r}"
+                    f"unroutable: no queue bound for exchange {self.exchange!r} routing key {key!r}"
                 ))  # fmt: skip
             else:
                 batch.settle(i, None)
