@@ -509,11 +509,15 @@ def test_redis_out_of_memory_is_transient_then_delivers(private_redis: Callable[
 
 def test_redis_readonly_replica_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
     """Item 13: READONLY is what a client still connected to a demoted master sees right after a failover."""
+    import redis
+
     primary = private_redis()
     replica = private_redis("--replicaof", "127.0.0.1", str(primary.port))
     single, batch = _redis_outcomes(replica.url)
     assert type(single) is DestinationUnavailable and "READONLY" in str(single)
     assert batch == ["DestinationUnavailable"] * 2
+    redis.Redis.from_url(replica.url).replicaof("NO", "ONE")  # the failover completes: it is the primary now
+    assert _redis_outcomes(replica.url) == (None, ["ok", "ok"])
 
 
 def test_redis_busy_script_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:

@@ -124,10 +124,9 @@ class RedisStreamPublisher:
         )
 
     def _failure(self, exc: Exception) -> BaseException:
-        error = classify_redis_error(exc)
-        if "READONLY" in str(error):  # a demoted master: let the next call connect afresh (DNS, proxy, VIP)
+        if _reply_code(exc) == "READONLY":  # a demoted master: let the next call connect afresh (DNS, VIP)
             self.client.connection_pool.disconnect()
-        return error
+        return classify_redis_error(exc)
 
     def publish(self, message: Message) -> None:
         """``XADD`` one message; raises its failure class (see the module docs)."""
