@@ -1,15 +1,29 @@
-"""What every broker adapter shares: the message as a dict/JSON and the missing-extra error."""
+"""What every broker adapter shares: the message as a dict/JSON, the missing-extra error, AMQP routing, and for
+the asyncio adapters the batch shape and the closing of abandoned connections."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import ConfigurationError
 
-__all__ = ["AmqpRouting", "envelope", "envelope_json", "headers_for", "missing_extra"]
+__all__ = [
+    "AmqpRouting",
+    "BackgroundCloser",
+    "envelope",
+    "envelope_json",
+    "headers_for",
+    "missing_extra",
+    "publish_each",
+]
+
+T = TypeVar("T")
 
 
 def envelope(message: Message) -> dict[str, Any]:
@@ -57,7 +71,7 @@ class AmqpRouting:
         routing_key: str | Callable[[Message], str] | None = None,
         mandatory: bool = True,
         unroutable: str = "retry",
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
         if unroutable not in ("retry", "dead"):
             raise ConfigurationError("unroutable must be 'retry' or 'dead'")
@@ -65,7 +79,7 @@ class AmqpRouting:
         self.routing_key = routing_key
         self.mandatory = mandatory
         self.unroutable = unroutable
-        self.timeout = timeout
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
 
     def _key(self, message: Message) -> str:
         if self.routing_key is None:
@@ -76,3 +90,46 @@ class AmqpRouting:
         from ..errors import PermanentError, RetryableError
 
         return PermanentError(text) if self.unroutable == "dead" else RetryableError(text)
+
+
+async def publish_each(
+    connect: Callable[[], Awaitable[T]],
+    publish: Callable[[T, Message], Awaitable[None]],
+    messages: Sequence[Message],
+) -> list[BaseException | None]:
+    """The asyncio batch shape: connect once (a failure to connect fails every message with it), then publish
+    every message concurrently and report per message, in order (``None`` for delivered)."""
+    from ..errors import RetryableError
+
+    try:
+        target = await connect()
+    except RetryableError as exc:
+        return [exc] * len(messages)
+    results = await asyncio.gather(*(publish(target, m) for m in messages), return_exceptions=True)
+    return [r if isinstance(r, BaseException) else None for r in results]
+
+
+class BackgroundCloser:
+    """Closes connections a publisher abandoned (after a timeout or a loss) without waiting for them: a hung
+    peer never answers a close. Each close is bounded by ``timeout``; :meth:`wait` awaits those in progress."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def close_later(self, conn: Any) -> None:
+        """Start closing ``conn`` (anything with an awaitable ``close()``) in the background."""
+        task = asyncio.ensure_future(self.close_now(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close_now(self, conn: Any) -> None:
+        """Close ``conn``, waiting at most ``timeout``; errors of an already broken connection are ignored."""
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(conn.close(), self.timeout)
+
+    async def wait(self) -> None:
+        """Until the closes in progress have finished (each is bounded)."""
+        tasks, self._tasks = list(self._tasks), set()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,9 +1,21 @@
 """Redis Streams publisher (extra ``redis``): ``XADD`` of the message's fields, optional ``MAXLEN ~``.
 
-Connection errors and timeouts are :class:`~sa_outbox.RetryableError`; a command error (``WRONGTYPE`` on the
-stream key) is :class:`~sa_outbox.PermanentError`. ``publish_many`` sends a batch in one pipeline (one round
-trip) and reports per message. Redis Streams has no server-side de-duplication: consumers de-duplicate by the
-``message_id`` field (see :func:`sa_outbox.inbox.message_id_from_redis`).
+``publish_many`` sends a batch in one pipeline (one round trip) and reports per message. Redis Streams has no
+server-side de-duplication: consumers de-duplicate by the ``message_id`` field (see
+:func:`sa_outbox.inbox.message_id_from_redis`). Failures (:func:`classify_redis_error`):
+
+* :class:`~sa_outbox.DestinationUnavailable` — the server as a whole cannot take writes now: connection
+  refused or lost, DNS failure, a connect timeout, refused credentials, and the replies ``OOM`` (``maxmemory``
+  reached with ``noeviction``), ``READONLY`` (connected to a replica, e.g. a demoted master right after a
+  failover: the pool's connections are dropped so that the next call connects afresh), ``MISCONF`` (the last
+  background save failed), ``BUSY`` (a script runs too long), ``LOADING``, ``MASTERDOWN``, ``CLUSTERDOWN``.
+  A ``publish_many`` that cannot reach the server returns it for every message.
+* :class:`~sa_outbox.RetryableError` — this command failed: a read timeout, ``TRYAGAIN``, a garbled reply.
+* :class:`~sa_outbox.PermanentError` — any other error reply (``WRONGTYPE`` on the stream key, ``NOPERM``,
+  a syntax error): retrying the same command cannot succeed.
+
+A publisher built from a URL makes one attempt per call (redis-py's own retries would multiply
+``timeout``): ``timeout`` bounds connecting and each read and write, and the dispatcher owns retries.
 """
 
 from __future__ import annotations
@@ -12,17 +24,63 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import PermanentError, RetryableError
+from ..errors import DestinationUnavailable, PermanentError, RetryableError
 from ._common import envelope, missing_extra
 
 try:
     import redis
     from redis import exceptions as rex
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     missing_extra("redis", exc)
 
-__all__ = ["RedisStreamPublisher"]
+__all__ = ["RedisStreamPublisher", "classify_redis_error"]
+
+# Error replies that mean "the server cannot take writes now", whatever the message.
+_UNAVAILABLE_REPLIES = frozenset(
+    {"OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN"}
+)
+_RETRYABLE_REPLIES = frozenset({"TRYAGAIN"})
+_REPLY_CLASSES: tuple[tuple[type[Exception], str], ...] = (
+    (rex.BusyLoadingError, "LOADING"),
+    (rex.ReadOnlyError, "READONLY"),
+    (rex.OutOfMemoryError, "OOM"),
+    (rex.MasterDownError, "MASTERDOWN"),
+    (rex.ClusterDownError, "CLUSTERDOWN"),
+    (rex.TryAgainError, "TRYAGAIN"),
+)
+
+
+def _reply_code(exc: Exception) -> str:
+    """The error reply's code (``OOM``, ``READONLY``, …): redis-py strips it from the text of the errors it
+    has a class for and keeps the whole reply in the text of the others."""
+    for cls, code in _REPLY_CLASSES:
+        if isinstance(exc, cls):
+            return code
+    words = str(exc).split(maxsplit=1)
+    return words[0] if words and words[0].isupper() else ""
+
+
+def classify_redis_error(exc: Exception) -> BaseException:
+    """The failure class a redis-py exception means for the message being written (see the module docs)."""
+    code = _reply_code(exc)
+    text = f"{code} {exc}" if code and not str(exc).startswith(code) else str(exc)
+    if code in _UNAVAILABLE_REPLIES:
+        return DestinationUnavailable(f"redis cannot take writes now: {text}")
+    if isinstance(exc, rex.TimeoutError):
+        if "connecting" in str(exc):
+            return DestinationUnavailable(f"redis unavailable: {exc}")
+        return RetryableError(f"redis command timed out: {exc}")
+    if isinstance(exc, rex.ConnectionError):  # refused, lost, DNS, credentials refused, too many clients
+        return DestinationUnavailable(f"redis unavailable: {exc}")
+    if code in _RETRYABLE_REPLIES:
+        return RetryableError(f"redis asked to try again: {text}")
+    if isinstance(exc, rex.ResponseError):
+        return PermanentError(f"redis refused XADD: {text}")
+    return RetryableError(f"redis error: {type(exc).__name__}: {exc}")
 
 
 class RedisStreamPublisher:
@@ -35,11 +93,15 @@ class RedisStreamPublisher:
         *,
         stream: str | Callable[[Message], str] = "outbox",
         maxlen: int | None = None,
-        timeout: float = 5.0,
+        timeout: Duration = 5.0,
     ) -> None:
+        timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         if isinstance(url_or_client, str):
             self.client = redis.Redis.from_url(
-                url_or_client, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+                url_or_client,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=Retry(NoBackoff(), 0),
             )
         else:
             self.client = url_or_client
@@ -61,25 +123,29 @@ class RedisStreamPublisher:
             self._key(message), self._fields(message), maxlen=self.maxlen, approximate=self.maxlen is not None
         )
 
+    def _failure(self, exc: Exception) -> BaseException:
+        if _reply_code(exc) == "READONLY":  # a demoted master: let the next call connect afresh (DNS, VIP)
+            self.client.connection_pool.disconnect()
+        return classify_redis_error(exc)
+
     def publish(self, message: Message) -> None:
+        """``XADD`` one message; raises its failure class (see the module docs)."""
         try:
             self._add(self.client, message)
-        except (rex.ConnectionError, rex.TimeoutError) as exc:
-            raise RetryableError(f"redis unavailable: {exc}") from exc
-        except rex.ResponseError as exc:
-            raise PermanentError(f"redis refused XADD: {exc}") from exc
+        except rex.RedisError as exc:
+            raise self._failure(exc) from exc
 
     def publish_many(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        """``XADD`` a batch in one pipeline; one entry per message: ``None`` when written, else its failure
+        class. A server out of reach fails every message with :class:`~sa_outbox.DestinationUnavailable`."""
         pipe = self.client.pipeline(transaction=False)
         for m in messages:
             self._add(pipe, m)
         try:
             results = pipe.execute(raise_on_error=False)
-        except (rex.ConnectionError, rex.TimeoutError) as exc:
-            return [RetryableError(f"redis unavailable: {exc}")] * len(messages)
-        return [
-            PermanentError(f"redis refused XADD: {r}") if isinstance(r, Exception) else None for r in results
-        ]
+        except rex.RedisError as exc:
+            return [self._failure(exc)] * len(messages)
+        return [self._failure(r) if isinstance(r, Exception) else None for r in results]
 
     def close(self) -> None:
         self.client.close()
