@@ -650,9 +650,12 @@ class Scenario:
                     continue
                 for earlier in ordered[:i]:
                     done_at = first_ok.get(earlier, self.model.skipped.get(earlier))
-                    assert done_at is not None and done_at < first_ok[seq], (
-                        f"aggregate {aggregate}: event {seq} delivered before earlier event {earlier}"
-                    )
+                    if done_at is None or done_at > first_ok[seq]:
+                        trail = [r for r in enumerate(rec) if r[1][1] in ordered]
+                        raise AssertionError(
+                            f"aggregate {aggregate}: event {seq} delivered before earlier event {earlier} "
+                            f"(skipped at {self.model.skipped}; {[(s, self.model.events[s].plan, self.model.events[s].poison) for s in ordered]}); trail {trail}"
+                        )
         # I4
         successes = Counter((kind, seq) for kind, seq, _, action in rec if action == "ok")
         extra = sum(n - 1 for n in successes.values() if n > 1)
