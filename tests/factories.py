@@ -61,6 +61,14 @@ class Runner:
             total += n
         raise AssertionError("did not drain")
 
+    def run(self, lp: Any, **kw: Any) -> None:
+        """``run()`` of either flavour, blocking (no signal handlers)."""
+        kw.setdefault("install_signal_handlers", False)
+        if self.loop is not None:
+            self.loop.run_until_complete(lp.run(**kw))
+        else:
+            lp.run(**kw)
+
     def run_in_thread(self, lp: Any) -> threading.Thread:
         if self.loop is not None:
             loop = self.loop
@@ -78,3 +86,35 @@ class Runner:
             assert self.aengine is not None
             self.loop.run_until_complete(self.aengine.dispose())
             self.loop.close()
+
+
+def expire_leases(engine: Engine, table: str, ids: list[int] | None = None) -> int:
+    """Make leased rows look as if their lease ran out — instead of sleeping past it (River's testfactory
+    idea: build the state, do not wait for it). Outbox: ``lease_until`` in the past; jobs: ``locked_at`` a day
+    ago (older than any ``stale_after``). Returns how many rows were changed."""
+    from sqlalchemy import text
+
+    sql = (
+        "UPDATE outbox SET lease_until = now() - interval '1 second' WHERE status = 'processing'"
+        if table == "outbox"
+        else "UPDATE jobs SET locked_at = now() - interval '1 day' WHERE status = 'running'"
+    )
+    if ids is not None:
+        sql += " AND id = ANY(:ids)"
+    with engine.begin() as conn:
+        return int(conn.execute(text(sql), {"ids": ids}).rowcount)
+
+
+def make_due(engine: Engine, table: str, ids: list[int] | None = None) -> int:
+    """Make rows waiting for a backoff or a Defer due now (instead of sleeping until they are)."""
+    from sqlalchemy import text
+
+    sql = (
+        "UPDATE outbox SET available_at = now() WHERE status = 'pending' AND available_at > now()"
+        if table == "outbox"
+        else "UPDATE jobs SET run_at = now() WHERE status = 'queued' AND run_at > now()"
+    )
+    if ids is not None:
+        sql += " AND id = ANY(:ids)"
+    with engine.begin() as conn:
+        return int(conn.execute(text(sql), {"ids": ids}).rowcount)

@@ -23,7 +23,7 @@ from sa_outbox import (
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
-from .factories import FAST
+from .factories import FAST, expire_leases, make_due
 from .helpers import claim, ids_with_status, mark_done, row, seed_events, statuses
 
 
@@ -119,7 +119,7 @@ def test_stale_worker_cannot_finalize_after_reclaim(engine: Engine) -> None:
     seed_events(engine, 1)
     [a] = claim(engine, "A", batch=10, lease=0.2)
     assert claim(engine, "B", batch=10, lease=30) == []  # leased: nobody else can take it
-    time.sleep(0.3)
+    expire_leases(engine, "outbox")  # A stalled past its lease
     [b] = claim(engine, "B", batch=10, lease=30)  # rescue + claim
     assert b.id == a.id and b.lease_version == a.lease_version + 1 and b.attempts == 2
     assert mark_done(engine, a) is False  # the expired A is fenced off
@@ -130,7 +130,7 @@ def test_stale_worker_cannot_finalize_after_reclaim(engine: Engine) -> None:
 def test_expired_lease_nobody_took_over_still_finalizes(engine: Engine) -> None:
     seed_events(engine, 1)
     [a] = claim(engine, "A", batch=10, lease=0.2)
-    time.sleep(0.3)
+    expire_leases(engine, "outbox")
     assert mark_done(engine, a) is True
     r = row(engine, "outbox", a.id)
     assert (r.status, r.lease_owner, r.lease_until, r.done_at is not None) == ("done", None, None, True)
@@ -145,14 +145,14 @@ def test_retryable_three_times_with_max_three_ends_dead(engine: Engine) -> None:
     d = dispatcher(engine, pub, max_attempts=3)
     seen = []
     for _ in range(3):
-        time.sleep(0.01)  # the 1 ms backoff
+        make_due(engine, "outbox")  # the backoff has passed
         assert d.run_once() == 1
         r = row(engine, "outbox", 1)
         seen.append((r.status, r.attempts))
     assert seen == [("pending", 1), ("pending", 2), ("dead", 3)]
     r = row(engine, "outbox", 1)
     assert "RetryableError: broker timeout" in r.last_error and "retries exhausted (3/3)" in r.last_error
-    time.sleep(0.01)
+    make_due(engine, "outbox")
     assert d.run_once() == 0  # dead is never claimed again
     assert (d.stats.retried, d.stats.dead) == (2, 1)
 
@@ -200,7 +200,7 @@ def test_claim_without_finalize_three_times_ends_dead_and_is_never_claimed_again
     for attempt in (1, 2, 3):
         [r] = claim(engine, f"crash-{attempt}", batch=10, lease=0.05, max_attempts=3)
         assert r.attempts == attempt
-        time.sleep(0.1)  # the worker "crashed": nothing finalizes, the lease runs out
+        expire_leases(engine, "outbox")  # the worker "crashed": nothing finalizes, the lease runs out
     assert claim(engine, "next", batch=10, lease=30, max_attempts=3) == []
     r = row(engine, "outbox", 1)
     assert (r.status, r.attempts) == ("dead", 3)

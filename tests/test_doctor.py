@@ -85,8 +85,8 @@ def test_dropped_partial_index_fails_the_plan_and_index_checks(engine: Engine, d
 def test_long_repeatable_read_transaction_is_named_with_a_fix(engine: Engine) -> None:
     with engine.connect() as holder:
         pid = open_snapshot(holder, "nightly-report", "SELECT count(*) FROM jobs")
-        time.sleep(1.1)
-        [finding] = by_check(run(engine, long_transaction=1.0), "xmin horizon", None)
+        time.sleep(0.15)
+        [finding] = by_check(run(engine, long_transaction=0.1), "xmin horizon", None)
         holder.rollback()
     assert finding.status == "warn" and f"pid {pid} (nightly-report" in finding.message
     assert finding.fix == f"SELECT pg_terminate_backend({pid})"

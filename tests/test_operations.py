@@ -84,13 +84,13 @@ def test_status_warns_about_a_transaction_holding_back_the_xmin_horizon(engine: 
     seed_events(engine, 1)
     with engine.connect() as holder:
         pid = open_snapshot(holder, "long-report", "SELECT count(*) FROM outbox")
-        time.sleep(1.2)
-        report = queue_status(engine, OutboxEvent, long_transaction=1.0)
+        time.sleep(0.15)
+        report = queue_status(engine, OutboxEvent, long_transaction=0.1)
         holder.rollback()
     assert any(h.pid == pid and h.name == "long-report" for h in report.horizon)
     assert any(f"pid {pid}" in w and "xmin horizon" in w for w in report.horizon_warnings)
     assert not any("xmin horizon" in w for w in report.warnings)  # table warnings: about this table only
-    after = queue_status(engine, OutboxEvent, long_transaction=1.0)
+    after = queue_status(engine, OutboxEvent, long_transaction=0.1)
     assert not any(h.pid == pid for h in after.horizon)
 
 

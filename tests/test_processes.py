@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL
 from sa_outbox import _steps as eng
 
 from .conftest import ROOT
+from .factories import expire_leases
 from .helpers import JOBS, seed_events, seed_jobs, statuses
 
 
@@ -204,7 +205,7 @@ def test_kill_9_worker_job_is_reaped_and_completed_and_old_token_is_fenced(
         old = conn.execute(text("SELECT id, lease_version FROM jobs")).one()
     proc.kill()
     proc.communicate(timeout=10)
-    time.sleep(1.2)
+    expire_leases(engine, "jobs")  # stale_after has passed since the kill
     from sa_outbox import Worker
     from sa_outbox.models import Job
 

@@ -26,7 +26,7 @@ from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import drain
 
-from .factories import FAST
+from .factories import FAST, expire_leases
 from .helpers import JOBS, claim_jobs, row, seed_jobs, statuses
 
 
@@ -142,7 +142,7 @@ def test_stale_worker_cannot_finalize_a_reaped_and_reclaimed_job(engine: Engine)
     seed_jobs(engine, 1)
     with engine.begin() as conn:
         [a] = claim_jobs(conn, "A")
-    time.sleep(0.3)
+    expire_leases(engine, "jobs")  # A stalled past stale_after
     with engine.begin() as conn:
         eng.rescue(conn, JOBS, stale_after=timedelta(seconds=0.2))
         [b] = claim_jobs(conn, "B")
@@ -163,7 +163,7 @@ def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine:
     seed_jobs(engine, 1, max_attempts=1)
     with engine.begin() as conn:
         claim_jobs(conn, "crashed")
-    time.sleep(0.2)
+    expire_leases(engine, "jobs")
     w = worker(engine, {"noop": lambda j: None}, stale_after=0.1)
     assert w.run_once() == 0
     r = row(engine, "jobs", 1)
