@@ -27,7 +27,7 @@ from .models import Order
 
 def _event(agg: str = "A", n: int = 0, **kw: Any) -> OutboxEvent:
     return OutboxEvent(
-        aggregate_type="order", aggregate_id=agg, event_type="OrderChanged", payload={"n": n}, **kw
+        aggregate_type="order", aggregate_id=agg, event_type="OrderChanged", **{"payload": {"n": n}, **kw}
     )
 
 
@@ -343,6 +343,40 @@ def test_enqueue_delay_is_counted_from_the_database_clock(engine: Engine) -> Non
     with engine.connect() as conn:
         delta = conn.execute(text("SELECT extract(epoch FROM run_at - created_at) FROM jobs")).scalar_one()
     assert 299 <= float(delta) <= 301
+
+
+def test_literal_backslash_u_text_is_stored_as_written(engine: Engine) -> None:
+    """Only a real NUL character is refused; the six characters ``\\u0000`` are ordinary text."""
+    text_value = "C:\\u0000\\data \\\\u0000"
+    with Session(engine) as s, s.begin():
+        s.add(_event("A", 1, payload={"path": text_value, "\\u0000key": 1}))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT payload FROM outbox")).scalar_one() == {
+            "path": text_value,
+            "\\u0000key": 1,
+        }
+    with Session(engine) as s:
+        s.add(_event("A", 2, payload={"x": "\\\x00"}))  # a backslash, then a real NUL
+        with pytest.raises(PayloadError, match="NUL"):
+            s.flush()
+
+
+@pytest.mark.parametrize(
+    "payload", [{1: "int", "1": "str"}, {"a": [{None: 1, "null": 2}]}, {1.5: 0, "1.5": 1}]
+)
+def test_dict_keys_that_would_become_the_same_json_key_are_refused(engine: Engine, payload: Any) -> None:
+    with Session(engine) as s:
+        s.add(_event("A", 1, payload=payload))
+        with pytest.raises(PayloadError, match="mixes string and non-string keys"):
+            s.flush()
+    assert count_rows(engine, "outbox") == 0
+
+
+def test_non_string_keys_alone_become_json_keys(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(_event("A", 1, payload={1: "one", 2: "two"}))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT payload FROM outbox")).scalar_one() == {"1": "one", "2": "two"}
 
 
 # --- wake-ups: one NOTIFY per channel and committing transaction -----------------------------------------
