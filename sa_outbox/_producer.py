@@ -8,7 +8,8 @@ SQLAlchemy's ``examples/versioned_history``, the producer is a few session liste
 1. **Validate** (:func:`_take`, in ``before_flush``; for rows that the application's own ``before_flush``
    listeners add after ours, at their ``session.add``): payload encodable and under the size limit, required
    text non-empty and small enough for its btree index entry, integers within their column. A refusal is a
-   :class:`~sa_outbox.errors.PayloadError` *before any SQL of the flush*, so a bad flush writes nothing.
+   :class:`~sa_outbox.errors.PayloadError` *before any SQL of the flush* (a listener's row: when it is added,
+   before any SQL that writes it), and the refused flush writes nothing.
 2. **Plan the locks** (:func:`_plan`): each aggregate is locked once per transaction, so that within one
    aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, outbox
    document §5):
