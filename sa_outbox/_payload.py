@@ -6,10 +6,18 @@ A payload is stored as ``jsonb``. At flush the producer turns it into plain JSON
 * ``datetime``/``date``/``time`` become ISO 8601 strings (``datetime.isoformat()``), ``uuid.UUID`` its
   canonical string, ``decimal.Decimal`` a *string* (a JSON number would lose precision in most
   consumers), an ``enum.Enum`` its ``value`` (encoded by the same rules);
-* everything else (``bytes``, ``set``, arbitrary objects), ``NaN``/``Infinity``, non-string keys and the
-  NUL character (which ``jsonb`` cannot store) is refused with :class:`~sa_outbox.errors.PayloadError`.
+* ``int``/``float``/``bool``/``None`` dict keys become JSON strings as in :func:`json.dumps`; a dict that
+  mixes them with string keys (or with each other's types) is refused, because two keys could become one
+  (``1`` and ``"1"``) and ``jsonb`` would silently keep only the last;
+* everything else (``bytes``, ``set``, arbitrary objects, other key types), ``NaN``/``Infinity`` and the NUL
+  character (which ``jsonb`` cannot store; the six characters ``\\u0000`` are ordinary text) is refused with
+  :class:`~sa_outbox.errors.PayloadError`.
 
 The encoded size is checked against the model's ``sa_outbox_max_payload_bytes``.
+
+The row's other values have limits of their own, checked here too so that they are a ``PayloadError``
+before any SQL rather than a database error at flush: integers must fit their column (``integer``,
+``bigint``), and text in a btree index must fit one index entry (:func:`check_index_entries`).
 """
 
 from __future__ import annotations
@@ -17,14 +25,41 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import enum
+import functools
 import json
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    Integer,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    UniqueConstraint,
+)
+from sqlalchemy.sql.elements import UnaryExpression
 
 from .errors import PayloadError
 
-__all__ = ["check_payload", "encode_payload", "normalize_payload"]
+__all__ = [
+    "BTREE_MAX_ENTRY",
+    "check_index_entries",
+    "check_int",
+    "check_payload",
+    "encode_payload",
+    "index_safe_chars",
+    "normalize_payload",
+    "require_text",
+]
 
 
 class _Refused(TypeError):
@@ -55,9 +90,15 @@ def _plain_only(value: Any) -> Any:
 
 # Built once: json.dumps with non-default options would build a new encoder per call. The first encodes plain
 # JSON values only (the common case, one C-speed pass); a payload that needs a conversion is encoded again by
-# the second.
-_PLAIN = json.JSONEncoder(default=_plain_only, allow_nan=False, separators=(",", ":"))
-_CONVERTING = json.JSONEncoder(default=_default, allow_nan=False, separators=(",", ":"))
+# the second. sort_keys makes the C encoder compare every dict's keys: keys of types that could turn into the
+# same JSON key (1 and "1", None and "null") cannot be compared, so such a dict raises TypeError instead of
+# being collapsed by jsonb (which keeps one object key; the order of the text's keys means nothing to it).
+_PLAIN = json.JSONEncoder(default=_plain_only, allow_nan=False, separators=(",", ":"), sort_keys=True)
+_CONVERTING = json.JSONEncoder(default=_default, allow_nan=False, separators=(",", ":"), sort_keys=True)
+# A NUL character is encoded as \u0000 after an even number of backslashes (0, 2, …); the text "\u0000" is
+# encoded as \\u0000 (the backslash escaped), which is ordinary text.
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+_UNORDERABLE = re.compile(r"'<' not supported between instances of '(\w+)' and '(\w+)'")
 
 
 def encode_payload(
@@ -83,9 +124,9 @@ def encode_payload(
         raise PayloadError(f"{describe(what)}: payload refused: {exc}") from None
     except ValueError as exc:  # NaN / Infinity, circular reference
         raise PayloadError(f"{describe(what)}: payload refused: {exc}") from None
-    except TypeError as exc:  # non-string dict keys of an unsupported type
-        raise PayloadError(f"{describe(what)}: payload refused: {exc}") from None
-    if "\\u0000" in encoded:
+    except TypeError as exc:  # dict keys of an unsupported type, or of types that could collide
+        raise PayloadError(f"{describe(what)}: payload refused: {_key_problem(exc)}") from None
+    if "\\u0000" in encoded and _NUL.search(encoded):
         raise PayloadError(
             f"{describe(what)}: payload refused: the NUL character (\\u0000) cannot be stored in jsonb"
         )
@@ -98,6 +139,18 @@ def encode_payload(
                 "sa_outbox_max_payload_bytes on the model)"
             )
     return encoded
+
+
+def _key_problem(exc: TypeError) -> str:
+    found = _UNORDERABLE.search(str(exc))
+    if found is None:
+        return str(exc)
+    a, b = sorted(found.groups())
+    kinds = "string and non-string keys" if "str" in (a, b) else "keys of different types"
+    return (
+        f"a dict mixes {kinds} ({a} and {b}): JSON object keys are strings, so two keys could become one "
+        '(1 and "1", None and "null") and only the last would be kept; use keys of one type (strings)'
+    )
 
 
 def describe(what: str | Callable[[], str]) -> str:
@@ -118,3 +171,161 @@ def check_payload(
     converted = [False]
     encoded = encode_payload(payload, what=what, max_bytes=max_bytes, converted=converted)
     return (json.loads(encoded) if converted[0] else payload), encoded
+
+
+# --- limits of the row's other values ---------------------------------------------------------------------
+
+
+def require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
+    """``value`` as non-empty text without NUL (an int is taken as its decimal text), or PayloadError."""
+    if type(value) is str and value and not value.isspace() and "\x00" not in value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise PayloadError(f"{describe(what)}: {name} must be a non-empty string, got {value!r}")
+    if "\x00" in value:
+        raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
+    return value
+
+
+def check_int(value: Any, *, what: str | Callable[[], str], name: str, low: int, high: int) -> int:
+    """``value`` as an int within ``[low, high]`` (the column's range), or PayloadError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PayloadError(f"{describe(what)}: {name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise PayloadError(f"{describe(what)}: {name} must be between {low} and {high}, got {value}")
+    return value
+
+
+#: The largest btree index entry PostgreSQL stores with its default 8 KiB pages (``BTMaxItemSize``: a third of
+#: a page less the page overheads). A longer entry fails the INSERT ("index row size … exceeds btree version 4
+#: maximum 2704"). The database compresses long values first, but text that does not compress (random ids,
+#: hashes) is stored as is, so the limit is checked on the uncompressed size.
+BTREE_MAX_ENTRY = 2704
+
+_FIXED: tuple[tuple[type[Any], int], ...] = (
+    (BigInteger, 8),
+    (SmallInteger, 2),
+    (Integer, 4),
+    (DateTime, 8),
+    (Float, 8),
+    (Boolean, 1),
+)  # fmt: skip  (size = alignment for these; subclasses before their bases)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    key: str
+    size: int  # 0: text (varlena), else a fixed-size value aligned to its size
+    nullable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _IndexEntry:
+    """The layout of one btree index's entries, for :func:`check_index_entries`."""
+
+    name: str
+    slots: tuple[_Slot, ...]
+    text_keys: tuple[str, ...]
+    #: Text of at most this many characters in total always fits (4 bytes per character at worst).
+    safe_chars: int
+
+
+def _align(offset: int, to: int) -> int:
+    return (offset + to - 1) // to * to
+
+
+def _entry_size(entry: _IndexEntry, values: Mapping[str, Any], lengths: Mapping[str, int]) -> int:
+    """The size of the entry PostgreSQL builds for these values (``index_form_tuple``, uncompressed)."""
+    has_null = any(slot.nullable and slot.key in values and values[slot.key] is None for slot in entry.slots)
+    offset = 16 if has_null else 8  # IndexTupleData, plus the null bitmap, MAXALIGNed
+    for slot in entry.slots:
+        if slot.size:
+            if not (slot.nullable and slot.key in values and values[slot.key] is None):
+                offset = _align(offset, slot.size) + slot.size
+        elif slot.key in lengths:
+            n = lengths[slot.key]
+            # a short varlena (1-byte header, unaligned) up to 126 bytes, else a 4-byte header aligned to 4
+            offset = offset + 1 + n if n <= 126 else _align(offset, 4) + 4 + n
+    return _align(offset, 8)
+
+
+@functools.cache
+def _index_entries(table: Table) -> tuple[_IndexEntry, ...]:
+    """The btree indexes (and primary key / unique constraints) of ``table`` that hold text columns and whose
+    layout is known (plain columns of the types above and text); expression indexes are skipped."""
+    # Constraints first: they index every row (an index may be partial, a refusal names the constraint).
+    groups: list[tuple[str, list[Any]]] = [
+        (str(c.name), list(c.columns))
+        for c in sorted(table.constraints, key=lambda c: c is not table.primary_key)
+        if isinstance(c, PrimaryKeyConstraint | UniqueConstraint)
+    ]
+    groups += [
+        (str(ix.name), list(ix.expressions))
+        for ix in table.indexes
+        if (ix.dialect_kwargs.get("postgresql_using") or "btree") == "btree"
+    ]
+    found = []
+    for name, expressions in groups:
+        slots: list[_Slot] = []
+        for expr in expressions:
+            col = expr.element if isinstance(expr, UnaryExpression) else expr  # DESC / ASC
+            if not isinstance(col, Column):  # desc("priority") refers to its column by name
+                ref = getattr(col, "element", None)
+                col = table.c.get(ref) if isinstance(ref, str) else None
+            if col is None or col.table is not table:
+                break
+            size = (
+                0
+                if isinstance(col.type, String)
+                else next((n for t, n in _FIXED if isinstance(col.type, t)), -1)
+            )
+            if size < 0:
+                break
+            slots.append(_Slot(col.key, size, bool(col.nullable)))
+        else:
+            text_keys = tuple(s.key for s in slots if not s.size)
+            if text_keys:
+                fixed = sum(2 * s.size for s in slots if s.size)  # size + worst alignment
+                safe = (BTREE_MAX_ENTRY - 16 - fixed - 8 * len(text_keys) - 8) // 4
+                found.append(_IndexEntry(name, tuple(slots), text_keys, safe))
+    return tuple(found)
+
+
+@functools.cache
+def index_safe_chars(table: Table) -> int:
+    """Text of at most this many characters in total, in any of ``table``'s indexed text columns, always fits
+    its index entries (the check's fast path)."""
+    return min((entry.safe_chars for entry in _index_entries(table)), default=2**62)
+
+
+def check_index_entries(table: Table, values: Mapping[str, Any], *, what: str | Callable[[], str]) -> None:
+    """Refuse text that would not fit an entry of one of ``table``'s btree indexes, naming the limit.
+
+    ``values`` maps column keys to the row's values (text as ``str``); columns not given count as present.
+    """
+    for entry in _index_entries(table):
+        chars = sum(len(v) for k in entry.text_keys if isinstance(v := values.get(k), str))
+        if chars <= entry.safe_chars:
+            continue
+        lengths = {k: len(v.encode()) for k in entry.text_keys if isinstance(v := values.get(k), str)}
+        if _entry_size(entry, values, lengths) <= BTREE_MAX_ENTRY:
+            continue
+        given = [k for k in entry.text_keys if k in lengths]
+        total = sum(lengths.values())
+        last, others = given[-1], total - lengths[given[-1]]
+        low, high = 0, lengths[last]  # the longest text that fits, the other values kept as they are
+        while low < high:
+            mid = (low + high + 1) // 2
+            if _entry_size(entry, values, {**lengths, last: mid}) <= BTREE_MAX_ENTRY:
+                low = mid
+            else:
+                high = mid - 1
+        names = " and ".join(given)
+        are, together = ("is", "") if len(given) == 1 else ("are", " together")
+        raise PayloadError(
+            f"{describe(what)}: {names} {are} {total} bytes{together} (UTF-8); at most {others + low} bytes"
+            f"{together} fit in an entry of the btree index {entry.name} ({BTREE_MAX_ENTRY} bytes per entry, "
+            "uncompressed): shorten it, or keep long data in the payload"
+        )

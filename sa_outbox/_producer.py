@@ -1,35 +1,59 @@
 """The write side: events and jobs exist if and only if the caller's transaction commits.
 
-Nothing here opens a connection or commits: rows are ordinary ORM objects flushed by the caller's own
-``Session``/``AsyncSession`` (``AsyncSession`` runs these same listeners inside the sync session it wraps).
-A ``before_flush`` listener, registered on every ``Session`` when ``sa_outbox`` is imported, does three things
-before the rows are inserted:
+Nothing here opens a connection or commits: rows are written in the caller's own ``Session``/``AsyncSession``
+transaction (``AsyncSession`` runs these same listeners inside the sync session it wraps). In the spirit of
+SQLAlchemy's ``examples/versioned_history``, the producer is a few session listeners that keep their state in
+``session.info`` and do their work at flush, in four named steps:
 
-1. **Validates** every new event/job (payload encodable and under the size limit, required fields non-empty)
-   and raises :class:`~sa_outbox.errors.PayloadError` *before any SQL runs*, so a bad flush writes nothing.
-2. **Locks each aggregate once per transaction**, so that within one aggregate the outbox ``id`` order is the
-   commit order (the precondition of the ordered claim, outbox document §5):
+1. **Validate** (:func:`_take`, in ``before_flush``; for rows that the application's own ``before_flush``
+   listeners add after ours, at their ``session.add``): payload encodable and under the size limit, required
+   text non-empty and small enough for its btree index entry, integers within their column. A refusal is a
+   :class:`~sa_outbox.errors.PayloadError` *before any SQL of the flush* (a listener's row: when it is added,
+   before any SQL that writes it), and the refused flush writes nothing.
+2. **Plan the locks** (:func:`_plan`): each aggregate is locked once per transaction, so that within one
+   aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, outbox
+   document §5):
 
    * an event built with :meth:`OutboxMixin.for_aggregate` locks the aggregate's own row with
-     ``SELECT … FOR NO KEY UPDATE`` (it does not block foreign-key inserts into child tables);
+     ``SELECT … FOR NO KEY UPDATE`` (it does not block foreign-key inserts into child tables); an aggregate
+     inserted by this transaction needs no lock (nobody else can see it before the commit);
    * an event given only ``aggregate_type``/``aggregate_id`` strings takes the transaction-scoped advisory lock
      ``pg_advisory_xact_lock(hashtextextended(aggregate_type || ':' || aggregate_id, 0))``.
 
    **The rule:** every producer of one aggregate must serialise on the *same* lock — always build that
    aggregate's events the same way (from the instance, or from strings). Code outside this library that writes
-   to the outbox takes the same lock with :func:`lock_aggregate` (or the SQL above) before its INSERT.
-   Locks are taken in a sorted order within a flush, so two producers locking {A, B} cannot deadlock.
-3. **Sends one NOTIFY per channel and transaction** (``pg_notify`` is transactional: it is delivered at
-   commit and discarded on rollback), so idle dispatchers/workers wake up within milliseconds.
+   to the outbox takes the same lock with :func:`lock_aggregate` (the instance, or the two strings) first.
+3. **Lock** (:func:`_lock_rows`): the row locks, one statement per aggregate table in primary-key order; the
+   advisory locks in key order (two producers locking {A, B} cannot deadlock), riding on step 4.
+4. **Insert and notify** (:func:`_insert_events`): the events in the order the code added them (``id`` order =
+   write order within the transaction); plain events (only the four event columns set) as one
+   ``INSERT … SELECT … FROM unnest(…)`` that also takes the advisory locks and sends the NOTIFYs, others with
+   a Core INSERT each. One NOTIFY per channel and transaction (``pg_notify`` is transactional: delivered at
+   commit, discarded on rollback), so idle dispatchers/workers wake up within milliseconds. Jobs are
+   inserted by the ORM; their NOTIFY rides here.
+
+Steps 2–4 run in ``before_flush`` for the flush's plain events (one statement for 1,000 of them, which also
+takes the locks of every event the flush holds). An event that cannot be written yet — built from an
+aggregate the flush is about to insert (its key is not known: an ``AsyncSession`` cannot flush early), with
+other columns set, or after such an event in the same table, or added by a later ``before_flush`` listener —
+is taken out of the ORM's own INSERT (``listonly``) and written in ``after_flush``, when the ORM has inserted
+everything else; the ORM then makes it persistent as if it had inserted it.
+
+The other session paths keep the same guarantees: :func:`emit` (no ORM objects), ORM-enabled
+``session.execute(insert(OutboxEvent), rows)`` (``do_orm_execute``: validated, locked, announced; rows given
+inside the statement are refused), and :func:`lock_aggregate`. ``Session.bulk_save_objects`` and
+``bulk_insert_mappings`` run no session event at all: like Core on a connection, they write without the
+producer (call :func:`lock_aggregate` first).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-from collections.abc import Callable, Collection, Iterable
+import importlib
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from sqlalchemy import (
     ARRAY,
@@ -47,14 +71,22 @@ from sqlalchemy import (
 )
 from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapper, Session, SessionTransaction, object_mapper, object_session
+from sqlalchemy.orm import Mapper, ORMExecuteState, Session, SessionTransaction, object_mapper, object_session
 from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
+from sqlalchemy.sql.elements import ClauseElement
 
 from ._durations import Duration, to_timedelta
 from ._execute import run
 from ._names import channel_for
-from ._payload import check_payload, describe, normalize_payload
+from ._payload import (
+    check_index_entries,
+    check_int,
+    check_payload,
+    index_safe_chars,
+    normalize_payload,
+    require_text,
+)
 from .errors import PayloadError
 
 __all__ = [
@@ -71,19 +103,25 @@ __all__ = [
 LOCK_AGGREGATES = "sa_outbox.lock_aggregates"
 
 _AGGREGATE_ATTR = "_sa_outbox_aggregate"
-_STATE_KEY = "sa_outbox.tx_state"
+_TX_KEY = "sa_outbox.tx_state"
+_FLUSH_KEY = "sa_outbox.flush"
+_INT4 = (-(2**31), 2**31 - 1)
 
 if TYPE_CHECKING:  # the mixins import this module (to install the hook), never the other way round
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
     from ._schema import JobMixin, OutboxMixin
 
 J = TypeVar("J", bound="JobMixin")
 E = TypeVar("E", bound="OutboxMixin")
 
 
-# The two halves of every producer statement, written once (constant SQL, values only as bound parameters):
-# the advisory locks of the flush's (type, id) pairs — de-duplicated and taken in sorted order, so producers
-# locking the same set in another order cannot deadlock; the ORDER BY runs before the volatile lock function —
-# and the transaction's NOTIFYs. Both are uncorrelated scalar subqueries: evaluated once per statement.
+# --- the statements (constant SQL, values only as bound parameters) ---------------------------------------
+
+# The two halves of every producer statement, written once: the advisory locks of the (type, id) pairs —
+# de-duplicated and taken in sorted order, so producers locking the same set in another order cannot
+# deadlock; the ORDER BY runs before the volatile lock function — and the transaction's NOTIFYs. Both are
+# uncorrelated scalar subqueries: evaluated once per statement.
 _LOCKS_SQL = """(SELECT count(*) FROM (
       SELECT pg_advisory_xact_lock(k) FROM (
           SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
@@ -93,8 +131,9 @@ _NOTIFY_SQL = """(SELECT count(*) FROM (
       SELECT pg_notify(c, p)
         FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent)"""
 
-#: Locks and NOTIFYs on their own (a flush with no plain events to insert, and :func:`lock_aggregate`).
+#: Locks and NOTIFYs on their own (before inserts that cannot carry them, and :func:`lock_aggregate`).
 _LOCK_AND_NOTIFY = text(f"SELECT {_LOCKS_SQL} AS locks, {_NOTIFY_SQL} AS notifies")
+_NO_GATE: dict[str, list[str]] = {"types": [], "ids": [], "channels": [], "payloads": []}
 
 
 _FAST_COLUMNS = frozenset(
@@ -106,11 +145,11 @@ _FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload"
 
 @functools.cache
 def _fast_insert(table: Table) -> Any:
-    """Locks, NOTIFYs and the events of a flush in one statement (one round trip).
+    """Locks, NOTIFYs and plain events in one statement (one round trip).
 
     ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the lock and
-    NOTIFY subqueries (evaluated once, before the first row is inserted). Used for events that set only the four event columns on a table with exactly the mixin's
-    columns; anything else goes through the ORM's own INSERT.
+    NOTIFY subqueries (evaluated once, before the first row is inserted). Used for events that set only the
+    four event columns on a table with exactly the mixin's columns; anything else gets :func:`_row_insert`.
     """
     rows = (
         func.unnest(
@@ -135,24 +174,44 @@ def _fast_insert(table: Table) -> Any:
 
 
 @functools.cache
+def _row_insert(table: Table) -> Any:
+    """One event with any columns set (the values are bound per row; SQL expressions via ``.values()``)."""
+    return insert(table).returning(table.c.id)
+
+
+def _table_of(obj: Any) -> Table:
+    """The table of a mapped event or job (the mixins map one table)."""
+    return cast(Table, type(obj).__table__)
+
+
+@functools.cache
 def _plain_table(table: Table) -> bool:
     """The table has exactly the mixin's columns (no user columns whose defaults the ORM would apply)."""
     return set(table.c.keys()) == _FAST_COLUMNS
 
 
+_FAST_KEYS = _FAST_SET | {"_sa_instance_state", _AGGREGATE_ATTR}
+
+
 def _fast_eligible(ev: OutboxMixin) -> bool:
-    if not _plain_table(type(ev).__table__):  # type: ignore[attr-defined]
+    """Only the four event columns are set (private attributes aside), on a table with the mixin's columns."""
+    if not _plain_table(_table_of(ev)):
         return False
-    return all(k in _FAST_SET or k[0] == "_" for k in instance_state(ev).dict)
+    keys = instance_state(ev).dict.keys()
+    return keys <= _FAST_KEYS or all(k in _FAST_SET or k[0] == "_" for k in keys)
 
 
-def lock_aggregate(bind: Session | Connection, aggregate_type: str, aggregate_id: str) -> None:
-    """Take the transaction-scoped advisory lock the producer hook takes for ``(aggregate_type, aggregate_id)``.
+@functools.cache
+def _server_defaulted(table: Table) -> tuple[str, ...]:
+    """The columns the database fills in when a plain event is inserted (the key comes back from it)."""
+    return tuple(
+        c.key
+        for c in table.c
+        if c.server_default is not None and not c.primary_key and c.key not in _FAST_SET
+    )
 
-    For code that writes outbox rows without the ORM: call it in the same transaction before the INSERT.
-    """
-    params = {"types": [aggregate_type], "ids": [str(aggregate_id)], "channels": [], "payloads": []}
-    bind.execute(_LOCK_AND_NOTIFY, params)
+
+# --- what a transaction already locked and announced ------------------------------------------------------
 
 
 @dataclass
@@ -164,12 +223,12 @@ class _TxState:
 
 class _Seen:
     """What the current transaction and its parents already locked and notified (locks and NOTIFYs of a
-    parent hold inside a savepoint); ``current`` is where this flush records its own."""
+    parent hold inside a savepoint); ``current`` is where a step records its own."""
 
     __slots__ = ("chain", "current")
 
     def __init__(self, session: Session) -> None:
-        states: dict[SessionTransaction, _TxState] = session.info.setdefault(_STATE_KEY, {})
+        states: dict[SessionTransaction, _TxState] = session.info.setdefault(_TX_KEY, {})
         tx = session.get_nested_transaction() or session.get_transaction()
         chain: list[_TxState] = []
         while tx is not None:
@@ -182,15 +241,43 @@ class _Seen:
         return any(key in getattr(st, attr) for st in self.chain)
 
 
+# --- aggregates -------------------------------------------------------------------------------------------
+
+
+def _in_flush(session: Session) -> bool:
+    return bool(session._flushing)  # set by Session.flush() around the whole flush, listeners included
+
+
 def _aggregate_identity(aggregate: Any) -> tuple[Mapper[Any], tuple[Any, ...]]:
+    """The aggregate's mapper and primary key, without I/O (``None`` in the key: not inserted yet)."""
     try:
         mapper = object_mapper(aggregate)
     except UnmappedInstanceError:
         raise PayloadError(
-            f"for_aggregate() needs a mapped instance, got {type(aggregate).__name__}; "
+            f"an aggregate must be a mapped instance, got {type(aggregate).__name__}; "
             "pass aggregate_type= and aggregate_id= strings instead"
         ) from None
-    return mapper, tuple(mapper.primary_key_from_instance(aggregate))
+    state = instance_state(aggregate)
+    if state.key is not None:  # persistent or detached: the identity key (an expired row needs no load)
+        return mapper, tuple(state.key[1])
+    return mapper, tuple(state.dict.get(mapper.get_property_by_column(c).key) for c in mapper.primary_key)
+
+
+def _in_greenlet() -> bool:
+    """Inside SQLAlchemy's asyncio bridge (``AsyncSession.run_sync``, a flush): sync I/O is possible."""
+    try:
+        greenlet: Any = importlib.import_module("greenlet")  # (no type stubs)
+    except ImportError:  # pragma: no cover - greenlet comes with sqlalchemy[asyncio]
+        return False
+    # the marker SQLAlchemy's greenlet_spawn sets (2.0 and 2.1): sync code in it may await the driver
+    return bool(getattr(greenlet.getcurrent(), "__sqlalchemy_greenlet_provider__", False))
+
+
+def _can_flush_now(session: Session, mapper: Mapper[Any]) -> bool:
+    """A flush can run here: not inside one, and not on an asyncio driver outside its greenlet bridge."""
+    if _in_flush(session):
+        return False
+    return not getattr(session.get_bind(mapper=mapper).dialect, "is_async", False) or _in_greenlet()
 
 
 def event_for(
@@ -205,8 +292,11 @@ def event_for(
 
     ``aggregate_type`` defaults to the aggregate class's ``__outbox_aggregate_type__`` attribute, else its class
     name; ``aggregate_id`` is its primary key (composite keys joined with ``:``). An aggregate that is pending
-    in a session without its primary key yet makes this call flush the session first, so the id is known. At flush, the hook
-    locks the aggregate's row with ``FOR NO KEY UPDATE`` (see the module docs).
+    in a ``Session`` without its key yet makes this call flush the session, so the key is known at once (and
+    the rows added before it are written first). Where a flush cannot run — in an ``AsyncSession`` (no I/O
+    outside ``await``) or inside a flush (a ``before_flush`` listener) — nothing is done here: the event gets
+    the key when the flush inserts the aggregate, and is written after it. At flush the producer locks the
+    aggregate's row with ``FOR NO KEY UPDATE`` (an aggregate inserted by this transaction needs no lock).
     """
     mapper, pk = _aggregate_identity(aggregate)
     if any(v is None for v in pk):
@@ -216,14 +306,15 @@ def event_for(
                 f"{type(aggregate).__name__} has no primary key yet and is in no session: add it to the "
                 "session (or give it its key) before building its event"
             )
-        session.flush()
-        mapper, pk = _aggregate_identity(aggregate)
+        if _can_flush_now(session, mapper):
+            session.flush()
+            mapper, pk = _aggregate_identity(aggregate)
     atype = (
         aggregate_type or getattr(mapper.class_, "__outbox_aggregate_type__", None) or mapper.class_.__name__
     )
     ev: E = cast(Any, model)(
         aggregate_type=atype,
-        aggregate_id=":".join(str(v) for v in pk),
+        aggregate_id=None if any(v is None for v in pk) else ":".join(str(v) for v in pk),
         event_type=event_type,
         payload=payload,
     )
@@ -231,53 +322,565 @@ def event_for(
     return ev
 
 
-def emit(
+def _resolve_aggregate_id(ev: OutboxMixin) -> None:
+    """Give an event built from a then-new aggregate the key the flush gave that aggregate."""
+    aggregate = ev.__dict__.get(_AGGREGATE_ATTR)
+    if aggregate is None or ev.aggregate_id is not None:
+        return
+    _, pk = _aggregate_identity(aggregate)
+    if any(v is None for v in pk):
+        raise PayloadError(
+            f"outbox event {ev.event_type!r} for a {type(aggregate).__name__}: the aggregate still has no "
+            "primary key after the flush; add it to the same session as its event (or give it its key)"
+        )
+    ev.aggregate_id = ":".join(str(v) for v in pk)
+    _check_event_text(_table_of(ev), ev.aggregate_type, ev.aggregate_id, ev.event_type)
+
+
+# --- step 1: validate -------------------------------------------------------------------------------------
+
+
+def _what_event(event_type: Any, aggregate_type: Any, aggregate_id: Any) -> str:
+    return f"outbox event {event_type!r:.80} for {aggregate_type!r:.80}/{aggregate_id!r:.80}"
+
+
+def _check_event_text(table: Table, atype: str, aid: str, etype: str) -> None:
+    values = {"aggregate_type": atype, "aggregate_id": aid, "event_type": etype}
+    check_index_entries(table, values, what=functools.partial(_what_event, etype, atype, aid))
+
+
+def _event_values(
+    table: Table, max_bytes: int, atype: Any, aid: Any, etype: Any, payload: Any, *, resolved: bool = True
+) -> tuple[str, str | None, str, Any, str]:
+    """The event's checked text, its payload as plain JSON values and as JSON text, or PayloadError."""
+    what = functools.partial(_what_event, etype, atype, aid)  # names the event as given; built on error only
+    atype = require_text(atype, what, "aggregate_type")
+    aid = require_text(aid, what, "aggregate_id") if resolved else None
+    etype = require_text(etype, what, "event_type")
+    if resolved and len(atype) + len(cast(str, aid)) + len(etype) > index_safe_chars(table):
+        _check_event_text(table, atype, cast(str, aid), etype)
+    normalized, encoded = check_payload(payload, what=what, max_bytes=max_bytes)
+    return atype, aid, etype, normalized, encoded
+
+
+def _validate_event(ev: OutboxMixin) -> str:
+    """Validate (and normalise) an event in place; returns its payload as JSON text."""
+    model, d = type(ev), instance_state(ev).dict
+    table = _table_of(ev)
+    atype, aid, etype, given = (
+        d.get("aggregate_type"),
+        d.get("aggregate_id"),
+        d.get("event_type"),
+        d.get("payload"),
+    )
+    if (  # the common case, decided without a call per check: short non-blank text without NUL
+        type(atype) is str and type(aid) is str and type(etype) is str
+        and 0 < len(atype) + len(aid) + len(etype) <= index_safe_chars(table)
+        and atype and aid and etype and not (atype.isspace() or aid.isspace() or etype.isspace())
+        and "\x00" not in atype and "\x00" not in aid and "\x00" not in etype
+    ):  # fmt: skip
+        what = functools.partial(_what_event, etype, atype, aid)
+        payload, encoded = check_payload(given, what=what, max_bytes=model.sa_outbox_max_payload_bytes)
+        if payload is not given:
+            ev.payload = payload
+        return encoded
+    unresolved = aid is None and _AGGREGATE_ATTR in d
+    atype, aid, etype, payload, encoded = _event_values(
+        table, model.sa_outbox_max_payload_bytes, atype, aid, etype, given, resolved=not unresolved
+    )
+    for name, old, new in (("aggregate_type", ev.aggregate_type, atype), ("aggregate_id", ev.aggregate_id, aid),
+                           ("event_type", ev.event_type, etype), ("payload", given, payload)):  # fmt: skip
+        if new is not old:
+            setattr(ev, name, new)
+    return encoded
+
+
+def _job_values(table: Table, max_bytes: int, values: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's values checked and normalised (``queue`` defaults to ``"default"``), or PayloadError."""
+    out = dict(values)
+    task, queue = values.get("task"), values.get("queue")
+    what = f"job {task!r:.80} on queue {queue!r:.80}"
+    out["task"] = require_text(task, what, "task")
+    out["queue"] = require_text("default" if queue is None else queue, what, "queue")
+    check_index_entries(table, out, what=what)
+    for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
+        if values.get(name) is not None:
+            check_int(values[name], what=what, name=name, low=low, high=_INT4[1])
+    out["payload"] = normalize_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    return out
+
+
+def _validate_job(job: JobMixin) -> None:
+    model = type(job)
+    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts")}
+    checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given)
+    for name in ("task", "queue", "payload"):
+        if checked[name] is not given[name]:
+            setattr(job, name, checked[name])
+
+
+# --- step 2: plan the locks -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    advisory: list[tuple[str, str]]
+    rows: dict[Mapper[Any], list[tuple[Any, ...]]]
+    notifies: list[tuple[str, str]]
+
+    def gate(self) -> dict[str, list[str]]:
+        """Parameters of the lock-and-notify subqueries."""
+        return {
+            "types": [t for t, _ in self.advisory],
+            "ids": [i for _, i in self.advisory],
+            "channels": [c for c, _ in self.notifies],
+            "payloads": [p for _, p in self.notifies],
+        }
+
+    def record(self, seen: _Seen) -> None:
+        seen.current.advisory.update(self.advisory)
+        seen.current.rows.update((m, pk) for m, pks in self.rows.items() for pk in pks)
+        seen.current.notified.update(self.notifies)
+
+
+def _plan(
     session: Session,
-    model: type[OutboxMixin],
-    events: Iterable[tuple[str, str, str, Any]],
-) -> list[int]:
+    seen: _Seen,
+    *,
+    strings: Iterable[tuple[str, str]] = (),
+    aggregates: Iterable[Any] = (),
+    notifies: Iterable[tuple[str, str]] = (),
+) -> _Plan:
+    """What to lock and announce that this transaction has not yet: advisory locks for string aggregates, row
+    locks for mapped aggregates already in the database (one inserted by this transaction needs none)."""
+    locking = session.info.get(LOCK_AGGREGATES, True)
+    advisory = {key for key in strings if not seen("advisory", key)} if locking else set()
+    rows: dict[Mapper[Any], set[tuple[Any, ...]]] = {}
+    for aggregate in aggregates if locking else ():
+        if instance_state(aggregate).key is None:
+            continue  # inserted by this flush: nobody else can lock or see it before we commit
+        mapper, pk = _aggregate_identity(aggregate)
+        if not seen("rows", (mapper, pk)):
+            rows.setdefault(mapper, set()).add(pk)
+    return _Plan(
+        sorted(advisory),
+        {m: sorted(pks) for m, pks in sorted(rows.items(), key=lambda item: item[0].local_table.fullname)},  # type: ignore[attr-defined]
+        sorted({n for n in notifies if not seen("notified", n)}),
+    )
+
+
+# --- step 3: lock -----------------------------------------------------------------------------------------
+
+
+def _lock_rows(conn: Connection, rows: Mapping[Mapper[Any], list[tuple[Any, ...]]]) -> None:
+    """Row locks on mapped aggregates, one statement per aggregate table, in primary-key order."""
+    for mapper, pks in rows.items():
+        cols = list(mapper.primary_key)
+        target = tuple_(*cols) if len(cols) > 1 else cols[0]
+        values: list[Any] = pks if len(cols) > 1 else [pk[0] for pk in pks]
+        lock = (
+            select(*cols)
+            .where(target.in_(values))
+            .order_by(*cols)
+            # FOR NO KEY UPDATE: serialises producers of this aggregate, lets FK inserts into children through.
+            .with_for_update(key_share=True)
+        )
+        conn.execute(lock)
+
+
+def _lock_and_notify(conn: Connection, gate: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Send the advisory locks and NOTIFYs on their own if there are any; returns the empty gate."""
+    if gate["types"] or gate["channels"]:
+        conn.execute(_LOCK_AND_NOTIFY, gate)
+    return _NO_GATE
+
+
+# --- step 4: insert and notify ----------------------------------------------------------------------------
+
+
+def _insert_events(
+    conn: Connection,
+    events: list[OutboxMixin],
+    encoded: Mapping[int, str],
+    gate: dict[str, list[str]],
+    *,
+    all_plain: bool = False,
+) -> dict[int, Sequence[str]]:
+    """Insert ``events`` in their order (runs of plain events as one statement that first takes the locks and
+    sends the NOTIFYs of ``gate``; the gate goes alone before any other insert) and set their ids.
+
+    Returns, per event (``id()``), the attributes the database filled in, to expire once they are persistent.
+    """
+    expire: dict[int, Sequence[str]] = {}
+    i = 0
+    while i < len(events):
+        table = _table_of(events[i])
+        plain = all_plain or _fast_eligible(events[i])
+        j = i + 1
+        while (
+            j < len(events)
+            and _table_of(events[j]) is table
+            and (all_plain or _fast_eligible(events[j]) == plain)
+        ):
+            j += 1
+        group = events[i:j]
+        if plain:
+            params = {
+                **gate,
+                "f_types": [ev.aggregate_type for ev in group],
+                "f_ids": [ev.aggregate_id for ev in group],
+                "f_events": [ev.event_type for ev in group],
+                "f_payloads": [encoded[id(ev)] for ev in group],
+            }
+            ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
+            gate = _NO_GATE
+            defaulted = _server_defaulted(table)
+            for ev, new_id in zip(group, ids, strict=True):
+                instance_state(ev).dict["id"] = new_id  # as the unit of work sets a fetched key
+                expire[id(ev)] = defaulted
+        else:
+            gate = _lock_and_notify(conn, gate)
+            for ev in group:
+                expire[id(ev)] = _insert_one(conn, table, ev)
+        i = j
+    _lock_and_notify(conn, gate)
+    return expire
+
+
+def _insert_one(conn: Connection, table: Table, ev: OutboxMixin) -> list[str]:
+    """Insert an event with other columns set: its set attributes as bound values (SQL expressions inline),
+    column defaults by Core and the database. Returns the attributes to load from the database later."""
+    state = instance_state(ev)
+    values: dict[str, Any] = {}
+    inline: dict[str, Any] = {}
+    known: set[str] = set()  # attributes whose value the insert was given as is
+    for prop in state.mapper.column_attrs:
+        col = prop.columns[0]
+        if getattr(col, "table", None) is not table or prop.key not in state.dict or col.primary_key:
+            continue
+        value = state.dict[prop.key]
+        if isinstance(value, ClauseElement):  # e.g. available_at=func.now() + …: evaluated by the database
+            inline[col.key] = value
+        else:
+            values[col.key] = value
+            known.add(prop.key)
+    stmt = _row_insert(table)
+    state.dict["id"] = conn.execute(stmt.values(inline) if inline else stmt, values).scalar_one()
+    return [p.key for p in state.mapper.column_attrs if p.key not in known and not p.columns[0].primary_key]
+
+
+# --- the flush: session listeners -------------------------------------------------------------------------
+
+
+def _write(
+    session: Session,
+    anchor: Mapper[Any],
+    encoded: Mapping[int, str],
+    *,
+    lock: list[OutboxMixin],
+    insert: list[OutboxMixin],
+    notifies: Iterable[tuple[str, str]],
+    all_plain: bool = False,
+) -> dict[int, Sequence[str]]:
+    """Steps 2–4 for events: plan the locks of ``lock`` and the NOTIFYs (what this transaction has not taken
+    yet), take the row locks, then insert ``insert`` in order with the advisory locks and NOTIFYs riding on the
+    first statement. Returns what :func:`_insert_events` returns."""
+    conn = session.connection(bind_arguments={"mapper": anchor})
+    seen = _Seen(session)
+    strings = [(ev.aggregate_type, ev.aggregate_id) for ev in lock if _AGGREGATE_ATTR not in ev.__dict__]
+    aggregates = [a for ev in lock if (a := ev.__dict__.get(_AGGREGATE_ATTR)) is not None]
+    plan = _plan(session, seen, strings=strings, aggregates=aggregates, notifies=notifies)  # step 2
+    _lock_rows(conn, plan.rows)  # step 3 (the advisory locks ride with step 4)
+    expire = _insert_events(conn, insert, encoded, plan.gate(), all_plain=all_plain)  # step 4
+    plan.record(seen)
+    return expire
+
+
+def _now_persistent(
+    session: Session, written: list[OutboxMixin], expire: Mapping[int, Sequence[str]]
+) -> None:
+    """Make events inserted in ``before_flush`` (ids set) what the ORM makes of the rows it inserts itself.
+
+    ``Session._register_persistent`` is the step the unit of work runs after its own INSERTs: identity key and
+    identity map, ``pending_to_persistent`` events, and — because it records them in the transaction — the
+    same rollback behaviour (a rolled back transaction or savepoint takes them out of the session, as
+    ``persistent_to_transient``). It is not public API; ``tests/test_producer.py`` pins the behaviour for
+    every SQLAlchemy version the package allows. The columns the database filled in are then expired, so they
+    load on first access (what the ORM does without eager defaults). The flush then has nothing left to do
+    for them.
+    """
+    session._register_persistent({instance_state(ev) for ev in written})
+    for ev in written:
+        session.expire(ev, expire[id(ev)])
+
+
+class _Flush:
+    """One flush, from ``before_flush`` to ``after_flush_postexec`` (``session.info[_FLUSH_KEY]``)."""
+
+    __slots__ = ("anchor", "collecting", "context", "encoded", "expire", "jobs", "later")
+
+    def __init__(self, context: Any) -> None:
+        self.context = context  # the flush's UOWTransaction
+        self.encoded: dict[int, str] = {}  # id(event) -> payload JSON text
+        self.later: list[OutboxMixin] = []  # events written by after_flush, in write order
+        self.jobs: set[tuple[str, str]] = set()  # NOTIFYs (table channel, queue) not sent yet
+        self.anchor: Any = None  # a mapper of the flush's rows: the bind to write on
+        self.collecting = True  # session.add() now is a before_flush listener adding to this flush
+        self.expire: dict[int, Sequence[str]] = {}
+
+
+def _take(fl: _Flush, obj: Any) -> str | None:
+    """Step 1 for one new object of the flush: validate it; returns its kind."""
+    kind: str | None = getattr(type(obj), "sa_outbox_kind", None)
+    if kind == "outbox":
+        fl.encoded[id(obj)] = _validate_event(obj)
+    elif kind == "jobs":
+        _validate_job(obj)
+        fl.jobs.add((channel_for(_table_of(obj).name), obj.queue))
+    if kind is not None and fl.anchor is None:
+        fl.anchor = object_mapper(obj)
+    return kind
+
+
+def _defer(fl: _Flush, ev: OutboxMixin) -> None:
+    """Take ``ev`` out of the ORM's own INSERT (``listonly``): :func:`_after_flush` writes it, after the rows the
+    ORM inserts (a new aggregate's key is known then); the ORM makes it persistent as if it had."""
+    fl.context.register_object(instance_state(ev), listonly=True)
+    fl.later.append(ev)
+
+
+def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
+    """Validate the flush's events and jobs; write what can be written now in one statement.
+
+    Written now: per table, the plain events (the four event columns, aggregate known) ahead of the first one
+    that is not — in one statement that also takes the flush's advisory locks and sends its NOTIFYs. The rest
+    keeps its place in the write order and is written by :func:`_after_flush`. The locks of every event known
+    here are taken here, sorted, whichever of the two writes it."""
+    fl = _Flush(flush_context)
+    session.info[_FLUSH_KEY] = fl
+    try:
+        # session.new iterates in the order the objects were added (the ORM keeps pending objects in a dict)
+        candidates = session.new if instances is None else [o for o in instances if o in session.new]
+        events: list[OutboxMixin] = [
+            o
+            for o in candidates
+            if getattr(type(o), "sa_outbox_kind", None) is not None and _take(fl, o) == "outbox"
+        ]  # step 1, before any SQL
+        if not events and not fl.jobs:
+            return
+        now: list[OutboxMixin] = []
+        tables: set[Table] = set()
+        blocked: set[Table] = set()
+        for ev in events:
+            table = _table_of(ev)
+            tables.add(table)
+            if table not in blocked and ev.aggregate_id is not None and _fast_eligible(ev):
+                now.append(ev)
+            else:  # the table's events after this one wait with it, so that ids follow the write order
+                blocked.add(table)
+                _defer(fl, ev)
+        notifies = {(channel_for(t.name), "") for t in tables}
+        expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
+                        insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
+        fl.jobs.clear()
+        if now:
+            _now_persistent(session, now, expire)
+    except BaseException:
+        session.info.pop(_FLUSH_KEY, None)
+        raise
+
+
+def _on_add(session: Session, instance: Any) -> None:
+    """An event or job added while the flush's ``before_flush`` listeners run (the application's own, after
+    ours) belongs to this flush: validated now (before any of its SQL), written by :func:`_after_flush`."""
+    if not _in_flush(session):  # the common case: an add outside a flush (before_flush will see it)
+        return
+    fl: _Flush | None = session.info.get(_FLUSH_KEY)
+    if fl is None or not fl.collecting or getattr(type(instance), "sa_outbox_kind", None) is None:
+        return
+    if _take(fl, instance) == "outbox":
+        _defer(fl, instance)
+
+
+def _after_flush(session: Session, flush_context: Any) -> None:
+    """Write the events that had to wait: new aggregates now have their keys; locks, inserts, NOTIFYs."""
+    fl: _Flush | None = session.info.get(_FLUSH_KEY)
+    if fl is None or fl.context is not flush_context:
+        return
+    fl.collecting = False
+    mine = session.hash_key
+    for gone in [ev for ev in fl.later if instance_state(ev).session_id != mine]:  # expunged meanwhile
+        flush_context.states.pop(instance_state(gone), None)  # (nothing for the ORM to make persistent)
+        fl.later.remove(gone)
+    if not fl.later and not fl.jobs:
+        return
+    for ev in fl.later:
+        _resolve_aggregate_id(ev)
+    notifies = {(channel_for(t.name), "") for t in {_table_of(ev) for ev in fl.later}}
+    fl.expire = _write(
+        session, fl.anchor, fl.encoded, lock=fl.later, insert=fl.later, notifies=notifies | fl.jobs
+    )
+
+
+def _after_flush_postexec(session: Session, flush_context: Any) -> None:
+    """The events written by :func:`_after_flush` are persistent now: the columns the database filled in load
+    on first access."""
+    fl: _Flush | None = session.info.get(_FLUSH_KEY)
+    if fl is None or fl.context is not flush_context:
+        return
+    del session.info[_FLUSH_KEY]
+    for ev in fl.later:
+        keys = fl.expire.get(id(ev))
+        if keys:
+            session.expire(ev, keys)
+
+
+def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+    """Forget what a finished transaction or savepoint locked and notified (a rolled back savepoint gave its
+    locks and NOTIFYs back; after a released one the parent may take them again, which is harmless), and a
+    flush that failed."""
+    states = session.info.get(_TX_KEY)
+    if states:
+        states.pop(transaction, None)
+    fl: _Flush | None = session.info.get(_FLUSH_KEY)
+    if fl is not None and getattr(fl.context, "transaction", None) is transaction:
+        del session.info[_FLUSH_KEY]
+
+
+def _flush_pending_events(session: Session, what: str) -> None:
+    """Write pending ORM events before rows written another way, so that id order is write order."""
+    if _in_flush(session):
+        raise PayloadError(
+            f"{what} cannot run inside a flush (a flush listener): its rows would be written before the "
+            "flush's own events; add OutboxEvent/Job objects to the session instead"
+        )
+    if any(getattr(type(o), "sa_outbox_kind", None) == "outbox" for o in session.new):
+        session.flush()
+
+
+def _do_orm_execute(orm_state: ORMExecuteState) -> None:
+    """``session.execute(insert(OutboxEvent | Job), rows)``: the rows are validated and normalised, the
+    aggregates locked and the table announced before the statement runs, as for ``session.add``."""
+    if not orm_state.is_insert:
+        return
+    stmt: Any = orm_state.statement
+    table = getattr(stmt, "table", None)
+    if not isinstance(table, Table) or table.info.get("sa_outbox_kind") is None:
+        return
+    kind = table.info["sa_outbox_kind"]
+    if stmt._values or stmt._multi_values or stmt.select is not None:
+        raise PayloadError(
+            f"INSERT into {table.name} with its rows inside the statement (.values() or from_select) cannot be "
+            "validated and locked before it runs: pass the rows as parameters — "
+            f"session.execute(insert(Model), [{{...}}, …]) — or use session.add() / emit()"
+        )
+    params = orm_state.parameters
+    rows: list[Mapping[str, Any]] = [params] if isinstance(params, Mapping) else list(params or ())
+    if not rows:
+        return
+    session = orm_state.session
+    mapper = orm_state.bind_mapper
+    model: Any = mapper.class_ if mapper is not None else None
+    max_bytes = getattr(model, "sa_outbox_max_payload_bytes", 1024 * 1024)
+    if kind == "outbox":
+        checked = []
+        for row in rows:
+            atype, aid, etype, payload, _ = _event_values(
+                table, max_bytes, row.get("aggregate_type"), row.get("aggregate_id"), row.get("event_type"),
+                row.get("payload"),
+            )  # fmt: skip
+            checked.append({**row, "aggregate_type": atype, "aggregate_id": aid, "event_type": etype,
+                            "payload": payload})  # fmt: skip
+        strings = [(r["aggregate_type"], r["aggregate_id"]) for r in checked]
+        notifies = [(channel_for(table.name), "")]
+    else:
+        checked = [_job_values(table, max_bytes, row) for row in rows]
+        strings, notifies = [], [(channel_for(table.name), r["queue"]) for r in checked]
+    _flush_pending_events(session, f"INSERT into {table.name}")
+    conn = session.connection(bind_arguments={"clause": stmt})
+    seen = _Seen(session)
+    plan = _plan(session, seen, strings=strings, notifies=notifies)
+    _lock_and_notify(conn, plan.gate())
+    plan.record(seen)
+    orm_state.parameters = checked[0] if isinstance(params, Mapping) else checked
+
+
+_LISTENERS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("before_flush", _before_flush),
+    ("transient_to_pending", _on_add),
+    ("after_flush", _after_flush),
+    ("after_flush_postexec", _after_flush_postexec),
+    ("after_transaction_end", _after_transaction_end),
+    ("do_orm_execute", _do_orm_execute),
+)
+
+
+def install() -> None:
+    """Register the producer's session listeners on every ``Session`` (idempotent). The mixins call it when a
+    model class that uses them is defined, so ``session.add(OutboxEvent(...))`` needs no setup call."""
+    for name, fn in _LISTENERS:
+        if not event.contains(Session, name, fn):
+            event.listen(Session, name, fn)
+
+
+# --- public functions -------------------------------------------------------------------------------------
+
+
+def _sync(bind: Any) -> bool:
+    return isinstance(bind, Session | Connection)
+
+
+@overload
+def emit(
+    session: Session, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
+) -> list[int]: ...
+@overload
+def emit(
+    session: AsyncSession, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
+) -> Awaitable[list[int]]: ...
+def emit(
+    session: Session | AsyncSession, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
+) -> list[int] | Awaitable[list[int]]:
     """Write events ``(aggregate_type, aggregate_id, event_type, payload)`` in the session's transaction with
-    one statement — no ORM objects — and return their ids in the given order.
+    one statement — no ORM objects — and return their ids in the given order (``await`` it with an
+    ``AsyncSession``).
 
     The same guarantees as ``session.add(OutboxEvent(...))``: validated first (:class:`PayloadError`, nothing
     written), each string aggregate's advisory lock taken once per transaction in key order, one NOTIFY per
-    table and transaction, rolled back with the transaction. For producers that write many events per second.
+    table and transaction, rolled back with the transaction. Events added to the session and not yet flushed
+    are written first, so ids follow the order the code wrote the events. For producers that write many events
+    per second.
     """
+    if not _sync(session):
+        given = list(events)
+        return cast("AsyncSession", session).run_sync(lambda s: _emit(s, model, given))
+    return _emit(cast(Session, session), model, events)
+
+
+def _emit(
+    session: Session, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
+) -> list[int]:
     table: Table = model.__table__  # type: ignore[attr-defined]
     if not _plain_table(table):
         raise PayloadError(
             f"emit() needs a table with exactly the OutboxMixin columns; {table.name} has others"
         )
-    rows = []
-    for atype, aid, etype, payload in events:
-        what = functools.partial(_what_event, etype, atype, aid)
-        atype, aid, etype = (_require_text(v, what, n) for v, n in ((atype, "aggregate_type"),
-                             (aid, "aggregate_id"), (etype, "event_type")))  # fmt: skip
-        rows.append(
-            (
-                atype,
-                aid,
-                etype,
-                check_payload(payload, what=what, max_bytes=model.sa_outbox_max_payload_bytes)[1],
-            )
-        )
+    max_bytes = model.sa_outbox_max_payload_bytes
+    rows = [_event_values(table, max_bytes, *given) for given in events]
     if not rows:
         return []
+    _flush_pending_events(session, "emit()")
     conn = session.connection(bind_arguments={"mapper": _mapper_of(model)})
     seen = _Seen(session)
-    locking = session.info.get(LOCK_AGGREGATES, True)
-    adv = sorted({(r[0], r[1]) for r in rows if not seen("advisory", (r[0], r[1]))}) if locking else []
-    note = (channel_for(table.name), "")
-    nts = [] if seen("notified", note) else [note]
+    plan = _plan(session, seen, strings=[(r[0], cast(str, r[1])) for r in rows],
+                 notifies=[(channel_for(table.name), "")])  # fmt: skip
     params = {
-        "types": [t for t, _ in adv], "ids": [i for _, i in adv],
-        "channels": [c for c, _ in nts], "payloads": [p for _, p in nts],
+        **plan.gate(),
         "f_types": [r[0] for r in rows], "f_ids": [r[1] for r in rows],
-        "f_events": [r[2] for r in rows], "f_payloads": [r[3] for r in rows],
+        "f_events": [r[2] for r in rows], "f_payloads": [r[4] for r in rows],
     }  # fmt: skip
     ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
-    seen.current.advisory.update(adv)
-    seen.current.notified.update(nts)
+    plan.record(seen)
     return ids
 
 
@@ -288,8 +891,70 @@ def _mapper_of(model: type[Any]) -> Mapper[Any]:
     return mapper
 
 
+@overload
+def lock_aggregate(
+    bind: Session | Connection, aggregate: Any, aggregate_id: str | int | None = None
+) -> None: ...
+@overload
+def lock_aggregate(
+    bind: AsyncSession | AsyncConnection, aggregate: Any, aggregate_id: str | int | None = None
+) -> Awaitable[None]: ...
+def lock_aggregate(
+    bind: Session | Connection | AsyncSession | AsyncConnection,
+    aggregate: Any,
+    aggregate_id: str | int | None = None,
+) -> Awaitable[None] | None:
+    """Take, in ``bind``'s transaction, the lock the producer takes for an aggregate's events: the row lock
+    (``FOR NO KEY UPDATE``) for a mapped instance — ``lock_aggregate(session, order)`` — or the advisory lock
+    for a string aggregate — ``lock_aggregate(conn, "order", "7")`` (``await`` it with an async session or
+    connection).
+
+    For code that writes outbox rows another way (Core on a connection, ``bulk_save_objects``): call it first,
+    in the same transaction, so that it serialises with every producer of that aggregate. Through a session,
+    the lock counts as taken for the rest of the transaction. An instance the database does not hold yet
+    (no key) needs no lock: nobody else can see it before this transaction commits.
+    """
+    if not _sync(bind):
+        locked: Awaitable[None] = cast(Any, bind).run_sync(
+            lambda b: lock_aggregate(b, aggregate, aggregate_id)
+        )
+        return locked
+    sync = cast("Session | Connection", bind)
+    if isinstance(aggregate, str):
+        what = f"lock_aggregate({aggregate!r}, {aggregate_id!r})"
+        if aggregate_id is None:
+            raise PayloadError(
+                f"{what}: give the aggregate_id with the aggregate_type (or a mapped instance)"
+            )
+        key = (
+            require_text(aggregate, what, "aggregate_type"),
+            require_text(aggregate_id, what, "aggregate_id"),
+        )
+        conn = sync.connection() if isinstance(sync, Session) else sync
+        seen = _Seen(sync) if isinstance(sync, Session) else None
+        if seen is None or not seen("advisory", key):
+            _lock_and_notify(conn, {**_NO_GATE, "types": [key[0]], "ids": [key[1]]})
+        if seen is not None:
+            seen.current.advisory.add(key)
+        return None
+    if aggregate_id is not None:
+        raise PayloadError(
+            "lock_aggregate(bind, instance): the aggregate_id comes from the instance; pass none"
+        )
+    mapper, pk = _aggregate_identity(aggregate)
+    if any(v is None for v in pk):
+        return None
+    conn = sync.connection(bind_arguments={"mapper": mapper}) if isinstance(sync, Session) else sync
+    seen = _Seen(sync) if isinstance(sync, Session) else None
+    if seen is None or not seen("rows", (mapper, pk)):
+        _lock_rows(conn, {mapper: [pk]})
+    if seen is not None:
+        seen.current.rows.add((mapper, pk))
+    return None
+
+
 def enqueue(
-    session: Session,
+    session: Session | AsyncSession,
     job_model: type[J],
     task: str,
     payload: Any,
@@ -300,8 +965,8 @@ def enqueue(
     max_attempts: int | None = None,
     registry: Collection[str] | None = None,
 ) -> J:
-    """Add a job to ``session``: it is written by the caller's next flush and exists only if that
-    transaction commits.
+    """Add a job to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O here): it is written by the
+    caller's next flush and exists only if that transaction commits.
 
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
@@ -325,193 +990,3 @@ def enqueue(
     _validate_job(job)
     session.add(job)
     return job
-
-
-def _what_event(event_type: Any, aggregate_type: Any, aggregate_id: Any) -> str:
-    return f"outbox event {event_type!r} for {aggregate_type!r}/{aggregate_id!r}"
-
-
-def _require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
-    if type(value) is str and value and not value.isspace() and "\x00" not in value:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str) or not value.strip():
-        raise PayloadError(f"{describe(what)}: {name} must be a non-empty string, got {value!r}")
-    if "\x00" in value:
-        raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
-    return value
-
-
-def _validate_event(ev: OutboxMixin) -> str:
-    """Validate (and normalise) an event in place; returns its payload as JSON text."""
-    # The message names the event as it was given; built only if something is wrong.
-    what = functools.partial(_what_event, ev.event_type, ev.aggregate_type, ev.aggregate_id)
-    for name in ("aggregate_type", "aggregate_id", "event_type"):
-        value = getattr(ev, name)
-        checked = _require_text(value, what, name)
-        if checked is not value:
-            setattr(ev, name, checked)
-    payload, encoded = check_payload(ev.payload, what=what, max_bytes=type(ev).sa_outbox_max_payload_bytes)
-    if payload is not ev.payload:
-        ev.payload = payload
-    return encoded
-
-
-def _validate_job(job: JobMixin) -> None:
-    what = f"job {job.task!r} on queue {job.queue!r}"
-    job.task = _require_text(job.task, what, "task")
-    if job.queue is None:
-        job.queue = "default"
-    job.queue = _require_text(job.queue, what, "queue")
-    for name in ("priority", "max_attempts"):
-        value = getattr(job, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise PayloadError(f"{what}: {name} must be an integer, got {value!r}")
-    if job.max_attempts is not None and job.max_attempts < 1:
-        raise PayloadError(f"{what}: max_attempts must be >= 1, got {job.max_attempts}")
-    job.payload = normalize_payload(job.payload, what=what, max_bytes=type(job).sa_outbox_max_payload_bytes)
-
-
-def _now_persistent(session: Session, table: Table, written: list[OutboxMixin], ids: list[int]) -> None:
-    """Make events inserted by the one-statement path (with these ids) what the ORM makes of the rows it
-    inserts itself.
-
-    ``Session._register_persistent`` is the step the unit of work runs after its own INSERTs: identity key and
-    identity map, ``pending_to_persistent`` events, and — because it records them in the transaction — the
-    same rollback behaviour (a rolled back transaction or savepoint takes them out of the session, as
-    ``persistent_to_transient``). It is not public API; ``tests/test_producer.py`` pins the behaviour for
-    every SQLAlchemy version the package allows. The server-default columns are then expired, so they load
-    from the database on first access (what the ORM does without eager defaults).
-    """
-    states = set()
-    for ev, new_id in zip(written, ids, strict=True):
-        state = instance_state(ev)
-        state.dict["id"] = new_id  # as the unit of work sets a fetched key; committed just below
-        states.add(state)
-    session._register_persistent(states)
-    defaulted = _server_defaulted(table)
-    for ev in written:
-        session.expire(ev, defaulted)
-
-
-@functools.cache
-def _server_defaulted(table: Table) -> list[str]:
-    """The columns the database fills in (the key is known: it came back from the INSERT)."""
-    return [
-        c.name
-        for c in table.c
-        if c.server_default is not None and not c.primary_key and c.name not in _FAST_SET
-    ]
-
-
-def _table_name(obj: Any) -> str:
-    name: str = object_mapper(obj).local_table.name  # type: ignore[attr-defined]
-    return name
-
-
-def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
-    new = session.new
-    events: list[OutboxMixin] = []
-    jobs: list[JobMixin] = []
-    for obj in new:
-        kind = getattr(type(obj), "sa_outbox_kind", None)
-        if kind == "outbox":
-            events.append(obj)
-        elif kind == "jobs":
-            jobs.append(obj)
-    if not events and not jobs:
-        return
-    # 1. Validate everything first: a refused flush has issued no SQL at all.
-    encoded = {id(ev): _validate_event(ev) for ev in events}
-    for job in jobs:
-        _validate_job(job)
-
-    anchor = events[0] if events else jobs[0]
-    conn = session.connection(bind_arguments={"mapper": object_mapper(anchor)})  # begins the transaction
-    seen = _Seen(session)
-    locking = session.info.get(LOCK_AGGREGATES, True)
-    advisory: set[tuple[str, str]] = set()
-    rows: dict[Mapper[Any], set[tuple[Any, ...]]] = {}
-    for ev in events:
-        if not locking:
-            break
-        aggregate = getattr(ev, _AGGREGATE_ATTR, None)
-        if aggregate is not None:
-            mapper, pk = _aggregate_identity(aggregate)
-            if aggregate in new or any(v is None for v in pk):
-                continue  # not in the database yet: nobody else can lock or see it before we commit
-            if not seen("rows", (mapper, pk)):
-                rows.setdefault(mapper, set()).add(pk)
-        else:
-            key = (ev.aggregate_type, ev.aggregate_id)
-            if not seen("advisory", key):
-                advisory.add(key)
-
-    notifies = {(channel_for(_table_name(ev)), "") for ev in {type(ev): ev for ev in events}.values()}
-    notifies.update((channel_for(_table_name(job)), job.queue) for job in jobs)
-    notifies = {n for n in notifies if not seen("notified", n)}
-    fast = [ev for ev in events if _fast_eligible(ev)]
-    if not advisory and not rows and not notifies and not fast:
-        return
-
-    state = seen.current
-    # 2. Row locks on mapped aggregates, one statement per aggregate table, in primary-key order.
-    for mapper, pks in rows.items():
-        cols = list(mapper.primary_key)
-        ordered = sorted(pks)
-        target = tuple_(*cols) if len(cols) > 1 else cols[0]
-        values: list[Any] = ordered if len(cols) > 1 else [pk[0] for pk in ordered]
-        lock = (
-            select(*cols)
-            .where(target.in_(values))
-            .order_by(*cols)
-            # FOR NO KEY UPDATE: serialises producers of this aggregate, lets FK inserts into children through.
-            .with_for_update(key_share=True)
-        )
-        conn.execute(lock)
-        state.rows.update((mapper, pk) for pk in ordered)
-    # 3. Advisory locks for string aggregates and the NOTIFYs — with the plain events' INSERT when there are
-    # any (one round trip for the whole flush), else on their own.
-    adv = sorted(advisory)
-    nts = sorted(notifies)
-    gate = {
-        "types": [t for t, _ in adv],
-        "ids": [i for _, i in adv],
-        "channels": [c for c, _ in nts],
-        "payloads": [p for _, p in nts],
-    }
-    by_table: dict[Any, list[OutboxMixin]] = {}
-    for ev in fast:
-        by_table.setdefault(type(ev).__table__, []).append(ev)  # type: ignore[attr-defined]
-    for table, group in by_table.items():
-        params = {
-            **gate,
-            "f_types": [ev.aggregate_type for ev in group],
-            "f_ids": [ev.aggregate_id for ev in group],
-            "f_events": [ev.event_type for ev in group],
-            "f_payloads": [encoded[id(ev)] for ev in group],
-        }
-        ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
-        gate = {"types": [], "ids": [], "channels": [], "payloads": []}
-        _now_persistent(session, table, group, ids)
-    if gate["types"] or gate["channels"]:
-        conn.execute(_LOCK_AND_NOTIFY, gate)
-    state.advisory.update(adv)
-    state.notified.update(nts)
-
-
-def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
-    """Forget what a finished transaction or savepoint locked and notified (a rolled back savepoint gave its
-    locks and NOTIFYs back; after a released one the parent may take them again, which is harmless)."""
-    states = session.info.get(_STATE_KEY)
-    if states:
-        states.pop(transaction, None)
-
-
-def install() -> None:
-    """Register the flush hook on every ``Session`` (idempotent). The mixins call it when a model class that
-    uses them is defined, so ``session.add(OutboxEvent(...))`` needs no setup call."""
-    if not event.contains(Session, "before_flush", _before_flush):
-        event.listen(Session, "before_flush", _before_flush)
-        event.listen(Session, "after_transaction_end", _after_transaction_end)

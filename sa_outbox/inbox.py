@@ -12,13 +12,25 @@ second proceeds and applies the effect. One row, one lock: no deadlock.
 
 Ordered aggregates: pass ``aggregate=`` and ``position=`` (e.g. the outbox id, or a version) and a message
 older than one already applied for that aggregate is reported ``STALE`` instead of applied — a late publish
-from a fenced-off dispatcher can arrive after a newer event.
+from a fenced-off dispatcher can arrive after a newer event. The newest applied position of each
+(consumer, aggregate) is kept in one *head* row of the inbox table (``message_id`` ``sa_outbox:head:<aggregate>``,
+``source`` ``sa_outbox.head``), written with ``INSERT … ON CONFLICT DO UPDATE``: receipts of one aggregate
+serialise on that row, and a receipt whose snapshot is older than the head's last change cannot read a stale
+position at any isolation level — at READ COMMITTED it waits and sees the newest head; at REPEATABLE READ and
+SERIALIZABLE PostgreSQL raises a serialization failure (SQLSTATE 40001), which the consumer retries like any
+other at those levels (a redelivery does it), and the retry reports ``STALE``.
+
+Every identifier must fit the inbox's btree index entries (2,704 bytes: ``consumer`` and ``message_id``
+together, ``consumer`` and ``aggregate`` together); longer ones are a :class:`~sa_outbox.errors.PayloadError`
+naming the limit, before any SQL.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +40,9 @@ from sqlalchemy import (
     Engine,
     Index,
     PrimaryKeyConstraint,
+    Table,
     Text,
+    bindparam,
     delete,
     func,
     select,
@@ -40,7 +54,8 @@ from sqlalchemy.orm import Mapped, Session, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
 from ._durations import Duration, to_timedelta
-from .errors import PayloadError
+from ._payload import check_index_entries, check_int, require_text
+from .errors import ConfigurationError, PayloadError
 
 __all__ = [
     "InboxMixin",
@@ -96,6 +111,67 @@ class Receipt(enum.Enum):
         return self is Receipt.NEW
 
 
+#: The message_id prefix of the rows that hold each (consumer, aggregate)'s newest applied position.
+HEAD_PREFIX = "sa_outbox:head:"
+_HEAD_SOURCE = "sa_outbox.head"
+_BIGINT = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class _Statements:
+    head: Any
+    record: Any
+    recorded: Any
+
+
+@functools.cache
+def _statements(t: Table) -> _Statements:
+    """The inbox statements of one table, built once (values only as bound parameters)."""
+    consumer, aggregate = bindparam("consumer", type_=Text), bindparam("aggregate", type_=Text)
+    # The head row of (consumer, aggregate): its position moves forward only. ON CONFLICT DO UPDATE waits for
+    # a concurrent receipt of the aggregate and judges the newest committed head (READ COMMITTED), or fails
+    # with a serialization error when that head changed after this transaction's snapshot (REPEATABLE READ,
+    # SERIALIZABLE): an older position is never compared with a stale head. RETURNING gives the position it
+    # holds when this message moved it (or created it), nothing when the message is not newer. A head created
+    # where older rows of the aggregate exist (recorded before heads existed) starts from their newest.
+    newest_recorded = (
+        select(func.max(t.c.position))
+        .where(t.c.consumer == consumer, t.c.aggregate == aggregate)
+        .scalar_subquery()
+    )
+    position = bindparam("position", type_=BigInteger)
+    new_head = insert(t).values(
+        consumer=consumer,
+        message_id=bindparam("head_id", type_=Text),
+        source=_HEAD_SOURCE,
+        aggregate=aggregate,
+        position=func.greatest(position, newest_recorded),
+    )
+    head = new_head.on_conflict_do_update(
+        index_elements=[t.c.consumer, t.c.message_id],
+        set_={"position": new_head.excluded.position, "received_at": func.now()},
+        where=t.c.position < new_head.excluded.position,
+    ).returning(t.c.position)
+    # The message's own record: a concurrent delivery of the same id waits on this index entry.
+    record = (
+        insert(t)
+        .values(
+            consumer=consumer,
+            message_id=bindparam("message_id", type_=Text),
+            event_type=bindparam("event_type", type_=Text),
+            source=bindparam("source", type_=Text),
+            aggregate=aggregate,
+            position=position,
+        )
+        .on_conflict_do_nothing(index_elements=[t.c.consumer, t.c.message_id])
+        .returning(t.c.message_id)
+    )
+    recorded = select(t.c.message_id).where(
+        t.c.consumer == consumer, t.c.message_id == bindparam("message_id")
+    )
+    return _Statements(head, record, recorded)
+
+
 def receive(
     session: Session,
     model: type[Any],
@@ -112,48 +188,52 @@ def receive(
     Call it before the handler's business writes, in the same transaction (``session.begin()``). On
     ``DUPLICATE``/``STALE`` skip the handler (and commit: nothing was written). An exception in the handler
     rolls back the record with the effects, so the redelivery is applied.
+
+    With ``aggregate=`` and ``position=``, a position not newer than the newest applied for that aggregate is
+    ``STALE`` (``DUPLICATE`` if it is this very message), at every isolation level: at REPEATABLE READ and
+    SERIALIZABLE a concurrent receipt of the aggregate can end in a serialization failure (SQLSTATE 40001);
+    retry the transaction, as PostgreSQL requires at those levels. Bad input (empty ids, a position outside
+    ``bigint``, ids too long for the inbox's index entries) is a :class:`PayloadError` before any SQL.
     """
-    if not consumer or not str(message_id):
-        raise PayloadError("inbox: consumer and message_id must be non-empty")
+    what = f"inbox: message {message_id!r:.80} for consumer {consumer!r:.80}"
+    consumer = require_text(consumer, what, "consumer")
+    message_id = require_text(message_id, what, "message_id")
+    if message_id.startswith(HEAD_PREFIX):
+        raise PayloadError(
+            f"{what}: message ids starting with {HEAD_PREFIX!r} are reserved for the inbox's own rows"
+        )
     if (aggregate is None) != (position is None):
-        raise PayloadError("inbox: give aggregate and position together (or neither)")
-    t = model.__table__
+        raise PayloadError(f"{what}: give aggregate and position together (or neither)")
     if aggregate is not None:
-        # Serialise this consumer's messages of one aggregate, then compare with the newest applied position.
-        session.execute(
-            select(func.pg_advisory_xact_lock(func.hashtextextended(consumer + ":" + aggregate, 7)))
-        )
-        newest = session.execute(
-            select(func.max(t.c.position)).where(t.c.consumer == consumer, t.c.aggregate == aggregate)
-        ).scalar()
-        if newest is not None and position is not None and position <= newest:
-            already = session.execute(
-                select(t.c.message_id).where(t.c.consumer == consumer, t.c.message_id == str(message_id))
-            ).first()
+        aggregate = require_text(aggregate, what, "aggregate")
+        check_int(position, what=what, name="position", low=_BIGINT[0], high=_BIGINT[1])
+    t = model.__table__
+    values: dict[str, Any] = {"consumer": consumer, "message_id": message_id, "aggregate": aggregate,
+                              "position": position}  # fmt: skip
+    check_index_entries(t, values, what=what)
+    stmts = _statements(t)
+    params = {**values, "event_type": event_type, "source": source}
+    if aggregate is not None:
+        head_id = HEAD_PREFIX + aggregate
+        check_index_entries(t, {**values, "message_id": head_id}, what=what)
+        params["head_id"] = head_id
+        moved = session.execute(stmts.head, params).first()
+        if moved is None or moved[0] != position:  # not newer than the newest applied position
+            already = session.execute(stmts.recorded, params).first()
             return Receipt.DUPLICATE if already else Receipt.STALE
-    stmt = (
-        insert(t)
-        .values(
-            consumer=consumer,
-            message_id=str(message_id),
-            event_type=event_type,
-            source=source,
-            aggregate=aggregate,
-            position=position,
-        )
-        .on_conflict_do_nothing(index_elements=["consumer", "message_id"])
-        .returning(t.c.message_id)
-    )
-    inserted = session.execute(stmt).first()
+    inserted = session.execute(stmts.record, params).first()
     return Receipt.NEW if inserted is not None else Receipt.DUPLICATE
 
 
 def purge_inbox(engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000) -> int:
-    """Delete inbox rows received more than ``older_than`` ago, in batches. Keep the window longer than the
-    longest redelivery your broker can make (its retention / redelivery window), or a very late duplicate
-    would be applied again."""
-    t = model.__table__
+    """Delete inbox rows received more than ``older_than`` ago, in batches of ``batch_size`` (one short
+    transaction each); returns how many. Keep the window longer than the longest redelivery your broker can
+    make (its retention / redelivery window), or a very late duplicate would be applied again. Bad options
+    are a :class:`ConfigurationError` before any SQL."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigurationError(f"purge_inbox: batch_size must be an integer >= 1, got {batch_size!r}")
     age = to_timedelta(older_than, name="older_than")
+    t = model.__table__
     total = 0
     while True:
         victims = (

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sa_outbox import PayloadError, Receipt, receive
+from sa_outbox import ConfigurationError, PayloadError, Receipt, receive
 from sa_outbox.inbox import (
     message_id_from_amqp,
     message_id_from_http,
@@ -23,6 +24,7 @@ from sa_outbox.inbox import (
 )
 from sa_outbox.models import Inbox
 
+from .commit_order import wait_until_waiting_or_done
 from .models import Order
 
 
@@ -99,6 +101,144 @@ def test_an_older_position_of_an_applied_aggregate_is_stale(engine: Engine) -> N
         assert (
             receive(s, Inbox, "other", "10", aggregate="order-1", position=10) is Receipt.NEW
         )  # per consumer
+
+
+ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"]
+
+
+def _is_serialization_failure(exc: OperationalError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) == "40001"
+
+
+def _consume(
+    engine: Engine,
+    isolation: str,
+    message_id: str,
+    *,
+    position: int | None = None,
+    between: Any = None,
+    app: str = "inbox_consumer",
+    attempts: list[str] | None = None,
+) -> Receipt:
+    """A consumer at ``isolation``: its transaction reads first (so its snapshot is taken), then ``between``
+    runs (another consumer commits, or nothing), then it receives. A serialization failure is retried as
+    PostgreSQL requires at REPEATABLE READ and SERIALIZABLE; ``attempts`` records each try's outcome."""
+    bind = engine.execution_options(isolation_level=isolation)
+    for _ in range(5):
+        try:
+            with Session(bind) as s, s.begin():
+                s.execute(text("SELECT set_config('application_name', :a, true)"), {"a": app})
+                s.execute(text("SELECT count(*) FROM inbox"))  # the snapshot of REPEATABLE READ is taken here
+                if between is not None:
+                    between()
+                    between = None
+                aggregate = None if position is None else "order-1"
+                receipt = receive(s, Inbox, "c", message_id, aggregate=aggregate, position=position)
+            if attempts is not None:
+                attempts.append(receipt.value)
+            return receipt
+        except OperationalError as exc:
+            if not _is_serialization_failure(exc):
+                raise
+            if attempts is not None:
+                attempts.append("serialization failure")
+    raise AssertionError("still failing after 5 attempts")
+
+
+def _receive_committed(engine: Engine, message_id: str, position: int | None) -> None:
+    with Session(engine) as s, s.begin():
+        aggregate = None if position is None else "order-1"
+        assert receive(s, Inbox, "c", message_id, aggregate=aggregate, position=position) is Receipt.NEW
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_LEVELS)
+def test_stale_after_a_newer_position_committed_since_the_snapshot(engine: Engine, isolation: str) -> None:
+    """The consumer's snapshot predates the commit of position 12; position 10 must not be applied: it is
+    reported STALE (at REPEATABLE READ/SERIALIZABLE possibly after a serialization failure and a retry)."""
+    attempts: list[str] = []
+    receipt = _consume(engine, isolation, "10", position=10, between=lambda: _receive_committed(engine, "12", 12),
+                       attempts=attempts)  # fmt: skip
+    assert receipt is Receipt.STALE, attempts
+    # READ COMMITTED reads the newest head; the other levels cannot, and fail instead of reading a stale one
+    assert attempts == (["stale"] if isolation == "READ COMMITTED" else ["serialization failure", "stale"])
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM inbox WHERE message_id = '10'")).scalar_one() == 0
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_LEVELS)
+@pytest.mark.parametrize(("message_id", "position", "expected"), [("10", 10, Receipt.STALE),
+                                                                   ("12", 12, Receipt.DUPLICATE),
+                                                                   ("m", None, Receipt.DUPLICATE)])  # fmt: skip
+def test_a_receipt_waiting_on_a_concurrent_one_sees_its_outcome(
+    engine: Engine, isolation: str, message_id: str, position: int | None, expected: Receipt
+) -> None:
+    """T1 records position 12 (or message m) and holds its transaction; T2, at each isolation level, took its
+    snapshot before and waits in receive(); T1 commits. T2 must report STALE/DUPLICATE, never apply."""
+    first = ("12", 12) if position is not None else ("m", None)
+    results: list[Receipt] = []
+    attempts: list[str] = []
+    t2_started, t1_recorded, done = threading.Event(), threading.Event(), threading.Event()
+
+    def snapshot_taken() -> None:
+        t2_started.set()
+        assert t1_recorded.wait(10)
+
+    def t2() -> None:
+        try:
+            results.append(_consume(engine, isolation, message_id, position=position, between=snapshot_taken,
+                                    app="inbox_t2", attempts=attempts))  # fmt: skip
+        finally:
+            done.set()
+
+    with Session(engine) as s1:
+        s1.begin()
+        thread = threading.Thread(target=t2)
+        thread.start()
+        assert t2_started.wait(10)  # T2's snapshot is taken before T1 records anything
+        aggregate = None if first[1] is None else "order-1"
+        assert receive(s1, Inbox, "c", first[0], aggregate=aggregate, position=first[1]) is Receipt.NEW
+        t1_recorded.set()
+        assert wait_until_waiting_or_done(engine, "inbox_t2", done)  # T2 waits on T1's record
+        s1.commit()
+    thread.join(30)
+    assert results == [expected], attempts
+    retried = [] if isolation == "READ COMMITTED" else ["serialization failure"]
+    assert attempts == [*retried, expected.value]
+
+
+def test_purge_inbox_refuses_bad_options(engine: Engine) -> None:
+    for batch_size in (0, -1, 1.5, True, "10"):
+        with pytest.raises(ConfigurationError, match=r"batch_size must be an integer >= 1"):
+            purge_inbox(engine, Inbox, older_than=60, batch_size=batch_size)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"older_than must be >= 0"):
+        purge_inbox(engine, Inbox, older_than=-1)
+
+
+def _incompressible(n: int) -> str:
+    import random
+
+    rnd = random.Random(n)
+    return "".join(rnd.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(n))
+
+
+def test_receive_refuses_what_the_inbox_indexes_cannot_hold(engine: Engine) -> None:
+    """(consumer, message_id) is the primary key: one btree entry of at most 2,704 bytes. Longer ids are a
+    PayloadError naming the limit, before any SQL; the longest that fits is recorded."""
+    with Session(engine) as s, s.begin():
+        with pytest.raises(
+            PayloadError,
+            match=r"consumer and message_id are 2690 bytes together.*at most 2689 bytes.*pk_inbox",
+        ):
+            receive(s, Inbox, "c", _incompressible(2689))
+        with pytest.raises(PayloadError, match=r"consumer and message_id are .* bytes together.*pk_inbox"):
+            receive(s, Inbox, _incompressible(3000), "1")
+        with pytest.raises(PayloadError, match=r"consumer and aggregate .*ix_inbox_position"):
+            receive(s, Inbox, "c", "1", aggregate=_incompressible(3000), position=1)
+        with pytest.raises(PayloadError, match=r"position must be between"):
+            receive(s, Inbox, "c", "1", aggregate="a", position=2**63)
+        with pytest.raises(PayloadError, match=r"position must be an integer"):
+            receive(s, Inbox, "c", "1", aggregate="a", position=True)
+        assert receive(s, Inbox, "c", _incompressible(2688)) is Receipt.NEW
 
 
 def test_works_with_async_session(engine: Engine, async_url: URL) -> None:

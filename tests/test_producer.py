@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,18 +14,19 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
-from sa_outbox import PayloadError, enqueue
+from sa_outbox import PayloadError, emit, enqueue
 from sa_outbox._names import channel_for
 from sa_outbox._producer import LOCK_AGGREGATES
 from sa_outbox.models import Job, OutboxEvent
 
+from .commit_order import assert_serialised, ids_by_payload, race
 from .conftest import count_rows
 from .models import Order
 
 
 def _event(agg: str = "A", n: int = 0, **kw: Any) -> OutboxEvent:
     return OutboxEvent(
-        aggregate_type="order", aggregate_id=agg, event_type="OrderChanged", payload={"n": n}, **kw
+        aggregate_type="order", aggregate_id=agg, event_type="OrderChanged", **{"payload": {"n": n}, **kw}
     )
 
 
@@ -43,23 +42,6 @@ def statement_log(engine: Engine) -> Iterator[list[str]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
-
-
-def _wait_for_lock_wait(engine: Engine, app: str, timeout: float = 10.0) -> str:
-    """Wait until the backend named ``app`` waits on a lock; return its wait_event (deterministic, no sleeps)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with engine.connect() as conn:
-            row = conn.execute(
-                text(
-                    "SELECT wait_event FROM pg_stat_activity WHERE application_name = :a AND wait_event_type = 'Lock'"
-                ),
-                {"a": app},
-            ).first()
-        if row:
-            return str(row[0])
-        time.sleep(0.02)
-    raise AssertionError(f"{app} never waited on a lock")
 
 
 # --- rows go out with the caller's transaction, or not at all ---------------------------------------------
@@ -110,43 +92,30 @@ def test_savepoint_rollback_discards_only_the_savepoints_rows(engine: Engine) ->
 # --- per-aggregate commit order --------------------------------------------------------------------------
 
 
+def _locking(lock: bool) -> Any:
+    def factory(engine: Engine) -> Session:
+        s = Session(engine)
+        s.info[LOCK_AGGREGATES] = lock
+        return s
+
+    return factory
+
+
 def _race(engine: Engine, *, lock: bool, make_event: Any) -> tuple[list[str], bool]:
-    """T1 writes an event for the aggregate and waits before committing; T2 writes one and commits.
+    """T1 writes an event for the aggregate and holds its transaction; T2 writes one and commits.
 
-    Returns the commit order and whether T2 finished while T1 was still open.
-    """
-    commits: list[str] = []
-    t2_done = threading.Event()
-    e2 = engine.execution_options()  # same pool
-
-    def t2() -> None:
-        with Session(e2) as s:
-            s.info[LOCK_AGGREGATES] = lock
-            s.connection().exec_driver_sql("SET application_name = 'producer_t2'")
-            s.add(make_event(s, 2))
-            s.commit()
-            commits.append("T2")
-            t2_done.set()
-
-    with Session(engine) as s1:
-        s1.info[LOCK_AGGREGATES] = lock
-        s1.add(make_event(s1, 1))
-        s1.flush()
-        thread = threading.Thread(target=t2)
-        thread.start()
-        if lock:
-            _wait_for_lock_wait(engine, "producer_t2")
-        finished_early = t2_done.wait(0.5 if lock else 10)
-        s1.commit()
-        commits.append("T1")
-    thread.join(10)
-    assert not thread.is_alive()
-    return commits, finished_early
+    Returns the commit order and whether T2 finished while T1 was still open."""
+    result = race(
+        engine,
+        lambda s, n: s.add(make_event(s, n)),
+        app=f"producer_t2_{lock}",
+        session_factory=_locking(lock),
+    )
+    return result.commits, not result.t2_waited_on_a_lock
 
 
 def _ids_by_payload(engine: Engine) -> dict[int, int]:
-    with engine.connect() as conn:
-        return {int(n): i for i, n in conn.execute(text("SELECT id, payload->>'n' FROM outbox"))}
+    return ids_by_payload(engine)
 
 
 def test_string_aggregate_lock_makes_id_order_equal_commit_order(engine: Engine) -> None:
@@ -328,7 +297,7 @@ def test_enqueue_refuses_unknown_task_with_registry(engine: Engine) -> None:
 
 def test_enqueue_refuses_bad_values(engine: Engine) -> None:
     with Session(engine) as s:
-        with pytest.raises(PayloadError, match="max_attempts must be >= 1"):
+        with pytest.raises(PayloadError, match="max_attempts must be between 1 and"):
             enqueue(s, Job, "t", {}, max_attempts=0)
         with pytest.raises(PayloadError, match="timezone-aware"):
             enqueue(s, Job, "t", {}, run_at=dt.datetime(2030, 1, 1))
@@ -343,6 +312,102 @@ def test_enqueue_delay_is_counted_from_the_database_clock(engine: Engine) -> Non
     with engine.connect() as conn:
         delta = conn.execute(text("SELECT extract(epoch FROM run_at - created_at) FROM jobs")).scalar_one()
     assert 299 <= float(delta) <= 301
+
+
+def test_literal_backslash_u_text_is_stored_as_written(engine: Engine) -> None:
+    """Only a real NUL character is refused; the six characters ``\\u0000`` are ordinary text."""
+    text_value = "C:\\u0000\\data \\\\u0000"
+    with Session(engine) as s, s.begin():
+        s.add(_event("A", 1, payload={"path": text_value, "\\u0000key": 1}))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT payload FROM outbox")).scalar_one() == {
+            "path": text_value,
+            "\\u0000key": 1,
+        }
+    with Session(engine) as s:
+        s.add(_event("A", 2, payload={"x": "\\\x00"}))  # a backslash, then a real NUL
+        with pytest.raises(PayloadError, match="NUL"):
+            s.flush()
+
+
+@pytest.mark.parametrize(
+    "payload", [{1: "int", "1": "str"}, {"a": [{None: 1, "null": 2}]}, {1.5: 0, "1.5": 1}]
+)
+def test_dict_keys_that_would_become_the_same_json_key_are_refused(engine: Engine, payload: Any) -> None:
+    with Session(engine) as s:
+        s.add(_event("A", 1, payload=payload))
+        with pytest.raises(PayloadError, match="mixes string and non-string keys"):
+            s.flush()
+    assert count_rows(engine, "outbox") == 0
+
+
+def test_non_string_keys_alone_become_json_keys(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(_event("A", 1, payload={1: "one", 2: "two"}))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT payload FROM outbox")).scalar_one() == {"1": "one", "2": "two"}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"priority": 2**40}, r"priority must be between -2147483648 and 2147483647, got 1099511627776"),
+        ({"priority": -(2**31) - 1}, "priority must be between"),
+        ({"max_attempts": 2**31}, r"max_attempts must be between 1 and 2147483647"),
+    ],
+)
+def test_job_integers_outside_the_column_range_are_refused_before_sql(
+    engine: Engine, options: dict[str, Any], message: str
+) -> None:
+    with statement_log(engine) as seen, Session(engine) as s:
+        with pytest.raises(PayloadError, match=message):
+            enqueue(s, Job, "t", {}, **options)
+        s.add(Job(task="t", payload={}, **options))
+        with pytest.raises(PayloadError, match=message):
+            s.flush()
+    assert seen == []
+
+
+def _incompressible(n: int) -> str:
+    import random
+
+    rnd = random.Random(n)
+    return "".join(
+        rnd.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") for _ in range(n)
+    )
+
+
+def test_text_over_the_index_entry_limit_is_refused_before_sql(engine: Engine) -> None:
+    """``aggregate_id`` is in the btree index ix_outbox_aggregate (with the bigint id): an entry holds at most
+    2,704 bytes, so an id of at most 2,684 bytes; the jobs ``queue`` shares ix_jobs_dequeue with three fixed
+    columns: at most 2,672 bytes. Over it is a PayloadError naming the limit, before any SQL; at it is stored
+    (incompressible text: the database's compression cannot rescue it)."""
+    too_long, longest = _incompressible(2685), _incompressible(2684)
+    with statement_log(engine) as seen, Session(engine) as s:
+        s.add(_event(too_long, 1))
+        with pytest.raises(
+            PayloadError, match=r"aggregate_id is 2685 bytes.*at most 2684 bytes.*ix_outbox_aggregate"
+        ):
+            s.flush()
+        s.rollback()
+        with pytest.raises(PayloadError, match=r"aggregate_id is 8000 bytes"):
+            emit(s, OutboxEvent, [("order", _incompressible(8000), "E", {})])
+        with pytest.raises(PayloadError, match=r"queue is 2673 bytes.*at most 2672 bytes.*ix_jobs_dequeue"):
+            enqueue(s, Job, "t", {}, queue=_incompressible(2673))
+    assert seen == []
+    with Session(engine) as s, s.begin():
+        s.add(_event(longest, 1))
+        emit(s, OutboxEvent, [("order", longest, "E", {"n": 2})])
+        enqueue(s, Job, "t", {}, queue=_incompressible(2672))
+        s.add(
+            OutboxEvent(
+                aggregate_type=_incompressible(9000),
+                aggregate_id="A",
+                event_type=_incompressible(9000),
+                payload={},
+            )
+        )  # fmt: skip  (in no btree index: no limit but the row's)
+    assert count_rows(engine, "outbox") == 3 and count_rows(engine, "jobs") == 1
 
 
 # --- wake-ups: one NOTIFY per channel and committing transaction -----------------------------------------
@@ -435,20 +500,30 @@ def test_written_events_go_through_the_orm_lifecycle(engine: Engine) -> None:
         ], seen
 
 
-def test_events_with_extra_columns_set_take_the_orm_path(engine: Engine) -> None:
+def test_events_with_other_columns_set_are_written_with_them(engine: Engine) -> None:
+    """Values (and SQL expressions, evaluated by the database) of other columns are written as given; what
+    the database computed loads on first access."""
+    from sqlalchemy import func
+
     with statement_log(engine) as seen, Session(engine) as s, s.begin():
         s.add(_event("A", 1, available_at=dt.datetime(2030, 1, 1, tzinfo=dt.UTC)))
     inserts = [st for st in seen if st.lstrip().startswith("INSERT")]
     assert len(inserts) == 1 and "available_at" in inserts[0]
     with engine.connect() as conn:
         assert conn.execute(text("SELECT extract(year FROM available_at) FROM outbox")).scalar_one() == 2030
+    with Session(engine) as s, s.begin():
+        ev = _event("B", 2, available_at=func.now() + dt.timedelta(hours=1))
+        s.add(ev)
+        s.flush()
+        delay = s.execute(text("SELECT available_at - created_at FROM outbox WHERE id = :i"), {"i": ev.id})
+        assert delay.scalar_one() == dt.timedelta(hours=1)
+        assert ev.available_at - ev.created_at == dt.timedelta(hours=1)  # loaded from the row
 
 
 # --- emit(): the ORM-free producer ------------------------------------------------------------------------
 
 
 def test_emit_writes_in_the_callers_transaction_in_order(engine: Engine) -> None:
-    from sa_outbox import emit
 
     with Session(engine) as s, s.begin():
         ids = emit(s, OutboxEvent, [("order", "A", "Created", {"n": 1}), ("order", "A", "Paid", {"n": 2})])
@@ -465,7 +540,6 @@ def test_emit_writes_in_the_callers_transaction_in_order(engine: Engine) -> None
 
 
 def test_emit_refuses_bad_input_before_writing(engine: Engine) -> None:
-    from sa_outbox import emit
 
     with Session(engine) as s, s.begin():
         with pytest.raises(PayloadError, match="'Bad'"):
@@ -476,25 +550,8 @@ def test_emit_refuses_bad_input_before_writing(engine: Engine) -> None:
 
 
 def test_emit_takes_the_same_aggregate_lock_as_the_hook(engine: Engine) -> None:
-    from sa_outbox import emit
 
-    order: list[str] = []
+    def emit_one(s: Session, n: int) -> None:
+        emit(s, OutboxEvent, [("order", "A", "OrderChanged", {"n": n})])
 
-    def t2() -> None:
-        with Session(engine) as s:
-            s.connection().exec_driver_sql("SET application_name = 'emit_t2'")
-            s.add(_event("A", 2))  # the hook path, same aggregate: must wait for T1's emit
-            s.commit()
-            order.append("T2")
-
-    with Session(engine) as s1:
-        emit(s1, OutboxEvent, [("order", "A", "OrderChanged", {"n": 1})])
-        thread = threading.Thread(target=t2)
-        thread.start()
-        _wait_for_lock_wait(engine, "emit_t2")
-        s1.commit()
-        order.append("T1")
-    thread.join(10)
-    assert order == ["T1", "T2"]
-    ids = _ids_by_payload(engine)
-    assert ids[1] < ids[2]
+    assert_serialised(engine, emit_one, lambda s, n: s.add(_event("A", n)), app="emit_t2")

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
-from sa_outbox import PayloadError, enqueue
+from sa_outbox import PayloadError, emit, enqueue, lock_aggregate
 from sa_outbox.models import Job, OutboxEvent
 
 from .conftest import count_rows
@@ -136,3 +137,68 @@ def test_async_aggregate_lock_orders_commits(engine: Engine, async_url: URL) -> 
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT payload->>'n' FROM outbox ORDER BY id")).scalars().all()
     assert rows == ["t1", "t2"]
+
+
+def test_async_for_aggregate_of_a_just_added_aggregate(engine: Engine, async_url: URL) -> None:
+    """The order has no id until the flush inserts it: the event learns it at flush, with no I/O (and so no
+    MissingGreenlet) when it is built."""
+
+    async def body(aengine: AsyncEngine) -> int:
+        async with AsyncSession(aengine, expire_on_commit=False) as s, s.begin():
+            s.add(_event("before", 1))
+            order = Order(status="new")
+            s.add(order)
+            s.add(OutboxEvent.for_aggregate(order, "OrderCreated", {"n": 2}))
+            s.add(_event("after", 3))
+        return order.id
+
+    order_id = _run(async_url, body)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT aggregate_id, payload->>'n' FROM outbox ORDER BY id")).all() == [
+            ("before", "1"),
+            (str(order_id), "2"),  # written in the order the code added them
+            ("after", "3"),
+        ]
+
+
+def test_async_emit_enqueue_and_lock_aggregate_take_the_async_session(engine: Engine, async_url: URL) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO orders (status) VALUES ('new')"))
+
+    def locks_held(pid: int) -> list[str]:
+        """What the async transaction holds, seen from another connection."""
+        with engine.connect() as conn:
+            held = list(
+                conn.execute(
+                    text("SELECT locktype FROM pg_locks WHERE pid = :p AND locktype = 'advisory'"), {"p": pid}
+                ).scalars()
+            )
+            try:
+                conn.execute(text("SELECT 1 FROM orders WHERE id = 1 FOR NO KEY UPDATE NOWAIT"))
+            except OperationalError:
+                held.append("order row")
+        return held
+
+    async def body(aengine: AsyncEngine) -> tuple[list[int], list[str]]:
+        async with AsyncSession(aengine) as s, s.begin():
+            pid = (await s.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            s.add(_event("A", 1))
+            ids = await emit(s, OutboxEvent, [("order", "A", "OrderChanged", {"n": 2})])
+            await lock_aggregate(s, "order", "B")
+            order = await s.get(Order, 1)
+            await lock_aggregate(s, order)
+            enqueue(s, Job, "t", {})
+            held = await asyncio.to_thread(locks_held, pid)
+            with pytest.raises(PayloadError, match="not JSON-serialisable"):
+                await emit(s, OutboxEvent, [("order", "A", "Bad", {"x": object()})])
+        return ids, held
+
+    ids, held = _run(async_url, body)
+    assert ids == [2]
+    assert held == ["advisory", "advisory", "order row"]  # (order, A), (order, B) and the order's row
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT payload->>'n' FROM outbox ORDER BY id")).scalars().all() == [
+            "1",
+            "2",
+        ]
+    assert count_rows(engine, "jobs") == 1
