@@ -303,11 +303,12 @@ def _produce_orm_without_hook(engine: Engine, start: int, n: int, tx_size: int) 
 
     from sa_outbox import _producer as producer
 
-    event.remove(Session, "before_flush", producer._before_flush)
+    for name, fn in producer._LISTENERS:  # the bare ORM: every listener of the producer off
+        event.remove(Session, name, fn)
     try:
         return _produce_orm(engine, start, n, tx_size)
     finally:
-        event.listen(Session, "before_flush", producer._before_flush)
+        producer.install()
 
 
 def _produce_emit(engine: Engine, start: int, n: int, tx_size: int) -> float:
