@@ -39,7 +39,7 @@ class _CallThread(threading.Thread):
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
-            if not self.pool._finished(self, future):
+            if not self.pool.call_done(self, future):
                 return
 
 
@@ -75,7 +75,7 @@ class CallThreads:
             if thread is not None:
                 thread.abandoned = True
 
-    def _finished(self, thread: _CallThread, future: Future[Any]) -> bool:
+    def call_done(self, thread: _CallThread, future: Future[Any]) -> bool:
         """Called by a thread after its call; True when it goes back to the idle list."""
         with self._lock:
             self._busy.pop(future, None)
