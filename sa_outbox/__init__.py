@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from ._worker import AsyncWorker as AsyncWorker
     from ._worker import TaskRegistry as TaskRegistry
     from ._worker import Worker as Worker
+    from .admin import cancel_jobs as cancel_jobs
+    from .admin import job_result as job_result
     from .admin import list_dead as list_dead
     from .admin import retry_dead as retry_dead
     from .admin import skip_dead as skip_dead
@@ -85,8 +87,10 @@ _EXPORTS: dict[str, str] = {
     "SchemaError": "errors",
     "TaskRegistry": "_worker",
     "Worker": "_worker",
+    "cancel_jobs": "admin",
     "emit": "_producer",
     "enqueue": "_producer",
+    "job_result": "admin",
     "list_dead": "admin",
     "lock_aggregate": "_producer",
     "purge": "monitoring",

@@ -69,6 +69,7 @@ class LoopStats:
     unclassified: int = 0
     timed_out: int = 0
     unavailable: int = 0
+    cancelled: int = 0
     db_errors: int = 0
     wakeups: int = 0
 
@@ -270,7 +271,10 @@ class LoopBase:
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
 
-    def _extend_on(self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any) -> set[int]:
+    def _extend_on(
+        self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any
+    ) -> tuple[set[int], set[int]]:
+        """Renew held leases: (ids renewed, ids whose cancellation was requested)."""
         return _steps.extend(conn, self.spec, pairs, **params)
 
     def _statement_retry(self, window: float) -> dict[str, Any]:
@@ -356,6 +360,9 @@ class LoopBase:
             elif o.kind == "defer":
                 self.stats.deferred += 1
                 self._log.info("%s %s deferred %.2fs: %s", kind, o.id, o.delay, o.error, extra=extra)
+            elif o.kind == "cancelled":
+                self.stats.cancelled += 1
+                self._log.info("%s %s cancelled: %s", kind, o.id, o.error, extra=extra)
             elif o.kind == "unavailable":
                 self.stats.unavailable += 1
                 self._log.info(

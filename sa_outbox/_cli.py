@@ -555,7 +555,110 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive, default=10_000)
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(handler=_cmd_purge)
+    _job_commands(sub)
     return parser
+
+
+# --- jobs and queues: cancel, retry, update; pause, resume, list --------------------------------------------
+
+
+def _job_commands(sub: Any) -> None:
+    jobs = sub.add_parser(
+        "jobs", help="jobs: cancel, retry (failed/cancelled), update (priority/run_at/attempts)"
+    )
+    jsub = jobs.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    jsub.required = True
+    for action in ("cancel", "retry", "update"):
+        p = jsub.add_parser(action)
+        _common(p)
+        p.add_argument("--json", action="store_true")
+        p.add_argument("ids", nargs="*", type=int, help="job ids to act on")
+        p.add_argument("--task")
+        p.add_argument("--queue")
+        if action != "cancel":
+            p.add_argument("--all", action="store_true", help="every job in the statuses acted on")
+            p.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+            p.add_argument("--batch-size", type=_positive, default=1000)
+        if action == "update":
+            p.add_argument("--priority", type=int)
+            p.add_argument("--run-in", type=_duration, help="due this long from now (90, 5m, 1h)")
+            p.add_argument("--max-attempts", type=_positive)
+        p.set_defaults(handler=_cmd_jobs)
+    queues = sub.add_parser("queues", help="queues: pause, resume, list (paused queues are not claimed)")
+    qsub = queues.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    qsub.required = True
+    for action in ("pause", "resume", "list"):
+        p = qsub.add_parser(action)
+        _common(p)
+        p.add_argument("--json", action="store_true")
+        if action != "list":
+            p.add_argument("name", help="the queue")
+        if action == "pause":
+            p.add_argument("--by", help="who paused it (shown by queues list)")
+        p.set_defaults(handler=_cmd_queues)
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from . import admin
+
+    engine = _engine(args)
+    [(_, model)] = _tables(args, engine, ("jobs",))
+    target = {"ids": args.ids or None, "task": args.task, "queue": args.queue}
+    if args.action == "cancel":
+        got = admin.cancel_jobs(engine, model, **target)
+        if args.json:
+            _print_json({"cancelled": got.cancelled, "requested": got.requested})
+        else:
+            print(
+                f"cancelled {len(got.cancelled)} queued job(s); asked {len(got.requested)} running job(s) to stop"
+            )
+        return 0
+    common = {**target, "all": args.all, "batch_size": args.batch_size, "dry_run": args.dry_run}
+    if args.action == "retry":
+        changed = admin.retry_jobs(engine, model, **common)
+    else:
+        changed = admin.update_jobs(
+            engine,
+            model,
+            priority=args.priority,
+            run_at=args.run_in,
+            max_attempts=args.max_attempts,
+            **common,
+        )
+    verb = "requeued" if args.action == "retry" else "updated"
+    if args.json:
+        _print_json({"dry_run": args.dry_run, verb: changed})
+    else:
+        print(f"{'would be ' if args.dry_run else ''}{verb}: {len(changed)} job(s)")
+    return 0
+
+
+def _cmd_queues(args: argparse.Namespace) -> int:
+    from . import admin
+
+    engine = _engine(args)
+    [(_, model)] = _tables(args, engine, ("jobs",))
+    if args.action == "pause":
+        admin.pause_queue(engine, model, args.name, by=args.by)
+        print(f"paused {args.name}: workers stop claiming it within about a second")
+        return 0
+    if args.action == "resume":
+        admin.resume_queue(engine, model, args.name)
+        print(f"resumed {args.name}")
+        return 0
+    states = admin.list_queues(engine, model)
+    if args.json:
+        _print_json([{"name": q.name, "paused": q.paused, "paused_at": q.paused_at, "paused_by": q.paused_by,
+                      "queued": q.queued, "running": q.running} for q in states])  # fmt: skip
+        return 0
+    for q in states:
+        state = (
+            f"paused since {q.paused_at:%Y-%m-%d %H:%M:%S}{' by ' + q.paused_by if q.paused_by else ''}"
+            if q.paused_at
+            else "active"
+        )
+        print(f"{q.name:<20} {state:<40} queued {q.queued:>8,}  running {q.running:>6,}")
+    return 0
 
 
 # Exit codes (README, "Operations"): 0 success; 1 a check threshold passed or doctor found a failure (the

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
+
+from .errors import JobCancelled
 
 __all__ = ["BatchPublisher", "ClaimedJob", "Message", "Publisher"]
 
@@ -39,7 +42,13 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
-    """One claimed job, as handed to its handler."""
+    """One claimed job, as handed to its handler.
+
+    ``cancel_requested`` turns true when :func:`sa_outbox.cancel_jobs` asks for this job to stop while it runs
+    (the worker learns it with its next heartbeat): a long handler checks it, or calls
+    :meth:`raise_if_cancelled`, between steps. A handler that stops after a request is recorded ``cancelled``;
+    one that finishes anyway, ``done``.
+    """
 
     id: int
     task: str
@@ -50,13 +59,62 @@ class ClaimedJob:
     lease_version: int
     priority: int
     created_at: datetime
+    _cancel: CancelToken = field(default_factory=lambda: CancelToken(), repr=False, compare=False)
 
     @classmethod
-    def from_row(cls, row: Any) -> ClaimedJob:
+    def from_row(cls, row: Any, cancel: CancelToken | None = None) -> ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
         created_at) — the order of ``_sql.claim_returning``."""
         id_, version, attempts, max_attempts, task, queue, payload, priority, created = row
-        return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created)
+        return cls(
+            id_,
+            task,
+            queue,
+            payload,
+            attempts,
+            max_attempts,
+            version,
+            priority,
+            created,
+            cancel or CancelToken(),
+        )
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once this job's cancellation was requested (see the class docs)."""
+        return self._cancel.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`~sa_outbox.errors.JobCancelled` if this job's cancellation was requested: the job is
+        then recorded ``cancelled``."""
+        if self._cancel.is_set():
+            raise JobCancelled(f"job {self.id} ({self.task}) was cancelled")
+
+
+class CancelToken:
+    """A thread-safe "stop" flag the worker sets when a job's cancellation is requested (with an optional
+    callback, e.g. cancelling an asyncio task)."""
+
+    __slots__ = ("_event", "_on_set")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._on_set: Callable[[], None] | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        if not self._event.is_set():
+            self._event.set()
+            if self._on_set is not None:
+                self._on_set()
+
+    def on_set(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` when the token is set (at once if it already is)."""
+        self._on_set = callback
+        if callback is not None and self._event.is_set():
+            callback()
 
 
 @runtime_checkable

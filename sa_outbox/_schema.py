@@ -28,6 +28,7 @@ from sqlalchemy import (
     Index,
     Integer,
     PrimaryKeyConstraint,
+    Table,
     Text,
     desc,
     text,
@@ -37,6 +38,7 @@ from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
 from . import _producer, migration
+from ._sql import queue_table
 
 __all__ = [
     "JOB_STATUSES",
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "processing", "done", "dead")
-JOB_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed")
+JOB_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled")
 
 _NOW = text("now()")
 
@@ -146,8 +148,10 @@ class JobMixin:
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
-    #: Used by ``enqueue`` and ``Job(...)`` when max_attempts is not given (the jobs document's default).
-    sa_outbox_default_max_attempts: ClassVar[int] = 3
+    #: Used by ``enqueue`` and ``Job(...)`` when max_attempts is not given: with the default backoff
+    #: (``min(300 s, 2**attempts s)``) a job rides out about 13.5 minutes of a failing downstream before it
+    #: fails (2 + 4 + … + 256 + 300 s). The jobs design's own default was 3 (about 6 s).
+    sa_outbox_default_max_attempts: ClassVar[int] = 10
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     queue: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'default'"))
@@ -159,7 +163,7 @@ class JobMixin:
     #: The job may run at or after this time (retry backoff and Defer push it forward).
     run_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
-    max_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("3"))
+    max_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("10"))
     locked_by: Mapped[str | None] = mapped_column(Text)
     #: Claim time, refreshed by heartbeats; a running job whose locked_at is older than stale_after is reaped.
     locked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -168,6 +172,10 @@ class JobMixin:
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: Set by :func:`sa_outbox.cancel_jobs` on a running job; its worker learns it with its next heartbeat.
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: What the handler returned (a JSON value), written with the fenced completion.
+    result: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True), nullable=True)
 
     @declared_attr.directive
     @classmethod
@@ -189,17 +197,31 @@ class JobMixin:
             ),
             # The reaper: running jobs by claim/heartbeat time.
             Index(conv(f"ix_{t}_running"), "locked_at", postgresql_where=text("status = 'running'")),
-            Index(conv(f"ix_{t}_finished"), "finished_at", postgresql_where=text("status = 'done'")),
+            # Retention: finished rows (done or cancelled) by finish time.
+            Index(
+                conv(f"ix_{t}_finished"),
+                "finished_at",
+                postgresql_where=text("status IN ('done', 'cancelled')"),
+            ),
             # Dead letters: `dead list`, `status` and `check` count them without reading done rows.
             Index(conv(f"ix_{t}_failed"), "id", postgresql_where=text("status = 'failed'")),
             {"info": {"sa_outbox_kind": "jobs"}},
         )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # A model that uses this mixin needs the producer's flush hook and the storage-parameter hook.
+        # A model that uses this mixin needs the producer's flush hook and the storage-parameter hook, and
+        # (once mapped) its queue table.
         _producer.install()
         migration.install()
         super().__init_subclass__(**kwargs)
+        _add_queue_table(cls)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id} {self.queue}/{self.task} status={self.status}>"
+
+
+def _add_queue_table(cls: Any) -> None:
+    """A jobs model's companion table ``<jobs>_queues`` on the same metadata (so autogenerate sees it)."""
+    table = getattr(cls, "__table__", None)
+    if isinstance(table, Table) and table.info.get("sa_outbox_kind") == "jobs":
+        queue_table(table)

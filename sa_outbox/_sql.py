@@ -16,9 +16,11 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Column,
+    DateTime,
     Float,
     Integer,
     Interval,
+    PrimaryKeyConstraint,
     Table,
     Text,
     and_,
@@ -36,11 +38,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sa_cast
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import ColumnElement, Select, Update
+from sqlalchemy.sql.elements import conv
 
 from .errors import SchemaError
 
-__all__ = ["QueueSpec", "spec_for"]
+__all__ = ["QueueSpec", "queue_table", "spec_for"]
 
 # Error texts stored in last_error are cut to this many characters.
 LAST_ERROR_MAX = 2000
@@ -109,7 +113,9 @@ class QueueSpec:
         return {self.owner.name: None, lease_col.name: None}
 
 
-_STATUS_WORDS = frozenset(("pending", "processing", "done", "dead", "queued", "running", "failed"))
+_STATUS_WORDS = frozenset(
+    ("pending", "processing", "done", "dead", "queued", "running", "failed", "cancelled")
+)
 
 
 def const(status: str) -> ColumnElement[str]:
@@ -291,26 +297,29 @@ def rescue_statement(spec: QueueSpec) -> Update:
 # --- finalize -------------------------------------------------------------------------------------------
 
 
-def _outcome_rows() -> Any:
-    return (
-        func.unnest(
-            bindparam("ids", type_=ARRAY(BigInteger)),
-            bindparam("versions", type_=ARRAY(BigInteger)),
-            bindparam("statuses", type_=ARRAY(Text)),
-            bindparam("delays", type_=ARRAY(Float)),
-            bindparam("errors", type_=ARRAY(Text)),
-            bindparam("refunds", type_=ARRAY(Integer)),
-        )
-        .table_valued(
-            column("id", BigInteger),
-            column("version", BigInteger),
-            column("status", Text),
-            column("delay", Float),
-            column("error", Text),
-            column("refund", Integer),
-        )
-        .render_derived(name="outcome")
-    )
+def _outcome_rows(spec: QueueSpec) -> Any:
+    """The batch's outcomes as rows (one array per column, unnested together); jobs also carry each
+    handler's result as JSON text."""
+    arrays: list[Any] = [
+        bindparam("ids", type_=ARRAY(BigInteger)),
+        bindparam("versions", type_=ARRAY(BigInteger)),
+        bindparam("statuses", type_=ARRAY(Text)),
+        bindparam("delays", type_=ARRAY(Float)),
+        bindparam("errors", type_=ARRAY(Text)),
+        bindparam("refunds", type_=ARRAY(Integer)),
+    ]
+    columns: list[Any] = [
+        column("id", BigInteger),
+        column("version", BigInteger),
+        column("status", Text),
+        column("delay", Float),
+        column("error", Text),
+        column("refund", Integer),
+    ]
+    if spec.kind == "jobs":
+        arrays.append(bindparam("results", type_=ARRAY(Text)))
+        columns.append(column("result", Text))
+    return func.unnest(*arrays).table_valued(*columns).render_derived(name="outcome")
 
 
 def _fenced(
@@ -352,13 +361,15 @@ def finalize_statement(spec: QueueSpec) -> Update:
 
     Outcome columns: new status; delay in seconds from the database's now() for the next attempt (NULL keeps
     the due time); error text (NULL keeps the previous one; done clears it on the outbox); refund (1 gives the claim's
-    attempt back: Defer and release).
+    attempt back: Defer and release); for jobs, the handler's result (JSON text, stored with ``done``).
     """
     t, c = spec.table, spec.c
-    o = _outcome_rows()
+    o = _outcome_rows(spec)
     finished_when = [(o.c.status == spec.done, func.now())]
     if spec.finish_on_dead:
         finished_when.append((o.c.status == spec.dead, func.now()))
+    if spec.kind == "jobs":
+        finished_when.append((o.c.status == "cancelled", func.now()))
     values: dict[str, Any] = {
         "status": o.c.status,
         spec.due.name: case(
@@ -373,12 +384,15 @@ def finalize_statement(spec: QueueSpec) -> Update:
         spec.finished.name: case(*finished_when, else_=None),
         **spec.lease_cleared(),
     }
+    if spec.kind == "jobs":
+        values["result"] = case((o.c.status == spec.done, sa_cast(o.c.result, JSONB)), else_=c.result)
     return update(t).where(*_fenced(spec, o.c.id, o.c.version)).values(values).returning(c.id)
 
 
 @cache
 def extend_statement(spec: QueueSpec) -> Update:
-    """Heartbeat: renew the lease of rows this worker still holds (fenced like a finalize)."""
+    """Heartbeat: renew the lease of rows this worker still holds (fenced like a finalize). For jobs it also
+    returns whether each job's cancellation was requested, so workers learn it with no extra statement."""
     t, c = spec.table, spec.c
     pairs = (
         func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("versions", type_=ARRAY(BigInteger)))
@@ -389,7 +403,7 @@ def extend_statement(spec: QueueSpec) -> Update:
         update(t)
         .where(*_fenced(spec, pairs.c.id, pairs.c.version))
         .values(spec.lease_values())
-        .returning(c.id)
+        .returning(c.id, c.cancel_requested_at.is_not(None) if spec.kind == "jobs" else literal(False))
     )
 
 
@@ -462,11 +476,15 @@ def skip_statement(spec: QueueSpec) -> Update:
 
 
 def purge_selection(spec: QueueSpec) -> Select[Any]:
-    """Ids of done rows finished before ``:cutoff`` (read through the done partial index)."""
+    """Ids of finished rows (done; for jobs also cancelled) finished before ``:cutoff``, read through the
+    finished rows' partial index."""
     c = spec.c
-    return select(c.id).where(
-        c.status == const(spec.done), spec.finished < bindparam("cutoff", type_=spec.finished.type)
+    finished = (
+        c.status == const(spec.done)
+        if spec.kind == "outbox"
+        else c.status.in_([const(spec.done), const("cancelled")])
     )
+    return select(c.id).where(finished, spec.finished < bindparam("cutoff", type_=spec.finished.type))
 
 
 @cache
@@ -513,3 +531,105 @@ def finalize_and_claim_statement(
     )
     taken = select(literal_column("'c'", Text).label("k"), *[claimed.c[col.name] for col in cols])
     return union_all(applied, taken)
+
+
+# --- operator actions on jobs: cancel, retry, update; pausing queues ------------------------------------
+
+
+def job_filters(spec: QueueSpec, filters: dict[str, Any]) -> list[ColumnElement[bool]]:
+    """The operator's job filters (ids, task, queue) as conditions; values bound, never formatted."""
+    c = spec.c
+    where: list[ColumnElement[bool]] = []
+    if filters.get("ids") is not None:
+        where.append(c.id == any_(bindparam("ids", value=list(filters["ids"]), type_=ARRAY(BigInteger))))
+    for name in ("task", "queue"):
+        if filters.get(name) is not None:
+            where.append(c[name] == bindparam(f"f_{name}", value=filters[name], type_=Text))
+    return where
+
+
+def cancel_statement(spec: QueueSpec, where: list[ColumnElement[bool]]) -> Update:
+    """Cancel matching jobs in one statement: a queued job becomes ``cancelled`` (final); a running one gets
+    a cancel request (``cancel_requested_at``) its worker learns with its next heartbeat. One statement, so a
+    job a worker claims meanwhile is re-checked on its new version and gets the request instead."""
+    c = spec.c
+    queued = c.status == const("queued")
+    return (
+        update(spec.table)
+        .where(c.status.in_([const("queued"), const("running")]), *where)
+        .values(
+            status=case((queued, const("cancelled")), else_=c.status),
+            finished_at=case((queued, func.now()), else_=c.finished_at),
+            cancel_requested_at=func.coalesce(c.cancel_requested_at, func.now()),
+            last_error=case(
+                (
+                    queued,
+                    func.right(func.concat_ws("\n", c.last_error, "cancelled by operator"), LAST_ERROR_MAX),
+                ),
+                else_=c.last_error,
+            ),
+        )
+        .returning(c.id, c.status)
+    )
+
+
+def job_selection(spec: QueueSpec, statuses: list[str], where: list[ColumnElement[bool]]) -> Select[Any]:
+    c = spec.c
+    return select(c.id).where(c.status.in_([const(s) for s in statuses]), *where).order_by(c.id)
+
+
+def retry_jobs_statement(spec: QueueSpec, statuses: list[str]) -> Update:
+    """Back to queued, attempts reset, due now, the cancel request cleared — for the rows of ``:ids`` still in
+    one of ``statuses`` (a row someone else changed meanwhile is left alone); recorded in last_error."""
+    c = spec.c
+    return (
+        update(spec.table)
+        .where(
+            c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+            c.status.in_([const(s) for s in statuses]),
+        )
+        .values(
+            status=const("queued"),
+            attempts=0,
+            run_at=func.now(),
+            finished_at=None,
+            cancel_requested_at=None,
+            last_error=func.right(func.concat_ws("\n", c.last_error, "requeued by operator"), LAST_ERROR_MAX),
+        )
+        .returning(c.id)
+    )
+
+
+def update_jobs_statement(spec: QueueSpec, statuses: list[str], values: dict[str, Any]) -> Update:
+    """Change priority / run_at / max_attempts of the rows of ``:ids`` still in one of ``statuses``."""
+    c = spec.c
+    return (
+        update(spec.table)
+        .where(
+            c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+            c.status.in_([const(s) for s in statuses]),
+        )
+        .values(values)
+        .returning(c.id)
+    )
+
+
+def queue_table(jobs: Table) -> Table:
+    """The table that holds the state of each queue of ``jobs`` (paused or not): ``<jobs>_queues``. It lives in
+    the database so that a pause survives restarts and reaches every worker on every host (behind PgBouncer
+    too); workers read it at most once a second."""
+    name = f"{jobs.name}_queues"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    existing = jobs.metadata.tables.get(key)
+    if existing is not None:
+        return existing
+    return Table(
+        name,
+        jobs.metadata,
+        Column("queue", Text, nullable=False),
+        Column("paused_at", DateTime(timezone=True)),
+        Column("paused_by", Text),
+        PrimaryKeyConstraint("queue", name=conv(f"pk_{name}")),
+        schema=jobs.schema,
+        info={"sa_outbox_kind": "queues", "sa_outbox_jobs": jobs.name},
+    )

@@ -23,6 +23,7 @@ from .errors import Defer, PermanentError
 
 __all__ = [
     "Outcome",
+    "cancelled",
     "claim",
     "decide",
     "describe_error",
@@ -48,7 +49,10 @@ class Outcome:
     delay: float | None = None  # seconds from the database's now(); None keeps the due time
     error: str | None = None
     refund: int = 0  # 1 gives the claim's attempt back (Defer, release)
-    kind: str = "done"  # done | retry | defer | dead | release | unavailable — for logs and metrics
+    kind: str = (
+        "done"  # done | retry | defer | dead | release | unavailable | cancelled — for logs and metrics
+    )
+    result: str | None = None  # jobs: the handler's result as JSON text, stored with done
 
 
 def describe_error(exc: BaseException) -> str:
@@ -102,14 +106,21 @@ def release(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcom
     return Outcome(id, lease_version, spec.ready, delay=0.0, error=reason, refund=1, kind="release")
 
 
+def cancelled(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:
+    """A job whose cancellation was requested and that stopped (or never started): ``cancelled``, final."""
+    return Outcome(
+        id, lease_version, "cancelled", error=f"cancelled: {reason}"[: _sql.LAST_ERROR_MAX], kind="cancelled"
+    )
+
+
 def unavailable(spec: QueueSpec, id: int, lease_version: int, error: BaseException) -> Outcome:
     """The destination as a whole was down (:class:`~sa_outbox.DestinationUnavailable`): not this message's
     fault, so the attempt is refunded and the row is ready again at once (the dispatcher's circuit breaker,
-    not the row, decides when to try the destination again)."""
+    not the row, decides when to try the destination again). ``last_error`` starts with
+    ``DestinationUnavailable:``, which ``status`` and ``doctor`` look for."""
     return Outcome(
-        id, lease_version, spec.ready, delay=0.0, error=f"destination unavailable: {describe_error(error)}"[
-            : _sql.LAST_ERROR_MAX], refund=1, kind="unavailable",
-    )  # fmt: skip
+        id, lease_version, spec.ready, delay=0.0, error=describe_error(error), refund=1, kind="unavailable"
+    )
 
 
 def rescue(
@@ -161,9 +172,9 @@ def _claim_shape(
     }
 
 
-def _outcome_params(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def _outcome_params(spec: QueueSpec, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """The outcome arrays of the finalize statement (one element per row, unnested in the database)."""
-    return {
+    params = {
         "ids": [o.id for o in outcomes],
         "versions": [o.lease_version for o in outcomes],
         "statuses": [o.status for o in outcomes],
@@ -171,6 +182,9 @@ def _outcome_params(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "errors": [o.error for o in outcomes],
         "refunds": [o.refund for o in outcomes],
     }
+    if spec.kind == "jobs":
+        params["results"] = [o.result for o in outcomes]
+    return params
 
 
 def claim(
@@ -203,7 +217,7 @@ def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> 
     items = list(outcomes)
     if not items:
         return set()
-    return {r[0] for r in run(conn, _sql.finalize_statement(spec), _outcome_params(items))}
+    return {r[0] for r in run(conn, _sql.finalize_statement(spec), _outcome_params(spec, items))}
 
 
 def finalize_and_claim(
@@ -221,7 +235,10 @@ def finalize_and_claim(
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
     stmt = _sql.finalize_and_claim_statement(spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch))
-    params = {**_claim_params(spec, owner, batch, lease, queue, ordered_types), **_outcome_params(outcomes)}
+    params = {
+        **_claim_params(spec, owner, batch, lease, queue, ordered_types),
+        **_outcome_params(spec, outcomes),
+    }
     applied: set[int] = set()
     claimed: list[Any] = []
     for row in run(conn, stmt, params):
@@ -235,12 +252,14 @@ def finalize_and_claim(
 
 def extend(
     conn: Connection, spec: QueueSpec, held: Iterable[tuple[int, int]], *, lease: timedelta | None = None
-) -> set[int]:
-    """Renew leases of (id, lease_version) pairs still held; returns the ids renewed."""
+) -> tuple[set[int], set[int]]:
+    """Renew leases of (id, lease_version) pairs still held; returns (the ids renewed, those of them whose
+    cancellation was requested)."""
     pairs = list(held)
     if not pairs:
-        return set()
+        return set(), set()
     params: dict[str, Any] = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
     if spec.kind == "outbox":
         params["lease"] = lease
-    return {r[0] for r in run(conn, _sql.extend_statement(spec), params)}
+    rows = run(conn, _sql.extend_statement(spec), params)
+    return {r[0] for r in rows}, {r[0] for r in rows if r[1]}

@@ -35,23 +35,29 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine, Table, create_engine, select
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
 from tenacity import AsyncRetrying, Retrying
 
+from . import _steps
 from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
-from ._messages import ClaimedJob
+from ._messages import CancelToken, ClaimedJob
+from ._payload import encode_payload
+from ._sql import QueueSpec, queue_table
+from ._steps import Outcome
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
-from .errors import ConfigurationError, PermanentError, RetryableError
+from .errors import ConfigurationError, JobCancelled, PayloadError, PermanentError, RetryableError
 
 __all__ = ["AsyncWorker", "Handler", "TaskRegistry", "Worker"]
 
@@ -109,21 +115,97 @@ class _Running:
     deadline: float | None
 
 
-def _invoke(handler: Handler, job: ClaimedJob) -> tuple[BaseException | None, float]:
+@dataclass(slots=True)
+class _Ran:
+    """What running one handler gave: its error (any BaseException, as a value) or the value it returned, how
+    long it took, and for a handler run in its own transaction whether its completion was committed with it
+    (``committed``) or its lease was lost and everything rolled back (``lost``)."""
+
+    error: BaseException | None
+    seconds: float
+    value: Any = None
+    committed: bool = False
+    lost: bool = False
+
+
+def _canceller(task: asyncio.Future[Any]) -> Callable[[], None]:
+    def cancel() -> None:
+        task.cancel()
+
+    return cancel
+
+
+class _LeaseLost(Exception):
+    """The fenced completion matched no row: roll the handler's transaction back."""
+
+
+def takes_session(handler: Any) -> bool:
+    """A handler that accepts a second positional parameter is called as ``handler(job, session)`` inside a
+    transaction that also writes its fenced completion."""
+    try:
+        params = inspect.signature(handler).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _awaitable_returned(job: ClaimedJob, result: Any) -> TypeError | None:
+    if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
+        if inspect.iscoroutine(result):
+            result.close()
+        return TypeError(
+            f"handler for task {job.task!r} returned an awaitable; async handlers run with AsyncWorker"
+        )
+    return None
+
+
+def _invoke(handler: Handler, job: ClaimedJob) -> _Ran:
     """Call a sync handler; its error (any BaseException) as a value, and how long it took."""
     started = time.perf_counter()
     try:
-        result = handler(job)
-        error: BaseException | None = None
-        if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
-            if inspect.iscoroutine(result):
-                result.close()
-            error = TypeError(
-                f"handler for task {job.task!r} returned an awaitable; async handlers run with AsyncWorker"
-            )
+        value = handler(job)
+        error: BaseException | None = _awaitable_returned(job, value)
     except BaseException as exc:
-        error = exc
-    return error, time.perf_counter() - started
+        value, error = None, exc
+    return _Ran(error, time.perf_counter() - started, value)
+
+
+def _encode_result(job: ClaimedJob, value: Any, max_bytes: int) -> str | None:
+    """A handler's return value as JSON text to store (None stores nothing). A value that is not JSON (or too
+    big) is not stored: the job still succeeded, so it is done — logged, never retried for it."""
+    if value is None:
+        return None
+    try:
+        return encode_payload(value, what=f"result of job {job.id} ({job.task})", max_bytes=max_bytes)
+    except PayloadError as exc:
+        log.warning("%s; the job is done, its result is not stored", exc, extra={"job_id": job.id})
+        return None
+
+
+def _invoke_in_transaction(
+    engine: Engine, spec: QueueSpec, handler: Any, job: ClaimedJob, max_result_bytes: int
+) -> _Ran:
+    """Call ``handler(job, session)`` in a transaction that also writes the job's fenced completion: both
+    commit together, or — the handler raised, or the fence matched no row because the lease was lost — both
+    roll back."""
+    started = time.perf_counter()
+    try:
+        with Session(engine) as session, session.begin():
+            value = handler(job, session)
+            error = _awaitable_returned(job, value)
+            if error is not None:
+                raise error
+            done = Outcome(
+                job.id, job.lease_version, spec.done, result=_encode_result(job, value, max_result_bytes)
+            )
+            if job.id not in _steps.finalize(session.connection(), spec, [done]):
+                raise _LeaseLost
+    except _LeaseLost:
+        return _Ran(None, time.perf_counter() - started, lost=True)
+    except BaseException as exc:
+        return _Ran(exc, time.perf_counter() - started)
+    return _Ran(None, time.perf_counter() - started, value, committed=True)
 
 
 class WorkerBase(LoopBase):
@@ -193,6 +275,12 @@ class WorkerBase(LoopBase):
         self._pace = _Pace()
         #: Claimed jobs that have not started yet.
         self._queue: deque[ClaimedJob] = deque()
+        #: The cancel flag of every job in hand (set when the heartbeat learns of a cancellation request).
+        self._tokens: dict[int, CancelToken] = {}
+        self._session_handlers: dict[Any, bool] = {}
+        #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
+        self._paused: set[str] = set()
+        self._pause_table: Table | None = queue_table(self.spec.table)
         self._threads = CallThreads("sa_outbox-handler")
         #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
         self._fatal: BaseException | None = None
@@ -217,10 +305,37 @@ class WorkerBase(LoopBase):
     # -- decisions -------------------------------------------------------------------------------------
 
     def _claim_params(self) -> list[dict[str, Any]]:
-        return [{"queue": q} for q in self.queues]
+        return [{"queue": q} for q in self.queues if q not in self._paused]
 
     def _rescue_params(self) -> dict[str, Any]:
         return {"stale_after": self.stale_after, "limit": self.rescue_limit}
+
+    def _rescue_on(self, conn: Connection) -> None:
+        """The once-a-second maintenance: rescue expired leases, and learn which of our queues are paused."""
+        super()._rescue_on(conn)
+        table = self._pause_table
+        if table is None:
+            return
+        try:
+            paused = set(
+                conn.execute(
+                    select(table.c.queue).where(
+                        table.c.paused_at.is_not(None), table.c.queue.in_(self.queues)
+                    )
+                ).scalars()
+            )
+        except ProgrammingError as exc:  # no <jobs>_queues table: this database cannot pause queues
+            log.warning(
+                "queue table %s is missing (%s): pausing queues is unavailable until it is created "
+                "(run the migration)", table.fullname, getattr(exc, "orig", exc),
+            )  # fmt: skip
+            self._pause_table = None
+            return
+        for name in paused - self._paused:
+            log.info("queue %r paused: not claiming it", name, extra={"queue": name})
+        for name in self._paused - paused:
+            log.info("queue %r resumed", name, extra={"queue": name})
+        self._paused = paused
 
     def _finalize_window(self) -> float:
         return max(self.stale_after.total_seconds(), 1.0)
@@ -236,10 +351,27 @@ class WorkerBase(LoopBase):
         return max(0, min(self.batch, free + ahead - len(self._queue)))
 
     def _accept(self, rows: Sequence[Any]) -> int:
-        jobs = [ClaimedJob.from_row(r) for r in rows]
+        jobs = []
+        for row in rows:
+            token = self._tokens[row[0]] = CancelToken()
+            jobs.append(ClaimedJob.from_row(row, token))
         self._held.hold((j.id, j.lease_version) for j in jobs)
         self._queue.extend(jobs)
         return len(jobs)
+
+    def _in_transaction(self, handler: Any) -> bool:
+        known = self._session_handlers.get(handler)
+        if known is None:
+            known = self._session_handlers[handler] = takes_session(handler)
+        return known
+
+    def _max_result_bytes(self) -> int:
+        return int(getattr(self.model, "sa_outbox_max_payload_bytes", 1024 * 1024))
+
+    def _report(self, outcomes: Sequence[Outcome], applied: set[int]) -> None:
+        super()._report(outcomes, applied)
+        for o in outcomes:
+            self._tokens.pop(o.id, None)
 
     def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError:
         """The job's handler, or the permanent failure of a task nobody handles."""
@@ -252,22 +384,50 @@ class WorkerBase(LoopBase):
     def _timed_out(self) -> RetryableError:
         return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
 
-    def _finish(self, job: ClaimedJob, error: BaseException | None, seconds: float) -> None:
+    def _finish(self, job: ClaimedJob, ran: _Ran) -> None:
         """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
-        self._pace.observe(seconds)
-        self._observe_handled(seconds, job.created_at)
+        self._pace.observe(ran.seconds)
+        self._observe_handled(ran.seconds, job.created_at)
+        if ran.committed or ran.lost:  # a transactional handler: its completion is written (or rolled back)
+            self._report(
+                [Outcome(job.id, job.lease_version, self.spec.done)], {job.id} if ran.committed else set()
+            )
+            return
+        error = ran.error
+        if error is not None and job.cancel_requested and isinstance(error, Exception):
+            self._done.add(
+                [_steps.cancelled(self.spec, job.id, job.lease_version, f"handler stopped ({error!r})")]
+            )
+            return
         outcome, fatal = self._outcome(
             id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
             error=error, label=f"job {job.id} ({job.task})",
         )  # fmt: skip
+        if outcome.kind == "done" and ran.value is not None:
+            outcome = replace(outcome, result=_encode_result(job, ran.value, self._max_result_bytes()))
         self._done.add([outcome])
         if fatal is not None and self._fatal is None:
             self._fatal = fatal  # no new job starts; what is in hand is recorded, then it is raised
 
+    def _not_started(self, job: ClaimedJob, reason: str) -> Outcome:
+        """The outcome of a job that will not run here: cancelled if that was asked, else released."""
+        if job.cancel_requested:
+            return _steps.cancelled(self.spec, job.id, job.lease_version, "requested before it started")
+        return self._release(job.id, job.lease_version, reason)
+
     def _release_unstarted(self, reason: str = "released: worker stopping") -> None:
-        released = [self._release(j.id, j.lease_version, reason) for j in self._queue]
+        released = [self._not_started(j, reason) for j in self._queue]
         self._queue.clear()
         self._done.add(released)
+
+    def _next_to_start(self) -> ClaimedJob | None:
+        """The next claimed job to run; jobs cancelled while they waited are recorded and skipped."""
+        while self._queue and self._may_start():
+            job = self._queue.popleft()
+            if not job.cancel_requested:
+                return job
+            self._done.add([self._not_started(job, "")])
+        return None
 
     def _may_start(self) -> bool:
         return not self._stop.is_set() and self._fatal is None
@@ -275,13 +435,21 @@ class WorkerBase(LoopBase):
     def _beat_pairs(self) -> list[tuple[int, int]]:
         return self._held.pairs()
 
-    def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: set[int]) -> None:
+    def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]]) -> None:
+        ids, cancel = renewed
         for job_id, version in pairs:
-            if job_id not in renewed:
+            if job_id not in ids:
                 log.warning(
                     "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
                     extra={"job_id": job_id, "lease_version": version},
                 )  # fmt: skip
+        for job_id in cancel:
+            token = self._tokens.get(job_id)
+            if token is not None and not token.is_set():
+                log.info("job %s: cancellation requested", job_id, extra={"job_id": job_id})
+                token.set()
+        if cancel:
+            self._poke()
 
     def _raise_fatal(self) -> None:
         fatal, self._fatal = self._fatal, None
@@ -459,9 +627,7 @@ class Worker(WorkerBase):
             self._flush()
         self._rescue()
         if self._inline:
-            while self._queue and self._may_start():
-                job = self._queue.popleft()
-                self._run_inline(job)
+            self._run_queued_inline()
         else:
             self._start_jobs()
         return claimed, wanted
@@ -509,23 +675,28 @@ class Worker(WorkerBase):
             self._rescuer.ran(now)
             self._db.run(self._rescue_on)
 
-    def _run_inline(self, job: ClaimedJob) -> None:
-        handler = self._handler_for(job)
-        if isinstance(handler, PermanentError):
-            self._finish(job, handler, 0.0)
-            return
-        error, seconds = _invoke(handler, job)
-        self._finish(job, error, seconds)
+    def _call(self, handler: Handler, job: ClaimedJob) -> _Ran:
+        """Run one handler in the calling thread — in its own transaction when it takes a session."""
+        if self._in_transaction(handler):
+            return _invoke_in_transaction(self.engine, self.spec, handler, job, self._max_result_bytes())
+        return _invoke(handler, job)
 
-    def _start_jobs(self) -> None:
-        while self._queue and len(self._running) < self.concurrency and self._may_start():
-            job = self._queue.popleft()
+    def _run_queued_inline(self) -> None:
+        while (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError):
-                self._finish(job, handler, 0.0)
+                self._finish(job, _Ran(handler, 0.0))
+            else:
+                self._finish(job, self._call(handler, job))
+
+    def _start_jobs(self) -> None:
+        while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
+            handler = self._handler_for(job)
+            if isinstance(handler, PermanentError):
+                self._finish(job, _Ran(handler, 0.0))
                 continue
             now = time.monotonic()
-            future = self._threads.submit(_invoke, handler, job)
+            future = self._threads.submit(self._call, handler, job)
             deadline = None if self.handler_timeout is None else now + self.handler_timeout
             self._running[future] = _Running(job, now, deadline)
             future.add_done_callback(self._on_done)
@@ -544,15 +715,14 @@ class Worker(WorkerBase):
             running = self._running.pop(future, None)
             if running is None:
                 continue  # abandoned after its timeout: its late result no longer counts
-            error, seconds = future.result()
-            self._finish(running.job, error, seconds)
+            self._finish(running.job, future.result())
         now = time.monotonic()
         for future, running in list(self._running.items()):
             if running.deadline is not None and now >= running.deadline:
                 del self._running[future]
                 self._threads.abandon(future)
                 self.stats.timed_out += 1
-                self._finish(running.job, self._timed_out(), now - running.started)
+                self._finish(running.job, _Ran(self._timed_out(), now - running.started))
 
     def _handle_all(self) -> None:
         """run_once: handle every claimed job (at most ``concurrency`` at once), then return."""
@@ -560,8 +730,7 @@ class Worker(WorkerBase):
             if not self._may_start():
                 self._release_unstarted()
             if self._inline:
-                while self._queue and self._may_start():
-                    self._run_inline(self._queue.popleft())
+                self._run_queued_inline()
             else:
                 self._start_jobs()
             if self._running:
@@ -635,8 +804,9 @@ class AsyncWorker(WorkerBase):
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
         self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
         self._waker = AsyncWaker(self.listen_url, self.channels)
-        self._running: dict[asyncio.Task[tuple[BaseException | None, float]], _Running] = {}
+        self._running: dict[asyncio.Task[_Ran], _Running] = {}
         self._beat_task: asyncio.Task[None] | None = None
+        self._sync: Engine | None = None
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -724,6 +894,9 @@ class AsyncWorker(WorkerBase):
         await self._db.drop()
         await self._beat_db.drop()
         self._threads.close()
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.dispose()
 
     # -- one turn --------------------------------------------------------------------------------------
 
@@ -778,54 +951,95 @@ class AsyncWorker(WorkerBase):
             await self._db.run(self._rescue_on)
 
     def _start_jobs(self) -> None:
-        while self._queue and len(self._running) < self.concurrency and self._may_start():
-            job = self._queue.popleft()
+        while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError):
-                self._finish(job, handler, 0.0)
+                self._finish(job, _Ran(handler, 0.0))
                 continue
             task = asyncio.ensure_future(self._execute(handler, job))
             self._running[task] = _Running(job, time.monotonic(), None)
             task.add_done_callback(lambda _: self._waker.poke())
 
-    async def _execute(self, handler: Handler, job: ClaimedJob) -> tuple[BaseException | None, float]:
+    async def _execute(self, handler: Handler, job: ClaimedJob) -> _Ran:
         """Run one handler — awaited, or on a thread of its own — bounded by handler_timeout; its error as
-        a value (SystemExit/KeyboardInterrupt included, so they cannot tear through the event loop)."""
+        a value (SystemExit/KeyboardInterrupt included, so they cannot tear through the event loop). An
+        ``async def`` handler runs as a task of its own, cancelled when the job's cancellation is requested."""
         started = time.perf_counter()
         future: Future[Any] | None = None
+        inner: asyncio.Future[_Ran] | None = None
+        token = self._tokens.get(job.id)
         timer = asyncio.timeout(self.handler_timeout)
-        error: BaseException | None = None
         try:
             async with timer:
                 if is_async_callable(handler):
-                    await handler(job)
+                    inner = asyncio.ensure_future(self._await_handler(handler, job))
+                    if token is not None:
+                        token.on_set(_canceller(inner))
+                    ran = await inner
                 else:
-                    future = self._threads.submit(_invoke, handler, job)
-                    error, _ = await asyncio.wrap_future(future)
+                    if self._in_transaction(handler):
+                        future = self._threads.submit(
+                            _invoke_in_transaction, self._sync_engine(), self.spec, handler, job,
+                            self._max_result_bytes(),
+                        )  # fmt: skip
+                    else:
+                        future = self._threads.submit(_invoke, handler, job)
+                    ran = await asyncio.wrap_future(future)
         except TimeoutError as exc:
-            if timer.expired():
-                if future is not None:
-                    self._threads.abandon(future)
-                self.stats.timed_out += 1
-                error = self._timed_out()
-            else:
-                error = exc
+            if not timer.expired():
+                return _Ran(exc, time.perf_counter() - started)
+            if future is not None:
+                self._threads.abandon(future)
+            self.stats.timed_out += 1
+            return _Ran(self._timed_out(), time.perf_counter() - started)
         except asyncio.CancelledError:
+            if inner is not None and inner.cancelled() and job.cancel_requested:
+                return _Ran(
+                    JobCancelled(f"job {job.id} ({job.task}) was cancelled"), time.perf_counter() - started
+                )
             raise
         except BaseException as exc:
-            error = exc
-        return error, time.perf_counter() - started
+            return _Ran(exc, time.perf_counter() - started)
+        finally:
+            if token is not None:
+                token.on_set(None)
+        ran.seconds = time.perf_counter() - started
+        return ran
+
+    async def _await_handler(self, handler: Any, job: ClaimedJob) -> _Ran:
+        """Await an ``async def`` handler — in an ``AsyncSession`` transaction that also writes the job's fenced
+        completion when it takes a session (both commit, or both roll back)."""
+        if not self._in_transaction(handler):
+            return _Ran(None, 0.0, await handler(job))
+        try:
+            async with AsyncSession(self.engine) as session, session.begin():
+                value = await handler(job, session)
+                done = Outcome(
+                    job.id, job.lease_version, self.spec.done,
+                    result=_encode_result(job, value, self._max_result_bytes()),
+                )  # fmt: skip
+                applied = await session.run_sync(lambda s: _steps.finalize(s.connection(), self.spec, [done]))
+                if job.id not in applied:
+                    raise _LeaseLost
+        except _LeaseLost:
+            return _Ran(None, 0.0, lost=True)
+        return _Ran(None, 0.0, value, committed=True)
+
+    def _sync_engine(self) -> Engine:
+        """A sync engine on the same database, for sync handlers that take a session (they run on threads of
+        their own, where the async engine cannot serve them)."""
+        if self._sync is None:
+            url = self.engine.url.set(drivername="postgresql+psycopg")
+            self._sync = create_engine(url, pool_size=self.concurrency, max_overflow=self.concurrency)
+        return self._sync
 
     def _collect(self) -> None:
         for task in [t for t in self._running if t.done()]:
             running = self._running.pop(task)
             if task.cancelled():
-                self._done.add(
-                    [self._release(running.job.id, running.job.lease_version, "released: cancelled")]
-                )
+                self._done.add([self._not_started(running.job, "released: cancelled")])
                 continue
-            error, seconds = task.result()
-            self._finish(running.job, error, seconds)
+            self._finish(running.job, task.result())
 
     async def _handle_all(self) -> None:
         while self._queue or self._running:

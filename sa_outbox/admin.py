@@ -1,4 +1,5 @@
-"""Operator actions on dead letters (outbox ``dead``, jobs ``failed``), for the CLI and for Python callers.
+"""Operator actions, for the CLI and for Python callers: dead letters (outbox ``dead``, jobs ``failed``),
+jobs (cancel, retry, update, read a result) and queues (pause, resume, list).
 
 A bulk action selects its rows **once**, in one statement, when it starts (the ids of the dead rows that
 match), then changes them in batches of ``batch_size`` ids, one short transaction each (no long lock, no huge
@@ -11,18 +12,36 @@ filter, or ``all=True``. Bad arguments raise :class:`~sa_outbox.errors.Configura
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine, func, select, union, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
 
 from . import _sql
 from ._durations import Duration, positive_int, to_timedelta
-from ._sql import QueueSpec, spec_for
+from ._sql import QueueSpec, queue_table, spec_for
 from .errors import ConfigurationError
 
-__all__ = ["list_dead", "retry_dead", "skip_dead"]
+__all__ = [
+    "Cancellation",
+    "QueueState",
+    "cancel_jobs",
+    "job_result",
+    "list_dead",
+    "list_queues",
+    "pause_queue",
+    "resume_queue",
+    "retry_dead",
+    "retry_jobs",
+    "skip_dead",
+    "update_jobs",
+]
 
 log = logging.getLogger("sa_outbox.admin")
 
@@ -128,3 +147,249 @@ def skip_dead(
     claimed; the skip is recorded in ``last_error``. Selects the rows once and returns the ids it changed."""
     return _bulk(engine, model, "skip", batch_size=batch_size, dry_run=dry_run, ids=ids, all=all,
                  older_than=older_than, filters=filters)  # fmt: skip
+
+
+# --- jobs a team controls: cancel, retry, update, results; pausing queues ---------------------------------
+
+#: Where a job action may run: an ``Engine`` (its own transaction), or a ``Connection``/``Session`` (the
+#: caller's transaction); ``AsyncConnection``/``AsyncSession`` too, and then the call is awaited.
+Bind = Engine | Connection | Session | AsyncConnection | AsyncSession
+
+T = TypeVar("T")
+
+
+def _run(bind: Any, fn: Callable[[Connection], T]) -> T | Awaitable[T]:
+    if isinstance(bind, Engine):
+        with bind.begin() as conn:
+            return fn(conn)
+    if isinstance(bind, Connection):
+        return fn(bind)
+    if isinstance(bind, Session):
+        return fn(bind.connection())
+    if isinstance(bind, AsyncSession):
+        return bind.run_sync(lambda s: fn(s.connection()))
+    if isinstance(bind, AsyncConnection):
+        return bind.run_sync(fn)
+    raise ConfigurationError(
+        f"bind must be an Engine, Connection, Session, AsyncConnection or AsyncSession, got {type(bind).__name__}"
+    )
+
+
+def _jobs_spec(model: type[Any]) -> QueueSpec:
+    spec = spec_for(model)
+    if spec.kind != "jobs":
+        raise ConfigurationError(f"{model.__name__} is not a JobMixin model")
+    return spec
+
+
+def _job_filters(
+    spec: QueueSpec, *, ids: Iterable[int] | None, task: str | None, queue: str | None, all: bool = False
+) -> dict[str, Any]:
+    filters: dict[str, Any] = {}
+    if ids is not None:
+        filters["ids"] = _ids(ids)
+    for name, value in (("task", task), ("queue", queue)):
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise ConfigurationError(f"{name} must be a non-empty string, got {value!r}")
+            filters[name] = value
+    if not filters and not all:
+        raise ConfigurationError("name the jobs to act on: ids, task, queue (or all=True)")
+    return filters
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """What :func:`cancel_jobs` did: queued jobs now ``cancelled``, and running jobs asked to stop."""
+
+    cancelled: list[int]
+    requested: list[int]
+
+
+def cancel_jobs(
+    bind: Bind, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
+    queue: str | None = None,
+) -> Any:  # fmt: skip
+    """Cancel jobs (by ids, task and/or queue; at least one). A queued job becomes ``cancelled`` — final, it
+    will not run. A running job gets a cancel request that its worker learns with its next heartbeat (on any
+    host): a sync handler sees ``job.cancel_requested`` turn true, an async handler's task is cancelled; one
+    that stops is recorded ``cancelled``, one that finishes anyway ``done``. Runs in ``bind``'s transaction
+    (an Engine: its own) — await it with an async bind. Returns a :class:`Cancellation`."""
+    spec = _jobs_spec(model)
+    where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue))
+    stmt = _sql.cancel_statement(spec, where)
+
+    def act(conn: Connection) -> Cancellation:
+        rows = conn.execute(stmt).all()
+        cancelled = sorted(r.id for r in rows if r.status == "cancelled")
+        requested = sorted(r.id for r in rows if r.status == "running")
+        log.info(
+            "cancelled %d queued job(s) of %s; asked %d running job(s) to stop", len(cancelled),
+            spec.table.fullname, len(requested),
+            extra={"table": spec.table.fullname, "cancelled": len(cancelled), "requested": len(requested)},
+        )  # fmt: skip
+        return Cancellation(cancelled, requested)
+
+    return _run(bind, act)
+
+
+def retry_jobs(
+    engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
+    queue: str | None = None, statuses: Iterable[str] = ("failed", "cancelled"), all: bool = False,
+    batch_size: int = 1000, dry_run: bool = False,
+) -> list[int]:  # fmt: skip
+    """Requeue failed and/or cancelled jobs (``statuses``): back to queued, attempts reset, due now. Like
+    :func:`retry_dead`, the jobs are selected once and changed in batches; returns the ids changed (or, with
+    ``dry_run``, the ids that would be)."""
+    spec = _jobs_spec(model)
+    wanted = _statuses(statuses, ("failed", "cancelled"))
+    batch_size = positive_int(batch_size, "batch_size")
+    where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
+    with engine.connect() as conn:
+        selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
+    if dry_run:
+        return selected
+    return _in_batches(engine, _sql.retry_jobs_statement(spec, wanted), selected, batch_size)
+
+
+def update_jobs(
+    engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
+    queue: str | None = None, all: bool = False, priority: int | None = None,
+    run_at: dt.datetime | Duration | None = None, max_attempts: int | None = None,
+    statuses: Iterable[str] = ("queued", "failed", "cancelled"), batch_size: int = 1000, dry_run: bool = False,
+) -> list[int]:  # fmt: skip
+    """Change ``priority``, ``run_at`` (an aware datetime, or a delay from the database's now) and/or
+    ``max_attempts`` of queued, failed or cancelled jobs (never a running one: its worker owns it). Selected
+    once, changed in batches; returns the ids changed (or, with ``dry_run``, that would be)."""
+    spec = _jobs_spec(model)
+    wanted = _statuses(statuses, ("queued", "failed", "cancelled"))
+    batch_size = positive_int(batch_size, "batch_size")
+    values: dict[str, Any] = {}
+    if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise ConfigurationError(f"priority must be a 32-bit integer, got {priority!r}")
+        values["priority"] = priority
+    if max_attempts is not None:
+        values["max_attempts"] = positive_int(max_attempts, "max_attempts")
+    if run_at is not None:
+        if isinstance(run_at, dt.datetime):
+            if run_at.tzinfo is None:
+                raise ConfigurationError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+            values["run_at"] = run_at
+        else:
+            values["run_at"] = func.now() + to_timedelta(run_at, name="run_at delay")
+    if not values:
+        raise ConfigurationError("update_jobs needs at least one of priority, run_at, max_attempts")
+    where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
+    with engine.connect() as conn:
+        selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
+    if dry_run:
+        return selected
+    return _in_batches(engine, _sql.update_jobs_statement(spec, wanted, values), selected, batch_size)
+
+
+def _statuses(given: Iterable[str], allowed: tuple[str, ...]) -> list[str]:
+    wanted = [given] if isinstance(given, str) else list(given)
+    if not wanted or any(s not in allowed for s in wanted):
+        raise ConfigurationError(f"statuses must be among {', '.join(allowed)}, got {wanted!r}")
+    return wanted
+
+
+def _in_batches(engine: Engine, stmt: Any, selected: list[int], batch_size: int) -> list[int]:
+    changed: list[int] = []
+    for start in range(0, len(selected), batch_size):
+        with engine.begin() as conn:
+            changed += conn.execute(stmt, {"ids": selected[start : start + batch_size]}).scalars()
+    return sorted(changed)
+
+
+def job_result(bind: Engine | Connection | Session, model: type[Any], job_id: int) -> Any:
+    """The value a done job's handler returned (stored as JSON with its completion; ``None`` if it returned
+    nothing or its value could not be stored). Raises ``LookupError`` naming the status of a job that is not
+    done, or that does not exist."""
+    spec = _jobs_spec(model)
+    stmt = select(spec.c.status, spec.c.result).where(spec.c.id == job_id)
+    found = _run(bind, lambda conn: conn.execute(stmt).first())
+    if found is None:
+        raise LookupError(f"no job {job_id} in {spec.table.fullname}")
+    status, result = cast(Any, found)
+    if status != spec.done:
+        raise LookupError(f"job {job_id} is {status}: it has no result (yet)")
+    return result
+
+
+# --- pausing queues -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """A queue of a jobs table: paused or not (and since when, by whom), and how many jobs wait or run."""
+
+    name: str
+    paused_at: dt.datetime | None
+    paused_by: str | None
+    queued: int
+    running: int
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
+
+def _queue_name(queue: str) -> str:
+    if not isinstance(queue, str) or not queue:
+        raise ConfigurationError(f"a queue name must be a non-empty string, got {queue!r}")
+    return queue
+
+
+def pause_queue(bind: Bind, model: type[Any], queue: str, *, by: str | None = None) -> Any:
+    """Pause a queue: no worker anywhere claims its jobs until :func:`resume_queue` (workers learn it within
+    about a second; jobs already running finish). The state is a row of ``<jobs>_queues``, so it survives
+    restarts and works behind PgBouncer. Await it with an async bind."""
+    spec = _jobs_spec(model)
+    table = queue_table(spec.table)
+    stmt = (
+        pg_insert(table)
+        .values(queue=_queue_name(queue), paused_at=func.now(), paused_by=by)
+        .on_conflict_do_update(
+            index_elements=[table.c.queue], set_={"paused_at": func.now(), "paused_by": by}
+        )
+    )
+    log.info("queue %r of %s paused", queue, spec.table.fullname, extra={"queue": queue, "by": by})
+    return _run(bind, lambda conn: conn.execute(stmt) and None)
+
+
+def resume_queue(bind: Bind, model: type[Any], queue: str) -> Any:
+    """Resume a paused queue (a no-op for one that is not paused). Await it with an async bind."""
+    spec = _jobs_spec(model)
+    table = queue_table(spec.table)
+    stmt = update(table).where(table.c.queue == _queue_name(queue)).values(paused_at=None, paused_by=None)
+    log.info("queue %r of %s resumed", queue, spec.table.fullname, extra={"queue": queue})
+    return _run(bind, lambda conn: conn.execute(stmt) and None)
+
+
+def list_queues(bind: Engine | Connection | Session, model: type[Any]) -> list[QueueState]:
+    """Every queue that has unfinished jobs or a state row, with its pause state and queued/running counts."""
+    spec = _jobs_spec(model)
+    table = queue_table(spec.table)
+    c = spec.c
+    counts = (
+        select(
+            c.queue,
+            func.count().filter(c.status == "queued").label("queued"),
+            func.count().filter(c.status == "running").label("running"),
+        )
+        .where(c.status.in_(("queued", "running")))
+        .group_by(c.queue)
+        .subquery()
+    )
+    names = union(select(table.c.queue.label("name")), select(counts.c.queue.label("name"))).subquery()
+    stmt = (
+        select(names.c.name, table.c.paused_at, table.c.paused_by, counts.c.queued, counts.c.running)
+        .select_from(names)
+        .outerjoin(table, table.c.queue == names.c.name)
+        .outerjoin(counts, counts.c.queue == names.c.name)
+        .order_by(names.c.name)
+    )
+    rows = cast(Any, _run(bind, lambda conn: conn.execute(stmt).all()))
+    return [QueueState(r[0], r[1], r[2], int(r[3] or 0), int(r[4] or 0)) for r in rows]

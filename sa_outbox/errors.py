@@ -19,6 +19,7 @@ __all__ = [
     "ConfigurationError",
     "Defer",
     "DestinationUnavailable",
+    "JobCancelled",
     "OutboxError",
     "PayloadError",
     "PermanentError",
@@ -76,6 +77,12 @@ class Defer(OutboxError):
             raise ConfigurationError(f"Defer.delay must be >= 0 seconds, got {seconds:g}")
         self.delay: timedelta = delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
         self.reason = reason
+
+
+class JobCancelled(OutboxError):
+    """Raised by :meth:`ClaimedJob.raise_if_cancelled <sa_outbox.ClaimedJob.raise_if_cancelled>` when the job's
+    cancellation was requested; a handler that stops with it (or with any exception after the request) is
+    recorded ``cancelled``."""
 
 
 class PayloadError(OutboxError, ValueError):

@@ -62,7 +62,7 @@ def generic_plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> di
 CLAIM = {"owner": "w", "batch": 50, "lease": timedelta(seconds=60)}
 JOBS_CLAIM = {"owner": "w", "batch": 50, "queue_name": "default"}
 OUTCOMES = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
-            "errors": [None, None], "refunds": [0, 0]}  # fmt: skip
+            "errors": [None, None], "refunds": [0, 0], "results": [None, None]}  # fmt: skip
 STATEMENTS = {
     "outbox claim": (_sql.claim_statement(OUTBOX), CLAIM),
     "outbox ordered claim": (_sql.claim_statement(OUTBOX, ordered=True), CLAIM),

@@ -83,19 +83,21 @@ def test_jobs_columns_match_the_document_plus_task_and_fencing(engine: Engine) -
         "priority": ("integer", "NO", "0"),
         "run_at": ("timestamp with time zone", "NO", "now()"),
         "attempts": ("integer", "NO", "0"),
-        "max_attempts": ("integer", "NO", "3"),
+        "max_attempts": ("integer", "NO", "10"),
         "locked_by": ("text", "YES", None),
         "locked_at": ("timestamp with time zone", "YES", None),
         "lease_version": ("bigint", "NO", "0"),
         "last_error": ("text", "YES", None),
         "created_at": ("timestamp with time zone", "NO", "now()"),
         "finished_at": ("timestamp with time zone", "YES", None),
+        "cancel_requested_at": ("timestamp with time zone", "YES", None),
+        "result": ("jsonb", "YES", None),
     }
 
 
 def test_jobs_status_check_and_partial_indexes(engine: Engine) -> None:
     checks = _checks(engine, "jobs")
-    for s in ("queued", "running", "done", "failed"):
+    for s in ("queued", "running", "done", "failed", "cancelled"):
         assert f"'{s}'" in checks["ck_jobs_status"]
     idx = _indexes(engine, "jobs")
     assert idx["ix_jobs_dequeue"].endswith(

@@ -52,8 +52,9 @@ def test_successful_job_is_done_with_finished_at(engine: Engine) -> None:
 
 
 def test_documents_ten_job_scenario_two_workers_one_always_failing(engine: Engine) -> None:
-    """10 jobs, 2 workers, job 7 always fails with max_attempts=3: retried after ~2 s and ~4 s, then failed."""
-    seed_jobs(engine, 10)
+    """10 jobs, 2 workers, job 7 always fails with max_attempts=3 (the jobs design's default; the library's is
+    10): retried after ~2 s and ~4 s, then failed."""
+    seed_jobs(engine, 10, max_attempts=3)
     calls: dict[int, list[float]] = {}
     lock = threading.Lock()
 

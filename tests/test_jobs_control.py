@@ -1,0 +1,434 @@
+"""Jobs a team can control (issue #20): a handler's writes and its completion in one commit, cancellation,
+paused queues, retrying and editing jobs, stored results."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import AsyncWorker, ClaimedJob, RetryableError, Worker, cancel_jobs, job_result
+from sa_outbox.admin import list_queues, pause_queue, resume_queue, retry_jobs, update_jobs
+from sa_outbox.errors import ConfigurationError
+from sa_outbox.models import Job
+
+from .conftest import ROOT
+from .factories import Runner, expire_leases
+from .helpers import row, seed_jobs, statuses
+from .test_loop_guarantees import wait_until
+
+
+@pytest.fixture
+def effects(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS job_effects (job_id bigint, worker text)"))
+        conn.execute(text("TRUNCATE job_effects"))
+    yield engine
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE job_effects"))
+
+
+def effect_rows(engine: Engine) -> list[tuple[int, str]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r) for r in conn.execute(text("SELECT job_id, worker FROM job_effects ORDER BY worker"))
+        ]
+
+
+# --- a handler's writes and its completion in one commit ---------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_transactional_handler_effects_happen_once_across_a_lost_lease(
+    effects: Engine, async_url: URL, flavour: str
+) -> None:
+    """Worker A writes its effect, stalls past its lease; B takes the job over and completes it; when A comes
+    back its fenced completion matches nothing, so its transaction — effect included — rolls back."""
+    engine = effects
+    seed_jobs(engine, 1, task="charge")
+    inside, go = threading.Event(), threading.Event()
+
+    def charge_b(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("INSERT INTO job_effects VALUES (:j, 'B')"), {"j": job.id})
+
+    result: dict[str, Any] = {}
+    if flavour == "sync":
+
+        def charge_a(job: ClaimedJob, session: Session) -> None:
+            session.execute(text("INSERT INTO job_effects VALUES (:j, 'A')"), {"j": job.id})
+            inside.set()
+            assert go.wait(30)
+
+        a: Any = Worker(engine, Job, {"charge": charge_a}, heartbeat=0, listen=False)
+        runner = threading.Thread(target=lambda: result.setdefault("n", a.run_once()))
+    else:
+
+        async def charge_a_async(job: ClaimedJob, session: AsyncSession) -> None:
+            await session.execute(text("INSERT INTO job_effects VALUES (:j, 'A')"), {"j": job.id})
+            inside.set()
+            while not go.is_set():
+                await asyncio.sleep(0.01)
+
+        async def run_a() -> None:
+            aengine = create_async_engine(async_url)
+            w = AsyncWorker(aengine, Job, {"charge": charge_a_async}, heartbeat=0, listen=False)
+            try:
+                result["n"] = await w.run_once()
+                result["lost"] = w.stats.lost_leases
+            finally:
+                await w.close()
+                await aengine.dispose()
+
+        a = None
+        runner = threading.Thread(target=lambda: asyncio.run(run_a()))
+    runner.start()
+    assert inside.wait(30)
+    expire_leases(engine, "jobs")  # A stalled past stale_after
+    b = Worker(engine, Job, {"charge": charge_b}, listen=False)
+    assert b.run_once() == 1  # rescue + claim + run: B's effect and B's completion commit together
+    go.set()
+    runner.join(30)
+    assert result["n"] == 1
+    assert effect_rows(engine) == [(1, "B")]
+    assert (row(engine, "jobs", 1).status, row(engine, "jobs", 1).lease_version) == ("done", 2)
+    assert (a.stats.lost_leases if a is not None else result["lost"]) == 1
+
+
+def test_a_transactional_handler_that_raises_leaves_no_effect_and_is_retried(
+    runner: Runner, effects: Engine
+) -> None:
+    seed_jobs(effects, 1, task="charge")
+
+    def charge(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("INSERT INTO job_effects VALUES (:j, 'x')"), {"j": job.id})
+        raise RetryableError("card service timeout")
+
+    if runner.kind == "async":
+
+        async def charge_async(job: ClaimedJob, session: AsyncSession) -> None:
+            await session.execute(text("INSERT INTO job_effects VALUES (:j, 'x')"), {"j": job.id})
+            raise RetryableError("card service timeout")
+
+        w = runner.worker({"charge": charge_async})
+    else:
+        w = runner.worker({"charge": charge})
+    assert runner.run_once(w) == 1
+    assert effect_rows(effects) == []
+    r = row(effects, "jobs", 1)
+    assert (r.status, r.attempts) == ("queued", 1) and "card service timeout" in r.last_error
+
+
+def test_a_sync_transactional_handler_runs_under_the_async_worker_too(
+    runner: Runner, effects: Engine
+) -> None:
+    seed_jobs(effects, 2, task="charge")
+
+    def charge(job: ClaimedJob, session: Session) -> dict[str, int]:
+        session.execute(text("INSERT INTO job_effects VALUES (:j, 'w')"), {"j": job.id})
+        return {"charged": job.id}
+
+    w = runner.worker({"charge": charge}, concurrency=2)
+    assert runner.run_once(w) == 2
+    assert sorted(e[0] for e in effect_rows(effects)) == [1, 2]
+    assert statuses(effects, "jobs") == {"done": 2}
+    assert job_result(effects, Job, 2) == {"charged": 2}
+
+
+# --- stored results ----------------------------------------------------------------------------------------
+
+
+def test_a_handlers_return_value_is_stored_with_its_completion(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 3, task="report")
+    answers = {1: {"rows": 12}, 2: None, 3: {1, 2}}  # a set is not JSON: the job is done, nothing stored
+    w = runner.worker({"report": lambda j: answers[j.id]})
+    assert runner.run_once(w) == 3
+    assert statuses(engine, "jobs") == {"done": 3}
+    assert job_result(engine, Job, 1) == {"rows": 12}
+    assert job_result(engine, Job, 2) is None and job_result(engine, Job, 3) is None
+    seed_jobs(engine, 1, task="report")
+    with pytest.raises(LookupError, match="job 4 is queued"):
+        job_result(engine, Job, 4)
+    with pytest.raises(LookupError, match="no job 99"):
+        job_result(engine, Job, 99)
+
+
+# --- cancellation ------------------------------------------------------------------------------------------
+
+
+def test_cancelling_queued_jobs_makes_them_final_and_they_never_run(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 3, task="mail")
+    seed_jobs(engine, 2, task="report")
+    got = cancel_jobs(engine, Job, task="mail")
+    assert (got.cancelled, got.requested) == ([1, 2, 3], [])
+    ran: list[int] = []
+    w = runner.worker({"mail": lambda j: ran.append(j.id), "report": lambda j: ran.append(j.id)})
+    runner.drain(w)
+    assert ran == [4, 5]
+    assert [row(engine, "jobs", i).status for i in (1, 2, 3)] == ["cancelled"] * 3
+    assert row(engine, "jobs", 1).finished_at is not None
+
+
+def test_cancel_in_the_callers_transaction_rolls_back_with_it(engine: Engine) -> None:
+    seed_jobs(engine, 1)
+    with Session(engine) as session, session.begin():
+        assert cancel_jobs(session, Job, ids=[1]).cancelled == [1]
+        session.rollback()
+    assert row(engine, "jobs", 1).status == "queued"
+
+
+def test_cancel_needs_a_target() -> None:
+    with pytest.raises(ConfigurationError, match="name the jobs to act on"):
+        cancel_jobs(None, Job)  # type: ignore[arg-type]
+
+
+def test_a_running_sync_handler_learns_of_its_cancellation_at_the_next_heartbeat(
+    runner: Runner, engine: Engine
+) -> None:
+    seed_jobs(engine, 1, task="long")
+    seed_jobs(engine, 1, task="stubborn")
+    started = threading.Event()
+
+    def long(job: ClaimedJob) -> None:
+        started.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            job.raise_if_cancelled()  # a long handler checks between its steps
+            time.sleep(0.02)
+
+    def stubborn(job: ClaimedJob) -> None:
+        deadline = time.monotonic() + 20
+        while not job.cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        # it saw the request, but finishes its work anyway: recorded done
+
+    w = runner.worker({"long": long, "stubborn": stubborn}, concurrency=2, heartbeat=0.1, batch=2)
+    thread = threading.Thread(target=lambda: runner.run_once(w))
+    thread.start()
+    assert started.wait(20)
+    assert sorted(cancel_jobs(engine, Job, ids=[1, 2]).requested) == [1, 2]
+    thread.join(30)
+    assert not thread.is_alive()
+    assert row(engine, "jobs", 1).status == "cancelled" and "cancelled" in row(engine, "jobs", 1).last_error
+    assert row(engine, "jobs", 2).status == "done"
+    assert w.stats.cancelled == 1
+
+
+def test_an_async_handlers_task_is_cancelled(engine: Engine, async_url: URL) -> None:
+    seed_jobs(engine, 1, task="slow")
+    started = threading.Event()
+    finished: list[int] = []
+
+    async def slow(job: ClaimedJob) -> None:
+        started.set()
+        await asyncio.sleep(20)
+        finished.append(job.id)
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"slow": slow}, heartbeat=0.1, listen=False)
+        try:
+            task = asyncio.ensure_future(w.run_once())
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(cancel_jobs, engine, Job, ids=[1])
+            assert await asyncio.wait_for(task, 20) == 1
+            assert w.stats.cancelled == 1
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert finished == [] and row(engine, "jobs", 1).status == "cancelled"
+
+
+def test_a_claimed_job_cancelled_before_it_started_never_runs(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 2, task="t")
+    ran: list[int] = []
+    first_running = threading.Event()
+
+    def handle(job: ClaimedJob) -> None:
+        ran.append(job.id)
+        if job.id == 1:
+            first_running.set()
+            assert wait_until(lambda: statuses(engine, "jobs").get("running") == 2, 10)
+            cancel_jobs(engine, Job, ids=[2])  # job 2 is claimed (prefetched) but waits for this one
+            time.sleep(0.5)  # heartbeats every 0.1 s: the worker learns it meanwhile
+
+    w = runner.worker({"t": handle}, batch=2, heartbeat=0.1)
+    assert runner.run_once(w) == 2
+    assert ran == [1]
+    assert (row(engine, "jobs", 1).status, row(engine, "jobs", 2).status) == ("done", "cancelled")
+
+
+def test_cancellation_reaches_a_worker_in_another_process_while_it_stops(db_url: URL, engine: Engine) -> None:
+    """Another process's worker is stopping (SIGTERM) with a long job in hand: the cancel still reaches it."""
+    import signal
+
+    seed_jobs(engine, 1, task="long")
+    url = db_url.render_as_string(hide_password=False)
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from sqlalchemy import create_engine
+        from sa_outbox import Worker
+        from sa_outbox.models import Job
+
+        def long(job):
+            print("started", flush=True)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                job.raise_if_cancelled()
+                time.sleep(0.02)
+
+        Worker(create_engine({url!r}), Job, {{"long": long}}, heartbeat=0.1, listen=False).serve()
+        """
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+            proc.send_signal(signal.SIGTERM)  # stopping: the job in hand is finished and recorded first
+            assert cancel_jobs(engine, Job, ids=[1]).requested == [1]
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert row(engine, "jobs", 1).status == "cancelled"
+
+
+# --- paused queues -------------------------------------------------------------------------------------------
+
+
+def test_a_paused_queue_is_not_claimed_until_resumed_and_the_pause_survives_a_restart(
+    runner: Runner, engine: Engine
+) -> None:
+    seed_jobs(engine, 2, task="t", queue="mail")
+    seed_jobs(engine, 2, task="t", queue="default")
+    pause_queue(engine, Job, "mail", by="ops")
+    ran: list[str] = []
+    w = runner.worker({"t": lambda j: ran.append(j.queue)}, queues=["mail", "default"])
+    runner.drain(w)
+    assert ran == ["default", "default"]
+    restarted = runner.worker({"t": lambda j: ran.append(j.queue)}, queues=["mail", "default"])
+    runner.drain(restarted)
+    assert ran == ["default", "default"]
+    [state] = [q for q in list_queues(engine, Job) if q.name == "mail"]
+    assert state.paused and state.paused_by == "ops" and state.queued == 2
+    resume_queue(engine, Job, "mail")
+    runner.drain(restarted)
+    assert ran == ["default", "default", "mail", "mail"]
+
+
+def test_a_running_worker_learns_a_pause_within_about_a_second(runner: Runner, engine: Engine) -> None:
+    seen: list[int] = []
+    w = runner.worker({"t": lambda j: seen.append(j.id)}, poll_interval=0.1)
+    pause_queue(engine, Job, "default")
+    thread = runner.run_in_thread(w)
+    try:
+        time.sleep(1.5)  # the worker has read the pause (once a second) by now
+        seed_jobs(engine, 3, task="t")
+        time.sleep(1.0)
+        assert seen == []
+        resume_queue(engine, Job, "default")
+        assert wait_until(lambda: len(seen) == 3, 10)
+    finally:
+        w.stop()
+        thread.join(30)
+
+
+# --- retrying and editing jobs -------------------------------------------------------------------------------
+
+
+def test_retry_jobs_requeues_failed_and_cancelled_jobs_selected_once(runner: Runner, engine: Engine) -> None:
+    seed_jobs(engine, 2, task="bad", max_attempts=1)
+    seed_jobs(engine, 1, task="later")
+    cancel_jobs(engine, Job, ids=[3])
+    runner.drain(runner.worker({"bad": lambda j: 1 / 0}))
+    assert statuses(engine, "jobs") == {"failed": 2, "cancelled": 1}
+    assert retry_jobs(engine, Job, task="bad", dry_run=True) == [1, 2]
+    assert statuses(engine, "jobs") == {"failed": 2, "cancelled": 1}
+    assert retry_jobs(engine, Job, all=True) == [1, 2, 3]
+    r = row(engine, "jobs", 3)
+    assert (r.status, r.attempts, r.cancel_requested_at, r.finished_at) == ("queued", 0, None, None)
+
+
+def test_update_jobs_changes_priority_run_at_and_max_attempts_but_never_a_running_job(engine: Engine) -> None:
+    seed_jobs(engine, 3)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'running' WHERE id = 3"))
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    assert update_jobs(engine, Job, all=True, priority=5, run_at=later, max_attempts=7) == [1, 2]
+    r = row(engine, "jobs", 1)
+    assert (r.priority, r.max_attempts, abs((r.run_at - later).total_seconds()) < 1) == (5, 7, True)
+    assert row(engine, "jobs", 3).priority == 0
+    assert update_jobs(engine, Job, ids=[1], run_at=60) == [1]  # a delay from the database's now
+    with pytest.raises(ConfigurationError, match="at least one of priority"):
+        update_jobs(engine, Job, ids=[1])
+    with pytest.raises(ConfigurationError, match="statuses must be among"):
+        update_jobs(engine, Job, ids=[1], priority=1, statuses=["running"])
+
+
+# --- the command line ----------------------------------------------------------------------------------------
+
+
+def _cli(db_url: URL, *argv: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from sa_outbox._cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["--log-level", "WARNING", *argv, "--url", db_url.render_as_string(hide_password=False)])
+    return code, out.getvalue()
+
+
+def test_cli_jobs_and_queues(engine: Engine, db_url: URL) -> None:
+    seed_jobs(engine, 2, task="mail", queue="mail")
+    seed_jobs(engine, 1, task="report")
+    assert _cli(db_url, "queues", "pause", "mail", "--by", "alice")[0] == 0
+    code, out = _cli(db_url, "queues", "list")
+    assert (
+        code == 0
+        and "mail" in out
+        and "paused since" in out
+        and "by alice" in out
+        and "queued        2" in out
+    )
+    assert _cli(db_url, "queues", "resume", "mail")[0] == 0
+    assert "active" in _cli(db_url, "queues", "list")[1]
+    code, out = _cli(db_url, "jobs", "cancel", "--task", "mail")
+    assert code == 0 and "cancelled 2 queued job(s)" in out
+    code, out = _cli(db_url, "jobs", "retry", "--task", "mail", "--dry-run")
+    assert code == 0 and "would be requeued: 2 job(s)" in out and statuses(engine, "jobs")["cancelled"] == 2
+    assert "requeued: 2 job(s)" in _cli(db_url, "jobs", "retry", "--task", "mail")[1]
+    assert (
+        "updated: 3 job(s)" in _cli(db_url, "jobs", "update", "--all", "--priority", "9", "--run-in", "1h")[1]
+    )
+    assert row(engine, "jobs", 3).priority == 9
+    assert _cli(db_url, "jobs", "update", "1")[0] == 2  # nothing to change: a configuration error, exit 2
+
+
+def test_purge_removes_old_cancelled_jobs_too(engine: Engine) -> None:
+    from sa_outbox import purge
+
+    seed_jobs(engine, 3)
+    cancel_jobs(engine, Job, ids=[1])
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'done', finished_at = now() WHERE id = 2"))
+        conn.execute(text("UPDATE jobs SET finished_at = now() - interval '2 days' WHERE id IN (1, 2)"))
+    assert purge(engine, Job, older_than=dt.timedelta(days=1)) == 2
+    assert statuses(engine, "jobs") == {"queued": 1}
