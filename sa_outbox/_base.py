@@ -270,6 +270,7 @@ class LoopBase:
         rows = _steps.rescue(conn, self.spec, **self._rescue_params())
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
+        self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")
 
     def _extend_on(
         self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any

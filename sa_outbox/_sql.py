@@ -256,8 +256,9 @@ def rescue_statement(spec: QueueSpec) -> Update:
     With attempts left they go back to the ready state, immediately claimable (their ``lease_version`` is
     kept; the next claim increments it, so the crashed worker's late finalize matches nothing). Rows that
     have used up their attempts become dead/failed — the poison-message rule: a message that kills every
-    worker never reaches a finalize, so it must be stopped here. The reason is appended to ``last_error``.
-    Many workers may run this at once: SKIP LOCKED gives each its own rows.
+    worker never reaches a finalize, so it must be stopped here. A job whose cancellation was requested
+    becomes ``cancelled`` (its worker died before it could stop it: it must not run again). The reason is
+    appended to ``last_error``. Many workers may run this at once: SKIP LOCKED gives each its own rows.
     """
     t, c = spec.table, spec.c
     order_col = spec.lease_until if spec.lease_until is not None else spec.locked_at
@@ -279,13 +280,20 @@ def rescue_statement(spec: QueueSpec) -> Update:
         ")",
         case((exhausted, " after max attempts (worker crash?)"), else_=""),
     )
+    status = case((exhausted, const(spec.dead)), else_=const(spec.ready))
+    if spec.kind == "jobs":
+        cancel = c.cancel_requested_at.is_not(None)
+        status = case((cancel, const("cancelled")), (exhausted, const(spec.dead)), else_=const(spec.ready))
+        reason = func.concat(reason, case((cancel, "; its cancellation was requested"), else_=""))
     values: dict[str, Any] = {
-        "status": case((exhausted, const(spec.dead)), else_=const(spec.ready)),
+        "status": status,
         "last_error": func.right(func.concat_ws("\n", c.last_error, reason), LAST_ERROR_MAX),
         **spec.lease_cleared(),
     }
     if spec.finish_on_dead:
-        values[spec.finished.name] = case((exhausted, func.now()), else_=None)
+        values[spec.finished.name] = case(
+            (status.in_([const(spec.dead), const("cancelled")]), func.now()), else_=None
+        )
     return (
         update(t)
         .where(c.id == any_(func.array(victims)))  # see claim_statement: safe under a generic plan

@@ -432,3 +432,19 @@ def test_purge_removes_old_cancelled_jobs_too(engine: Engine) -> None:
         conn.execute(text("UPDATE jobs SET finished_at = now() - interval '2 days' WHERE id IN (1, 2)"))
     assert purge(engine, Job, older_than=dt.timedelta(days=1)) == 2
     assert statuses(engine, "jobs") == {"queued": 1}
+
+
+def test_a_rescued_job_whose_cancellation_was_requested_is_cancelled_not_requeued(
+    runner: Runner, engine: Engine
+) -> None:
+    """Its worker died after the request: the rescue step must not put it back in the queue to run again."""
+    from .helpers import claim_jobs
+
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        claim_jobs(conn, "crashed")
+    assert cancel_jobs(engine, Job, ids=[1]).requested == [1]
+    expire_leases(engine, "jobs")
+    ran: list[int] = []
+    assert runner.run_once(runner.worker({"noop": lambda j: ran.append(j.id)})) == 0
+    assert ran == [] and row(engine, "jobs", 1).status == "cancelled"
