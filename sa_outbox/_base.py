@@ -320,12 +320,12 @@ class LoopBase:
                     extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
                 )  # fmt: skip
                 fatal = error
+        if isinstance(error, DestinationUnavailable):  # an outage: never this message's fault, never dead
+            return _steps.unavailable(self.spec, id, lease_version, error), fatal
         outcome = _steps.decide(
             self.spec, id=id, lease_version=lease_version, attempts=attempts, max_attempts=max_attempts,
             error=error, backoff=self.backoff,
         )  # fmt: skip
-        if isinstance(error, DestinationUnavailable) and outcome.status != self.spec.dead:
-            outcome = _steps.unavailable(self.spec, id, lease_version, error)
         return outcome, fatal
 
     def _release(self, id: int, lease_version: int, reason: str) -> Outcome:

@@ -337,3 +337,17 @@ def test_a_handlers_own_timeout_error_is_reported_as_raised(runner: Runner, engi
     assert runner.run_once(w) == 1
     r = row(engine, "jobs", 1)
     assert (r.status, r.attempts) == ("queued", 1) and "upstream did not answer" in r.last_error, r
+
+
+def test_an_outage_on_the_last_attempt_does_not_kill_the_message(runner: Runner, engine: Engine) -> None:
+    """DestinationUnavailable refunds the attempt, whatever attempt it was: an outage never sends a message to
+    dead (found while writing the docs: on the last attempt it did)."""
+    from sa_outbox import DestinationUnavailable
+
+    seed_events(engine, 1)
+    d = runner.dispatcher(
+        RecordingPublisher(fail=lambda m: DestinationUnavailable("broker down")), max_attempts=1
+    )
+    assert runner.run_once(d) == 1
+    r = row(engine, "outbox", 1)
+    assert (r.status, r.attempts) == ("pending", 0) and r.last_error.startswith("DestinationUnavailable")
