@@ -60,7 +60,8 @@ class OutboxMixin:
     """Columns, constraints and partial indexes of an outbox table (outbox document §3.1).
 
     Subclasses may set ``sa_outbox_max_payload_bytes`` (default 1 MiB of encoded JSON) to change the size
-    limit the producer enforces at flush.
+    limit the producer enforces at flush, and ``sa_outbox_max_headers_bytes`` (default 8 KiB of header names
+    and values, UTF-8) for the headers.
     """
 
     sa_outbox_kind: ClassVar[str] = "outbox"
@@ -68,6 +69,7 @@ class OutboxMixin:
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     aggregate_type: Mapped[str] = mapped_column(Text, nullable=False)
@@ -91,6 +93,9 @@ class OutboxMixin:
     lease_version: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
     last_error: Mapped[str | None] = mapped_column(Text)
     done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: String name/value pairs that travel with the event to the broker's own header slot (trace context,
+    #: tenant, correlation ids); NULL when there are none. Validated by the producer (``_payload.check_headers``).
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
 
     @declared_attr.directive
     @classmethod
@@ -146,6 +151,7 @@ class JobMixin:
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
     #: Used by ``enqueue`` and ``Job(...)`` when max_attempts is not given (the jobs document's default).
     sa_outbox_default_max_attempts: ClassVar[int] = 3
 
@@ -168,6 +174,9 @@ class JobMixin:
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: String name/value pairs handed to the handler with the job (trace context, correlation ids); NULL when
+    #: there are none.
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
 
     @declared_attr.directive
     @classmethod
