@@ -627,3 +627,14 @@ def _mqtt_roundtrip(engine: Engine, pub: Any, write: Any, n: int = 2) -> list[An
         sub.disconnect()
     assert len(got) == n
     return got
+
+
+def test_webhook_sends_a_non_ascii_aggregate_id_as_utf8(engine: Engine, webhook: Any) -> None:
+    """httpx encodes str header values as ASCII: the X-Outbox-Aggregate-Id of 'Zoë' made every publish of
+    that aggregate fail (and end dead) before the values were sent as UTF-8 bytes."""
+    url, hook = webhook
+    with Session(engine) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="order", aggregate_id="Zoë", event_type="E", payload={}))
+    _dispatch(engine, WebhookPublisher(url))
+    assert statuses(engine) == {"done": 1}
+    assert hook.received[0][0]["X-Outbox-Aggregate-Id"].encode("latin-1").decode() == "Zoë"

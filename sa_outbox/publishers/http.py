@@ -338,24 +338,28 @@ class _Webhook:
 
     def _request(self, message: Message) -> tuple[httpx.URL, httpx.Headers, bytes]:
         """URL, headers and body. Headers, later ones replacing earlier ones of the same name (any case): the
-        message's (UTF-8), the configured ``headers``, then ``X-Outbox-*``, the CloudEvents ``ce-*``
-        attributes (binary mode, percent-encoded), ``Idempotency-Key`` and ``Content-Type``."""
+        message's, the configured ``headers``, then ``X-Outbox-*``, the CloudEvents ``ce-*`` attributes
+        (binary mode, percent-encoded), ``Idempotency-Key`` and ``Content-Type``. Values are sent as UTF-8
+        (an aggregate id or header value may be non-ASCII)."""
         url = self.url(message) if callable(self.url) else self.url
-        given = outgoing_headers(message)
-        headers = httpx.Headers(
-            [(k.encode(), v.encode()) for k, v in given.items()]
-        )  # values may be non-ASCII
-        headers.update(self.headers)
-        headers.update({f"X-Outbox-{k.title()}": v for k, v in headers_for(message).items()})
+        merged: dict[str, tuple[str, str]] = {}
+
+        def put(items: Mapping[str, str]) -> None:
+            for name, value in items.items():
+                merged[name.lower()] = (name, value)
+
+        put(outgoing_headers(message))
+        put(self.headers)
+        put({f"X-Outbox-{k.title()}": v for k, v in headers_for(message).items()})
         if self.envelope.cloudevents:
             attributes = self.envelope.ce_attributes(message)
             content_type = attributes.pop("datacontenttype")
-            headers.update({f"ce-{k}": ce_header_value(v) for k, v in attributes.items()})
+            put({f"ce-{k}": ce_header_value(v) for k, v in attributes.items()})
             body = payload_json(message)
         else:
             content_type, body = "application/json", envelope_json(message)
-        headers["Idempotency-Key"] = message.message_id
-        headers["Content-Type"] = content_type
+        put({"Idempotency-Key": message.message_id, "Content-Type": content_type})
+        headers = httpx.Headers([(name.encode(), value.encode()) for name, value in merged.values()])
         return httpx.URL(url), headers, body
 
     def _answer(self, url: httpx.URL, response: httpx.Response, hops: int) -> tuple[int, httpx.URL | None]:
