@@ -179,3 +179,21 @@ def test_values_built_by_hand_get_a_read_only_mapping() -> None:
     assert m2.headers == {"k": "v"} and isinstance(m2.headers, types.MappingProxyType)
     j = ClaimedJob(1, "t", "default", {}, 1, 3, 1, 0, now, headers={"a": "b"})
     assert isinstance(j.headers, types.MappingProxyType) and j.headers["a"] == "b"
+
+
+def test_an_event_built_for_an_aggregate_takes_headers_set_afterwards(engine: Engine) -> None:
+    from .models import Order
+
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        existing = Order(status="new")
+        s.add(existing)
+    with Session(engine) as s, s.begin():
+        ev = OutboxEvent.for_aggregate(s.get(Order, existing.id), "Paid", {})
+        ev.headers = {"x-tenant": "acme"}
+        s.add(ev)
+        new = Order(status="new")
+        s.add(new)
+        ev2 = OutboxEvent.for_aggregate(new, "Created", {})  # written after the ORM inserts the order
+        ev2.headers = {"x-tenant": "globex"}
+        s.add(ev2)
+    assert _stored(engine) == [{"x-tenant": "acme"}, {"x-tenant": "globex"}]
