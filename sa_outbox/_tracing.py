@@ -112,15 +112,16 @@ def trace_headers() -> dict[str, str]:
 
 
 def with_trace(headers: Mapping[str, str] | None, context: Mapping[str, str]) -> dict[str, str] | None:
-    """``headers`` plus the trace ``context`` headers (:func:`trace_headers`) the application did not set
-    itself (any case)."""
+    """``headers`` plus the trace ``context`` headers (:func:`trace_headers`), unless the application set a
+    ``traceparent`` itself (any case): then its trace context is kept whole (never its ``traceparent`` with
+    another span's ``tracestate``)."""
     if not context:
         return None if headers is None else dict(headers)
     if not headers:
         return dict(context)
-    given = {k.lower() for k in headers}
-    if all(k in given for k in context):
+    if any(k.lower() == "traceparent" for k in headers):
         return dict(headers)
+    given = {k.lower() for k in headers}
     return {**{k: v for k, v in context.items() if k not in given}, **headers}
 
 

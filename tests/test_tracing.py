@@ -99,10 +99,21 @@ def _publish(pub: Any, message: Message) -> None:
 # --- the producer writes the active span's context ------------------------------------------------------
 
 
+def _with_tracestate() -> Any:
+    """A context whose remote parent carries a tracestate (which its child spans inherit)."""
+    return TraceContextTextMapPropagator().extract(
+        {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "vendor=1"}
+    )
+
+
 def test_every_producer_path_writes_the_active_spans_traceparent(
     engine: Engine, async_url: URL, spans: Any
 ) -> None:
-    with tracer().start_as_current_span("request") as request, Session(engine) as s, s.begin():
+    with (
+        tracer().start_as_current_span("request", context=_with_tracestate()) as request,
+        Session(engine) as s,
+        s.begin(),
+    ):
         s.add(OutboxEvent(aggregate_type="o", aggregate_id="1", event_type="E", payload={}))
         s.add(OutboxEvent(aggregate_type="o", aggregate_id="2", event_type="E", payload={},
                           headers={"x-tenant": "acme"}))  # fmt: skip
@@ -111,6 +122,7 @@ def test_every_producer_path_writes_the_active_spans_traceparent(
         emit(s, OutboxEvent, [("o", "4", "E", {})])
         enqueue(s, Job, "t", {})
     expected = _traceparent(request)
+    expected_state = "vendor=1"
 
     async def in_async_session() -> None:
         aengine = create_async_engine(async_url)
@@ -129,9 +141,12 @@ def test_every_producer_path_writes_the_active_spans_traceparent(
         rows = conn.execute(text("SELECT headers FROM outbox ORDER BY id")).scalars().all()
         job = conn.execute(text("SELECT headers FROM jobs")).scalar_one()
     assert [r and r.get("traceparent") for r in rows[:2]] == [expected, expected]
+    assert rows[0] == {"traceparent": expected, "tracestate": expected_state}
     assert rows[1]["x-tenant"] == "acme"
-    assert rows[2] == {"Traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}  # kept
-    assert rows[3] == {"traceparent": expected} and job == {"traceparent": expected}
+    # kept whole: no tracestate of the request's span next to the application's own traceparent
+    assert rows[2] == {"Traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    context_headers = {"traceparent": expected, "tracestate": expected_state}
+    assert rows[3] == context_headers and job == context_headers
     assert rows[4] == rows[5] == {"traceparent": async_expected[0]}
     assert rows[6] is None
 
