@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 from .errors import JobCancelled
 
 __all__ = ["BatchPublisher", "ClaimedJob", "Message", "Publisher"]
+
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+def _no_headers() -> Mapping[str, str]:
+    return _NO_HEADERS
+
+
+def _read_only(headers: Any) -> Mapping[str, str]:
+    """The row's headers as a read-only mapping (the column is NULL when there are none)."""
+    return MappingProxyType(headers) if headers else _NO_HEADERS
+
+
+def _freeze_headers(value: Any) -> None:
+    """``__post_init__`` of both values: a mapping given by hand is copied behind a read-only view."""
+    if type(value.headers) is not MappingProxyType:
+        object.__setattr__(value, "headers", MappingProxyType(dict(value.headers or {})))
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +37,8 @@ class Message:
 
     ``message_id`` is ``str(id)``: stable across retries and re-claims, the downstream de-duplication key.
     ``lease_version`` is the fencing token of this claim (downstream may use it to reject stale deliveries).
-    ``attempts`` counts this attempt (1 on the first delivery).
+    ``attempts`` counts this attempt (1 on the first delivery). ``headers`` is a read-only mapping of the
+    event's headers (empty when it has none); publishers copy it into the broker's own header slot.
     """
 
     id: int
@@ -31,18 +50,23 @@ class Message:
     attempts: int
     lease_version: int
     created_at: datetime
+    headers: Mapping[str, str] = field(default_factory=_no_headers)
+
+    def __post_init__(self) -> None:
+        _freeze_headers(self)
 
     @classmethod
     def from_row(cls, row: Any) -> Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
-        created_at) — the order of ``_sql.claim_returning``."""
-        id_, version, attempts, atype, aid, etype, payload, created = row
-        return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created)
+        created_at, headers) — the order of ``_sql.claim_returning``."""
+        id_, version, attempts, atype, aid, etype, payload, created, headers = row
+        return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created, _read_only(headers))
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimedJob:
-    """One claimed job, as handed to its handler.
+    """One claimed job, as handed to its handler. ``headers`` is a read-only mapping of the job's headers
+    (empty when it has none).
 
     ``cancel_requested`` turns true when :func:`sa_outbox.cancel_jobs` asks for this job to stop while it runs
     (the worker learns it with its next heartbeat): a long handler checks it, or calls
@@ -59,25 +83,19 @@ class ClaimedJob:
     lease_version: int
     priority: int
     created_at: datetime
+    headers: Mapping[str, str] = field(default_factory=_no_headers)
     _cancel: CancelToken = field(default_factory=lambda: CancelToken(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _freeze_headers(self)
 
     @classmethod
     def from_row(cls, row: Any, cancel: CancelToken | None = None) -> ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
-        created_at) — the order of ``_sql.claim_returning``."""
-        id_, version, attempts, max_attempts, task, queue, payload, priority, created = row
-        return cls(
-            id_,
-            task,
-            queue,
-            payload,
-            attempts,
-            max_attempts,
-            version,
-            priority,
-            created,
-            cancel or CancelToken(),
-        )
+        created_at, headers) — the order of ``_sql.claim_returning``."""
+        id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row
+        return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created,
+                   _read_only(headers), cancel or CancelToken())  # fmt: skip
 
     @property
     def cancel_requested(self) -> bool:

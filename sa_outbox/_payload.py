@@ -15,6 +15,9 @@ A payload is stored as ``jsonb``. At flush the producer turns it into plain JSON
 
 The encoded size is checked against the model's ``sa_outbox_max_payload_bytes``.
 
+Headers (:func:`check_headers`) are a mapping of header names to string values that travel to the broker's
+own header slot; they are checked so that every broker adapter can carry them as they are (see that function).
+
 The row's other values have limits of their own, checked here too so that they are a ``PayloadError``
 before any SQL rather than a database error at flush: integers must fit their column (``integer``,
 ``bigint``), and text in a btree index must fit one index entry (:func:`check_index_entries`).
@@ -52,6 +55,8 @@ from .errors import PayloadError
 
 __all__ = [
     "BTREE_MAX_ENTRY",
+    "HEADER_NAME_MAX",
+    "check_headers",
     "check_index_entries",
     "check_int",
     "check_payload",
@@ -329,3 +334,87 @@ def check_index_entries(table: Table, values: Mapping[str, Any], *, what: str | 
             f"{together} fit in an entry of the btree index {entry.name} ({BTREE_MAX_ENTRY} bytes per entry, "
             "uncompressed): shorten it, or keep long data in the payload"
         )
+
+
+# --- headers ------------------------------------------------------------------------------------------------
+
+#: The longest header name: an AMQP 0-9-1 header table key is a short string (255 bytes at most).
+HEADER_NAME_MAX = 255
+# An HTTP field name (RFC 9110 "token"): the strictest of the brokers' header slots. NATS and HTTP frame
+# headers as "name: value" lines, so whitespace and ':' would break them; AMQP keys and MQTT user properties
+# take any text.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Control characters other than TAB: CR/LF would split a NATS or HTTP header line, NUL cannot be stored.
+_VALUE_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+#: Names a publisher needs for itself in every broker: CloudEvents attributes in binary mode (``ce-*`` in
+#: HTTP, NATS and RabbitMQ headers, ``ce_*`` in Redis fields) and the HTTP framing headers.
+RESERVED_HEADER_PREFIXES = ("ce-", "ce_")
+RESERVED_HEADERS = frozenset({"content-length", "transfer-encoding", "host", "connection"})
+
+
+def check_headers(
+    headers: Any, *, what: str | Callable[[], str], max_bytes: int
+) -> tuple[dict[str, str] | None, str | None]:
+    """Validate headers; return them as a plain dict and as JSON text (``None``, ``None`` when there are none:
+    ``None`` or an empty mapping is stored as NULL), or raise PayloadError naming ``what``.
+
+    * a mapping (``dict``) of names to values;
+    * a name is a non-empty string of at most 255 characters from the HTTP token set (letters, digits and
+      ``!#$%&'*+-.^_`|~``: no whitespace, ``:`` or control characters); two names may not differ only in case
+      (HTTP would merge them); ``ce-*``/``ce_*`` (CloudEvents attributes) and the HTTP framing headers
+      (``Content-Length``, ``Transfer-Encoding``, ``Host``, ``Connection``) are reserved;
+    * a value is a string (empty allowed, any Unicode) without control characters other than TAB;
+    * names and values together are at most ``max_bytes`` bytes of UTF-8 (the model's
+      ``sa_outbox_max_headers_bytes``, 8 KiB by default: what HTTP servers accept in a request's headers).
+    """
+    if headers is None:
+        return None, None
+    if not isinstance(headers, Mapping):
+        raise PayloadError(
+            f"{describe(what)}: headers must be a mapping of header names to string values, "
+            f"got {type(headers).__name__}"
+        )
+    if not headers:
+        return None, None
+    size = 0
+    lowered: set[str] = set()
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise PayloadError(f"{describe(what)}: header names must be strings, got {name!r:.80}")
+        if not name:
+            raise PayloadError(f"{describe(what)}: a header name must be non-empty")
+        if len(name) > HEADER_NAME_MAX or _TOKEN.fullmatch(name) is None:
+            raise PayloadError(
+                f"{describe(what)}: {name!r:.80} is not a valid header name (at most {HEADER_NAME_MAX} "
+                "letters, digits and !#$%&'*+-.^_`|~; no spaces, ':' or control characters)"
+            )
+        low = name.lower()
+        if low in RESERVED_HEADERS or low.startswith(RESERVED_HEADER_PREFIXES):
+            raise PayloadError(
+                f"{describe(what)}: header name {name!r} is reserved (ce-*/ce_* carry CloudEvents attributes, "
+                "and Content-Length, Transfer-Encoding, Host and Connection frame HTTP requests)"
+            )
+        if low in lowered:
+            raise PayloadError(
+                f"{describe(what)}: header names that differ only in case ({name!r}) would be merged by HTTP; "
+                "use one spelling"
+            )
+        lowered.add(low)
+        if not isinstance(value, str):
+            raise PayloadError(
+                f"{describe(what)}: the value of header {name!r} must be a string, got {type(value).__name__}"
+            )
+        if _VALUE_CONTROL.search(value) is not None:
+            raise PayloadError(
+                f"{describe(what)}: the value of header {name!r} contains a control character (only TAB is "
+                "allowed: CR/LF would split a header line and NUL cannot be stored)"
+            )
+        size += len(name) + (len(value) if value.isascii() else len(value.encode()))
+    if size > max_bytes:
+        raise PayloadError(
+            f"{describe(what)}: headers are {size} bytes (names and values, UTF-8), over the limit of "
+            f"{max_bytes} bytes (keep large data in the payload, or raise sa_outbox_max_headers_bytes on the "
+            "model)"
+        )
+    plain = dict(headers)
+    return plain, json.dumps(plain, separators=(",", ":"))

@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import importlib
+import json
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
@@ -80,6 +81,7 @@ from ._durations import Duration, to_timedelta
 from ._execute import run
 from ._names import channel_for
 from ._payload import (
+    check_headers,
     check_index_entries,
     check_int,
     check_payload,
@@ -87,10 +89,12 @@ from ._payload import (
     normalize_payload,
     require_text,
 )
+from ._tracing import trace_headers, with_trace
 from .errors import PayloadError
 
 __all__ = [
     "LOCK_AGGREGATES",
+    "EmitEvent",
     "emit",
     "enqueue",
     "event_for",
@@ -115,6 +119,10 @@ if TYPE_CHECKING:  # the mixins import this module (to install the hook), never 
 J = TypeVar("J", bound="JobMixin")
 E = TypeVar("E", bound="OutboxMixin")
 
+#: An event for :func:`emit`: ``(aggregate_type, aggregate_id, event_type, payload)``, optionally with the
+#: event's own headers as a fifth element.
+EmitEvent = tuple[str, str, str, Any] | tuple[str, str, str, Any, Mapping[str, str] | None]
+
 
 # --- the statements (constant SQL, values only as bound parameters) ---------------------------------------
 
@@ -138,9 +146,9 @@ _NO_GATE: dict[str, list[str]] = {"types": [], "ids": [], "channels": [], "paylo
 
 _FAST_COLUMNS = frozenset(
     {"id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at", "status", "available_at",
-     "attempts", "lease_owner", "lease_until", "lease_version", "last_error", "done_at"}
+     "attempts", "lease_owner", "lease_until", "lease_version", "last_error", "done_at", "headers"}
 )  # fmt: skip
-_FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload"})
+_FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload", "headers"})
 
 
 @functools.cache
@@ -149,7 +157,8 @@ def _fast_insert(table: Table) -> Any:
 
     ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the lock and
     NOTIFY subqueries (evaluated once, before the first row is inserted). Used for events that set only the
-    four event columns on a table with exactly the mixin's columns; anything else gets :func:`_row_insert`.
+    four event columns and ``headers`` (JSON text, NULL for none) on a table with exactly the mixin's columns;
+    anything else gets :func:`_row_insert`.
     """
     rows = (
         func.unnest(
@@ -157,18 +166,21 @@ def _fast_insert(table: Table) -> Any:
             bindparam("f_ids", type_=ARRAY(Text)),
             bindparam("f_events", type_=ARRAY(Text)),
             bindparam("f_payloads", type_=ARRAY(Text)),
+            bindparam("f_headers", type_=ARRAY(Text)),
         )
-        .table_valued(
-            column("t", Text), column("i", Text), column("e", Text), column("p", Text), with_ordinality="ord"
-        )
+        .table_valued(*[column(n, Text) for n in "tieph"], with_ordinality="ord")
         .render_derived(name="ev")
     )
     gate = text(f"{_LOCKS_SQL} >= 0 AND {_NOTIFY_SQL} >= 0")
-    source = select(rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB)).where(gate).order_by(rows.c.ord)
+    source = (
+        select(rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB), sa_cast(rows.c.h, JSONB))
+        .where(gate)
+        .order_by(rows.c.ord)
+    )
     c = table.c
     return (
         insert(table)
-        .from_select([c.aggregate_type, c.aggregate_id, c.event_type, c.payload], source)
+        .from_select([c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers], source)
         .returning(c.id)
     )
 
@@ -363,9 +375,41 @@ def _event_values(
     return atype, aid, etype, normalized, encoded
 
 
-def _validate_event(ev: OutboxMixin) -> str:
-    """Validate (and normalise) an event in place; returns its payload as JSON text."""
+def _headers_of(
+    what: str | Callable[[], str], given: Any, max_bytes: int, context: Mapping[str, str]
+) -> tuple[dict[str, str] | None, str | None]:
+    """Headers checked (:func:`check_headers`), plus the trace ``context`` the application did not set; their
+    JSON text (``None`` for no headers)."""
+    plain, encoded = check_headers(given, what=what, max_bytes=max_bytes)
+    if context:
+        plain = with_trace(plain, context)
+        encoded = json.dumps(plain, separators=(",", ":"))
+    return plain, encoded
+
+
+def _merge_headers(common: Mapping[str, str] | None, own: Any) -> Any:
+    """``emit(headers=…)`` under an event's own headers (the event's win, whatever the case of the name)."""
+    if not common or own is None:
+        return own if own is not None else common
+    if not isinstance(own, Mapping):
+        return own  # refused by check_headers
+    mine = {k.lower() for k in own if isinstance(k, str)}
+    return {**{k: v for k, v in common.items() if not (isinstance(k, str) and k.lower() in mine)}, **own}
+
+
+def _validate_event(ev: OutboxMixin, context: Mapping[str, str]) -> tuple[str, str | None]:
+    """Validate (and normalise) an event in place; returns its payload and its headers as JSON text
+    (``context``: the trace headers to add, see :func:`_tracing.trace_headers`)."""
     model, d = type(ev), instance_state(ev).dict
+    given_headers = d.get("headers")
+    headers_text = None
+    if given_headers is not None or context:
+        what_h = functools.partial(
+            _what_event, d.get("event_type"), d.get("aggregate_type"), d.get("aggregate_id")
+        )
+        headers, headers_text = _headers_of(what_h, given_headers, model.sa_outbox_max_headers_bytes, context)
+        if headers != given_headers or type(given_headers) is not dict:
+            ev.headers = headers
     table = _table_of(ev)
     atype, aid, etype, given = (
         d.get("aggregate_type"),
@@ -383,7 +427,7 @@ def _validate_event(ev: OutboxMixin) -> str:
         payload, encoded = check_payload(given, what=what, max_bytes=model.sa_outbox_max_payload_bytes)
         if payload is not given:
             ev.payload = payload
-        return encoded
+        return encoded, headers_text
     unresolved = aid is None and _AGGREGATE_ATTR in d
     atype, aid, etype, payload, encoded = _event_values(
         table, model.sa_outbox_max_payload_bytes, atype, aid, etype, given, resolved=not unresolved
@@ -392,11 +436,15 @@ def _validate_event(ev: OutboxMixin) -> str:
                            ("event_type", ev.event_type, etype), ("payload", given, payload)):  # fmt: skip
         if new is not old:
             setattr(ev, name, new)
-    return encoded
+    return encoded, headers_text
 
 
-def _job_values(table: Table, max_bytes: int, values: Mapping[str, Any]) -> dict[str, Any]:
-    """A job's values checked and normalised (``queue`` defaults to ``"default"``), or PayloadError."""
+def _job_values(
+    table: Table, max_bytes: int, values: Mapping[str, Any], *, max_headers: int = 8 * 1024,
+    context: Mapping[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A job's values checked and normalised (``queue`` defaults to ``"default"``; ``headers`` plus the trace
+    ``context``), or PayloadError."""
     out = dict(values)
     task, queue = values.get("task"), values.get("queue")
     what = f"job {task!r:.80} on queue {queue!r:.80}"
@@ -407,16 +455,22 @@ def _job_values(table: Table, max_bytes: int, values: Mapping[str, Any]) -> dict
         if values.get(name) is not None:
             check_int(values[name], what=what, name=name, low=low, high=_INT4[1])
     out["payload"] = normalize_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    if values.get("headers") is not None or context:
+        out["headers"] = _headers_of(what, values.get("headers"), max_headers, context or {})[0]
     return out
 
 
-def _validate_job(job: JobMixin) -> None:
+def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
+    """Validate (and normalise) a job in place; ``context``: the trace headers to add."""
     model = type(job)
-    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts")}
-    checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given)
+    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers")}
+    checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given,
+                          max_headers=model.sa_outbox_max_headers_bytes, context=context)  # fmt: skip
     for name in ("task", "queue", "payload"):
         if checked[name] is not given[name]:
             setattr(job, name, checked[name])
+    if "headers" in checked and checked["headers"] != given["headers"]:
+        job.headers = checked["headers"]
 
 
 # --- step 2: plan the locks -------------------------------------------------------------------------------
@@ -501,7 +555,7 @@ def _lock_and_notify(conn: Connection, gate: dict[str, list[str]]) -> dict[str, 
 def _insert_events(
     conn: Connection,
     events: list[OutboxMixin],
-    encoded: Mapping[int, str],
+    encoded: Mapping[int, tuple[str, str | None]],
     gate: dict[str, list[str]],
     *,
     all_plain: bool = False,
@@ -530,7 +584,8 @@ def _insert_events(
                 "f_types": [ev.aggregate_type for ev in group],
                 "f_ids": [ev.aggregate_id for ev in group],
                 "f_events": [ev.event_type for ev in group],
-                "f_payloads": [encoded[id(ev)] for ev in group],
+                "f_payloads": [encoded[id(ev)][0] for ev in group],
+                "f_headers": [encoded[id(ev)][1] for ev in group],
             }
             ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
             gate = _NO_GATE
@@ -575,7 +630,7 @@ def _insert_one(conn: Connection, table: Table, ev: OutboxMixin) -> list[str]:
 def _write(
     session: Session,
     anchor: Mapper[Any],
-    encoded: Mapping[int, str],
+    encoded: Mapping[int, tuple[str, str | None]],
     *,
     lock: list[OutboxMixin],
     insert: list[OutboxMixin],
@@ -617,11 +672,12 @@ def _now_persistent(
 class _Flush:
     """One flush, from ``before_flush`` to ``after_flush_postexec`` (``session.info[_FLUSH_KEY]``)."""
 
-    __slots__ = ("anchor", "collecting", "context", "encoded", "expire", "jobs", "later")
+    __slots__ = ("anchor", "collecting", "context", "encoded", "expire", "jobs", "later", "trace")
 
     def __init__(self, context: Any) -> None:
         self.context = context  # the flush's UOWTransaction
-        self.encoded: dict[int, str] = {}  # id(event) -> payload JSON text
+        self.encoded: dict[int, tuple[str, str | None]] = {}  # id(event) -> payload, headers JSON text
+        self.trace: dict[str, str] | None = None  # the trace context at this flush, read once when needed
         self.later: list[OutboxMixin] = []  # events written by after_flush, in write order
         self.jobs: set[tuple[str, str]] = set()  # NOTIFYs (table channel, queue) not sent yet
         self.anchor: Any = None  # a mapper of the flush's rows: the bind to write on
@@ -632,10 +688,12 @@ class _Flush:
 def _take(fl: _Flush, obj: Any) -> str | None:
     """Step 1 for one new object of the flush: validate it; returns its kind."""
     kind: str | None = getattr(type(obj), "sa_outbox_kind", None)
+    if kind is not None and fl.trace is None:
+        fl.trace = trace_headers()  # once per flush: every row of the flush is written in the same span
     if kind == "outbox":
-        fl.encoded[id(obj)] = _validate_event(obj)
+        fl.encoded[id(obj)] = _validate_event(obj, cast(dict[str, str], fl.trace))
     elif kind == "jobs":
-        _validate_job(obj)
+        _validate_job(obj, cast(dict[str, str], fl.trace))
         fl.jobs.add((channel_for(_table_of(obj).name), obj.queue))
     if kind is not None and fl.anchor is None:
         fl.anchor = object_mapper(obj)
@@ -782,6 +840,8 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     mapper = orm_state.bind_mapper
     model: Any = mapper.class_ if mapper is not None else None
     max_bytes = getattr(model, "sa_outbox_max_payload_bytes", 1024 * 1024)
+    max_headers = getattr(model, "sa_outbox_max_headers_bytes", 8 * 1024)
+    context = trace_headers()
     if kind == "outbox":
         checked = []
         for row in rows:
@@ -789,12 +849,23 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
                 table, max_bytes, row.get("aggregate_type"), row.get("aggregate_id"), row.get("event_type"),
                 row.get("payload"),
             )  # fmt: skip
-            checked.append({**row, "aggregate_type": atype, "aggregate_id": aid, "event_type": etype,
-                            "payload": payload})  # fmt: skip
+            values = {
+                **row,
+                "aggregate_type": atype,
+                "aggregate_id": aid,
+                "event_type": etype,
+                "payload": payload,
+            }
+            if row.get("headers") is not None or context:
+                what = functools.partial(_what_event, etype, atype, aid)
+                values["headers"] = _headers_of(what, row.get("headers"), max_headers, context)[0]
+            checked.append(values)
         strings = [(r["aggregate_type"], r["aggregate_id"]) for r in checked]
         notifies = [(channel_for(table.name), "")]
     else:
-        checked = [_job_values(table, max_bytes, row) for row in rows]
+        checked = [
+            _job_values(table, max_bytes, row, max_headers=max_headers, context=context) for row in rows
+        ]
         strings, notifies = [], [(channel_for(table.name), r["queue"]) for r in checked]
     _flush_pending_events(session, f"INSERT into {table.name}")
     conn = session.connection(bind_arguments={"clause": stmt})
@@ -832,18 +903,25 @@ def _sync(bind: Any) -> bool:
 
 @overload
 def emit(
-    session: Session, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
-) -> list[int]: ...
+    session: Session, model: type[OutboxMixin], events: Iterable[EmitEvent], *,
+    headers: Mapping[str, str] | None = None,
+) -> list[int]: ...  # fmt: skip
 @overload
 def emit(
-    session: AsyncSession, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
-) -> Awaitable[list[int]]: ...
+    session: AsyncSession, model: type[OutboxMixin], events: Iterable[EmitEvent], *,
+    headers: Mapping[str, str] | None = None,
+) -> Awaitable[list[int]]: ...  # fmt: skip
 def emit(
-    session: Session | AsyncSession, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
-) -> list[int] | Awaitable[list[int]]:
+    session: Session | AsyncSession, model: type[OutboxMixin], events: Iterable[EmitEvent], *,
+    headers: Mapping[str, str] | None = None,
+) -> list[int] | Awaitable[list[int]]:  # fmt: skip
     """Write events ``(aggregate_type, aggregate_id, event_type, payload)`` in the session's transaction with
     one statement — no ORM objects — and return their ids in the given order (``await`` it with an
     ``AsyncSession``).
+
+    Headers: ``headers=`` applies to every event of the call; an event may carry its own as a fifth tuple
+    element ``(…, payload, {"x-tenant": "acme"})``, which win over the call's (name by name, any case). A span
+    active now adds its ``traceparent``/``tracestate`` where the headers carry none.
 
     The same guarantees as ``session.add(OutboxEvent(...))``: validated first (:class:`PayloadError`, nothing
     written), each string aggregate's advisory lock taken once per transaction in key order, one NOTIFY per
@@ -851,22 +929,40 @@ def emit(
     are written first, so ids follow the order the code wrote the events. For producers that write many events
     per second.
     """
+    context = trace_headers()  # the span active at the call, read once for every event
     if not _sync(session):
         given = list(events)
-        return cast("AsyncSession", session).run_sync(lambda s: _emit(s, model, given))
-    return _emit(cast(Session, session), model, events)
+        return cast("AsyncSession", session).run_sync(lambda s: _emit(s, model, given, headers, context))
+    return _emit(cast(Session, session), model, events, headers, context)
 
 
 def _emit(
-    session: Session, model: type[OutboxMixin], events: Iterable[tuple[str, str, str, Any]]
-) -> list[int]:
+    session: Session, model: type[OutboxMixin], events: Iterable[EmitEvent],
+    common: Mapping[str, str] | None, context: Mapping[str, str],
+) -> list[int]:  # fmt: skip
     table: Table = model.__table__  # type: ignore[attr-defined]
     if not _plain_table(table):
         raise PayloadError(
             f"emit() needs a table with exactly the OutboxMixin columns; {table.name} has others"
         )
-    max_bytes = model.sa_outbox_max_payload_bytes
-    rows = [_event_values(table, max_bytes, *given) for given in events]
+    max_bytes, max_headers = model.sa_outbox_max_payload_bytes, model.sa_outbox_max_headers_bytes
+    rows = []
+    encoded_headers: list[str | None] = []
+    for given in events:
+        if not isinstance(given, tuple) or len(given) not in (4, 5):
+            raise PayloadError(
+                "emit() takes (aggregate_type, aggregate_id, event_type, payload[, headers]) tuples, "
+                f"got {given!r:.120}"
+            )
+        row = _event_values(table, max_bytes, *given[:4])
+        own = given[4] if len(given) == 5 else None
+        merged = _merge_headers(common, own)
+        if merged is not None or context:
+            what = functools.partial(_what_event, row[2], row[0], row[1])
+            encoded_headers.append(_headers_of(what, merged, max_headers, context)[1])
+        else:
+            encoded_headers.append(None)
+        rows.append(row)
     if not rows:
         return []
     _flush_pending_events(session, "emit()")
@@ -877,7 +973,7 @@ def _emit(
     params = {
         **plan.gate(),
         "f_types": [r[0] for r in rows], "f_ids": [r[1] for r in rows],
-        "f_events": [r[2] for r in rows], "f_payloads": [r[4] for r in rows],
+        "f_events": [r[2] for r in rows], "f_payloads": [r[4] for r in rows], "f_headers": encoded_headers,
     }  # fmt: skip
     ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
     plan.record(seen)
@@ -964,13 +1060,16 @@ def enqueue(
     run_at: dt.datetime | Duration | None = None,
     max_attempts: int | None = None,
     registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> J:
     """Add a job to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O here): it is written by the
     caller's next flush and exists only if that transaction commits.
 
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
-    rather than at run time. Invalid values raise :class:`PayloadError` before anything is written.
+    rather than at run time. ``headers`` (string names and values, see ``_payload.check_headers``) reach the
+    handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``. Invalid values raise
+    :class:`PayloadError` before anything is written.
     """
     if registry is not None and task not in registry:
         raise PayloadError(
@@ -979,6 +1078,8 @@ def enqueue(
     values: dict[str, Any] = {"task": task, "payload": payload, "queue": queue, "priority": priority}
     if max_attempts is not None:
         values["max_attempts"] = max_attempts
+    if headers is not None:
+        values["headers"] = headers
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:
@@ -987,6 +1088,6 @@ def enqueue(
         else:
             values["run_at"] = func.now() + to_timedelta(run_at, name="run_at delay")
     job: J = cast(Any, job_model)(**values)
-    _validate_job(job)
+    _validate_job(job, trace_headers())
     session.add(job)
     return job

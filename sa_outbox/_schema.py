@@ -62,7 +62,8 @@ class OutboxMixin:
     """Columns, constraints and partial indexes of an outbox table (outbox document §3.1).
 
     Subclasses may set ``sa_outbox_max_payload_bytes`` (default 1 MiB of encoded JSON) to change the size
-    limit the producer enforces at flush.
+    limit the producer enforces at flush, and ``sa_outbox_max_headers_bytes`` (default 8 KiB of header names
+    and values, UTF-8) for the headers.
     """
 
     sa_outbox_kind: ClassVar[str] = "outbox"
@@ -70,6 +71,7 @@ class OutboxMixin:
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     aggregate_type: Mapped[str] = mapped_column(Text, nullable=False)
@@ -93,6 +95,9 @@ class OutboxMixin:
     lease_version: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
     last_error: Mapped[str | None] = mapped_column(Text)
     done_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: String name/value pairs that travel with the event to the broker's own header slot (trace context,
+    #: tenant, correlation ids); NULL when there are none. Validated by the producer (``_payload.check_headers``).
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
 
     @declared_attr.directive
     @classmethod
@@ -148,6 +153,7 @@ class JobMixin:
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
     #: Used by ``enqueue`` and ``Job(...)`` when max_attempts is not given: with the default backoff
     #: (``min(300 s, 2**attempts s)``) a job rides out about 13.5 minutes of a failing downstream before it
     #: fails (2 + 4 + … + 256 + 300 s). The jobs design's own default was 3 (about 6 s).
@@ -172,6 +178,9 @@ class JobMixin:
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: String name/value pairs handed to the handler with the job (trace context, correlation ids); NULL when
+    #: there are none.
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
     #: Set by :func:`sa_outbox.cancel_jobs` on a running job; its worker learns it with its next heartbeat.
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: What the handler returned (a JSON value), written with the fenced completion.

@@ -162,13 +162,15 @@ def spec_for(model: type[Any]) -> QueueSpec:
 
 
 def claim_returning(spec: QueueSpec) -> list[Column[Any]]:
+    """What a claim hands back per row, in the order ``Message.from_row`` / ``ClaimedJob.from_row`` unpack.
+    ``headers`` comes last (NULL reads back as an empty mapping)."""
     c = spec.c
     if spec.kind == "outbox":
         names = ["id", "lease_version", "attempts", "aggregate_type", "aggregate_id", "event_type", "payload",
-                 "created_at"]  # fmt: skip
+                 "created_at", "headers"]  # fmt: skip
     else:
         names = ["id", "lease_version", "attempts", "max_attempts", "task", "queue", "payload", "priority",
-                 "created_at"]  # fmt: skip
+                 "created_at", "headers"]  # fmt: skip
     return [c[n] for n in names]
 
 

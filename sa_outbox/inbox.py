@@ -20,6 +20,10 @@ position at any isolation level — at READ COMMITTED it waits and sees the newe
 SERIALIZABLE PostgreSQL raises a serialization failure (SQLSTATE 40001), which the consumer retries like any
 other at those levels (a redelivery does it), and the retry reports ``STALE``.
 
+Trace context: pass the broker message's headers (``headers=``, see the ``headers_from_*`` helpers) and the
+receipt joins the producer's trace — on the consumer's own span when it already continues that trace
+(:func:`consume_span`), else on a short ``receive <consumer>`` span, child of the producer's context.
+
 Every identifier must fit the inbox's btree index entries (2,704 bytes: ``consumer`` and ``message_id``
 together, ``consumer`` and ``aggregate`` together); longer ones are a :class:`~sa_outbox.errors.PayloadError`
 naming the limit, before any SQL.
@@ -27,9 +31,12 @@ naming the limit, before any SQL.
 
 from __future__ import annotations
 
+import email.header
 import enum
 import functools
-from collections.abc import Mapping
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -53,6 +60,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Mapped, Session, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
+from . import _tracing
 from ._durations import Duration, to_timedelta
 from ._payload import check_index_entries, check_int, require_text
 from .errors import ConfigurationError, PayloadError
@@ -60,8 +68,15 @@ from .errors import ConfigurationError, PayloadError
 __all__ = [
     "InboxMixin",
     "Receipt",
+    "consume_span",
+    "headers_from_amqp",
+    "headers_from_http",
+    "headers_from_mqtt",
+    "headers_from_nats",
+    "headers_from_redis",
     "message_id_from_amqp",
     "message_id_from_http",
+    "message_id_from_mqtt",
     "message_id_from_nats",
     "message_id_from_redis",
     "purge_inbox",
@@ -182,6 +197,7 @@ def receive(
     source: str | None = None,
     aggregate: str | None = None,
     position: int | None = None,
+    headers: Mapping[Any, Any] | None = None,
 ) -> Receipt:
     """Record ``message_id`` for ``consumer`` in the caller's transaction; ``Receipt.NEW`` means apply it.
 
@@ -194,6 +210,10 @@ def receive(
     SERIALIZABLE a concurrent receipt of the aggregate can end in a serialization failure (SQLSTATE 40001);
     retry the transaction, as PostgreSQL requires at those levels. Bad input (empty ids, a position outside
     ``bigint``, ids too long for the inbox's index entries) is a :class:`PayloadError` before any SQL.
+
+    ``headers``: the broker message's headers (str or bytes names and values). When they carry a trace
+    context and ``opentelemetry-api`` is installed, the receipt (``sa_outbox.inbox.receipt``) is recorded in
+    the producer's trace (see the module docs); nothing is stored.
     """
     what = f"inbox: message {message_id!r:.80} for consumer {consumer!r:.80}"
     consumer = require_text(consumer, what, "consumer")
@@ -207,15 +227,31 @@ def receive(
     if aggregate is not None:
         aggregate = require_text(aggregate, what, "aggregate")
         check_int(position, what=what, name="position", low=_BIGINT[0], high=_BIGINT[1])
+    if headers is not None and not isinstance(headers, Mapping):
+        raise PayloadError(f"{what}: headers must be a mapping, got {type(headers).__name__}")
     t = model.__table__
     values: dict[str, Any] = {"consumer": consumer, "message_id": message_id, "aggregate": aggregate,
                               "position": position}  # fmt: skip
     check_index_entries(t, values, what=what)
+    if aggregate is not None:  # the head row's message id holds the aggregate
+        check_index_entries(t, {**values, "message_id": HEAD_PREFIX + aggregate}, what=what)
+    if headers and _tracing.ENABLED:
+        with _tracing.receive_span(headers, consumer, message_id) as span:
+            receipt = _record(session, t, values, event_type, source)
+            span.set("sa_outbox.inbox.receipt", receipt.value)
+            return receipt
+    return _record(session, t, values, event_type, source)
+
+
+def _record(
+    session: Session, t: Table, values: dict[str, Any], event_type: str | None, source: str | None
+) -> Receipt:
+    """The receipt's statements (see :func:`receive`); ``values`` are checked."""
+    aggregate, position = values["aggregate"], values["position"]
     stmts = _statements(t)
     params = {**values, "event_type": event_type, "source": source}
     if aggregate is not None:
         head_id = HEAD_PREFIX + aggregate
-        check_index_entries(t, {**values, "message_id": head_id}, what=what)
         params["head_id"] = head_id
         moved = session.execute(stmts.head, params).first()
         if moved is None or moved[0] != position:  # not newer than the newest applied position
@@ -271,10 +307,12 @@ def message_id_from_nats(msg: Any) -> str:
 
 
 def message_id_from_redis(fields: Mapping[Any, Any]) -> str:
-    """Redis Streams: the ``message_id`` field of the entry."""
-    value = fields.get("message_id") or fields.get(b"message_id")
+    """Redis Streams: the ``message_id`` field of the entry (``ce_id`` of a CloudEvent)."""
+    value = (
+        fields.get("message_id") or fields.get(b"message_id") or fields.get("ce_id") or fields.get(b"ce_id")
+    )
     if not value:
-        raise PayloadError("stream entry has no message_id field")
+        raise PayloadError("stream entry has no message_id (or ce_id) field")
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -284,3 +322,117 @@ def message_id_from_http(headers: Mapping[str, str]) -> str:
         if key.lower() == "idempotency-key" and value:
             return value
     raise PayloadError("request has no Idempotency-Key header")
+
+
+def message_id_from_mqtt(msg: Any) -> str:
+    """MQTT (a paho message): ``message_id`` of the JSON envelope, ``id`` of a structured CloudEvent, or the
+    ``id`` user property of a binary one (MQTT v5)."""
+    props = dict(getattr(getattr(msg, "properties", None), "UserProperty", None) or [])
+    if props.get("id") and props.get("specversion"):
+        return str(props["id"])
+    try:
+        body = json.loads(msg.payload)
+    except (TypeError, ValueError):
+        body = None
+    if isinstance(body, dict):
+        value = body.get("message_id") or (body.get("id") if "specversion" in body else None)
+        if value:
+            return str(value)
+    raise PayloadError("MQTT message has no message_id (envelope) or id (CloudEvent)")
+
+
+# --- where our publishers put the headers -----------------------------------------------------------------
+# Each returns the broker message's header slot as a plain dict of strings (bytes decoded as UTF-8): the
+# event's headers among the publisher's own (``traceparent`` included), ready for ``receive(headers=…)`` and
+# :func:`consume_span`.
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes | bytearray) else str(value)
+
+
+def headers_from_amqp(properties: Any) -> dict[str, str]:
+    """RabbitMQ (pika ``BasicProperties`` / aio-pika message): the AMQP headers."""
+    return {_text(k): _text(v) for k, v in (getattr(properties, "headers", None) or {}).items()}
+
+
+def _nats_value(value: Any) -> str:
+    """A NATS header value as text. ``js.get_msg`` (nats-py parses those headers with ``email``) hands out a
+    non-ASCII value as an ``email.header.Header``: its bytes are the UTF-8 the publisher sent."""
+    if isinstance(value, email.header.Header):
+        raw = b"".join(
+            p if isinstance(p, bytes) else p.encode() for p, _ in email.header.decode_header(value)
+        )
+        return raw.decode("utf-8", "replace")
+    return _text(value)
+
+
+def headers_from_nats(msg: Any) -> dict[str, str]:
+    """NATS: the message's headers (UTF-8 values, whichever nats-py path delivered them)."""
+    return {_text(k): _nats_value(v) for k, v in (getattr(msg, "headers", None) or {}).items()}
+
+
+def headers_from_redis(fields: Mapping[Any, Any]) -> dict[str, str]:
+    """Redis Streams: the entry's ``header:<name>`` fields, by name."""
+    prefix = "header:"
+    out: dict[str, str] = {}
+    for key, value in fields.items():
+        name = _text(key)
+        if name.startswith(prefix):
+            out[name[len(prefix) :]] = _text(value)
+    return out
+
+
+def headers_from_http(headers: Mapping[Any, Any]) -> dict[str, str]:
+    """HTTP webhook: the request's headers (names as received; trace extraction ignores their case)."""
+    return {_text(k): _text(v) for k, v in headers.items()}
+
+
+def headers_from_mqtt(msg: Any) -> dict[str, str]:
+    """MQTT (a paho message): the user properties (MQTT v5), else the ``headers`` object of the JSON envelope
+    (MQTT 3.1.1), else a structured CloudEvent's ``traceparent``/``tracestate`` extension attributes."""
+    props = getattr(getattr(msg, "properties", None), "UserProperty", None)
+    if props:
+        return {_text(k): _text(v) for k, v in props}
+    try:
+        body = json.loads(msg.payload)
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    if isinstance(body.get("headers"), dict):
+        return {_text(k): _text(v) for k, v in body["headers"].items()}
+    return {k: str(body[k]) for k in _tracing.TRACE_HEADERS if k in body}
+
+
+@contextmanager
+def consume_span(
+    headers: Mapping[Any, Any] | None,
+    *,
+    consumer: str,
+    message_id: str | int | None = None,
+    destination: str | None = None,
+) -> Iterator[None]:
+    """The consumer's own span, continuing the producer's trace carried by ``headers``: a ``CONSUMER`` span
+    ``process <destination or consumer>`` whose parent is the extracted context (the current one when the
+    headers carry none), current inside the block — the handler's spans and :func:`receive`'s receipt land in
+    it. A no-op without ``opentelemetry-api``.
+
+    ::
+
+        with consume_span(headers_from_amqp(props), consumer="billing", message_id=props.message_id):
+            with Session(engine) as s, s.begin():
+                if receive(s, Inbox, "billing", props.message_id, headers=headers_from_amqp(props)):
+                    apply(...)
+    """
+    attributes: dict[str, Any] = {
+        "messaging.operation": "process",
+        "messaging.operation.name": "process",
+        "messaging.consumer.group.name": consumer,
+    }
+    if message_id is not None:
+        attributes["messaging.message.id"] = str(message_id)
+    if destination is not None:
+        attributes["messaging.destination.name"] = destination
+    with _tracing.consumer_span(headers, f"process {destination or consumer}", attributes):
+        yield

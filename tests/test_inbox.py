@@ -342,3 +342,39 @@ def test_end_to_end_lost_lease_double_publish_applies_once(order: Engine) -> Non
     finally:
         ch.queue_delete(queue)
         conn.close()
+
+
+def test_header_helpers_read_each_brokers_shape_and_receive_checks_headers(engine: Engine) -> None:
+    import json
+    from email.parser import BytesParser
+    from types import SimpleNamespace
+
+    from sa_outbox.inbox import (
+        headers_from_amqp,
+        headers_from_http,
+        headers_from_mqtt,
+        headers_from_nats,
+        headers_from_redis,
+        message_id_from_mqtt,
+    )
+
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert headers_from_amqp(SimpleNamespace(headers={"traceparent": tp.encode(), "n": 1})) == {
+        "traceparent": tp, "n": "1"}  # fmt: skip
+    assert headers_from_amqp(SimpleNamespace(headers=None)) == {}
+    parsed = BytesParser().parsebytes("x-note: crème\r\n\r\n".encode())  # what js.get_msg hands out
+    assert headers_from_nats(SimpleNamespace(headers={"x-note": parsed["x-note"]})) == {"x-note": "crème"}
+    fields = {b"message_id": b"1", b"header:traceparent": tp.encode(), b"payload": b"{}"}
+    assert headers_from_redis(fields) == {"traceparent": tp}
+    assert headers_from_http({"Traceparent": tp}) == {"Traceparent": tp}
+    v5 = SimpleNamespace(properties=SimpleNamespace(UserProperty=[("traceparent", tp)]), payload=b"{}")
+    v311 = SimpleNamespace(properties=None, payload=json.dumps({"message_id": "5", "headers": {"a": "b"}}))
+    structured = SimpleNamespace(properties=None, payload=json.dumps({"specversion": "1.0", "id": "6",
+                                                                       "traceparent": tp}))  # fmt: skip
+    assert headers_from_mqtt(v5) == {"traceparent": tp} and headers_from_mqtt(v311) == {"a": "b"}
+    assert headers_from_mqtt(structured) == {"traceparent": tp}
+    assert message_id_from_mqtt(v311) == "5" and message_id_from_mqtt(structured) == "6"
+    with pytest.raises(PayloadError, match="no message_id"):
+        message_id_from_mqtt(SimpleNamespace(properties=None, payload=b"not json"))
+    with Session(engine) as s, pytest.raises(PayloadError, match="headers must be a mapping"):
+        receive(s, Inbox, "c", "1", headers=["traceparent"])  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
@@ -499,3 +500,141 @@ def test_mqtt_down_is_destination_unavailable(engine: Engine) -> None:
     Dispatcher(engine, OutboxEvent, MQTTPublisher("127.0.0.1", CLOSED, timeout=1), listen=False).run_once()
     r = row(engine, "outbox", 1)
     assert r.status == "pending" and r.last_error.startswith("DestinationUnavailable: mqtt broker")
+
+
+# --- headers: every publisher copies them into the broker's own header slot -----------------------------
+
+HEADERS = {"x-tenant": "acme", "x-note": "crème brûlée"}  # non-ASCII on purpose: every slot carries UTF-8
+
+
+def _tx_with_headers(engine: Engine, n: int = 2) -> None:
+    with Session(engine) as s, s.begin():
+        for i in range(n):
+            s.add(OutboxEvent(aggregate_type="order", aggregate_id=str(i), event_type="OrderPaid",
+                              payload={"n": i}, headers=HEADERS if i == 0 else None))  # fmt: skip
+
+
+def test_rabbitmq_headers_travel_as_amqp_headers(engine: Engine, rabbit_queue: Any) -> None:
+    from sa_outbox.inbox import headers_from_amqp
+
+    exchange, (ch, queue) = rabbit_queue
+    _tx_with_headers(engine)
+    pub = RabbitMQPublisher(AMQP, exchange=exchange, routing_key="order.x")
+    _dispatch(engine, pub)
+    pub.close()
+    got = [headers_from_amqp(ch.basic_get(queue, auto_ack=True)[1]) for _ in range(2)]
+    assert {k: got[0][k] for k in HEADERS} == HEADERS and got[0]["event-type"] == "OrderPaid"
+    assert not set(HEADERS) & set(got[1])  # an event without headers sends only the publisher's own
+
+
+def test_async_rabbitmq_headers_travel_as_amqp_headers(rabbit_queue: Any) -> None:
+    from sa_outbox.inbox import headers_from_amqp
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    exchange, (ch, queue) = rabbit_queue
+    m = Message(1, "1", "o", "1", "x", {}, 1, 1, datetime.now(UTC), headers=HEADERS)
+
+    async def go() -> list[BaseException | None]:
+        pub = AsyncRabbitMQPublisher(AMQP, exchange=exchange, routing_key="order.x")
+        try:
+            return await pub.publish_many([m])
+        finally:
+            await pub.close()
+
+    assert asyncio.run(go()) == [None]
+    got = headers_from_amqp(ch.basic_get(queue, auto_ack=True)[1])
+    assert {k: got[k] for k in HEADERS} == HEADERS
+
+
+def test_nats_headers_travel_as_nats_headers(engine: Engine, jetstream: tuple[str, str]) -> None:
+    from sa_outbox.inbox import headers_from_nats
+
+    stream, prefix = jetstream
+    _tx_with_headers(engine)
+    pub = NatsPublisher(NATS, subject_prefix=prefix)
+    _dispatch(engine, pub)
+    pub.close()
+    first = headers_from_nats(_stream_messages(stream)[0])
+    assert {k: first[k] for k in HEADERS} == HEADERS and first["Nats-Msg-Id"] == "1"
+
+
+def test_redis_headers_travel_as_header_fields(engine: Engine, stream_key: str) -> None:
+    from sa_outbox.inbox import headers_from_redis
+
+    _tx_with_headers(engine)
+    _dispatch(engine, RedisStreamPublisher(REDIS, stream=stream_key))
+    entries = redis.Redis.from_url(REDIS).xrange(stream_key)
+    assert headers_from_redis(entries[0][1]) == HEADERS and headers_from_redis(entries[1][1]) == {}
+    assert entries[0][1][b"header:x-tenant"] == b"acme" and entries[0][1][b"message_id"] == b"1"
+
+
+def test_webhook_headers_travel_as_http_headers_under_the_configured_ones(
+    engine: Engine, webhook: Any
+) -> None:
+    url, hook = webhook
+    with Session(engine) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="order", aggregate_id="1", event_type="E", payload={},
+                          headers={**HEADERS, "Authorization": "from-the-event", "idempotency-key": "x"}))  # fmt: skip
+    _dispatch(engine, WebhookPublisher(url, headers={"Authorization": "Bearer configured"}))
+    received = hook.received[0][0]
+    assert received["x-tenant"] == "acme"
+    assert received["x-note"].encode("latin-1").decode() == HEADERS["x-note"]  # UTF-8 on the wire
+    assert received["Authorization"] == "Bearer configured"  # the configured headers win
+    assert received["Idempotency-Key"] == "1"  # and the publisher's own
+    assert sum(k.lower() == "idempotency-key" for k in received) == 1
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_mqtt_headers_travel_as_user_properties_or_in_the_body(engine: Engine, protocol: str) -> None:
+    from sa_outbox.inbox import headers_from_mqtt, message_id_from_mqtt
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+
+    got = _mqtt_roundtrip(engine, MQTTPublisher("127.0.0.1", 1883, protocol=protocol), _tx_with_headers)
+    assert sorted(message_id_from_mqtt(m) for m in got) == ["1", "2"]
+    first = next(m for m in got if message_id_from_mqtt(m) == "1")
+    assert headers_from_mqtt(first) == HEADERS
+    if protocol == "5":
+        assert "headers" not in json.loads(first.payload)  # the body is the plain envelope
+    else:
+        assert json.loads(first.payload)["headers"] == HEADERS
+
+
+def _mqtt_roundtrip(engine: Engine, pub: Any, write: Any, n: int = 2) -> list[Any]:
+    """Subscribe (MQTT v5, so user properties arrive), write the events, dispatch them through ``pub`` on its
+    topic prefix, and return the paho messages the subscriber got."""
+    import paho.mqtt.client as mqtt
+
+    prefix = f"sa_outbox_test_{uuid.uuid4().hex[:6]}"
+    pub.topic = lambda m: f"{prefix}/{m.event_type}"
+    got: list[Any] = []
+    subscribed = threading.Event()
+    sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    sub.on_connect = lambda c, u, f, r, p: c.subscribe(f"{prefix}/#", qos=1)
+    sub.on_subscribe = lambda c, u, mid, r, p: subscribed.set()
+    sub.on_message = lambda c, u, msg: got.append(msg)
+    sub.connect("127.0.0.1", 1883)
+    sub.loop_start()
+    try:
+        assert subscribed.wait(5)
+        write(engine, n)
+        _dispatch(engine, pub)
+        pub.close()
+        deadline = time.monotonic() + 5
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sub.loop_stop()
+        sub.disconnect()
+    assert len(got) == n
+    return got
+
+
+def test_webhook_sends_a_non_ascii_aggregate_id_as_utf8(engine: Engine, webhook: Any) -> None:
+    """httpx encodes str header values as ASCII: the X-Outbox-Aggregate-Id of 'Zoë' made every publish of
+    that aggregate fail (and end dead) before the values were sent as UTF-8 bytes."""
+    url, hook = webhook
+    with Session(engine) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="order", aggregate_id="Zoë", event_type="E", payload={}))
+    _dispatch(engine, WebhookPublisher(url))
+    assert statuses(engine) == {"done": 1}
+    assert hook.received[0][0]["X-Outbox-Aggregate-Id"].encode("latin-1").decode() == "Zoë"

@@ -54,6 +54,7 @@ def test_outbox_columns_match_the_document(engine: Engine) -> None:
         "lease_version": ("bigint", "NO", "0"),
         "last_error": ("text", "YES", None),
         "done_at": ("timestamp with time zone", "YES", None),
+        "headers": ("jsonb", "YES", None),
     }
 
 
@@ -90,6 +91,7 @@ def test_jobs_columns_match_the_document_plus_task_and_fencing(engine: Engine) -
         "last_error": ("text", "YES", None),
         "created_at": ("timestamp with time zone", "NO", "now()"),
         "finished_at": ("timestamp with time zone", "YES", None),
+        "headers": ("jsonb", "YES", None),
         "cancel_requested_at": ("timestamp with time zone", "YES", None),
         "result": ("jsonb", "YES", None),
     }

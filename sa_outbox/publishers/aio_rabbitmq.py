@@ -1,5 +1,6 @@
 """RabbitMQ publisher for asyncio (extra ``aio-rabbitmq``, aio-pika): the same message shape and error mapping
-as :mod:`sa_outbox.publishers.rabbitmq`, for :class:`~sa_outbox.AsyncDispatcher`.
+as :mod:`sa_outbox.publishers.rabbitmq` (headers, ``envelope="cloudevents"``), for
+:class:`~sa_outbox.AsyncDispatcher`.
 
 * The channel runs in publisher-confirm mode; ``publish_many`` sends a whole batch and awaits all its confirms
   together (one wait for the batch, not one round trip per message), reporting per message: a nack or a
@@ -23,7 +24,7 @@ from typing import Any
 
 from .._messages import Message
 from ..errors import DestinationUnavailable, RetryableError
-from ._common import AmqpRouting, BackgroundCloser, envelope_json, headers_for, missing_extra, publish_each
+from ._common import AmqpRouting, BackgroundCloser, missing_extra, publish_each
 
 try:
     import aio_pika
@@ -119,9 +120,10 @@ class AsyncRabbitMQPublisher(AmqpRouting):
     # --- publishing -------------------------------------------------------------------------------------
 
     def _message(self, message: Message) -> Any:
+        body, headers, content_type = self._frame(message)
         return aio_pika.Message(
-            envelope_json(message), message_id=message.message_id, content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT, type=message.event_type, headers=dict(headers_for(message)),
+            body, message_id=message.message_id, content_type=content_type,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT, type=message.event_type, headers=dict(headers),
         )  # fmt: skip
 
     async def _publish(self, exchange: Any, message: Message, deadline: float) -> None:

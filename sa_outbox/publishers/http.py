@@ -1,5 +1,10 @@
 """HTTP webhook publisher (extra ``http``): POST the message as JSON with ``Idempotency-Key: <message_id>``.
 
+The message's ``headers`` (with the publish span's ``traceparent``) are sent as HTTP headers, under the
+configured ``headers`` and the publisher's own. ``envelope="cloudevents"`` POSTs a binary-mode CloudEvent
+(HTTP protocol binding: percent-encoded ``ce-*`` headers, ``Content-Type: application/json``, the payload
+JSON as the body).
+
 Outcomes:
 
 * **2xx → delivered**, whatever the body: the receiver took the message when it answered 2xx, so a slow,
@@ -50,7 +55,15 @@ from typing import Any
 from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
-from ._common import envelope_json, headers_for, missing_extra
+from ._common import (
+    Envelope,
+    ce_header_value,
+    envelope_json,
+    headers_for,
+    missing_extra,
+    outgoing_headers,
+    payload_json,
+)
 
 try:
     import httpcore
@@ -287,6 +300,8 @@ def _same_origin(a: httpx.URL, b: httpx.URL) -> bool:
 class _Webhook:
     """Options, the request and the meaning of an answer: shared by the sync and the async publisher."""
 
+    messaging_system = "http"
+
     def __init__(
         self,
         url: str | Callable[[Message], str],
@@ -298,7 +313,10 @@ class _Webhook:
         min_retry_after: Duration = 1.0,
         max_defer_age: Duration | None = timedelta(hours=1),
         max_redirects: int = 5,
+        envelope: str = "outbox",
+        source: str | Callable[[Message], str] | None = None,
     ) -> None:
+        self.envelope = Envelope(envelope, source)
         self.url = url
         self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         self.headers = dict(headers or {})
@@ -312,12 +330,37 @@ class _Webhook:
         self.max_redirects = max_redirects
         self.client: Any = client
 
-    def _request(self, message: Message) -> tuple[httpx.URL, dict[str, str], bytes]:
+    def messaging_destination(self, message: Message) -> str:
+        """``messaging.destination.name`` of the publish span: the URL without its query (which may hold a
+        token)."""
+        url = httpx.URL(self.url(message) if callable(self.url) else self.url)
+        return str(url.copy_with(query=None, fragment=None))
+
+    def _request(self, message: Message) -> tuple[httpx.URL, httpx.Headers, bytes]:
+        """URL, headers and body. Headers, later ones replacing earlier ones of the same name (any case): the
+        message's, the configured ``headers``, then ``X-Outbox-*``, the CloudEvents ``ce-*`` attributes
+        (binary mode, percent-encoded), ``Idempotency-Key`` and ``Content-Type``. Values are sent as UTF-8
+        (an aggregate id or header value may be non-ASCII)."""
         url = self.url(message) if callable(self.url) else self.url
-        headers = {**self.headers, **{f"X-Outbox-{k.title()}": v for k, v in headers_for(message).items()}}
-        headers["Idempotency-Key"] = message.message_id
-        headers["Content-Type"] = "application/json"
-        return httpx.URL(url), headers, envelope_json(message)
+        merged: dict[str, tuple[str, str]] = {}
+
+        def put(items: Mapping[str, str]) -> None:
+            for name, value in items.items():
+                merged[name.lower()] = (name, value)
+
+        put(outgoing_headers(message))
+        put(self.headers)
+        put({f"X-Outbox-{k.title()}": v for k, v in headers_for(message).items()})
+        if self.envelope.cloudevents:
+            attributes = self.envelope.ce_attributes(message)
+            content_type = attributes.pop("datacontenttype")
+            put({f"ce-{k}": ce_header_value(v) for k, v in attributes.items()})
+            body = payload_json(message)
+        else:
+            content_type, body = "application/json", envelope_json(message)
+        put({"Idempotency-Key": message.message_id, "Content-Type": content_type})
+        headers = httpx.Headers([(name.encode(), value.encode()) for name, value in merged.values()])
+        return httpx.URL(url), headers, body
 
     def _answer(self, url: httpx.URL, response: httpx.Response, hops: int) -> tuple[int, httpx.URL | None]:
         """What to do with an answer's status and headers: (how many body bytes to read, ``None``) when it is

@@ -3,6 +3,14 @@
 MQTT has no server-side de-duplication: the JSON envelope carries ``message_id`` for the consumer to
 de-duplicate on (QoS 1 itself may redeliver). The topic comes from the event (default ``<prefix>/<event_type>``).
 
+Headers (with the publish span's ``traceparent``): MQTT v5 (``protocol="5"``) sends them as user
+properties; MQTT 3.1.1 has no header slot, so the JSON envelope gets a ``headers`` object.
+``envelope="cloudevents"``: with v5 a binary-mode CloudEvent (attributes as unprefixed user properties,
+``Content Type`` ``application/json``, the payload JSON as the body), with 3.1.1 a structured one (the JSON
+event format; headers become extension attributes, so their names must be 1–20 lowercase letters and digits,
+which ``traceparent``/``tracestate`` are — a message with another header fails as
+:class:`~sa_outbox.PermanentError` naming it).
+
 * A message counts as delivered when the broker's PUBACK arrives. ``publish_many`` sends a whole batch, then
   waits for all the PUBACKs together; ``publish`` and ``publish_many`` each return within ``timeout``
   seconds in total, connecting included.
@@ -17,27 +25,46 @@ de-duplicate on (QoS 1 itself may redeliver). The topic comes from the event (de
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import DestinationUnavailable, PermanentError, RetryableError
-from ._common import envelope_json, missing_extra
+from ..errors import ConfigurationError, DestinationUnavailable, PermanentError, RetryableError
+from ._common import (
+    Envelope,
+    envelope,
+    envelope_json,
+    missing_extra,
+    outgoing_headers,
+    payload_json,
+)
 
 try:
     import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import MQTTProtocolVersion
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     missing_extra("mqtt", exc)
 
 __all__ = ["MQTTPublisher"]
 
 
+_PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
+
+
 class MQTTPublisher:
-    """``MQTTPublisher("127.0.0.1", 1883, topic_prefix="orders")``. Use it from one thread at a time."""
+    """``MQTTPublisher("127.0.0.1", 1883, topic_prefix="orders")``. Use it from one thread at a time.
+
+    ``protocol`` is ``"3.1.1"`` (the default) or ``"5"``; ``envelope`` is ``"outbox"`` (the JSON envelope) or
+    ``"cloudevents"`` (needs ``source``)."""
+
+    messaging_system = "mqtt"
 
     def __init__(
         self,
@@ -48,7 +75,14 @@ class MQTTPublisher:
         topic_prefix: str = "outbox",
         qos: int = 1,
         timeout: Duration = 5.0,
+        protocol: str = "3.1.1",
+        envelope: str = "outbox",
+        source: str | Callable[[Message], str] | None = None,
     ) -> None:
+        if protocol not in _PROTOCOLS:
+            raise ConfigurationError(f"protocol must be '3.1.1' or '5', got {protocol!r}")
+        self.protocol = protocol
+        self.envelope = Envelope(envelope, source)
         self.host, self.port, self.qos = host, port, qos
         self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         self.topic = topic or (lambda m: f"{topic_prefix}/{m.event_type}")
@@ -94,8 +128,9 @@ class MQTTPublisher:
         self.close()
         version = mqtt.CallbackAPIVersion.VERSION2  # type: ignore[attr-defined]
         client = mqtt.Client(
-            version, client_id=f"sa-outbox-{uuid.uuid4().hex[:8]}", reconnect_on_failure=False
-        )
+            version, client_id=f"sa-outbox-{uuid.uuid4().hex[:8]}", reconnect_on_failure=False,
+            protocol=_PROTOCOLS[self.protocol],
+        )  # fmt: skip
         client.on_connect, client.on_disconnect, client.on_publish = (
             self._on_connect, self._on_disconnect, self._on_publish,
         )  # fmt: skip
@@ -127,7 +162,12 @@ class MQTTPublisher:
         waiting: dict[int, int] = {}  # mid -> index
         for i, m in enumerate(messages):
             try:
-                info = client.publish(self.topic(m), envelope_json(m), qos=self.qos)
+                body, properties = self._frame(m)
+            except PermanentError as exc:  # a header a structured CloudEvent cannot carry
+                results[i] = exc
+                continue
+            try:
+                info = client.publish(self.topic(m), body, qos=self.qos, properties=properties)
             except ValueError as exc:  # a topic MQTT refuses (wildcards, empty, too long)
                 results[i] = PermanentError(f"invalid MQTT topic for message {m.message_id}: {exc}")
                 continue
@@ -159,6 +199,36 @@ class MQTTPublisher:
         if down is not None or len(acked) < len(waiting):
             self.close()
         return results
+
+    def messaging_destination(self, message: Message) -> str:
+        """``messaging.destination.name`` of the publish span: the topic."""
+        return self.topic(message)
+
+    def _frame(self, message: Message) -> tuple[bytes, Any]:
+        """The PUBLISH payload and its MQTT v5 properties (``None`` with 3.1.1, which has none)."""
+        headers = outgoing_headers(message)
+        if self.protocol == "3.1.1":
+            if self.envelope.cloudevents:
+                return self.envelope.ce_structured(message, headers), None
+            body = envelope(message)
+            body["headers"] = headers
+            return json.dumps(body, separators=(",", ":")).encode(), None
+        props: Any = cast(Any, Properties)(PacketTypes.PUBLISH)
+        if not self.envelope.cloudevents:
+            props.ContentType = "application/json"
+            if headers:
+                props.UserProperty = list(headers.items())
+            return envelope_json(message), props
+        attributes = self.envelope.ce_attributes(message)
+        props.ContentType = attributes.pop("datacontenttype")
+        clash = sorted(set(headers) & set(attributes))
+        if clash:
+            raise PermanentError(
+                f"message {message.message_id}: header {clash[0]!r} has the name of a CloudEvents attribute, "
+                "which MQTT v5 binary mode sends as an unprefixed user property; rename the header"
+            )
+        props.UserProperty = [*attributes.items(), *headers.items()]
+        return payload_json(message), props
 
     def publish(self, message: Message) -> None:
         """Publish one message and wait for its PUBACK (within ``timeout``); raises its failure class."""

@@ -2,7 +2,10 @@
 
 Each message is published with the ``Nats-Msg-Id`` header set to the outbox id, so the stream's duplicate
 window drops a re-publish after a lost lease (the second publish is acknowledged as a duplicate and the
-stream keeps one copy). The subject comes from the event (default ``<prefix>.<event_type>``).
+stream keeps one copy). The subject comes from the event (default ``<prefix>.<event_type>``). The message's
+``headers`` (with the publish span's ``traceparent``) travel as NATS headers. ``envelope="cloudevents"``
+sends a binary-mode CloudEvent (NATS protocol binding: ``ce-*`` headers and ``content-type``, the payload
+JSON as the body).
 
 Failures:
 
@@ -43,7 +46,17 @@ from typing import Any
 from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import DestinationUnavailable, PermanentError, RetryableError
-from ._common import BackgroundCloser, envelope, headers_for, missing_extra, publish_each
+from ._common import (
+    BackgroundCloser,
+    Envelope,
+    ce_header_value,
+    envelope,
+    headers_for,
+    missing_extra,
+    outgoing_headers,
+    payload_json,
+    publish_each,
+)
 
 try:
     from nats import errors as nerr
@@ -74,7 +87,10 @@ def _wire_size(body: bytes, headers: dict[str, str]) -> int:
 
 
 class AsyncNatsPublisher:
-    """``AsyncNatsPublisher("nats://127.0.0.1:4222", subject_prefix="orders")``."""
+    """``AsyncNatsPublisher("nats://127.0.0.1:4222", subject_prefix="orders")``. ``envelope`` is ``"outbox"``
+    (the JSON envelope) or ``"cloudevents"`` (needs ``source``)."""
+
+    messaging_system = "nats"
 
     def __init__(
         self,
@@ -83,7 +99,10 @@ class AsyncNatsPublisher:
         subject: Callable[[Message], str] | None = None,
         subject_prefix: str = "outbox",
         timeout: Duration = 5.0,
+        envelope: str = "outbox",
+        source: str | Callable[[Message], str] | None = None,
     ) -> None:
+        self.envelope = Envelope(envelope, source)
         self.url = url
         self.subject = subject or (lambda m: f"{subject_prefix}.{m.event_type}")
         self.timeout = to_seconds(timeout, name="timeout", allow_zero=False)
@@ -119,12 +138,24 @@ class AsyncNatsPublisher:
         self._nc, self._js, self._max_payload = nc, nc.jetstream(timeout=self.timeout), nc.max_payload
         return self._js
 
+    def messaging_destination(self, message: Message) -> str:
+        """``messaging.destination.name`` of the publish span: the subject."""
+        return self.subject(message)
+
     def _frame(self, message: Message) -> tuple[str, bytes, dict[str, str]]:
-        headers = {
-            "Nats-Msg-Id": message.message_id,
-            **{f"Outbox-{k.title()}": v for k, v in headers_for(message).items()},
-        }
-        body = json.dumps(envelope(message), separators=(",", ":")).encode()
+        """Subject, body and headers: the message's headers, then (CloudEvents, binary mode) the ``ce-*``
+        attributes (percent-encoded as in HTTP) and ``content-type``, then ``Nats-Msg-Id`` and the
+        ``Outbox-*`` metadata."""
+        headers = outgoing_headers(message)
+        if self.envelope.cloudevents:
+            attributes = self.envelope.ce_attributes(message)
+            headers["content-type"] = attributes.pop("datacontenttype")
+            headers.update({f"ce-{k}": ce_header_value(v) for k, v in attributes.items()})
+            body = payload_json(message)
+        else:
+            body = json.dumps(envelope(message), separators=(",", ":")).encode()
+        headers["Nats-Msg-Id"] = message.message_id
+        headers.update({f"Outbox-{k.title()}": v for k, v in headers_for(message).items()})
         limit = self._max_payload
         size = _wire_size(body, headers)
         if size > limit:
@@ -201,6 +232,8 @@ class AsyncNatsPublisher:
 class NatsPublisher:
     """The sync face of :class:`AsyncNatsPublisher` (same arguments), for the sync Dispatcher."""
 
+    messaging_system = "nats"
+
     def __init__(self, url: str = "nats://127.0.0.1:4222", **options: Any) -> None:
         self.inner = AsyncNatsPublisher(url, **options)
         self.timeout = self.inner.timeout
@@ -215,6 +248,10 @@ class NatsPublisher:
         except TimeoutError as exc:
             future.cancel()
             raise RetryableError(f"nats publish did not finish within {self.timeout:g}s") from exc
+
+    def messaging_destination(self, message: Message) -> str:
+        """See :meth:`AsyncNatsPublisher.messaging_destination`."""
+        return self.inner.messaging_destination(message)
 
     def publish(self, message: Message) -> None:
         """See :meth:`AsyncNatsPublisher.publish`."""

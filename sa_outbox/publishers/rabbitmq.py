@@ -1,7 +1,10 @@
 """RabbitMQ publisher (extra ``rabbitmq``, pika): persistent messages with publisher confirms.
 
-* ``message_id`` property = the outbox id (consumers de-duplicate on it); event type, aggregate, lease version
-  and attempts travel as headers; ``content_type`` is JSON; ``delivery_mode=2`` (persistent).
+* ``message_id`` property = the outbox id (consumers de-duplicate on it); the message's ``headers`` (with the
+  publish span's ``traceparent``) and then event type, aggregate, lease version and attempts travel as AMQP
+  headers; ``content_type`` is JSON; ``delivery_mode=2`` (persistent). ``envelope="cloudevents"`` (with
+  ``source=``) sends a binary-mode CloudEvent per the CloudEvents RabbitMQ binding: ``ce-*`` headers,
+  ``content_type`` ``application/json``, the payload JSON as the body.
 * Every message waits for the broker's publisher confirm, and every outcome is per message. ``publish_many``
   (the dispatcher's batch path) pipelines: it publishes the whole batch back to back on one confirm-mode
   channel, then waits once for all the confirms, matched to messages by delivery tag. A message the broker
@@ -39,7 +42,7 @@ from typing import Any
 from .._durations import Duration
 from .._messages import Message
 from ..errors import DestinationUnavailable, RetryableError
-from ._common import AmqpRouting, envelope_json, headers_for, missing_extra
+from ._common import AmqpRouting, missing_extra
 
 try:
     import pika  # type: ignore[import-untyped]
@@ -117,7 +120,8 @@ class RabbitMQPublisher(AmqpRouting):
     """``RabbitMQPublisher("amqp://guest:guest@127.0.0.1:5672/%2F", exchange="orders")``.
 
     ``routing_key`` is a string or a callable of the message (default: the event type). ``timeout`` (seconds)
-    bounds each ``publish`` / ``publish_many`` call as a whole, connecting included. Safe to share between
+    bounds each ``publish`` / ``publish_many`` call as a whole, connecting included. ``envelope`` is
+    ``"outbox"`` (the JSON envelope) or ``"cloudevents"`` (needs ``source``). Safe to share between
     threads. ``close()`` disconnects and stops the I/O thread; a later publish starts them again.
     """
 
@@ -130,9 +134,11 @@ class RabbitMQPublisher(AmqpRouting):
         mandatory: bool = True,
         unroutable: str = "retry",
         timeout: Duration = 5.0,
+        envelope: str = "outbox",
+        source: str | Callable[[Message], str] | None = None,
     ) -> None:
         super().__init__(exchange=exchange, routing_key=routing_key, mandatory=mandatory, unroutable=unroutable,
-                         timeout=timeout)  # fmt: skip
+                         timeout=timeout, envelope=envelope, source=source)  # fmt: skip
         params = pika.URLParameters(url)
         params.socket_timeout = params.stack_timeout = params.blocked_connection_timeout = self.timeout
         params.connection_attempts = 1
@@ -172,7 +178,7 @@ class RabbitMQPublisher(AmqpRouting):
         batch = _Batch(messages)
         for i, m in enumerate(messages):
             try:
-                batch.frames[i] = (self._key(m), envelope_json(m), self._props(m))
+                batch.frames[i] = (self._key(m), *self._body_and_props(m))
             except Exception as exc:  # a bug in a routing_key callable: that message's own failure
                 batch.settle(i, exc)
         if batch.done.is_set():
@@ -401,11 +407,13 @@ class RabbitMQPublisher(AmqpRouting):
         conn.add_on_close_callback(lambda *_: ioloop.stop())
         ioloop.call_later(self.timeout, ioloop.stop)  # a hung connection: stop anyway
 
-    def _props(self, message: Message) -> Any:
-        return pika.BasicProperties(
+    def _body_and_props(self, message: Message) -> tuple[bytes, Any]:
+        body, headers, content_type = self._frame(message)
+        props = pika.BasicProperties(
             message_id=message.message_id,
-            content_type="application/json",
+            content_type=content_type,
             delivery_mode=2,
             type=message.event_type,
-            headers=headers_for(message),
+            headers=headers,
         )
+        return body, props

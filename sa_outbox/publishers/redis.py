@@ -1,5 +1,11 @@
 """Redis Streams publisher (extra ``redis``): ``XADD`` of the message's fields, optional ``MAXLEN ~``.
 
+Each header of the message (with the publish span's ``traceparent``) is a field ``header:<name>``.
+``envelope="cloudevents"`` writes a binary-mode CloudEvent the way the Kafka protocol binding does for a
+record's headers — ``ce_id``, ``ce_source``, ``ce_type``, … and ``content-type`` fields, the payload JSON in
+the ``data`` field — since Redis has no binding of its own and a stream entry is a set of fields, like Kafka
+headers (``sa_outbox.inbox.message_id_from_redis`` reads ``ce_id`` then).
+
 ``publish_many`` sends a batch in one pipeline (one round trip) and reports per message. Redis Streams has no
 server-side de-duplication: consumers de-duplicate by the ``message_id`` field (see
 :func:`sa_outbox.inbox.message_id_from_redis`). Failures (:func:`classify_redis_error`):
@@ -27,7 +33,7 @@ from typing import Any
 from .._durations import Duration, to_seconds
 from .._messages import Message
 from ..errors import DestinationUnavailable, PermanentError, RetryableError
-from ._common import envelope, missing_extra
+from ._common import Envelope, envelope, missing_extra, outgoing_headers, payload_json
 
 try:
     import redis
@@ -37,7 +43,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     missing_extra("redis", exc)
 
-__all__ = ["RedisStreamPublisher", "classify_redis_error"]
+__all__ = ["HEADER_FIELD_PREFIX", "RedisStreamPublisher", "classify_redis_error"]
+
+#: Each header of the message is a field ``header:<name>`` of the stream entry (in both envelopes), so that a
+#: header can never overwrite an envelope field.
+HEADER_FIELD_PREFIX = "header:"
 
 # Error replies that mean "the server cannot take writes now", whatever the message.
 _UNAVAILABLE_REPLIES = frozenset(
@@ -85,7 +95,10 @@ def classify_redis_error(exc: Exception) -> BaseException:
 
 class RedisStreamPublisher:
     """``RedisStreamPublisher("redis://127.0.0.1:6379/0", stream="events")``; ``stream`` may be a callable of the
-    message (e.g. ``lambda m: f"events.{m.aggregate_type}"``). ``timeout`` bounds every command."""
+    message (e.g. ``lambda m: f"events.{m.aggregate_type}"``). ``timeout`` bounds every command.
+    ``envelope`` is ``"outbox"`` (the envelope's fields) or ``"cloudevents"`` (needs ``source``)."""
+
+    messaging_system = "redis"
 
     def __init__(
         self,
@@ -94,7 +107,10 @@ class RedisStreamPublisher:
         stream: str | Callable[[Message], str] = "outbox",
         maxlen: int | None = None,
         timeout: Duration = 5.0,
+        envelope: str = "outbox",
+        source: str | Callable[[Message], str] | None = None,
     ) -> None:
+        self.envelope = Envelope(envelope, source)
         timeout = to_seconds(timeout, name="timeout", allow_zero=False)
         if isinstance(url_or_client, str):
             self.client = redis.Redis.from_url(
@@ -112,11 +128,26 @@ class RedisStreamPublisher:
     def _key(self, message: Message) -> str:
         return self.stream(message) if callable(self.stream) else self.stream
 
-    @staticmethod
-    def _fields(message: Message) -> dict[str, str]:
-        fields = envelope(message)
-        fields["payload"] = json.dumps(fields["payload"], separators=(",", ":"))
-        return {k: str(v) for k, v in fields.items()}
+    def messaging_destination(self, message: Message) -> str:
+        """``messaging.destination.name`` of the publish span: the stream key."""
+        return self._key(message)
+
+    def _fields(self, message: Message) -> dict[str, str]:
+        """The entry: the envelope's fields (the payload as JSON text) — or, for CloudEvents, the attributes as
+        ``ce_*`` fields, ``content-type`` and the payload JSON as ``data`` (the Kafka binding's binary mode,
+        a field for each header) — and ``header:<name>`` per header."""
+        if self.envelope.cloudevents:
+            attributes = self.envelope.ce_attributes(message)
+            fields = {"content-type": attributes.pop("datacontenttype")}
+            fields.update({f"ce_{k}": v for k, v in attributes.items()})
+            fields["data"] = payload_json(message).decode()
+        else:
+            plain = envelope(message)
+            plain["payload"] = json.dumps(plain["payload"], separators=(",", ":"))
+            fields = {k: str(v) for k, v in plain.items()}
+        for name, value in outgoing_headers(message).items():
+            fields[HEADER_FIELD_PREFIX + name] = value
+        return fields
 
     def _add(self, target: Any, message: Message) -> Any:
         return target.xadd(

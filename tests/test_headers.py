@@ -1,0 +1,199 @@
+"""Headers: written by every producer path, validated before any SQL, handed to publishers and handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, insert, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import ClaimedJob, Message, PayloadError, emit, enqueue
+from sa_outbox.models import Job, OutboxEvent
+
+from .conftest import count_rows
+from .helpers import claim, claim_jobs
+from .test_producer import statement_log
+
+
+def _stored(engine: Engine, table: str = "outbox") -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(text(f"SELECT headers FROM {table} ORDER BY id")).scalars())
+
+
+def _event(agg: str = "A", **kw: Any) -> OutboxEvent:
+    return OutboxEvent(aggregate_type="order", aggregate_id=agg, event_type="E", payload={}, **kw)
+
+
+# --- every producer path writes them ------------------------------------------------------------------
+
+
+def test_session_add_writes_headers_and_null_without_them(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(_event(headers={"x-tenant": "acme", "x-empty": ""}))
+        s.add(_event())
+    assert _stored(engine) == [{"x-tenant": "acme", "x-empty": ""}, None]
+
+
+def test_events_with_headers_stay_on_the_one_statement_path(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        for n in range(1000):
+            s.add(_event(f"agg-{n % 50}", headers={"n": str(n)} if n % 2 else None))
+    inserts = [st for st in seen if st.lstrip().upper().startswith("INSERT")]
+    assert len(inserts) == 1 and "unnest" in inserts[0], inserts
+    stored = _stored(engine)
+    assert stored[:3] == [None, {"n": "1"}, None] and stored[999] == {"n": "999"}
+
+
+def test_emit_takes_call_wide_and_per_event_headers(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        ids = emit(
+            s,
+            OutboxEvent,
+            [("order", "A", "E", {}), ("order", "A", "F", {}, {"x-b": "2", "x-a": "own"}), ("order", "B", "G", {}, None)],
+            headers={"x-a": "1"},
+        )  # fmt: skip
+    assert ids == [1, 2, 3]
+    assert _stored(engine) == [{"x-a": "1"}, {"x-a": "own", "x-b": "2"}, {"x-a": "1"}]
+    assert sum(st.lstrip().upper().startswith("INSERT") for st in seen) == 1
+
+
+def test_enqueue_and_a_job_added_directly_write_headers(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, headers={"x-request-id": "r1"})
+        s.add(Job(task="t", payload={}, headers={"x-request-id": "r2"}))
+        enqueue(s, Job, "t", {})
+    assert _stored(engine, "jobs") == [{"x-request-id": "r1"}, {"x-request-id": "r2"}, None]
+
+
+def test_session_insert_statement_writes_headers(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.execute(insert(OutboxEvent), [{"aggregate_type": "o", "aggregate_id": "1", "event_type": "E",
+                                         "payload": {}, "headers": {"k": "v"}}])  # fmt: skip
+    assert _stored(engine) == [{"k": "v"}]
+
+
+def test_async_session_paths_write_headers(engine: Engine, async_url: URL) -> None:
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        async with AsyncSession(aengine) as s, s.begin():
+            s.add(_event(headers={"a": "1"}))
+            await emit(s, OutboxEvent, [("order", "B", "E", {}, {"b": "2"})])
+            enqueue(s, Job, "t", {}, headers={"c": "3"})
+        await aengine.dispose()
+
+    asyncio.run(main())
+    assert _stored(engine) == [{"a": "1"}, {"b": "2"}] and _stored(engine, "jobs") == [{"c": "3"}]
+
+
+# --- validation: PayloadError naming the event or job, before any SQL, nothing written ----------------
+
+
+BAD_HEADERS = [
+    ({"x": 1}, "value of header 'x' must be a string"),
+    ({1: "x"}, "header names must be strings"),
+    ({"": "x"}, "header name must be non-empty"),
+    ({"bad name": "x"}, "not a valid header name"),
+    ({"bad\nname": "x"}, "not a valid header name"),
+    ({"x": "line\r\nbreak"}, "control character"),
+    ({"x": "nul\x00"}, "control character"),
+    ({"X-Dup": "1", "x-dup": "2"}, "differ only in case"),
+    ({"ce-id": "1"}, "reserved"),
+    ({"Content-Length": "1"}, "reserved"),
+    ({"x": "v" * 9000}, "over the limit of 8192 bytes"),
+    (["not", "a", "mapping"], "headers must be a mapping"),
+]
+
+
+@pytest.mark.parametrize(("headers", "message"), BAD_HEADERS)
+def test_bad_headers_are_refused_before_any_sql(engine: Engine, headers: Any, message: str) -> None:
+    with statement_log(engine) as seen, Session(engine) as s:
+        s.add(_event("ok"))
+        s.add(
+            OutboxEvent(
+                aggregate_type="order", aggregate_id="A", event_type="Bad", payload={}, headers=headers
+            )
+        )
+        with pytest.raises(PayloadError, match=message) as info:
+            s.flush()
+        assert "'Bad'" in str(info.value)  # names the event
+        s.rollback()
+    assert count_rows(engine, "outbox") == 0
+    assert not [st for st in seen if "outbox" in st]
+
+
+@pytest.mark.parametrize(("headers", "message"), BAD_HEADERS[:3])
+def test_bad_headers_are_refused_by_emit_and_enqueue(engine: Engine, headers: Any, message: str) -> None:
+    with Session(engine) as s, s.begin():
+        with pytest.raises(PayloadError, match=message):
+            emit(s, OutboxEvent, [("order", "A", "E", {}, headers)])
+        with pytest.raises(PayloadError, match=message):
+            emit(s, OutboxEvent, [("order", "A", "E", {})], headers=headers)
+        with pytest.raises(PayloadError, match=rf"job 'mail'.*{message}"):
+            enqueue(s, Job, "mail", {}, headers=headers)
+    assert count_rows(engine, "outbox") == 0 and count_rows(engine, "jobs") == 0
+
+
+def test_the_size_limit_is_a_model_setting(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(OutboxEvent, "sa_outbox_max_headers_bytes", 16)
+    with Session(engine) as s:
+        s.add(_event(headers={"k": "v" * 20}))
+        with pytest.raises(PayloadError, match="over the limit of 16 bytes"):
+            s.flush()
+
+
+# --- what publishers and handlers get -----------------------------------------------------------------
+
+
+def test_claimed_message_and_job_carry_read_only_headers_never_none(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(_event("A", headers={"k": "v"}))
+        s.add(_event("B"))
+        enqueue(s, Job, "t", {}, headers={"j": "1"})
+        enqueue(s, Job, "t", {})
+    with_headers, without = claim(engine, "me", 10, 30)
+    assert isinstance(with_headers.headers, types.MappingProxyType) and dict(with_headers.headers) == {
+        "k": "v"
+    }
+    assert isinstance(without.headers, types.MappingProxyType) and dict(without.headers) == {}
+    with pytest.raises(TypeError):
+        with_headers.headers["k"] = "changed"  # type: ignore[index]
+    with engine.begin() as conn:
+        jobs = claim_jobs(conn, "me", batch=10)
+    assert [dict(j.headers) for j in jobs] == [{"j": "1"}, {}]
+    assert all(isinstance(j.headers, types.MappingProxyType) for j in jobs)
+
+
+def test_values_built_by_hand_get_a_read_only_mapping() -> None:
+    now = datetime.now(UTC)
+    m = Message(1, "1", "o", "1", "E", {}, 1, 1, now)
+    assert isinstance(m.headers, types.MappingProxyType) and dict(m.headers) == {}
+    given = {"k": "v"}
+    m2 = Message(1, "1", "o", "1", "E", {}, 1, 1, now, headers=given)
+    given["k"] = "changed"
+    assert m2.headers == {"k": "v"} and isinstance(m2.headers, types.MappingProxyType)
+    j = ClaimedJob(1, "t", "default", {}, 1, 3, 1, 0, now, headers={"a": "b"})
+    assert isinstance(j.headers, types.MappingProxyType) and j.headers["a"] == "b"
+
+
+def test_an_event_built_for_an_aggregate_takes_headers_set_afterwards(engine: Engine) -> None:
+    from .models import Order
+
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        existing = Order(status="new")
+        s.add(existing)
+    with Session(engine) as s, s.begin():
+        ev = OutboxEvent.for_aggregate(s.get(Order, existing.id), "Paid", {})
+        ev.headers = {"x-tenant": "acme"}
+        s.add(ev)
+        new = Order(status="new")
+        s.add(new)
+        ev2 = OutboxEvent.for_aggregate(new, "Created", {})  # written after the ORM inserts the order
+        ev2.headers = {"x-tenant": "globex"}
+        s.add(ev2)
+    assert _stored(engine) == [{"x-tenant": "acme"}, {"x-tenant": "globex"}]
