@@ -120,13 +120,15 @@ class PrivateRedis(_Server):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def stop(self) -> None:
+    def stop(self, *, save: bool = False) -> None:
+        """Shut the server down; with ``save`` it writes its dataset first (``SHUTDOWN SAVE``) and the next
+        :meth:`start` loads it: a restart that keeps what the server acknowledged."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(
                 OSError, subprocess.SubprocessError
             ):  # quick exit even when a save fails
-                subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "nosave"], capture_output=True,
-                               timeout=5, check=False)  # fmt: skip
+                subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "save" if save else "nosave"],
+                               capture_output=True, timeout=30 if save else 5, check=False)  # fmt: skip
         super().stop()
 
     def command(self) -> Sequence[str]:
