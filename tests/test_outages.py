@@ -563,3 +563,41 @@ def test_redis_streams_outage_longer_than_the_retry_budget_kills_nothing(
     engine: Engine, async_url: URL, redis_server: PrivateRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert_rode_it_out(through_an_outage(engine, async_url, RedisDestination(redis_server), "sync", caplog))
+
+
+def test_a_circuit_closes_when_another_dispatcher_delivered_the_backlog(
+    engine: Engine, redis_server: PrivateRedis
+) -> None:
+    """Two dispatchers meet the same outage; the broker comes back and the first one's probe gets through
+    and delivers everything. The second one's probe then finds nothing to claim: the rows show that the
+    destination is reachable (another dispatcher delivered them), so its circuit must close too — not stay
+    open, with ``circuit_open`` (and the ``sa_outbox_circuit_open`` gauge) at 1, until new traffic comes."""
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    from .helpers import seed_events
+
+    def dispatcher() -> Dispatcher:
+        publisher = RedisStreamPublisher(redis_server.url, stream="two", timeout=1)
+        return Dispatcher(engine, OutboxEvent, publisher, batch=1, max_attempts=MAX_ATTEMPTS,
+                          backoff=Backoff(0.01, CAP), poll_interval=0.1, listen=False)  # fmt: skip
+
+    first, second = dispatcher(), dispatcher()
+    seed_events(engine, 2)
+    redis_server.stop()
+    assert first.run_once() == 1 and second.run_once() == 1  # one row each, refunded: both circuits open
+    assert first.circuit_open and second.circuit_open
+    redis_server.start()
+    runs = [threading.Thread(target=lambda d=d: d.run(install_signal_handlers=False), daemon=True)
+            for d in (first, second)]  # fmt: skip
+    runs[0].start()
+    try:
+        wait_until(all_done(engine, [1, 2]), 30, "both rows delivered by the first dispatcher")
+        runs[1].start()
+        closed = wait_until(lambda: not second.circuit_open, 15, "the second circuit closed", every=0.1)
+    finally:
+        for d, t in zip((first, second), runs, strict=True):
+            d.stop()
+            if t.is_alive():
+                t.join(30)
+            d.close()
+    assert closed and not first.circuit_open
