@@ -601,3 +601,42 @@ def test_a_circuit_closes_when_another_dispatcher_delivered_the_backlog(
                 t.join(30)
             d.close()
     assert closed and not first.circuit_open
+
+
+def test_status_sees_an_outage_that_meets_a_backlog(engine: Engine, redis_server: PrivateRedis) -> None:
+    """The broker goes down while more events wait than one batch holds (a burst, a dispatcher catching up).
+    ``status``/``doctor`` read the oldest due rows through the ready index (a LIMIT, never every pending row)
+    and must find there the rows the dispatcher gave back for the outage."""
+    from sa_outbox.doctor import doctor
+    from sa_outbox.monitoring import queue_status
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    from .helpers import seed_events
+
+    publisher = RedisStreamPublisher(redis_server.url, stream="status", timeout=1)
+    d = Dispatcher(engine, OutboxEvent, publisher, max_attempts=MAX_ATTEMPTS, backoff=Backoff(0.01, CAP),
+                   poll_interval=0.2, batch=50)  # fmt: skip
+    thread = threading.Thread(target=lambda: d.run(install_signal_handlers=False), daemon=True)
+    thread.start()
+    try:
+        seed_events(engine, 1)
+        wait_until(all_done(engine, [1]), 30, "the first event delivered")
+        redis_server.stop()
+        seed_events(engine, 200, start=1)  # four batches' worth
+        wait_until(lambda: d.circuit_open, 15, "the circuit open")
+        time.sleep(2.0)  # a probe or two
+        during = queue_status(engine, OutboxEvent)
+        findings = [f for f in doctor(engine, [OutboxEvent]) if f.check == "destination"]
+        redis_server.start()
+        wait_until(all_done(engine, list(range(1, 202))), 60, "everything delivered after the outage")
+    finally:
+        d.stop()
+        thread.join(30)
+        d.close()
+    print("during the outage:", during.destination_unavailable, during.attempts, during.oldest_pending_age)
+    assert during.attempts == {0: 200}  # the outage itself is handled: no attempt spent
+    assert during.destination_unavailable is not None, (
+        "status does not see the outage: the rows the dispatcher gave back left the head of the ready index "
+        "(refunded with available_at = now()), and the oldest due rows were never tried"
+    )
+    assert [f.status for f in findings] == ["warn"]
