@@ -18,8 +18,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "PrivateMosquitto",
@@ -29,6 +30,7 @@ __all__ = [
     "TcpProxy",
     "closed_port",
     "free_port",
+    "running",
     "wait_port",
 ]
 
@@ -56,6 +58,19 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:g}s") from None
             time.sleep(0.05)
+
+
+S = TypeVar("S", bound="_Server")
+
+
+@contextlib.contextmanager
+def running(server: S) -> Iterator[S]:
+    """``server`` started for the ``with`` block, then stopped and its directory removed."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 class _Server:

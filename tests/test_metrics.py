@@ -224,15 +224,17 @@ def test_metrics_exporter_refuses_bad_options(engine: Engine) -> None:
 CIRCUIT = 'sa_outbox_circuit_open{kind="outbox",table="outbox"}'
 
 
-def redis_dispatcher(engine: Engine | None = None) -> Dispatcher:
-    """A dispatcher publishing to the Redis at ``OUTAGE_REDIS_URL`` (a private one); with no argument a CLI
-    target on ``DATABASE_URL``."""
+def redis_dispatcher(engine: Engine | None = None, redis_url: str | None = None) -> Dispatcher:
+    """A dispatcher publishing to a (private) Redis; with no argument a CLI target on ``DATABASE_URL`` and
+    ``OUTAGE_REDIS_URL``."""
     from sqlalchemy import create_engine
 
     from sa_outbox import Backoff
     from sa_outbox.publishers.redis import RedisStreamPublisher
 
-    publisher = RedisStreamPublisher(os.environ["OUTAGE_REDIS_URL"], stream="metrics-outage", timeout=1)
+    publisher = RedisStreamPublisher(
+        redis_url or os.environ["OUTAGE_REDIS_URL"], stream="metrics-outage", timeout=1
+    )
     engine = engine or create_engine(os.environ["DATABASE_URL"])
     return Dispatcher(engine, OutboxEvent, publisher, max_attempts=3,
                       backoff=Backoff(0.01, 0.05), poll_interval=0.2, batch=5)  # fmt: skip
@@ -259,8 +261,7 @@ def test_circuit_open_gauge_is_one_while_the_broker_is_down(engine: Engine) -> N
 
     server = PrivateRedis()
     server.start()
-    os.environ["OUTAGE_REDIS_URL"] = server.url
-    d = redis_dispatcher(engine)
+    d = redis_dispatcher(engine, server.url)
     port = _free_port()
     exporter = MetricsExporter(d, status_interval=0).start(port, addr="127.0.0.1")
     thread = threading.Thread(target=lambda: d.run(install_signal_handlers=False), daemon=True)
@@ -281,7 +282,6 @@ def test_circuit_open_gauge_is_one_while_the_broker_is_down(engine: Engine) -> N
         exporter.stop()
         d.close()
         server.close()
-        os.environ.pop("OUTAGE_REDIS_URL", None)
     assert _gauge(closed_before, CIRCUIT) == 0.0
     assert d.stats.dead == 0 and d.stats.done == 6 and not thread.is_alive()
     assert "sa_outbox_circuit_open" in after

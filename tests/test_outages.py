@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 from sa_outbox import AsyncDispatcher, Backoff, DestinationUnavailable, Dispatcher, Message
 from sa_outbox.models import OutboxEvent
 
-from .brokers import PrivateNats, PrivateRabbit, PrivateRedis
+from .brokers import PrivateNats, PrivateRabbit, PrivateRedis, running
 
 MAX_ATTEMPTS = 3
 CAP = 0.05
@@ -513,32 +513,20 @@ def test_most_probes_follows_the_schedule() -> None:
 
 @pytest.fixture(scope="module")
 def rabbit() -> Iterator[PrivateRabbit]:
-    node = PrivateRabbit()
-    node.start()
-    try:
+    with running(PrivateRabbit()) as node:
         yield node
-    finally:
-        node.close()
 
 
 @pytest.fixture
 def nats_server() -> Iterator[PrivateNats]:
-    server = PrivateNats()
-    server.start()
-    try:
+    with running(PrivateNats()) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
 def redis_server() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
-    server.start()
-    try:
+    with running(PrivateRedis()) as server:
         yield server
-    finally:
-        server.close()
 
 
 def test_rabbitmq_outage_longer_than_the_retry_budget_kills_nothing(
