@@ -202,6 +202,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(
             f"  oldest unfinished age   {_fmt_age(r.oldest_unfinished_age):>9}    (includes rows due later)"
         )
+        print(
+            f"  last done               {_fmt_age(r.last_done_age):>9}    ago (the newest row finished done)"
+        )
+        if r.destination_unavailable is not None:
+            o = r.destination_unavailable
+            print(f"  destination           unavailable    {o.rows} of the {o.sampled} oldest due rows given back "
+                  f"for it: {o.error}")  # fmt: skip
         window = (
             f"    (running longer than stale_after {r.stale_after:g}s)" if r.stale_after is not None else ""
         )

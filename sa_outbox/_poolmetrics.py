@@ -9,6 +9,8 @@ supervisor serves them on the one ``--metrics-port`` (:class:`PoolMetrics`):
   snapshot — under a second of work — is not counted);
 * the queue gauges (``sa_outbox_rows``, oldest age, expired leases) come from child 0 alone: every child sees
   the same table, one query per ``status_interval`` is enough;
+* ``sa_outbox_circuit_open`` is or-ed over the live children: 1 while any child's circuit breaker is open
+  (each child keeps its own and learns of an outage from its own probes), 0 when all are closed;
 * the pool's own series: ``sa_outbox_pool_processes`` (children alive) and ``sa_outbox_pool_restarts_total``
   (children replaced after an unexpected exit), labelled with the command (``dispatch`` / ``worker``).
 
@@ -21,7 +23,7 @@ children come and go.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -29,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .errors import ConfigurationError
-from .metrics import MetricsExporter
+from .metrics import CIRCUIT_OPEN, MetricsExporter
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -74,6 +76,21 @@ def _merge(into: _Families, families: list[Family], *, summed: bool) -> None:
             elif summed:
                 value += values.get(key, 0.0)
             values[key] = value
+
+
+def _any_open(children: Iterable[list[Family]]) -> tuple[str, str, dict[_Key, float]] | None:
+    """``sa_outbox_circuit_open`` of the pool: per label set, the largest value a live child reports (1 while
+    any child's circuit is open). ``None`` when no child reports it (a worker pool)."""
+    found: tuple[str, str, dict[_Key, float]] | None = None
+    for families in children:
+        for name, typ, doc, samples in families:
+            if name != CIRCUIT_OPEN:
+                continue
+            values = (found := found or (typ, doc, {}))[2]
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
+                values[key] = max(values.get(key, 0.0), value)
+    return found
 
 
 class _NoStatus(MetricsExporter):
@@ -156,8 +173,8 @@ class PoolMetrics(Collector):
         """A child's latest snapshot (its totals so far, not a delta)."""
         with self._lock:
             self._live[slot] = families
-            gauges = [f for f in families if f[1] not in _SUMMED]
-            if gauges:
+            gauges = [f for f in families if f[1] not in _SUMMED and f[0] != CIRCUIT_OPEN]
+            if gauges:  # only child 0 reads the queue gauges
                 self._gauges = gauges
 
     def retire(self, slot: int) -> None:
@@ -181,6 +198,9 @@ class PoolMetrics(Collector):
             for families in self._live.values():
                 _merge(merged, families, summed=True)
             _merge(merged, self._gauges, summed=False)
+            circuit = _any_open(self._live.values())
+            if circuit is not None:
+                merged[CIRCUIT_OPEN] = circuit
             processes, restarts = self._processes, self._restarts
         for name, (typ, doc, values) in merged.items():
             metric = Metric(name, doc, typ)

@@ -24,6 +24,7 @@ from .monitoring import (
     HorizonHolder,
     dead_list_command,
     describe_holder,
+    describe_outage,
     long_horizon_holders,
     queue_status,
     regclass_name,
@@ -243,6 +244,29 @@ def _held_locks_message(lk: LockInfo) -> str:
             "TRUNCATE and VACUUM FULL on it (anything that needs an ACCESS EXCLUSIVE lock)")  # fmt: skip
 
 
+def _destination_finding(name: str, status: Any) -> Finding:
+    """Whether the oldest due messages were given back because their destination was unavailable."""
+    outage = status.destination_unavailable
+    if outage is None:
+        return Finding(
+            "destination", name, "ok",
+            "the oldest due messages show no delivery failing for an unavailable destination",
+        )  # fmt: skip
+    since = (
+        f"since at least {status.last_done_age:.0f}s ago (the last delivery)"
+        if status.last_done_age is not None
+        else "since before the oldest due message"
+    )
+    return Finding(
+        "destination", name, "warn",
+        f"the broker is down or unreachable {since}; the dispatcher is probing it: "
+        + describe_outage(outage, status.oldest_pending_age, status.last_done_age),
+        "bring the broker back, or fix what stands between it and the dispatchers (network, DNS, credentials, "
+        "the publisher's URL); nothing needs doing to the rows: no attempt is spent on the outage and the "
+        "dispatchers deliver the backlog as soon as a probe gets through (watch sa_outbox_circuit_open)",
+    )  # fmt: skip
+
+
 def _lease_finding(target: Any) -> Finding:
     lease, timeout, batch = target.lease.total_seconds(), target.publish_timeout.total_seconds(), target.batch
     # The dispatcher releases the rest of a batch when less than publish_timeout of the lease is left, so a
@@ -329,6 +353,8 @@ def doctor(
                 ))  # fmt: skip
             else:
                 findings.append(Finding("stuck rows", name, "ok", "no lease past its expiry"))
+            if status.kind == "outbox":
+                findings.append(_destination_finding(name, status))
             if status.dead:
                 findings.append(Finding("dead letters", name, "warn",
                                         f"{status.dead} {_sql.spec_for(model).dead} row(s) need a person",

@@ -17,7 +17,10 @@
   ``sa_outbox_expired_leases`` (jobs: counted with the loop's own ``stale_after``),
   ``sa_outbox_blocked_aggregates`` (outbox: aggregates with pending messages behind a dead one) and
   ``sa_outbox_status_age_seconds`` (seconds since those gauges were read: it grows while the database cannot
-  be read and the last reading is served).
+  be read and the last reading is served);
+* ``sa_outbox_circuit_open`` (dispatchers only): 1 while the dispatcher's circuit breaker is open — its
+  destination raised :class:`~sa_outbox.DestinationUnavailable` and it claims nothing but one probe message
+  at a time until one gets through — else 0. Read from the loop at every scrape.
 
 Every series carries ``table`` and ``kind`` labels. ``sa-outbox dispatch|worker --metrics-port N`` starts it.
 """
@@ -44,6 +47,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["MetricsExporter"]
 
 log = logging.getLogger("sa_outbox.metrics")
+
+#: The circuit breaker's gauge (read from the loop on every scrape, never from the database).
+CIRCUIT_OPEN = "sa_outbox_circuit_open"
 
 _COUNTERS = {
     "claimed": "rows claimed",
@@ -73,6 +79,15 @@ class _Collector(Collector):
             c = CounterMetricFamily(f"sa_outbox_{metric}", doc, labels=labels)
             c.add_metric(values, stats[name])
             yield c
+        open_ = getattr(ex.core, "circuit_open", None)  # dispatchers only: a worker has no circuit breaker
+        if open_ is not None:
+            circuit = GaugeMetricFamily(
+                CIRCUIT_OPEN, "1 while the dispatcher's circuit breaker is open: its destination was unavailable "
+                "(DestinationUnavailable); it claims nothing but probe messages until one gets through",
+                labels=labels,
+            )  # fmt: skip
+            circuit.add_metric(values, 1.0 if open_ else 0.0)
+            yield circuit
         status, read_at = ex.status_with_time()
         if status is None:
             return

@@ -1,5 +1,5 @@
 """What an operator watches: depth, oldest ages, expired leases, attempts, dead letters and the aggregates
-they block, table health and the xmin horizon — as frozen values for Python callers and as the data behind
+they block, deliveries failing because the destination is unavailable, table health and the xmin horizon — as frozen values for Python callers and as the data behind
 ``sa-outbox status/check``.
 
 Every query reads the queue through its partial indexes (ready, leased/running, aggregate, dead/failed), so
@@ -35,6 +35,7 @@ from .errors import ConfigurationError
 
 __all__ = [
     "BlockedAggregate",
+    "DestinationOutage",
     "HorizonHolder",
     "QueueStatus",
     "TableHealth",
@@ -91,6 +92,18 @@ class BlockedAggregate:
 
 
 @dataclass(frozen=True)
+class DestinationOutage:
+    """Deliveries are failing because the destination as a whole is unavailable: among the oldest due rows
+    (the ones a dispatcher claims first) some were given back by a dispatcher that met
+    :class:`~sa_outbox.DestinationUnavailable` — the broker is down or unreachable, and the dispatchers are
+    probing it one message at a time (their circuit breaker) instead of spending attempts."""
+
+    error: str  # the last_error of the first such row, with the cause when one carries it
+    rows: int  # how many of the sampled rows say so
+    sampled: int  # how many of the oldest due rows were read (at most OUTAGE_SAMPLE)
+
+
+@dataclass(frozen=True)
 class QueueStatus:
     """A snapshot of one outbox/jobs table. Ages are seconds (``None`` when there is no such row)."""
 
@@ -116,6 +129,10 @@ class QueueStatus:
     warnings: list[str] = field(default_factory=list)
     #: About the whole database (what holds back the xmin horizon): the same for every table.
     horizon_warnings: list[str] = field(default_factory=list)
+    #: Outbox: set while the oldest due rows say their destination was unavailable (see DestinationOutage).
+    destination_unavailable: DestinationOutage | None = None
+    #: Seconds since the last row finished ``done`` (``None`` when no done row is left: none yet, or purged).
+    last_done_age: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -265,6 +282,68 @@ def _blocked_statement(spec: QueueSpec) -> Select[Any]:
     )
 
 
+#: How many of the oldest due rows are read to tell whether deliveries fail with DestinationUnavailable.
+OUTAGE_SAMPLE = 20
+
+# What a dispatcher writes in last_error when it gives a row back because its destination was unavailable:
+# the message it published (``_steps.unavailable``) and the rest of its batch (``_dispatcher._UNAVAILABLE``).
+# tests/test_operations.py pins both against rows a real dispatcher wrote.
+UNAVAILABLE_ERROR = "destination unavailable: "
+UNAVAILABLE_RELEASE = "released: destination unavailable"
+
+
+@cache
+def _oldest_due_statement(spec: QueueSpec) -> Select[Any]:
+    """The ``:n`` oldest due ready rows in the claim's order, read through the ready partial index
+    ``(available_at, id) WHERE status = 'pending'`` under a LIMIT: a few index entries and heap rows, never
+    every pending row (tests/test_operations.py pins the plan)."""
+    c = spec.c
+    return (
+        select(c.last_error)
+        .where(c.status == const(spec.ready), spec.due <= func.now())
+        .order_by(*spec.claim_order())
+        .limit(bindparam("n", type_=Integer))
+    )
+
+
+@cache
+def _last_done_statement(spec: QueueSpec) -> Select[Any]:
+    """Seconds since the newest ``done`` row finished: max() over the done partial index (one entry)."""
+    c = spec.c
+    newest = select(func.max(spec.finished)).where(c.status == const(spec.done)).scalar_subquery()
+    return select(func.extract("epoch", func.now() - newest))
+
+
+def destination_outage(
+    conn: Connection, spec: QueueSpec, sample: int = OUTAGE_SAMPLE
+) -> DestinationOutage | None:
+    """Whether the oldest due rows of an outbox were given back because the destination was unavailable."""
+    if spec.kind != "outbox":
+        return None
+    errors = list(conn.execute(_oldest_due_statement(spec), {"n": sample}).scalars())
+    marked = [e for e in errors if e and (e.startswith(UNAVAILABLE_ERROR) or e == UNAVAILABLE_RELEASE)]
+    if not marked:
+        return None
+    first = next((e for e in marked if e.startswith(UNAVAILABLE_ERROR)), marked[0])
+    return DestinationOutage(first, len(marked), len(errors))
+
+
+def describe_outage(
+    outage: DestinationOutage, oldest_pending_age: float | None, last_done_age: float | None
+) -> str:
+    """One line for status and doctor."""
+    since = (
+        f"no message delivered for {last_done_age:.0f}s"
+        if last_done_age is not None
+        else "no delivered message on record"
+    )
+    waited = f"; the oldest due message has waited {oldest_pending_age:.0f}s" if oldest_pending_age else ""
+    return (
+        f"deliveries are failing: the destination is unavailable ({outage.error}; {outage.rows} of the "
+        f"{outage.sampled} oldest due messages were given back for it); {since}{waited}"
+    )
+
+
 def dead_list_command(spec: QueueSpec) -> str:
     """The command that lists this table's dead letters (``--jobs`` and the table option when needed)."""
     name = spec.table.fullname
@@ -357,6 +436,9 @@ def queue_status(
         for r in conn.execute(_blocked_statement(spec), {"n": blocked_limit}):
             blocked.append(BlockedAggregate(r.aggregate_type, r.aggregate_id, int(r.dead_id), int(r.waiting)))
             blocked_total = int(r.total)
+    outage = destination_outage(conn, spec)
+    last_done = conn.execute(_last_done_statement(spec)).scalar()
+    last_done_age = None if last_done is None else float(last_done)
     health = _health(conn, spec)
     horizon = long_horizon_holders(conn, long_transaction)
     warnings: list[str] = []
@@ -371,10 +453,16 @@ def queue_status(
             f"{first.aggregate_type}/{first.aggregate_id}, {first.waiting} waiting behind dead {first.dead_id}): "
             "an ordered dispatcher delivers none of them until the dead message is retried or skipped"
         )
+    if outage is not None:
+        warnings.append(
+            describe_outage(outage, oldest_pending, last_done_age) + ": the broker is down or unreachable and "
+            "the dispatchers are probing it one message at a time; nothing goes dead for it, the backlog is "
+            "delivered once it answers (check the broker, and the network and URL from the dispatchers' hosts)"
+        )  # fmt: skip
     return QueueStatus(
         t.fullname, spec.kind, counts, estimate, oldest_pending, oldest_unfinished, expired,
         stale.total_seconds() if spec.kind == "jobs" else None, attempts, counts[spec.dead], queues, health,
-        blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon],
+        blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon], outage, last_done_age,
     )  # fmt: skip
 
 

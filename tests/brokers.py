@@ -18,8 +18,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "PrivateMosquitto",
@@ -29,6 +30,7 @@ __all__ = [
     "TcpProxy",
     "closed_port",
     "free_port",
+    "running",
     "wait_port",
 ]
 
@@ -56,6 +58,19 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:g}s") from None
             time.sleep(0.05)
+
+
+S = TypeVar("S", bound="_Server")
+
+
+@contextlib.contextmanager
+def running(server: S) -> Iterator[S]:
+    """``server`` started for the ``with`` block, then stopped and its directory removed."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 class _Server:
@@ -120,13 +135,15 @@ class PrivateRedis(_Server):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def stop(self) -> None:
+    def stop(self, *, save: bool = False) -> None:
+        """Shut the server down; with ``save`` it writes its dataset first (``SHUTDOWN SAVE``) and the next
+        :meth:`start` loads it: a restart that keeps what the server acknowledged."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(
                 OSError, subprocess.SubprocessError
             ):  # quick exit even when a save fails
-                subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "nosave"], capture_output=True,
-                               timeout=5, check=False)  # fmt: skip
+                subprocess.run(["redis-cli", "-p", str(self.port), "shutdown", "save" if save else "nosave"],
+                               capture_output=True, timeout=30 if save else 5, check=False)  # fmt: skip
         super().stop()
 
     def command(self) -> Sequence[str]:

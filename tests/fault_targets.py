@@ -19,7 +19,9 @@ def _engine() -> object:
 
 def dispatcher() -> Dispatcher:
     publisher = RedisStreamPublisher(
-        "redis://127.0.0.1:6379/0", stream=os.environ["FAULT_STREAM"], timeout=1.0
+        os.environ.get("FAULT_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        stream=os.environ["FAULT_STREAM"],
+        timeout=1.0,
     )
     return Dispatcher(
         _engine(), OutboxEvent, publisher, batch=20, lease=3, publish_timeout=1, max_attempts=50,  # type: ignore[arg-type]

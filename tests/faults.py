@@ -1,6 +1,8 @@
 """The fault-injection run: real producers, dispatchers and workers (processes) on the real database and a
-real broker (Redis Streams), while the run kill -9s loops, terminates their backends and restarts the broker.
-Then a checker compares what the consumer received with what the database holds.
+real broker (Redis Streams, a private redis-server of the run's own: the machine's shared one is never
+touched), while the run kill -9s loops, terminates their backends, restarts the broker and — in the long
+mode — takes the broker down for longer than the dispatchers' whole retry budget. Then a checker compares
+what the consumer received with what the database holds (nothing lost, nothing dead).
 
 Used by tests/test_faults.py (CI size) and bench/faults.py (long mode). Every loop is bounded in count and
 time and stops by itself.
@@ -18,17 +20,13 @@ import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 from sqlalchemy import BigInteger, Column, Engine, Integer, MetaData, Table, Text, create_engine, text
 from sqlalchemy.orm import Session
 
 ROOT = Path(__file__).resolve().parent.parent
-REDIS_URL = "redis://127.0.0.1:6379/0"
-REDIS_START = (
-    'redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no '
-    "--dir /var/lib/redis --logfile /var/log/redis/ci.log"
-)
 
 meta = MetaData()
 orders = Table("fault_orders", meta, Column("id", BigInteger, primary_key=True), Column("version", Integer))
@@ -50,6 +48,10 @@ class FaultConfig:
     chaos_seconds: float = 20.0
     settle_seconds: float = 90.0
     pg_restarts: int = 0  # long mode only, on a server the run owns
+    #: Broker outages longer than the dispatchers' retry budget (long mode): Redis down for outage_seconds
+    #: (default: twice the budget, see retry_budget()) while producers keep writing.
+    broker_outages: int = 0
+    outage_seconds: float | None = None
 
 
 @dataclass
@@ -72,6 +74,10 @@ class FaultReport:
     terminations: int = 0
     broker_restarts: int = 0
     pg_restarts: int = 0
+    broker_outages: int = 0
+    outage_seconds: float = 0.0  # each outage's length
+    retry_budget_seconds: float = 0.0  # the longest a dispatcher retries a message before it is dead
+    dead_rows: int = 0  # outbox dead + jobs failed: must stay 0 (nothing here is poison)
     log: list[str] = field(default_factory=list)
 
 
@@ -116,8 +122,32 @@ class _Rollback(Exception):
     pass
 
 
-def _spawn(kind: str, url: str, stream: str, index: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, DATABASE_URL=url, FAULT_STREAM=stream, FAULT_APP=f"fault-{kind}-{index}")
+def retry_budget() -> float:
+    """Seconds a fault-run dispatcher (tests/fault_targets.py) retries one message before it is dead: the sum
+    of its backoff ceilings over max_attempts — an outage longer than this killed messages before issue #19."""
+    from sa_outbox import Backoff
+
+    from .fault_targets import dispatcher
+
+    saved = {k: os.environ.get(k) for k in ("DATABASE_URL", "FAULT_STREAM")}
+    os.environ.update(DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none", FAULT_STREAM="budget")
+    try:
+        d = dispatcher()  # builds, connects nowhere
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ceilings = Backoff(d.backoff.base, d.backoff.cap, jitter=False)
+    budget = sum(ceilings.delay(a) for a in range(1, d.max_attempts))
+    d.close()
+    return budget
+
+
+def _spawn(kind: str, url: str, stream: str, index: int, redis_url: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, DATABASE_URL=url, FAULT_STREAM=stream, FAULT_APP=f"fault-{kind}-{index}",
+               FAULT_REDIS_URL=redis_url)  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "sa_outbox", "--log-level", "ERROR", "dispatch" if kind == "dispatch" else "worker",
          f"tests.fault_targets:{'dispatcher' if kind == 'dispatch' else 'worker'}"],
@@ -126,9 +156,22 @@ def _spawn(kind: str, url: str, stream: str, index: int) -> subprocess.Popen[byt
 
 
 def run_faults(engine: Engine, url: str, cfg: FaultConfig) -> FaultReport:
+    from .brokers import PrivateRedis
+
+    broker = PrivateRedis()
+    broker.start()
+    try:
+        return _run(engine, url, cfg, broker)
+    finally:
+        broker.close()
+
+
+def _run(engine: Engine, url: str, cfg: FaultConfig, broker: Any) -> FaultReport:
     import multiprocessing
 
     report = FaultReport()
+    report.retry_budget_seconds = round(retry_budget(), 2)
+    outage = cfg.outage_seconds if cfg.outage_seconds is not None else 2 * report.retry_budget_seconds
     stream = f"sa_outbox_faults:{uuid.uuid4().hex[:8]}"
     meta.drop_all(engine)
     meta.create_all(engine)
@@ -140,14 +183,15 @@ def run_faults(engine: Engine, url: str, cfg: FaultConfig) -> FaultReport:
                  for i in range(cfg.producers)]  # fmt: skip
     loops: dict[str, subprocess.Popen[bytes]] = {}
     for i in range(cfg.dispatchers):
-        loops[f"dispatch-{i}"] = _spawn("dispatch", url, stream, i)
+        loops[f"dispatch-{i}"] = _spawn("dispatch", url, stream, i, broker.url)
     for i in range(cfg.workers):
-        loops[f"worker-{i}"] = _spawn("worker", url, stream, i)
+        loops[f"worker-{i}"] = _spawn("worker", url, stream, i, broker.url)
     for p in producers:
         p.start()
     rnd = random.Random(7)
     deadline = time.monotonic() + cfg.chaos_seconds
-    actions = ["kill"] * cfg.kills + ["terminate"] * cfg.terminations + ["broker"] * cfg.broker_restarts
+    actions = (["kill"] * cfg.kills + ["terminate"] * cfg.terminations + ["broker"] * cfg.broker_restarts
+               + ["outage"] * cfg.broker_outages)  # fmt: skip
     rnd.shuffle(actions)
     pause = cfg.chaos_seconds / (len(actions) + 1)
     if cfg.pg_restarts:
@@ -162,7 +206,7 @@ def run_faults(engine: Engine, url: str, cfg: FaultConfig) -> FaultReport:
             loops[name].send_signal(signal.SIGKILL)
             loops[name].wait(10)
             kind, index = name.split("-")
-            loops[name] = _spawn(kind, url, stream, int(index))
+            loops[name] = _spawn(kind, url, stream, int(index), broker.url)
             report.kills += 1
             report.log.append(f"kill -9 {name}")
         elif action == "terminate":
@@ -183,12 +227,24 @@ def run_faults(engine: Engine, url: str, cfg: FaultConfig) -> FaultReport:
             )
             report.pg_restarts += 1
             report.log.append("restarted postgresql")
+        elif action == "outage":
+            # Longer than the whole retry budget: before issue #19 every message claimed meanwhile went dead.
+            # Producers, kills of other loops and the checker's counts go on as before; the chaos window is
+            # extended by the outage so that the planned faults still fit in it.
+            broker.stop(save=True)
+            time.sleep(outage)
+            broker.start()
+            deadline += outage
+            report.broker_outages += 1
+            report.outage_seconds = round(outage, 1)
+            report.log.append(f"redis down for {outage:.1f}s ({outage / report.retry_budget_seconds:.1f}x the "
+                              "retry budget)")  # fmt: skip
         else:
             # SHUTDOWN SAVE writes the dataset and the restart loads it: a broker restart that keeps what it
             # acknowledged (this Redis runs without persistence otherwise).
-            subprocess.run(["redis-cli", "-p", "6379", "shutdown", "save"], capture_output=True, timeout=30)
+            broker.stop(save=True)
             time.sleep(1.0)
-            subprocess.run(REDIS_START, shell=True, check=True, timeout=10)
+            broker.start()
             report.broker_restarts += 1
             report.log.append("restarted redis")
     for p in producers:
@@ -210,14 +266,13 @@ def run_faults(engine: Engine, url: str, cfg: FaultConfig) -> FaultReport:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    _check(engine, stream, report)
-    redis.Redis.from_url(REDIS_URL).delete(stream)
+    _check(engine, stream, report, broker.url)
     meta.drop_all(engine)
     return report
 
 
-def _check(engine: Engine, stream: str, report: FaultReport) -> None:
-    entries = redis.Redis.from_url(REDIS_URL, decode_responses=True).xrange(stream)
+def _check(engine: Engine, stream: str, report: FaultReport, redis_url: str) -> None:
+    entries = redis.Redis.from_url(redis_url, decode_responses=True).xrange(stream)
     import json
 
     delivered = [(int(f["message_id"]), f["aggregate_type"], f["aggregate_id"], f["event_type"], json.loads(f["payload"]))
@@ -229,6 +284,10 @@ def _check(engine: Engine, stream: str, report: FaultReport) -> None:
         rb = set(conn.execute(text("SELECT token FROM fault_rolled_back")).scalars())
         calls = Counter(conn.execute(text("SELECT job_id FROM fault_job_calls")).scalars())
         jobs = {r.id: r for r in conn.execute(text("SELECT id, status, lease_version FROM jobs"))}
+        report.dead_rows = conn.execute(text(
+            "SELECT (SELECT count(*) FROM outbox WHERE status = 'dead') + "
+            "(SELECT count(*) FROM jobs WHERE status = 'failed')"
+        )).scalar_one()  # fmt: skip
         report.stuck_rows = conn.execute(text(
             "SELECT (SELECT count(*) FROM outbox WHERE status = 'processing') + "
             "(SELECT count(*) FROM jobs WHERE status = 'running')"

@@ -331,3 +331,20 @@ def test_the_library_defaults_pass_the_lease_check_and_a_publish_timeout_eating_
 def test_doctor_refuses_bad_options(engine: Engine, bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError, match=next(iter(bad))):
         run(engine, **bad)
+
+
+def test_doctor_names_an_unavailable_destination_with_the_fix(engine: Engine) -> None:
+    """Issue #19 §1: rows given back by a dispatcher that could not reach its broker (real rows)."""
+    from .test_operations import _refunded_by_an_unreachable_broker
+
+    assert [f.status for f in by_check(run(engine), "destination")] == ["ok"]
+    _refunded_by_an_unreachable_broker(engine, 2)
+    (finding,) = by_check(run(engine), "destination")
+    assert finding.status == "warn"
+    assert "the broker is down or unreachable since at least" in finding.message
+    assert "the dispatcher is probing it" in finding.message and "DestinationUnavailable" in finding.message
+    assert (
+        finding.fix is not None
+        and "bring the broker back" in finding.fix
+        and "no attempt is spent" in finding.fix
+    )

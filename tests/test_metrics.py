@@ -217,3 +217,158 @@ def test_metrics_exporter_refuses_bad_options(engine: Engine) -> None:
             MetricsExporter(d, stale_after=0)
     finally:
         d.close()
+
+
+# --- the circuit breaker's gauge (issue #19 §1) ----------------------------------------------------------
+
+CIRCUIT = 'sa_outbox_circuit_open{kind="outbox",table="outbox"}'
+
+
+def redis_dispatcher(engine: Engine | None = None, redis_url: str | None = None) -> Dispatcher:
+    """A dispatcher publishing to a (private) Redis; with no argument a CLI target on ``DATABASE_URL`` and
+    ``OUTAGE_REDIS_URL``."""
+    from sqlalchemy import create_engine
+
+    from sa_outbox import Backoff
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    publisher = RedisStreamPublisher(
+        redis_url or os.environ["OUTAGE_REDIS_URL"], stream="metrics-outage", timeout=1
+    )
+    engine = engine or create_engine(os.environ["DATABASE_URL"])
+    return Dispatcher(engine, OutboxEvent, publisher, max_attempts=3,
+                      backoff=Backoff(0.01, 0.05), poll_interval=0.2, batch=5)  # fmt: skip
+
+
+def _wait_scrape(port: int, series: str, value: float, timeout: float) -> str:
+    """Scrape until ``series`` has ``value``; fails with the last page after ``timeout``."""
+    body = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            body = _scrape(port)
+            for line in body.splitlines():
+                if line.startswith(series + " ") and float(line.rsplit(" ", 1)[1]) == value:
+                    return body
+        time.sleep(0.1)
+    raise AssertionError(f"{series} never {value} within {timeout:g}s:\n{body[-3000:]}")
+
+
+def test_circuit_open_gauge_is_one_while_the_broker_is_down(engine: Engine) -> None:
+    import threading
+
+    from .brokers import PrivateRedis
+
+    server = PrivateRedis()
+    server.start()
+    d = redis_dispatcher(engine, server.url)
+    port = _free_port()
+    exporter = MetricsExporter(d, status_interval=0).start(port, addr="127.0.0.1")
+    thread = threading.Thread(target=lambda: d.run(install_signal_handlers=False), daemon=True)
+    thread.start()
+    try:
+        seed_events(engine, 3)
+        closed_before = _wait_scrape(
+            port, 'sa_outbox_rows{kind="outbox",status="done",table="outbox"}', 3, 30
+        )
+        server.stop()
+        seed_events(engine, 3, start=3)
+        _wait_scrape(port, CIRCUIT, 1.0, 30)
+        server.start()
+        after = _wait_scrape(port, CIRCUIT, 0.0, 60)
+    finally:
+        d.stop()
+        thread.join(30)
+        exporter.stop()
+        d.close()
+        server.close()
+    assert _gauge(closed_before, CIRCUIT) == 0.0
+    assert d.stats.dead == 0 and d.stats.done == 6 and not thread.is_alive()
+    assert "sa_outbox_circuit_open" in after
+
+
+def test_workers_have_no_circuit_gauge(engine: Engine) -> None:
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    worker = Worker(engine, Job, {"t": lambda job: None}, listen=False)
+    port = _free_port()
+    exporter = MetricsExporter(worker, status_interval=0).start(port, addr="127.0.0.1")
+    try:
+        body = _scrape(port)
+    finally:
+        exporter.stop()
+        worker.close()
+    assert "sa_outbox_rows" in body and "sa_outbox_circuit_open" not in body
+
+
+def test_pool_circuit_gauge_is_or_ed_over_the_live_children(engine: Engine) -> None:
+    """The supervisor's one endpoint: 1 while any child's circuit is open; a child that exits is forgotten."""
+    from multiprocessing import Pipe
+
+    from sa_outbox._poolmetrics import ChildReport, PoolMetrics
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    from .brokers import closed_port
+
+    seed_events(engine, 2)
+    down = Dispatcher(engine, OutboxEvent, RedisStreamPublisher(f"redis://127.0.0.1:{closed_port()}/0",
+                      timeout=1), listen=False)  # fmt: skip
+    up = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
+    assert down.run_once() == 2 and down.circuit_open and not up.circuit_open  # both rows refunded
+    pool = PoolMetrics("dispatch")
+    port = _free_port()
+    pool.start(port, addr="127.0.0.1")
+    reports = []
+    try:
+        for slot, loop in enumerate((up, down)):
+            parent, child = Pipe()
+            report = ChildReport(loop, child, with_status=slot == 0)
+            reports.append(report)
+            report.close()  # sends one snapshot
+            pool.update(slot, parent.recv())
+        one_open = _scrape(port)
+        pool.retire(1)
+        none_open = _scrape(port)
+    finally:
+        pool.stop()
+        down.close()
+        up.close()
+    assert _gauge(one_open, CIRCUIT) == 1.0
+    assert (
+        _gauge(one_open, 'sa_outbox_rows{kind="outbox",status="pending",table="outbox"}') == 2.0
+    )  # child 0's
+    assert _gauge(none_open, CIRCUIT) == 0.0
+
+
+def test_cli_pool_serves_the_circuit_gauge_during_an_outage(engine: Engine, db_url: URL) -> None:
+    from .brokers import PrivateRedis
+
+    server = PrivateRedis()
+    server.start()
+    server.stop()  # down from the start: the children's first publish meets the outage
+    port = _free_port()
+    env = dict(
+        os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False), OUTAGE_REDIS_URL=server.url
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sa_outbox", "dispatch", "tests.test_metrics:redis_dispatcher", "--processes", "2",
+         "--metrics-port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        seed_events(engine, 4)
+        during = _wait_scrape(port, CIRCUIT, 1.0, 60)
+        server.start()
+        # Not asserted here: the gauge back at 0. A child whose probe finds the backlog already delivered by the
+        # other child stays open (tests/test_outages.py::test_a_circuit_closes_when_another_dispatcher_delivered
+        # _the_backlog, a dispatcher defect); the or-ing itself is pinned by the test above.
+        after = _wait_scrape(port, 'sa_outbox_completed_total{kind="outbox",table="outbox"}', 4.0, 90)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+        server.close()
+    assert proc.returncode == 0, out
+    assert _gauge(during, 'sa_outbox_dead_total{kind="outbox",table="outbox"}') == 0.0
+    assert _gauge(after, 'sa_outbox_dead_total{kind="outbox",table="outbox"}') == 0.0
+    assert "destination unavailable: not claiming" in out and "destination available again" in out

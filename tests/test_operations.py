@@ -384,3 +384,87 @@ def test_blocked_aggregates_are_read_through_the_aggregate_index_not_the_history
     indexes = {n["Index Name"] for n in nodes(plan) if "Index Name" in n}
     assert not seq and indexes == {"ix_outbox_aggregate"}, (seq, indexes)
     assert report.blocked_aggregates_total > 0 and len(report.blocked_aggregates) == 10
+
+
+# --- deliveries failing because the destination is unavailable (issue #19 §1) ------------------------------
+
+
+def _refunded_by_an_unreachable_broker(engine: Engine, n: int) -> None:
+    """Rows as a real dispatcher leaves them when its broker cannot be reached: claimed, published to a port
+    nothing listens on, given back with the attempt refunded. One older row was delivered before."""
+    from sa_outbox import Dispatcher
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+    from sa_outbox.testing import RecordingPublisher
+
+    from .brokers import closed_port
+
+    seed_events(engine, 1)
+    Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False).run_once()
+    seed_events(engine, n, start=1)
+    down = RedisStreamPublisher(f"redis://127.0.0.1:{closed_port()}/0", stream="s", timeout=1)
+    d = Dispatcher(engine, OutboxEvent, down, listen=False)
+    try:
+        assert d.run_once() == n and d.circuit_open
+    finally:
+        d.close()
+
+
+def test_status_says_deliveries_fail_because_the_destination_is_unavailable(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    healthy = queue_status(engine, OutboxEvent)
+    assert healthy.destination_unavailable is None and healthy.last_done_age is None
+    _refunded_by_an_unreachable_broker(engine, 3)
+    s = queue_status(engine, OutboxEvent)
+    outage = s.destination_unavailable
+    assert outage is not None and outage.rows == 3 and outage.sampled == 3
+    assert outage.error.startswith("destination unavailable: DestinationUnavailable: ")
+    assert s.attempts == {0: 3}  # refunded: the outage spent no attempt
+    assert s.last_done_age is not None and 0 <= s.last_done_age < 60
+    assert any("destination is unavailable" in w and "probing" in w for w in s.warnings)
+
+    code, out = cli(capsys, db_url, "status", "--json")
+    data = json.loads(out)["outbox"]
+    assert code == 0 and data["destination_unavailable"]["rows"] == 3
+    assert data["destination_unavailable"]["error"] == outage.error
+    assert isinstance(data["last_done_age"], float) and isinstance(data["oldest_pending_age"], float)
+    code, out = cli(capsys, db_url, "status")
+    assert code == 0
+    assert "destination           unavailable    3 of the 3 oldest due rows given back" in out
+    assert "last done" in out and "oldest pending age" in out
+
+
+def test_status_reads_the_outage_from_the_oldest_due_rows_through_the_ready_index(engine: Engine) -> None:
+    """The check reads a few rows at the head of the ready index, never every pending row; and the last
+    delivery is one entry of the done index."""
+    from sqlalchemy.dialects import postgresql
+
+    from sa_outbox._sql import spec_for
+    from sa_outbox.monitoring import OUTAGE_SAMPLE, _last_done_statement, _oldest_due_statement
+
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
+                "SELECT 'o', g::text, 'E', '{}', CASE WHEN g % 2 = 0 THEN 'pending' ELSE 'done' END, "
+                "CASE WHEN g % 2 = 1 THEN now() END FROM generate_series(1, 40000) g"
+            )
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE outbox"))
+    spec = spec_for(OutboxEvent)
+    plans = []
+    with engine.connect() as conn:
+        for stmt, params in (
+            (_oldest_due_statement(spec), {"n": OUTAGE_SAMPLE}),
+            (_last_done_statement(spec), {}),
+        ):
+            compiled = stmt.compile(dialect=postgresql.dialect())
+            sql = "EXPLAIN (FORMAT JSON) " + str(compiled)
+            plans.append(
+                json.dumps(conn.exec_driver_sql(sql, compiled.construct_params(params)).scalar_one())
+            )
+    head, last = plans
+    assert '"Node Type": "Limit"' in head and '"Index Name": "ix_outbox_ready"' in head, head
+    assert '"Seq Scan"' not in head and '"Sort"' not in head, head
+    assert '"Index Name": "ix_outbox_done"' in last and '"Seq Scan"' not in last, last
