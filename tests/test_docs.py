@@ -8,7 +8,7 @@ block must be:
     Executed. The blocks of a page share one namespace (like cells of a notebook), so a later block uses what
     an earlier one defined. A block whose first line starts with ``# inside an alembic revision`` runs inside
     alembic's operations context (``from alembic import op`` works there) and its ``upgrade()`` is called.
-``shell``
+``shell`` (also ``bash``, ``sh``)
     One command per line (``#`` starts a comment; ``VAR=value`` prefixes are dropped):
 
     * ``sa-outbox …`` / ``python -m sa_outbox …`` — parsed by the real argument parser. ``dispatch``,
@@ -28,7 +28,7 @@ a ``text`` block right after ``<!-- output -->``
     The standard output of the block before it, compared line by line: ``…`` inside a line stands for any text,
     a line that is only ``…`` for any number of lines.
 a block right after ``<!-- illustration -->``
-    A diagram or a sketch, not code; not run. ``python``, ``shell`` and ``sql`` blocks cannot be marked so.
+    A diagram or a sketch, not code; not run. ``python``, shell and ``sql`` blocks cannot be marked so.
 README only: the blocks after ``<!-- demo-command -->`` and ``<!-- test-command -->``
     What ``.ci/run`` extracts and runs (checked here against the script).
 
@@ -70,6 +70,8 @@ REQUIRED_PAGES = {
 }  # fmt: skip
 
 MARKERS = ("output", "illustration", "demo-command", "test-command")
+SHELL = ("shell", "bash", "sh")
+RUN = ("python", *SHELL, "sql", "ini")
 #: sa-outbox commands that are only parsed: they run until stopped, or build their own database.
 PARSE_ONLY = {"dispatch", "worker", "demo"}
 
@@ -257,7 +259,7 @@ def run_page(page: Path) -> None:
                     raise DocError(f"{block.where}: only README.md carries the CI's commands")
                 continue
             if block.marker == "illustration":
-                if block.lang in ("python", "shell", "sql"):
+                if block.lang in ("python", *SHELL, "sql"):
                     raise DocError(
                         f"{block.where}: a {block.lang} block must run; it cannot be an illustration"
                     )
@@ -266,7 +268,7 @@ def run_page(page: Path) -> None:
                 try:
                     if block.lang == "python":
                         _python(block, module)
-                    elif block.lang == "shell":
+                    elif block.lang in SHELL:
                         _shell(block)
                     elif block.lang == "sql":
                         _sql(block)
@@ -402,7 +404,7 @@ def test_every_block_is_run_or_marked() -> None:
     """A quick check without a database: every block has a kind the runner knows."""
     for page in PAGES:
         for b in blocks(page):
-            known = b.lang in ("python", "shell", "sql", "ini") or b.marker in MARKERS
+            known = b.lang in RUN or b.marker in MARKERS
             assert known, f"{b.where}: a ```{b.lang} block is neither run nor marked"
 
 
