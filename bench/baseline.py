@@ -15,12 +15,14 @@ Everything here is the document's (``002_eb7221707991e28a.txt``), not this libra
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
-from sqlalchemy import Engine, text
 
 from .harness import Harness, measured
+
+if TYPE_CHECKING:  # the worker processes import this module: SQLAlchemy only where the parent needs it
+    from sqlalchemy import Engine
 
 SCHEMA = "docbench"
 
@@ -81,6 +83,8 @@ STALE_SEC = 60
 
 def install(engine: Engine) -> None:
     """The document's schema in its own namespace, beside the library's tables."""
+    from sqlalchemy import text
+
     with engine.begin() as conn:
         conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
         conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
@@ -91,6 +95,8 @@ def install(engine: Engine) -> None:
 
 def reset(engine: Engine, n: int) -> None:
     """``n`` queued jobs in the document's table (its defaults: queue 'default', priority 0, due now)."""
+    from sqlalchemy import text
+
     with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {SCHEMA}.jobs RESTART IDENTITY"))
         conn.execute(
@@ -104,6 +110,8 @@ def reset(engine: Engine, n: int) -> None:
 
 
 def done_count(engine: Engine) -> int:
+    from sqlalchemy import text
+
     with engine.connect() as conn:
         return int(
             conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.jobs WHERE status = 'done'")).scalar_one()

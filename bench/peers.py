@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .db import libpq
 from .harness import Harness, Run, timed_processes
 
 INSTALL_HINT = "PgQueuer is not installed: pip install -e '.[bench]' (or pip install pgqueuer asyncpg)"
@@ -102,6 +101,8 @@ def pgqueuer_drain(url: str, n: int, procs: int, batch: int) -> Run:
         import pgqueuer  # noqa: F401
     except ImportError:
         raise RuntimeError(INSTALL_HINT) from None
+    from .db import libpq  # (not at the top: the PgQueuer processes import this module)
+
     dsn = libpq(url)
     _prepare(dsn, n)
     run = timed_processes(pgqueuer_worker, [(dsn, batch)] * procs)

@@ -85,7 +85,7 @@ def render_rows(rows: list[dict[str, Any]]) -> list[str]:
         elif r.get("reference_name"):
             ref = r["reference_name"]
         ratio = fmt_summary(r.get("ratio"), "×") if r.get("ratio") is not None else ""
-        rss = f"{r['rss']['rss_mib']:.0f} MiB" if r.get("rss") else ""
+        rss = f"{r['rss']['rss_mib']:.1f} MiB" if r.get("rss") else ""
         lines.append(
             f"| {r['what']} | {fmt_summary(r['value'], r['unit'])} | {ref} | {ratio} | {r.get('target', '')} | {rss} |"
         )

@@ -16,43 +16,40 @@ server and dropped at the end), else an embedded PostgreSQL.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
+import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, text
-
-from sa_outbox.embedded import database_url
-
-from . import db
-from .drains import scenario_async, scenario_jobs, scenario_long_jobs, scenario_outbox, scenario_slow_jobs
-from .latency import scenario_growth, scenario_producer, scenario_steady, scenario_wakeup
-from .memory import scenario_memory
-from .profiling import scenario_profile
-from .report import HEADER, render, render_rows
+# Nothing heavy at module level: every benchmark process is spawned, and a spawned child imports the
+# parent's main module first — with SQLAlchemy and the library imported here, the document's worker and
+# PgQueuer would carry them and report their RSS.
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-Scenario = Callable[[str, Engine, argparse.Namespace], list[dict[str, Any]]]
-
-#: The table's scenarios, in order (``--scenarios`` picks some; the default is all of these).
-SCENARIOS: dict[str, Scenario] = {
-    "jobs": scenario_jobs,
-    "slowjobs": scenario_slow_jobs,
-    "longjobs": scenario_long_jobs,
-    "outbox": scenario_outbox,
-    "async": scenario_async,
-    "producer": scenario_producer,
-    "wakeup": scenario_wakeup,
-    "growth": scenario_growth,
-    "steady": scenario_steady,
+#: The table's scenarios, in order (``--scenarios`` picks some; the default is all of these): module:function.
+SCENARIOS = {
+    "jobs": "drains:scenario_jobs",
+    "slowjobs": "drains:scenario_slow_jobs",
+    "longjobs": "drains:scenario_long_jobs",
+    "outbox": "drains:scenario_outbox",
+    "async": "drains:scenario_async",
+    "producer": "latency:scenario_producer",
+    "wakeup": "latency:scenario_wakeup",
+    "growth": "latency:scenario_growth",
+    "steady": "latency:scenario_steady",
 }
 #: Modes run only when asked for (``--memory``, ``--profile``, or by name in ``--scenarios``).
-MODES: dict[str, Scenario] = {"memory": scenario_memory, "profile": scenario_profile}
+MODES = {"memory": "memory:scenario_memory", "profile": "profiling:scenario_profile"}
+
+
+def scenario(name: str) -> Any:
+    module, function = {**SCENARIOS, **MODES}[name].split(":")
+    return getattr(importlib.import_module(f"bench.{module}"), function)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -99,6 +96,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sqlalchemy import create_engine, text
+
+    from sa_outbox.embedded import database_url
+
+    from . import db
+    from .report import HEADER, render_rows
+
     cfg = parse(argv)
     results: dict[str, Any] = {
         "machine": {
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": cfg.runs,
         "quick": cfg.quick,
-        "command": "python -m bench.run " + " ".join(__import__("sys").argv[1:]),
+        "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
         "notes": [
             "library: sa_outbox on its own schema (sa_outbox.models: public.jobs, public.outbox)",
             "document worker: the jobs document's SQL on the document's own DDL (schema docbench: job_status "
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in cfg.names:
                 t0 = time.perf_counter()
-                rows = {**SCENARIOS, **MODES}[name](url, engine, cfg)
+                rows = scenario(name)(url, engine, cfg)
                 results["scenarios"][name] = rows
                 results.setdefault("seconds", {})[name] = time.perf_counter() - t0
                 print("\n".join(render_rows(rows)), flush=True)
@@ -140,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(cfg.json).write_text(json.dumps(results, indent=2, default=str))
     return 0
 
-
-__all__ = ["main", "render"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
