@@ -131,9 +131,9 @@ def scenario_slow_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> lis
     rows = []
     for name, _, opts in SLOW_CONFIGS:
         lib = [n / r.seconds for r in runs[name]]
-        batch = "default batch" if opts.batch is None else f"batch {opts.batch}"
+        batch = " (default batch)" if opts.batch is None else ""
         rows.append(row(
-            f"{n:,} jobs of 5 ms, 8 in flight, {name} ({batch}): share of the physical limit 8 / 5 ms",
+            f"{n:,} jobs of 5 ms, 8 in flight, {name}{batch}: share of the physical limit 8 / 5 ms",
             summary(lib), reference=limit, reference_name="physical limit",
             ratio=summary([x / limit for x in lib]), target="≥ 0.90", rss=rss_of(runs[name]),
             cpu=cpu_per_row(runs[name]), vs_document=paired_ratio(lib, doc),

@@ -1,6 +1,6 @@
 """``--profile``: where the time goes at batch 1 and in the 5 ms case.
 
-Each case runs three times:
+Each case runs ``--runs`` times plainly, then once under each profiler:
 
 1. plain — the CPU accounting: every worker process's own CPU (``getrusage``, all threads), its backends' CPU
    (``/proc/<pg_backend_pid()>/stat``) and every PostgreSQL process's CPU on the machine (WAL writer
@@ -27,6 +27,7 @@ import pstats
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ from sqlalchemy import Engine
 
 from . import db
 from .drains import SLOW_CONFIGS, document_drain, library_drain
-from .harness import Run, timed_processes
+from .harness import Run, summary, timed_processes
 from .library import LoopOptions, library_worker
 from .report import cpu_per_row, row, rss_of
 
@@ -50,8 +51,9 @@ def busy_cores(run: Run) -> float | None:
     return (client + server) / run.seconds
 
 
-def what_limits(run: Run, cpus: int) -> str:
-    busy = busy_cores(run)
+def what_limits(runs: list[Run], cpus: int) -> str:
+    values = [busy_cores(r) for r in runs]
+    busy = None if None in values else statistics.median(v for v in values if v is not None)
     if busy is None:
         return "server CPU unreadable (remote server?)"
     if busy >= 0.85 * cpus:
@@ -127,11 +129,11 @@ def leaf_functions(raw: Path) -> tuple[int, list[dict[str, Any]]]:
 
 
 def _case(
-    url: str, engine: Engine, name: str, n: int, procs: int, opts: LoopOptions, out: Path
+    url: str, engine: Engine, name: str, n: int, procs: int, opts: LoopOptions, out: Path, runs: int
 ) -> dict[str, Any]:
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     cpus = os.cpu_count() or 1
-    plain = library_drain(url, engine, n, procs, opts)
+    plain = [library_drain(url, engine, n, procs, opts) for _ in range(runs)]
     # cProfile in every process
     prof_dir = out / slug
     prof_dir.mkdir(parents=True, exist_ok=True)
@@ -141,8 +143,9 @@ def _case(
     text, top = cprofile_top(prof_dir / "0.prof", profiled.reports[0]["jobs"] or 1)
     (prof_dir / "cprofile.txt").write_text(text)
     result: dict[str, Any] = {
-        "rate": n / plain.seconds, "cpu_us_per_job": cpu_per_row([plain]), "busy_cores": busy_cores(plain),
-        "limit": what_limits(plain, cpus), "rss": rss_of([plain]), "cprofile_top": top,
+        "rate": summary([n / r.seconds for r in plain]), "cpu_us_per_job": cpu_per_row(plain),
+        "busy_cores": [busy_cores(r) for r in plain], "limit": what_limits(plain, cpus), "rss": rss_of(plain),
+        "cprofile_top": top,
         "cprofile_rate": n / profiled.seconds, "files": str(prof_dir),
     }  # fmt: skip
     exe = py_spy()
@@ -168,7 +171,7 @@ def scenario_profile(url: str, engine: Engine, cfg: argparse.Namespace) -> list[
                                                                     job_seconds=0.005)) for name, p, o in SLOW_CONFIGS]  # fmt: skip
     rows = []
     for name, n, procs, opts in cases:
-        r = _case(url, engine, name, n, procs, opts, out)
+        r = _case(url, engine, name, n, procs, opts, out, cfg.runs)
         cpu = r["cpu_us_per_job"]
         rows.append(row(
             f"profile: {name}", r["rate"],
@@ -183,11 +186,11 @@ def scenario_profile(url: str, engine: Engine, cfg: argparse.Namespace) -> list[
                 print(f"  {item['share'] * 100:5.1f} %  {item['function']}")
         else:
             print(f"--- py-spy: {r['py_spy']}")
-    doc = document_drain(url, engine, cfg.jobs, 4, 1, 0.0)
-    cpu = cpu_per_row([doc])
-    rows.append(row("profile: the document's worker, batch 1, 4 processes", cfg.jobs / doc.seconds,
-                    reference_name=_cpu_text(cpu) + f"; {what_limits(doc, os.cpu_count() or 1)}",
-                    rss=rss_of([doc]), cpu=cpu))  # fmt: skip
+    docs = [document_drain(url, engine, cfg.jobs, 4, 1, 0.0) for _ in range(cfg.runs)]
+    cpu = cpu_per_row(docs)
+    rows.append(row("profile: the document's worker, batch 1, 4 processes", summary([cfg.jobs / d.seconds for d in docs]),
+                    reference_name=_cpu_text(cpu) + f"; {what_limits(docs, os.cpu_count() or 1)}",
+                    rss=rss_of(docs), cpu=cpu))  # fmt: skip
     return rows
 
 

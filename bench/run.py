@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             "library: sa_outbox on its own schema (sa_outbox.models: public.jobs, public.outbox)",
             "document worker: the jobs document's SQL on the document's own DDL (schema docbench: job_status "
             "enum, jobs_dequeue_idx, jobs_running_idx)",
-            "ceiling: the library's finalize_and_claim statement for jobs, batch written in, pgbench -M prepared",
-        ],
+            "ceiling: the library's finalize_and_claim statement for jobs, batch written in, pgbench -M prepared, "
+            "as many clients as the drain has processes",
+            "ratios are taken within each run (same database, same conditions), then their median (min–max)",
+        ]
+        + (["--quick: small sizes, one run; a smoke test, not figures to compare"] if cfg.quick else []),
         "scenarios": {},
     }
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.dispose()
             db.drop(server)
+    print("\n" + "\n".join(f"- {note}" for note in results["notes"]))
     print(f"\n{cfg.runs} run(s); PostgreSQL {results['machine']['postgresql']}; raw figures: {cfg.json}")
     print("seconds per scenario: " + ", ".join(f"{k} {v:.0f}" for k, v in results.get("seconds", {}).items()))
     Path(cfg.json).write_text(json.dumps(results, indent=2, default=str))
