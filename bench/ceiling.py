@@ -23,6 +23,7 @@ elapsed time (``transactions / tps``, connection set-up excluded).
 from __future__ import annotations
 
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +35,8 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
 from sa_outbox import _sql, _steps
 from sa_outbox.models import Job
+
+from .harness import PostgresCpuWatch
 
 _TAIL = "\n SELECT 'f' AS k"
 
@@ -99,11 +102,21 @@ def run_pgbench(url: str, *, batch: int, clients: int, jobs: int) -> dict[str, A
         for name, value in values.items():
             cmd += ["-D", f"{name}={value}"]
         cmd.append(libpq_url(url))
+        watch, child_before = PostgresCpuWatch(), resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        server_cpu, child_after = watch.stop(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = proc.stdout + proc.stderr
     tps = re.search(r"^tps = ([\d.]+)", out, re.M)
     processed = re.search(r"number of transactions actually processed: (\d+)", out)
     if proc.returncode != 0 or tps is None or processed is None:
         raise RuntimeError(f"pgbench failed ({proc.returncode}):\n{out[-2000:]}")
     transactions = int(processed.group(1))
-    return {"seconds": transactions / float(tps.group(1)), "transactions": transactions, "command": cmd}
+    return {
+        "seconds": transactions / float(tps.group(1)),
+        "transactions": transactions,
+        "command": cmd,
+        # pgbench's own CPU, and every PostgreSQL process's (compare with the library's all-PostgreSQL figure)
+        "client_cpu_s": (child_after.ru_utime - child_before.ru_utime)
+        + (child_after.ru_stime - child_before.ru_stime),
+        "server_all_cpu_s": server_cpu,
+    }

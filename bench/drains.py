@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -47,11 +48,19 @@ def document_drain(url: str, engine: Engine, n: int, procs: int, batch: int, job
     return run
 
 
-def ceiling_drain(url: str, engine: Engine, n: int, clients: int, batch: int) -> float:
-    """Rows per second of the pgbench drain (rows found done over pgbench's own elapsed time)."""
+def ceiling_drain(url: str, engine: Engine, n: int, clients: int, batch: int) -> dict[str, Any]:
+    """The pgbench drain: rows per second (rows found done over pgbench's own elapsed time) and CPU per row
+    (pgbench's, every PostgreSQL process's), in µs."""
     db.reset_jobs(engine, n)
     figures = ceiling.run_pgbench(url, batch=batch, clients=clients, jobs=n)
-    return db.done_count(engine, "jobs") / figures["seconds"]
+    done = db.done_count(engine, "jobs")
+    server = figures["server_all_cpu_s"]
+    return {
+        "rate": done / figures["seconds"],
+        "done": done,
+        "client_us": figures["client_cpu_s"] / done * 1e6,
+        "server_all_us": None if server is None else server / done * 1e6,
+    }
 
 
 def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dict[str, Any]]:
@@ -86,10 +95,19 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
             ratio=paired_ratio(lib, doc), target=JOB_TARGETS[batch], **common,
         ))  # fmt: skip
         if have_pgbench:
+            top = [c["rate"] for c in runs["ceiling"]]
+            ceiling_cpu = {k: statistics.median(c[k] for c in runs["ceiling"]) if all(c[k] is not None
+                           for c in runs["ceiling"]) else None for k in ("client_us", "server_all_us")}  # fmt: skip
+            lib_server, top_server = common["cpu"]["server_all_us"], ceiling_cpu["server_all_us"]
+            cpu_note = (f"server CPU per job: library {lib_server:,.0f} µs, ceiling {top_server:,.0f} µs"
+                        if lib_server is not None and top_server is not None else "")  # fmt: skip
             rows.append(row(
                 f"… batch {batch}: library / ceiling (its own claim + finalize statement in pgbench, {procs} clients)",
-                summary(lib), reference=summary(runs["ceiling"]), reference_name="pgbench ceiling",
-                ratio=paired_ratio(lib, runs["ceiling"]), target=CEILING_TARGETS[batch], **common,
+                summary(lib), reference=summary(top), reference_name="pgbench ceiling",
+                reference_note=cpu_note,
+                ratio=paired_ratio(lib, top), target=CEILING_TARGETS[batch], ceiling_runs=runs["ceiling"],
+                reference_cpu=ceiling_cpu,
+                **common,
             ))  # fmt: skip
         else:
             rows.append(

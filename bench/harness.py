@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -89,6 +90,32 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU spent between two readings by the processes alive at the second (new ones counted whole)."""
     return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+class PostgresCpuWatch:
+    """Every PostgreSQL process's CPU over a period in which some of them exit (pgbench's backends end with
+    it): their CPU is read every 10 ms while they live, the last reading kept; new processes are looked
+    for every 100 ms. A backend's last < 10 ms before it exits are missed."""
+
+    def __init__(self) -> None:
+        self.before = cpu_of(postgres_pids())
+        self.last = dict(self.before)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        tick = 0
+        while not self.stopped.wait(0.01):
+            tick += 1
+            pids = postgres_pids() if tick % 10 == 0 else list(self.last)
+            self.last.update(cpu_of(pids))
+
+    def stop(self) -> float | None:
+        self.stopped.set()
+        self.thread.join()
+        self.last.update(cpu_of(list(self.last)))
+        return cpu_delta(self.before, self.last) if self.last else None
 
 
 @contextlib.contextmanager

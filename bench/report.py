@@ -84,6 +84,8 @@ def render_rows(rows: list[dict[str, Any]]) -> list[str]:
             ref = f"{r['reference_name']}: {fmt_summary(r['reference'], r.get('reference_unit', r['unit']))}"
         elif r.get("reference_name"):
             ref = r["reference_name"]
+        if r.get("reference_note"):
+            ref += f" — {r['reference_note']}"
         ratio = fmt_summary(r.get("ratio"), "×") if r.get("ratio") is not None else ""
         rss = f"{r['rss']['rss_mib']:.1f} MiB" if r.get("rss") else ""
         lines.append(
