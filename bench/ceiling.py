@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 import resource
+import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -87,24 +87,25 @@ def libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def run_pgbench(url: str, *, batch: int, clients: int, jobs: int) -> dict[str, Any]:
-    """Drain ``jobs`` rows of the library's jobs table with pgbench; returns its own figures."""
+def run_pgbench(url: str, *, batch: int, clients: int, jobs: int, script_dir: Path) -> dict[str, Any]:
+    """Drain ``jobs`` rows of the library's jobs table with pgbench; returns its own figures. The script is
+    kept in ``script_dir`` and the command returned, so the ceiling can be rerun by hand."""
     exe = pgbench()
     if exe is None:
         raise RuntimeError(INSTALL_HINT)
     text, values = script(batch)
     per_client = jobs // (clients * batch) + 1  # the last statement finalizes the last batch
-    with tempfile.TemporaryDirectory(prefix="sa_outbox_ceiling_") as tmp:
-        path = Path(tmp) / f"finalize_and_claim_{batch}.sql"
-        path.write_text(text)
-        cmd = [exe, "-n", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-t", str(per_client),
-               "-f", str(path)]  # fmt: skip
-        for name, value in values.items():
-            cmd += ["-D", f"{name}={value}"]
-        cmd.append(libpq_url(url))
-        watch, child_before = PostgresCpuWatch(), resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-        server_cpu, child_after = watch.stop(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    script_dir.mkdir(parents=True, exist_ok=True)
+    path = script_dir / f"finalize_and_claim_{batch}.sql"
+    path.write_text(text)
+    cmd = [exe, "-n", "-M", "prepared", "-c", str(clients), "-j", str(clients), "-t", str(per_client),
+           "-f", str(path)]  # fmt: skip
+    for name, value in values.items():
+        cmd += ["-D", f"{name}={value}"]
+    cmd.append(libpq_url(url))
+    watch, child_before = PostgresCpuWatch(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    server_cpu, child_after = watch.stop(), resource.getrusage(resource.RUSAGE_CHILDREN)
     out = proc.stdout + proc.stderr
     tps = re.search(r"^tps = ([\d.]+)", out, re.M)
     processed = re.search(r"number of transactions actually processed: (\d+)", out)
@@ -114,7 +115,7 @@ def run_pgbench(url: str, *, batch: int, clients: int, jobs: int) -> dict[str, A
     return {
         "seconds": transactions / float(tps.group(1)),
         "transactions": transactions,
-        "command": cmd,
+        "command": shlex.join(cmd),
         # pgbench's own CPU, and every PostgreSQL process's (compare with the library's all-PostgreSQL figure)
         "client_cpu_s": (child_after.ru_utime - child_before.ru_utime)
         + (child_after.ru_stime - child_before.ru_stime),

@@ -11,6 +11,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
@@ -48,11 +49,13 @@ def document_drain(url: str, engine: Engine, n: int, procs: int, batch: int, job
     return run
 
 
-def ceiling_drain(url: str, engine: Engine, n: int, clients: int, batch: int) -> dict[str, Any]:
+def ceiling_drain(
+    url: str, engine: Engine, n: int, clients: int, batch: int, script_dir: Path
+) -> dict[str, Any]:
     """The pgbench drain: rows per second (rows found done over pgbench's own elapsed time) and CPU per row
     (pgbench's, every PostgreSQL process's), in µs."""
     db.reset_jobs(engine, n)
-    figures = ceiling.run_pgbench(url, batch=batch, clients=clients, jobs=n)
+    figures = ceiling.run_pgbench(url, batch=batch, clients=clients, jobs=n, script_dir=script_dir)
     done = db.done_count(engine, "jobs")
     server = figures["server_all_cpu_s"]
     return {
@@ -60,6 +63,7 @@ def ceiling_drain(url: str, engine: Engine, n: int, clients: int, batch: int) ->
         "done": done,
         "client_us": figures["client_cpu_s"] / done * 1e6,
         "server_all_us": None if server is None else server / done * 1e6,
+        "command": figures["command"],
     }
 
 
@@ -77,7 +81,9 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
                 "library": lambda b=batch: library_drain(url, engine, n, procs, LoopOptions(batch=b)),
             }
             if have_pgbench:
-                contenders["ceiling"] = lambda b=batch: ceiling_drain(url, engine, n, procs, b)
+                contenders["ceiling"] = lambda b=batch: ceiling_drain(
+                    url, engine, n, procs, b, cfg.results_dir / "ceiling"
+                )
             if cfg.with_pgqueuer and batch == 50:
                 from .peers import pgqueuer_drain
 

@@ -6,9 +6,12 @@ Each case runs ``--runs`` times plainly, then once under each profiler:
    (``/proc/<pg_backend_pid()>/stat``) and every PostgreSQL process's CPU on the machine (WAL writer
    included), each per job; and how many of the machine's cores were busy (client + server CPU / wall time).
    Near all of them busy: CPU-bound; well below: the loop waits (round trips, sleeping handlers).
-2. under cProfile in every worker process (the main thread: the loop; handler threads are not seen) — the
-   first process's profile is printed (top functions by own time) and every ``.prof`` is kept under
-   ``bench/results/profile/`` for ``python -m pstats`` or snakeviz;
+2. under cProfile in every worker process, timed by the main thread's CPU clock (the loop; handler threads
+   are not profiled): a wall clock put the backend's work inside the client's ``send`` (waking the backend
+   preempts the client on two cores). The first process's top functions by own CPU are printed in µs per
+   job; cProfile's cost per call inflates functions called often, so read proportions from py-spy and call
+   counts and structure from cProfile. Every ``.prof`` is kept under ``bench/results/profile/`` for
+   ``python -m pstats`` or snakeviz;
 3. under py-spy at 1 kHz, attached to the first worker process (all its threads), when ``py-spy`` is installed
    (``pip install -e '.[bench]'``) and may ptrace: the leaf functions by samples, the raw stacks kept (feed
    them to a flame-graph tool).

@@ -108,3 +108,24 @@ def render(results: dict[str, Any]) -> str:
         else:
             lines.append(f"| {name} | see the JSON | | | | |")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.report [results.json]``: print the table of a saved run again."""
+    import json
+    import sys
+    from pathlib import Path
+
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0] if args else Path(__file__).resolve().parent / "results" / "latest.json")
+    results = json.loads(path.read_text())
+    print(render(results))
+    print("\n" + "\n".join(f"- {note}" for note in results.get("notes", [])))
+    machine = results.get("machine", {})
+    print(f"\n{results.get('runs')} run(s); {machine.get('cpus')} CPUs; PostgreSQL {machine.get('postgresql')}; "
+          f"Python {machine.get('python')}; command: {results.get('command')}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
