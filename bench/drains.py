@@ -93,7 +93,11 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
         lib = [n / r.seconds for r in runs["library"]]
         doc = [n / r.seconds for r in runs["document"]]
         what = f"jobs drain, {n:,} no-op jobs, {procs} processes, batch {batch}"
-        common = {"rss": rss_of(runs["library"]), "cpu": cpu_per_row(runs["library"])}
+        common = {
+            "rss": rss_of(runs["library"]),
+            "cpu": cpu_per_row(runs["library"]),
+            "jobs_per_process": [[rep["jobs"] for rep in r.reports] for r in runs["library"]],
+        }
         rows.append(row(
             f"{what}: library vs the document's worker on the document's DDL", summary(lib),
             reference=summary(doc), reference_name="document worker (schema docbench)",
@@ -161,6 +165,7 @@ def scenario_slow_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> lis
             summary(lib), reference=limit, reference_name="physical limit",
             ratio=summary([x / limit for x in lib]), target="≥ 0.90", rss=rss_of(runs[name]),
             cpu=cpu_per_row(runs[name]), vs_document=paired_ratio(lib, doc),
+            jobs_per_process=[[rep["jobs"] for rep in r.reports] for r in runs[name]],
         ))  # fmt: skip
     rows.append(row(
         "… the document's worker, 8 processes × batch 1, same jobs", summary(doc), reference=limit,
