@@ -50,7 +50,7 @@ from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit
-from ._steps import Outcome
+from ._steps import RELEASED_UNAVAILABLE, Outcome
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
 from .errors import ConfigurationError, DestinationUnavailable, RetryableError
@@ -61,7 +61,7 @@ log = logging.getLogger("sa_outbox.dispatcher")
 
 _STOPPING = "released: dispatcher stopping"
 _BUDGET = "released: lease budget spent"
-_UNAVAILABLE = "released: destination unavailable"
+_UNAVAILABLE = RELEASED_UNAVAILABLE
 
 
 def publisher_is_async(publisher: Any) -> bool:
@@ -215,6 +215,16 @@ class DispatcherBase(LoopBase):
             if fatal is not None and self._fatal is None:
                 self._fatal = fatal
         return outcomes
+
+    def _probed_nothing(self) -> None:
+        """A probe claimed no row (another dispatcher delivered the backlog): nothing shows the destination is
+        still down, so the circuit closes."""
+        if self._circuit.nothing_to_probe():
+            outage = time.monotonic() - self._circuit.opened_at
+            log.info(
+                "destination considered available again after %.1fs (nothing left to probe)", outage,
+                extra={"table": self.spec.table.name, "owner": self.owner, "outage_seconds": round(outage, 3)},
+            )  # fmt: skip
 
     def _settle(self, outcomes: list[Outcome]) -> None:
         """Queue a batch's outcomes for writing and let the circuit breaker learn from them."""
@@ -418,6 +428,8 @@ class Dispatcher(DispatcherBase):
         self._rescue()
         if rows:
             self._settle(self._publish_blocking([Message.from_row(r) for r in rows], claimed_at))
+        elif wanted:
+            self._probed_nothing()
         return len(rows), wanted
 
     def _wait(self, claimed: int, wanted: int) -> None:
@@ -613,6 +625,8 @@ class AsyncDispatcher(DispatcherBase):
             else:
                 outcomes = await asyncio.to_thread(self._publish_blocking, messages, claimed_at)
             self._settle(outcomes)
+        elif wanted:
+            self._probed_nothing()
         return len(rows), wanted
 
     async def _wait(self, claimed: int, wanted: int) -> None:

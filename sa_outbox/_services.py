@@ -149,5 +149,12 @@ class Circuit:
             return "closed"
         return None
 
+    def nothing_to_probe(self) -> bool:
+        """A probe found no row to send (someone else delivered the backlog): close. True when it closed."""
+        if self.state != "probing":
+            return False
+        self.state, self.failures = "closed", 0
+        return True
+
     def next_due(self) -> float | None:
         return self.until if self.state == "open" else None

@@ -22,6 +22,8 @@ from ._sql import QueueSpec
 from .errors import Defer, PermanentError
 
 __all__ = [
+    "RELEASED_UNAVAILABLE",
+    "UNAVAILABLE_PREFIX",
     "Outcome",
     "cancelled",
     "claim",
@@ -101,9 +103,16 @@ def decide(
     )
 
 
+#: How ``last_error`` starts on a row given back because its destination was unavailable (``status`` and
+#: ``doctor`` look for these), and on the rest of the batch released with it.
+UNAVAILABLE_PREFIX = "DestinationUnavailable: "
+RELEASED_UNAVAILABLE = "released: destination unavailable"
+
+
 def release(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:
-    """Give a claimed row back untouched (shutdown, lease budget spent): ready now, attempt refunded."""
-    return Outcome(id, lease_version, spec.ready, delay=0.0, error=reason, refund=1, kind="release")
+    """Give a claimed row back untouched (shutdown, lease budget spent, destination down): ready, attempt
+    refunded, its due time kept — so it keeps its place in the claim order (NULL delay keeps the due time)."""
+    return Outcome(id, lease_version, spec.ready, delay=None, error=reason, refund=1, kind="release")
 
 
 def cancelled(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:
@@ -115,12 +124,13 @@ def cancelled(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outc
 
 def unavailable(spec: QueueSpec, id: int, lease_version: int, error: BaseException) -> Outcome:
     """The destination as a whole was down (:class:`~sa_outbox.DestinationUnavailable`): not this message's
-    fault, so the attempt is refunded and the row is ready again at once (the dispatcher's circuit breaker,
-    not the row, decides when to try the destination again). ``last_error`` starts with
-    ``DestinationUnavailable:``, which ``status`` and ``doctor`` look for."""
-    return Outcome(
-        id, lease_version, spec.ready, delay=0.0, error=describe_error(error), refund=1, kind="unavailable"
-    )
+    fault, so the attempt is refunded and the row stays where it was in the claim order (its due time is
+    kept); the dispatcher's circuit breaker, not the row, decides when to try the destination again.
+    ``last_error`` starts with :data:`UNAVAILABLE_PREFIX`."""
+    text = describe_error(error)
+    if not text.startswith(UNAVAILABLE_PREFIX):  # a subclass of DestinationUnavailable
+        text = (UNAVAILABLE_PREFIX + text)[: _sql.LAST_ERROR_MAX]
+    return Outcome(id, lease_version, spec.ready, delay=None, error=text, refund=1, kind="unavailable")
 
 
 def rescue(

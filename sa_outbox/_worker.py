@@ -437,8 +437,10 @@ class WorkerBase(LoopBase):
 
     def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]]) -> None:
         ids, cancel = renewed
+        still_held = dict(self._held.pairs())
         for job_id, version in pairs:
-            if job_id not in ids:
+            # a job whose outcome was written while the beat ran is finished, not lost
+            if job_id not in ids and still_held.get(job_id) == version:
                 log.warning(
                     "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
                     extra={"job_id": job_id, "lease_version": version},

@@ -29,6 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
+from . import _steps
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._sql import QueueSpec, const, spec_for
 from .errors import ConfigurationError
@@ -286,10 +287,10 @@ def _blocked_statement(spec: QueueSpec) -> Select[Any]:
 OUTAGE_SAMPLE = 20
 
 # What a dispatcher writes in last_error when it gives a row back because its destination was unavailable:
-# the message it published (``_steps.unavailable``) and the rest of its batch (``_dispatcher._UNAVAILABLE``).
-# tests/test_operations.py pins both against rows a real dispatcher wrote.
-UNAVAILABLE_ERROR = "destination unavailable: "
-UNAVAILABLE_RELEASE = "released: destination unavailable"
+# the message it published and the rest of its batch (``_steps``). tests/test_operations.py pins both
+# against rows a real dispatcher wrote.
+UNAVAILABLE_ERROR = _steps.UNAVAILABLE_PREFIX
+UNAVAILABLE_RELEASE = _steps.RELEASED_UNAVAILABLE
 
 
 @cache

@@ -360,10 +360,9 @@ def test_cli_pool_serves_the_circuit_gauge_during_an_outage(engine: Engine, db_u
         seed_events(engine, 4)
         during = _wait_scrape(port, CIRCUIT, 1.0, 60)
         server.start()
-        # Not asserted here: the gauge back at 0. A child whose probe finds the backlog already delivered by the
-        # other child stays open (tests/test_outages.py::test_a_circuit_closes_when_another_dispatcher_delivered
-        # _the_backlog, a dispatcher defect); the or-ing itself is pinned by the test above.
         after = _wait_scrape(port, 'sa_outbox_completed_total{kind="outbox",table="outbox"}', 4.0, 90)
+        # every child's circuit closes, also one whose probe found the backlog delivered by the other child
+        _wait_scrape(port, CIRCUIT, 0.0, 60)
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)

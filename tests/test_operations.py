@@ -418,7 +418,7 @@ def test_status_says_deliveries_fail_because_the_destination_is_unavailable(
     s = queue_status(engine, OutboxEvent)
     outage = s.destination_unavailable
     assert outage is not None and outage.rows == 3 and outage.sampled == 3
-    assert outage.error.startswith("destination unavailable: DestinationUnavailable: ")
+    assert outage.error.startswith("DestinationUnavailable: ")
     assert s.attempts == {0: 3}  # refunded: the outage spent no attempt
     assert s.last_done_age is not None and 0 <= s.last_done_age < 60
     assert any("destination is unavailable" in w and "probing" in w for w in s.warnings)
