@@ -31,6 +31,7 @@ batch is finalized and the exception re-raised out of ``run_once``/``run`` inste
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -43,6 +44,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import AsyncRetrying, Retrying
 
+from . import _tracing
 from ._backoff import OUTBOX_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
@@ -282,17 +284,27 @@ class DispatcherBase(LoopBase):
         return self._classify(results) + rest
 
     def _publish_many_blocking(self, messages: list[Message]) -> list[BaseException | None]:
-        try:
-            return check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
-        except Exception as exc:
-            return [exc] * len(messages)
+        with _tracing.publish_spans(messages, publisher=self.publisher) as spans:
+            try:
+                errors = check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
+            except Exception as exc:
+                errors = [exc] * len(messages)
+            spans.outcomes(errors)
+        return errors
 
     def _publish_one_blocking(self, msg: Message) -> BaseException | None:
+        with _tracing.publish_span(msg, publisher=self.publisher) as span:
+            error = self._call_publish(msg)
+            span.outcome(error)
+        return error
+
+    def _call_publish(self, msg: Message) -> BaseException | None:
         try:
             publisher: Any = self.publisher
             if not self.enforce_publish_timeout:
                 return check_result(publisher.publish(msg))
-            future = self._calls.submit(self.publisher.publish, msg)
+            # the publish span stays current in the helper thread (for the publisher's own instrumentation)
+            future = self._calls.submit(contextvars.copy_context().run, publisher.publish, msg)
             try:
                 return check_result(future.result(timeout=self.publish_timeout.total_seconds()))
             except FutureTimeout:
@@ -699,14 +711,16 @@ class AsyncDispatcher(DispatcherBase):
         n = len(messages)
         if hasattr(self.publisher, "publish_many"):
             started = time.perf_counter()
-            try:
-                async with asyncio.timeout(remaining):
-                    publisher: Any = self.publisher
-                    errors = check_batch(await publisher.publish_many(messages), n)
-            except TimeoutError:
-                errors = [self._over_budget()] * n
-            except Exception as exc:
-                errors = [exc] * n
+            with _tracing.publish_spans(messages, publisher=self.publisher) as spans:
+                try:
+                    async with asyncio.timeout(remaining):
+                        publisher: Any = self.publisher
+                        errors = check_batch(await publisher.publish_many(messages), n)
+                except TimeoutError:
+                    errors = [self._over_budget()] * n
+                except Exception as exc:
+                    errors = [exc] * n
+                spans.outcomes(errors)
             seconds = time.perf_counter() - started
             for m in messages:
                 self._observe_handled(seconds, m.created_at)
@@ -724,14 +738,16 @@ class AsyncDispatcher(DispatcherBase):
                 started = time.perf_counter()
                 timeout = self.publish_timeout.total_seconds() if self.enforce_publish_timeout else None
                 timer = asyncio.timeout(timeout)
-                try:
-                    async with timer:
-                        publisher: Any = self.publisher
-                        error = check_result(await publisher.publish(msg))
-                except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
-                    error = self._timed_out() if timer.expired() else exc
-                except Exception as exc:
-                    error = exc
+                with _tracing.publish_span(msg, publisher=self.publisher) as span:
+                    try:
+                        async with timer:
+                            publisher: Any = self.publisher
+                            error = check_result(await publisher.publish(msg))
+                    except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
+                        error = self._timed_out() if timer.expired() else exc
+                    except Exception as exc:
+                        error = exc
+                    span.outcome(error)
                 self._observe_handled(time.perf_counter() - started, msg.created_at)
                 results[i] = error
                 if isinstance(error, DestinationUnavailable):

@@ -46,7 +46,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from tenacity import AsyncRetrying, Retrying
 
-from . import _steps
+from . import _steps, _tracing
 from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
@@ -161,13 +161,16 @@ def _awaitable_returned(job: ClaimedJob, result: Any) -> TypeError | None:
 
 
 def _invoke(handler: Handler, job: ClaimedJob) -> _Ran:
-    """Call a sync handler; its error (any BaseException) as a value, and how long it took."""
+    """Call a sync handler in its ``process`` span; its error (any BaseException) as a value, and how long it
+    took."""
     started = time.perf_counter()
-    try:
-        value = handler(job)
-        error: BaseException | None = _awaitable_returned(job, value)
-    except BaseException as exc:
-        value, error = None, exc
+    with _tracing.process_span(job) as span:
+        try:
+            value = handler(job)
+            error: BaseException | None = _awaitable_returned(job, value)
+        except BaseException as exc:
+            value, error = None, exc
+        span.outcome(error)
     return _Ran(error, time.perf_counter() - started, value)
 
 
@@ -191,7 +194,7 @@ def _invoke_in_transaction(
     roll back."""
     started = time.perf_counter()
     try:
-        with Session(engine) as session, session.begin():
+        with _tracing.process_span(job) as span, Session(engine) as session, session.begin():
             value = handler(job, session)
             error = _awaitable_returned(job, value)
             if error is not None:
@@ -200,6 +203,7 @@ def _invoke_in_transaction(
                 job.id, job.lease_version, spec.done, result=_encode_result(job, value, max_result_bytes)
             )
             if job.id not in _steps.finalize(session.connection(), spec, [done]):
+                span.outcome(_LeaseLost("lost lease: the job was reaped and re-claimed; rolled back"))
                 raise _LeaseLost
     except _LeaseLost:
         return _Ran(None, time.perf_counter() - started, lost=True)
@@ -1012,17 +1016,21 @@ class AsyncWorker(WorkerBase):
         """Await an ``async def`` handler — in an ``AsyncSession`` transaction that also writes the job's fenced
         completion when it takes a session (both commit, or both roll back)."""
         if not self._in_transaction(handler):
-            return _Ran(None, 0.0, await handler(job))
+            with _tracing.process_span(job):
+                return _Ran(None, 0.0, await handler(job))
         try:
-            async with AsyncSession(self.engine) as session, session.begin():
-                value = await handler(job, session)
-                done = Outcome(
-                    job.id, job.lease_version, self.spec.done,
-                    result=_encode_result(job, value, self._max_result_bytes()),
-                )  # fmt: skip
-                applied = await session.run_sync(lambda s: _steps.finalize(s.connection(), self.spec, [done]))
-                if job.id not in applied:
-                    raise _LeaseLost
+            with _tracing.process_span(job):
+                async with AsyncSession(self.engine) as session, session.begin():
+                    value = await handler(job, session)
+                    done = Outcome(
+                        job.id, job.lease_version, self.spec.done,
+                        result=_encode_result(job, value, self._max_result_bytes()),
+                    )  # fmt: skip
+                    applied = await session.run_sync(
+                        lambda s: _steps.finalize(s.connection(), self.spec, [done])
+                    )
+                    if job.id not in applied:
+                        raise _LeaseLost
         except _LeaseLost:
             return _Ran(None, 0.0, lost=True)
         return _Ran(None, 0.0, value, committed=True)

@@ -355,3 +355,34 @@ def test_a_message_without_trace_headers_gets_a_root_consumer_span(
         assert receive(s, Inbox, "billing", props.message_id, headers=headers_from_amqp(props))
     (span,) = spans.get_finished_spans()
     assert span.name == "process billing" and span.parent is None
+
+
+# --- the loops open the spans themselves ------------------------------------------------------------------
+
+
+def test_the_dispatchers_and_workers_open_publish_and_process_spans_in_the_producers_trace(
+    runner: Any, engine: Engine, spans: Any
+) -> None:
+    """End to end through real loops (sync and async): the publish span of each message and the process
+    span of each job are children of the request span that wrote them; a failed publish is an ERROR span."""
+    from sa_outbox import RetryableError, enqueue
+    from sa_outbox.models import Job, OutboxEvent
+    from sa_outbox.testing import RecordingPublisher
+
+    with tracer().start_as_current_span("request") as request, Session(engine) as session, session.begin():
+        session.add(OutboxEvent(aggregate_type="o", aggregate_id="1", event_type="Ok", payload={}))
+        session.add(OutboxEvent(aggregate_type="o", aggregate_id="2", event_type="Fails", payload={}))
+        enqueue(session, Job, "t", {})
+    trace_id = request.get_span_context().trace_id
+    pub = RecordingPublisher(fail=lambda m: RetryableError("no") if m.event_type == "Fails" else None)
+    runner.run_once(runner.dispatcher(pub))
+    runner.run_once(runner.worker({"t": lambda j: None}))
+    finished = spans.get_finished_spans()
+    publishes = [s for s in finished if s.name.startswith("publish")]
+    processes = [s for s in finished if s.name.startswith("process")]
+    assert len(publishes) == 2 and len(processes) == 1
+    for span in publishes + processes:
+        assert span.context.trace_id == trace_id and span.parent is not None
+        assert span.parent.span_id == request.get_span_context().span_id
+    statuses = sorted((s.attributes["messaging.message.id"], s.status.status_code.name) for s in publishes)
+    assert statuses == [("1", "UNSET"), ("2", "ERROR")]
