@@ -14,8 +14,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import multiprocessing
+import os
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -539,3 +542,23 @@ def test_close_frees_the_producer_and_a_later_publish_starts_a_new_one(kafka: Mo
     pub.publish(message(3))
     pub.close()
     assert {1, 3} <= {int(r.headers["message_id"]) for r in read_topic(kafka.bootstraps, "reopen")}
+
+
+def _publish_in_child(pub: KafkaPublisher) -> None:
+    os._exit(0 if pub.publish_many([message(2)]) == [None] else 1)
+
+
+def test_a_forked_child_publishes_with_a_producer_of_its_own(kafka: MockKafka) -> None:
+    """librdkafka's threads do not survive fork(): a child using its parent's producer would never get a
+    delivery report, and freeing that producer would wait for threads the child does not have."""
+    pub = KafkaPublisher(kafka.bootstraps, topic="forked", timeout=3.0)
+    pub.publish(message(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process (Python 3.12+)
+        child = multiprocessing.get_context("fork").Process(target=_publish_in_child, args=(pub,))
+        child.start()
+    child.join(15)
+    assert child.exitcode == 0
+    pub.publish(message(3))  # the parent's producer is untouched
+    pub.close()
+    assert sorted(int(r.headers["message_id"]) for r in read_topic(kafka.bootstraps, "forked")) == [1, 2, 3]
