@@ -41,6 +41,7 @@ CLOSED = "127.0.0.1:1"  # nothing listens on port 1
 
 # Kafka protocol numbers used below.
 PRODUCE = 0  # ApiKey of ProduceRequest
+UNKNOWN_TOPIC_OR_PART = 3
 MESSAGE_TOO_LARGE = 10
 INVALID_TOPIC = 17
 NOT_ENOUGH_REPLICAS = 19
@@ -472,6 +473,16 @@ def test_a_partition_without_enough_replicas_is_retryable(kafka: MockKafka) -> N
     (result,) = pub.publish_many([message(2)])
     pub.close()
     assert type(result) is RetryableError, result
+
+
+def test_a_topic_the_cluster_does_not_have_is_retryable_not_an_outage(kafka: MockKafka) -> None:
+    kafka.topic_error("missing", UNKNOWN_TOPIC_OR_PART)  # as a cluster with auto.create.topics.enable=false
+    pub = KafkaPublisher(kafka.bootstraps, topic="missing", timeout=2.0)  # never delivered anything yet
+    started = time.monotonic()
+    (result,) = pub.publish_many([message(1)])
+    assert time.monotonic() - started < 2.5
+    pub.close()
+    assert type(result) is RetryableError and "does not exist" in str(result), result
 
 
 def test_unauthorized_topic_under_the_dispatcher_goes_dead_and_others_are_delivered(

@@ -253,6 +253,10 @@ class KafkaPublisher:
         }
         if "delivery.timeout.ms" not in user:
             settings["message.timeout.ms"] = max(1, math.ceil(self.timeout * 1000))
+        # A topic the cluster does not have is reported (UNKNOWN_TOPIC_OR_PART: retryable, and proof that a
+        # broker answered) within the call, not after librdkafka's default 30 s, when every message of the
+        # call would already have been reported as unanswered (an outage).
+        settings["topic.metadata.propagation.max.ms"] = max(1, math.ceil(self.timeout * 500))
         settings.update(user)
         settings["error_cb"] = self._on_error
         return settings
