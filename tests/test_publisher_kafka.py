@@ -16,6 +16,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -326,6 +327,24 @@ def test_dispatcher_hands_a_claimed_batch_to_publish_many(engine: Engine, kafka:
     assert calls == [10, 10, 5]
     assert statuses(engine) == {"done": 25}
     assert len(read_topic(kafka.bootstraps, "claimed")) == 25
+
+
+def test_threads_sharing_one_publisher_each_get_their_own_reports(kafka: MockKafka) -> None:
+    """Whichever thread polls serves every thread's delivery reports; each call still waits for its own."""
+    pub = KafkaPublisher(kafka.bootstraps, topic="shared")
+    results: dict[int, list[BaseException | None]] = {}
+
+    def send(t: int) -> None:
+        results[t] = pub.publish_many([message(t * 100 + i, aggregate=f"a-{i}") for i in range(50)])
+
+    threads = [threading.Thread(target=send, args=(t,)) for t in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    pub.close()
+    assert sorted(results) == [1, 2, 3, 4] and all(r == [None] * 50 for r in results.values())
+    assert len(read_topic(kafka.bootstraps, "shared")) == 200
 
 
 def test_message_headers_travel_as_kafka_headers_after_the_outbox_metadata(kafka: MockKafka) -> None:
