@@ -214,6 +214,14 @@ def message(
     return WithHeaders(**fields, headers=dict(headers))
 
 
+def connected(pub: KafkaPublisher, m: Message) -> None:
+    """Publish ``m`` until it goes through (15 s at most). A new producer's first call also connects and
+    fetches metadata and a producer id: on a busy machine that can outlast a test's short ``timeout``."""
+    deadline = time.monotonic() + 15
+    while (result := pub.publish_many([m])) != [None]:
+        assert time.monotonic() < deadline, result
+
+
 def dispatch(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:
     d = Dispatcher(engine, OutboxEvent, publisher, listen=False, backoff=FAST, **kw)
     drain(d)
@@ -368,7 +376,7 @@ def test_no_reachable_broker_is_destination_unavailable_for_every_message_of_a_b
     elapsed = time.monotonic() - started
     assert all(isinstance(r, DestinationUnavailable) for r in results), results
     assert "127.0.0.1:1" in str(results[0])
-    assert elapsed < 1.5  # one deadline for the whole batch
+    assert elapsed < 2.0  # one deadline for the whole batch
     with pytest.raises(DestinationUnavailable):
         pub.publish(message(6))
     pub.close()
@@ -391,11 +399,11 @@ def test_unreachable_cluster_under_the_dispatcher_refunds_attempts_and_keeps_mes
 
 def test_all_brokers_down_is_destination_unavailable_then_delivered_once_back(kafka: MockKafka) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="outage", timeout=1.5)
-    assert pub.publish_many([message(1)]) == [None]
+    connected(pub, message(1))
     kafka.all_down()
     started = time.monotonic()
     results = pub.publish_many([message(i) for i in range(2, 6)])
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 3.0
     assert all(isinstance(r, DestinationUnavailable) for r in results), results
     kafka.all_up()
     deadline = time.monotonic() + 20
@@ -408,7 +416,7 @@ def test_all_brokers_down_is_destination_unavailable_then_delivered_once_back(ka
 
 def test_slow_cluster_is_retryable_and_bounded_by_one_deadline_for_the_batch(kafka: MockKafka) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="slow", timeout=1.0)
-    assert pub.publish_many([message(1)]) == [None]  # connected: the cluster answers
+    connected(pub, message(1))  # the cluster answers
     kafka.slow(3000)
     started = time.monotonic()
     results = pub.publish_many([message(i, aggregate=f"a-{i}") for i in range(2, 22)])
@@ -416,7 +424,7 @@ def test_slow_cluster_is_retryable_and_bounded_by_one_deadline_for_the_batch(kaf
     pub.close()
     assert all(type(r) is RetryableError for r in results), results  # brokers reachable: not an outage
     assert "no delivery report" in str(results[0])
-    assert 0.9 < elapsed < 1.6
+    assert 0.9 < elapsed < 2.0  # one deadline, not 20 waits in a row
 
 
 def test_oversize_message_is_permanent_naming_both_sizes_and_the_limit_matches_librdkafkas(
@@ -476,7 +484,7 @@ def test_broker_errors_in_delivery_reports_map_onto_failure_classes(
     kafka: MockKafka, code: int, expected: type[BaseException]
 ) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic=lambda m: "refused" if m.id == 2 else "fine", timeout=3.0)
-    assert pub.publish_many([message(1)]) == [None]
+    connected(pub, message(1))
     kafka.fail_next_produce_requests(code)
     (result,) = pub.publish_many([message(2)])
     assert type(result) is expected, result
@@ -487,7 +495,7 @@ def test_broker_errors_in_delivery_reports_map_onto_failure_classes(
 
 def test_a_partition_without_enough_replicas_is_retryable(kafka: MockKafka) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="isr", timeout=1.0)
-    assert pub.publish_many([message(1)]) == [None]
+    connected(pub, message(1))
     kafka.fail_next_produce_requests(*[NOT_ENOUGH_REPLICAS] * 200)  # librdkafka retries it until the deadline
     (result,) = pub.publish_many([message(2)])
     pub.close()
@@ -522,7 +530,7 @@ def test_fatal_idempotence_error_is_retryable_and_the_next_call_gets_a_fresh_pro
     kafka: MockKafka,
 ) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="fatal", timeout=3.0)
-    assert pub.publish_many([message(1)]) == [None]
+    connected(pub, message(1))
     kafka.fail_next_produce_requests(OUT_OF_ORDER_SEQUENCE_NUMBER)  # the idempotent producer cannot go on
     (result,) = pub.publish_many([message(2)])
     assert type(result) is RetryableError and "fatal" in str(result), result
@@ -561,15 +569,15 @@ def test_options_that_would_break_the_delivery_guarantee_are_refused() -> None:
 
 def test_close_frees_the_producer_and_a_later_publish_starts_a_new_one(kafka: MockKafka) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="reopen", timeout=1.0)
-    pub.publish(message(1))
+    connected(pub, message(1))
     kafka.slow(3000)
     assert type(pub.publish_many([message(2)])[0]) is RetryableError  # left in flight
     started = time.monotonic()
-    pub.close()  # flushes within timeout, then drops what is left
-    assert time.monotonic() - started < 1.5
+    pub.close()  # flushes within timeout, then drops what is left: never waits for the 3 s answer
+    assert time.monotonic() - started < 2.0
     pub.close()  # idempotent
     kafka.slow(0)
-    pub.publish(message(3))
+    connected(pub, message(3))
     pub.close()
     assert {1, 3} <= {int(r.headers["message_id"]) for r in read_topic(kafka.bootstraps, "reopen")}
 

@@ -425,7 +425,7 @@ class KafkaPublisher:
             self._up = True
             batch.settle(index, None)
             return
-        if err.code() >= 0:  # the broker answered
+        if err.code() >= 0 or err.code() in _UNKNOWN_TOPIC:  # a broker answered (metadata, for a topic)
             self._up = True
         batch.settle(index, self._failure(err, topic))
 
