@@ -414,6 +414,46 @@ def test_all_brokers_down_is_destination_unavailable_then_delivered_once_back(ka
     assert set(ids) == {1, 2, 3, 4, 5}  # (2-5 may be there twice: a timed-out batch may still have gone out)
 
 
+def test_an_outage_longer_than_the_retry_budget_kills_nothing_and_keeps_order(
+    engine: Engine, kafka: MockKafka
+) -> None:
+    """Issue #19 §1 on Kafka: with every broker down, the dispatcher's attempts are refunded (not one row
+    dead after twice ``max_attempts`` claims) and each aggregate's order survives the outage."""
+    aggregates = [f"agg-{k}" for k in range(4)]
+
+    def seed(round_: int) -> None:
+        for k, aggregate in enumerate(aggregates):
+            seed_events(engine, 1, aggregate=aggregate, start=round_ * 4 + k)
+
+    seed(0)
+    pub = KafkaPublisher(kafka.bootstraps, topic="outage-ordered", timeout=0.5)
+    d = Dispatcher(engine, OutboxEvent, pub, listen=False, backoff=FAST, ordered=True, max_attempts=2)
+    deadline = time.monotonic() + 15
+    while statuses(engine) != {"done": 4}:  # connected and delivering before the outage
+        assert time.monotonic() < deadline
+        d.run_once()
+    kafka.all_down()
+    seed(1)
+    seed(2)
+    for _ in range(4):  # explicit calls claim even while the circuit is open
+        d.run_once()
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT status, attempts FROM outbox WHERE id > 4").all()
+    assert {tuple(r) for r in rows} == {("pending", 0)}
+    kafka.all_up()
+    deadline = time.monotonic() + 20
+    while statuses(engine) != {"done": 12}:
+        assert time.monotonic() < deadline, statuses(engine)
+        d.run_once()
+    pub.close()
+    by_aggregate: dict[str, list[int]] = {}
+    for r in sorted(read_topic(kafka.bootstraps, "outage-ordered"), key=lambda r: (r.partition, r.offset)):
+        ids = by_aggregate.setdefault(r.value["aggregate_id"], [])
+        if int(r.value["message_id"]) not in ids:  # a timed-out publish may have gone out twice
+            ids.append(int(r.value["message_id"]))
+    assert by_aggregate == {a: [k + 1, k + 5, k + 9] for k, a in enumerate(aggregates)}
+
+
 def test_slow_cluster_is_retryable_and_bounded_by_one_deadline_for_the_batch(kafka: MockKafka) -> None:
     pub = KafkaPublisher(kafka.bootstraps, topic="slow", timeout=1.0)
     connected(pub, message(1))  # the cluster answers
