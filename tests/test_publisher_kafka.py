@@ -31,6 +31,7 @@ from sqlalchemy import Engine
 
 from sa_outbox import DestinationUnavailable, Dispatcher, Message, PermanentError, RetryableError
 from sa_outbox.errors import ConfigurationError
+from sa_outbox.inbox import message_id_from_kafka
 from sa_outbox.models import OutboxEvent
 from sa_outbox.publishers.kafka import KafkaPublisher, KafkaRecord
 from sa_outbox.testing import drain
@@ -177,6 +178,8 @@ def read_topic(bootstraps: str, topic: str, *, timeout: float = 20.0) -> list[Re
                 continue
             at_end.discard(msg.partition())
             raw = list(msg.headers() or [])
+            # the consumer side's helper finds the de-duplication key the publisher wrote
+            assert message_id_from_kafka(msg) == dict(raw)["message_id"].decode()
             records.append(Record(msg.topic(), msg.partition(), msg.offset(), msg.key(),
                                   json.loads(msg.value()), {k: v.decode() for k, v in raw}, raw))  # fmt: skip
         return records
