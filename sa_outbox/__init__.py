@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ._dispatcher import AsyncDispatcher as AsyncDispatcher
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
+    from ._limits import Limit as Limit
     from ._messages import BatchPublisher as BatchPublisher
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
@@ -75,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "InboxMixin": "inbox",
     "JOB_STATUSES": "_schema",
     "JobMixin": "_schema",
+    "Limit": "_limits",
     "Message": "_messages",
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",

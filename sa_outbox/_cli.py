@@ -216,7 +216,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if r.attempts:
             print("  attempts                " + "  ".join(f"{a}: {n}" for a, n in r.attempts.items()))
         for q, by in sorted(r.queues.items()):
-            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()))
+            since = f"  PAUSED since {r.paused_queues[q]}" if q in r.paused_queues else ""
+            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()) + since)
+        for q in sorted(set(r.paused_queues) - set(r.queues)):
+            print(f"  queue {q:<17} PAUSED since {r.paused_queues[q]}")
+        for key, by in r.concurrency_keys.items():
+            print(f"  concurrency key {key!r:<7} " + "  ".join(f"{k} {v}" for k, v in by.items()))
         if r.health:
             h = r.health
             print(

@@ -463,7 +463,8 @@ def _job_values(
 def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
     """Validate (and normalise) a job in place; ``context``: the trace headers to add."""
     model = type(job)
-    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers")}
+    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers",
+                                          "concurrency_key")}  # fmt: skip
     checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given,
                           max_headers=model.sa_outbox_max_headers_bytes, context=context)  # fmt: skip
     for name in ("task", "queue", "payload"):
@@ -471,6 +472,8 @@ def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
             setattr(job, name, checked[name])
     if "headers" in checked and checked["headers"] != given["headers"]:
         job.headers = checked["headers"]
+    if given["max_attempts"] is None:
+        job.max_attempts = model.sa_outbox_default_max_attempts
 
 
 # --- step 2: plan the locks -------------------------------------------------------------------------------
@@ -1061,6 +1064,7 @@ def enqueue(
     max_attempts: int | None = None,
     registry: Collection[str] | None = None,
     headers: Mapping[str, str] | None = None,
+    concurrency_key: str | None = None,
 ) -> J:
     """Add a job to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O here): it is written by the
     caller's next flush and exists only if that transaction commits.
@@ -1068,8 +1072,9 @@ def enqueue(
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
     rather than at run time. ``headers`` (string names and values, see ``_payload.check_headers``) reach the
-    handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``. Invalid values raise
-    :class:`PayloadError` before anything is written.
+    handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``.
+    ``concurrency_key`` groups the job for a per-key limit (``Worker(limits={queue: Limit(n, per_key=True)})``).
+    Invalid values raise :class:`PayloadError` before anything is written.
     """
     if registry is not None and task not in registry:
         raise PayloadError(
@@ -1080,6 +1085,10 @@ def enqueue(
         values["max_attempts"] = max_attempts
     if headers is not None:
         values["headers"] = headers
+    if concurrency_key is not None:
+        if not isinstance(concurrency_key, str):
+            raise PayloadError(f"job {task!r}: concurrency_key must be a string, got {concurrency_key!r}")
+        values["concurrency_key"] = concurrency_key
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:

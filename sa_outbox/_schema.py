@@ -38,7 +38,7 @@ from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
 from . import _producer, migration
-from ._sql import queue_table
+from ._sql import queue_table, starts_table
 
 __all__ = [
     "JOB_STATUSES",
@@ -185,6 +185,8 @@ class JobMixin:
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: What the handler returned (a JSON value), written with the fenced completion.
     result: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True), nullable=True)
+    #: Groups jobs for a per-key concurrency or rate limit (``Limit(per_key=True)``); '' when not given.
+    concurrency_key: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
 
     @declared_attr.directive
     @classmethod
@@ -214,6 +216,13 @@ class JobMixin:
             ),
             # Dead letters: `dead list`, `status` and `check` count them without reading done rows.
             Index(conv(f"ix_{t}_failed"), "id", postgresql_where=text("status = 'failed'")),
+            # Limits: a limited queue's claim counts its running jobs (per concurrency key) through this.
+            Index(
+                conv(f"ix_{t}_limited"),
+                "queue",
+                "concurrency_key",
+                postgresql_where=text("status = 'running'"),
+            ),
             {"info": {"sa_outbox_kind": "jobs"}},
         )
 
@@ -230,7 +239,9 @@ class JobMixin:
 
 
 def _add_queue_table(cls: Any) -> None:
-    """A jobs model's companion table ``<jobs>_queues`` on the same metadata (so autogenerate sees it)."""
+    """A jobs model's companion tables ``<jobs>_queues`` and ``<jobs>_starts`` on the same metadata (so
+    autogenerate sees them)."""
     table = getattr(cls, "__table__", None)
     if isinstance(table, Table) and table.info.get("sa_outbox_kind") == "jobs":
         queue_table(table)
+        starts_table(table)

@@ -355,3 +355,18 @@ def test_an_outage_on_the_last_attempt_does_not_kill_the_message(runner: Runner,
     assert runner.run_once(d) == 1
     r = row(engine, "outbox", 1)
     assert (r.status, r.attempts) == ("pending", 0) and r.last_error.startswith("DestinationUnavailable")
+
+
+def test_run_once_closes_the_circuit_once_the_destination_is_back(runner: Runner, engine: Engine) -> None:
+    from sa_outbox import DestinationUnavailable
+
+    seed_events(engine, 2)
+    down = [True]
+    d = runner.dispatcher(
+        RecordingPublisher(fail=lambda m: DestinationUnavailable("down") if down[0] else None)
+    )
+    runner.run_once(d)
+    assert d.circuit_open
+    down[0] = False
+    runner.drain(d)
+    assert statuses(engine) == {"done": 2} and not d.circuit_open
