@@ -7,7 +7,11 @@ block must be:
 ``python``
     Executed. The blocks of a page share one namespace (like cells of a notebook), so a later block uses what
     an earlier one defined. A block whose first line starts with ``# inside an alembic revision`` runs inside
-    alembic's operations context (``from alembic import op`` works there) and its ``upgrade()`` is called.
+    alembic's operations context (``from alembic import op`` works there) and its ``upgrade()`` is called;
+    then every table it created must be a table of the page's models (the ``MetaData`` of the page's
+    declarative bases) and match it as far as alembic's ``compare_metadata`` sees (what autogenerate compares:
+    columns, types, nullability, server defaults, indexes): a revision that drifts from what the mixins define
+    fails there, not at the first INSERT.
 ``shell`` (also ``bash``, ``sh``)
     One command per line (``#`` starts a comment; ``VAR=value`` prefixes are dropped; ``a && b`` is two
     commands, each checked; other shell operators such as ``|``, ``||`` or ``;`` fail the test). ``python3``
@@ -143,17 +147,65 @@ def _python(block: Block, module: types.ModuleType) -> None:
     if block.text.startswith("# inside an alembic revision"):
         from alembic.migration import MigrationContext
         from alembic.operations import Operations
-        from sqlalchemy import create_engine
+        from sqlalchemy import create_engine, inspect
 
         engine = create_engine(os.environ["DATABASE_URL"])
         try:
             with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
+                before = set(inspect(conn).get_table_names())
                 exec(code, module.__dict__)
                 module.__dict__["upgrade"]()
+                created = set(inspect(conn).get_table_names()) - before
+                _compare_with_models(block, conn, created, module)
         finally:
             engine.dispose()
         return
     exec(code, module.__dict__)
+
+
+def _page_metadata(module: types.ModuleType) -> list[Any]:
+    """The ``MetaData`` of the page's models: declarative bases and mapped classes it defined or imported."""
+    from sqlalchemy import MetaData
+
+    found: dict[int, MetaData] = {}
+    for value in list(module.__dict__.values()):
+        md = value if isinstance(value, MetaData) else getattr(value, "metadata", None)
+        if isinstance(value, MetaData | type) and isinstance(md, MetaData):
+            found[id(md)] = md
+    return list(found.values())
+
+
+def _compare_with_models(block: Block, conn: Any, created: set[str], module: types.ModuleType) -> None:
+    """The tables an alembic revision block created must be what the page's models define, as far as alembic's
+    ``compare_metadata`` (autogenerate's comparison, server defaults included) can tell."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    unmodelled = set(created)
+    for md in _page_metadata(module):
+        names = created & {t.name for t in md.tables.values() if t.schema is None}
+        if not names:
+            continue
+        unmodelled -= names
+
+        def ours(
+            obj: Any, name: Any, type_: str, reflected: bool, compare_to: Any, names: set[str] = names
+        ) -> bool:
+            table = name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+            return table in names
+
+        opts = {"compare_type": True, "compare_server_default": True, "include_object": ours}
+        diffs = compare_metadata(MigrationContext.configure(conn, opts=opts), md)
+        if diffs:
+            listed = "\n".join(f"  {d!r}" for d in diffs)
+            raise DocError(
+                f"{block.where}: the revision does not create what the page's models define "
+                f"({', '.join(sorted(names))}):\n{listed}"
+            )
+    if unmodelled:
+        raise DocError(
+            f"{block.where}: the revision creates {sorted(unmodelled)}, which no model of the page defines"
+        )
 
 
 def _extras() -> set[str]:
