@@ -53,7 +53,7 @@ def script(batch: int) -> tuple[str, dict[str, Any]]:
     compiled = _sql.finalize_and_claim_statement(spec, limit=batch).compile(dialect=psycopg_dialect())
     sql = str(compiled)
     dynamic = set(_steps._claim_params(spec, "ceiling", batch, None, "default", None)) | set(
-        _steps._outcome_params([])
+        _steps._outcome_params(spec, [])
     )
     values: dict[str, Any] = {}
     for name, value in compiled.construct_params(_check=False).items():
@@ -74,12 +74,13 @@ def script(batch: int) -> tuple[str, dict[str, Any]]:
         "       coalesce(array_agg('done'::text) FILTER (WHERE k = 'c'), '{}') AS statuses,\n"
         "       coalesce(array_agg(NULL::float8) FILTER (WHERE k = 'c'), '{}') AS delays,\n"
         "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS errors,\n"
-        "       coalesce(array_agg(0) FILTER (WHERE k = 'c'), '{}') AS refunds\n"
+        "       coalesce(array_agg(0) FILTER (WHERE k = 'c'), '{}') AS refunds,\n"
+        "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS results\n"
         "  FROM result"
     )
     sql = re.sub(r"%\((\w+)\)s", r":\1", sql).replace("%%", "%")
     values.update(owner="ceiling", queue_name="default", ids="{}", versions="{}", statuses="{}", delays="{}",
-                  errors="{}", refunds="{}")  # fmt: skip
+                  errors="{}", refunds="{}", results="{}")  # fmt: skip
     return sql + "\n\\gset\n", values
 
 

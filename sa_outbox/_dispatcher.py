@@ -49,10 +49,10 @@ from ._backoff import OUTBOX_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
 from ._dbfaults import is_connection_error
-from ._durations import Duration, positive_int, to_timedelta
+from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit
-from ._steps import RELEASED_UNAVAILABLE, Outcome
+from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
 from .errors import ConfigurationError, DestinationUnavailable, RetryableError
@@ -103,7 +103,10 @@ class DispatcherBase(LoopBase):
     * ``poll_interval`` — longest idle wait (default 1 s); ``listen`` — LISTEN/NOTIFY wake-ups (default on),
       on ``listen_url`` if given (use the server's direct address behind PgBouncer);
     * ``stop_on_unclassified``, ``rescue_limit``, ``owner``, ``enforce_publish_timeout`` (run each publish on
-      a helper thread and treat one that outlives ``publish_timeout`` as retryable).
+      a helper thread and treat one that outlives ``publish_timeout`` as retryable);
+    * ``give_up_after`` — a message written longer ago than this (database clock) that still cannot be
+      delivered goes to ``dead`` at its next failure, whatever the reason — outages and deferrals included
+      (default: never).
     """
 
     _kind = "outbox"
@@ -131,6 +134,7 @@ class DispatcherBase(LoopBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
+        give_up_after: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -162,6 +166,13 @@ class DispatcherBase(LoopBase):
         else:
             self.ordered, self.ordered_types = True, sorted(set(ordered))
         self.enforce_publish_timeout = bool(enforce_publish_timeout)
+        self.give_up_after: float | None = (
+            None
+            if give_up_after is None
+            else to_seconds(give_up_after, name="give_up_after", allow_zero=False)
+        )
+        #: Each claimed message's age (database clock) at its claim, for give_up_after.
+        self._ages: dict[int, float] = {}
         self._batch_publish = isinstance(publisher, BatchPublisher)
         self._calls = CallThreads("sa_outbox-publish")
         self._circuit = Circuit()
@@ -205,6 +216,15 @@ class DispatcherBase(LoopBase):
     def _released(self, messages: Sequence[Message], reason: str) -> list[Outcome]:
         return [self._release(m.id, m.lease_version, reason) for m in messages]
 
+    def _messages(self, rows: Sequence[Any]) -> list[Message]:
+        """Claimed rows as messages; each one's age at the claim is kept for ``give_up_after``."""
+        self._ages = {r[0]: r[-1] for r in rows}
+        return [Message.from_row(r) for r in rows]
+
+    def _given_up(self, msg: Message) -> bool:
+        age = self._ages.get(msg.id)
+        return self.give_up_after is not None and age is not None and age > self.give_up_after
+
     def _classify(self, results: Sequence[tuple[Message, BaseException | None]]) -> list[Outcome]:
         """Publish results → outcomes (the first fatal error is kept to be raised after finalizing)."""
         outcomes: list[Outcome] = []
@@ -213,6 +233,10 @@ class DispatcherBase(LoopBase):
                 id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts, max_attempts=self.max_attempts,
                 error=error, label=f"the publisher (outbox {msg.id})",
             )  # fmt: skip
+            if error is not None and outcome.status != self.spec.dead and self._given_up(msg):
+                text = (f"gave up: written {self._ages[msg.id]:.0f}s ago, over give_up_after "
+                        f"({self.give_up_after:g}s); last error: {describe_error(error)}")  # fmt: skip
+                outcome = Outcome(msg.id, msg.lease_version, self.spec.dead, error=text[:2000], kind="dead")
             outcomes.append(outcome)
             if fatal is not None and self._fatal is None:
                 self._fatal = fatal
@@ -344,12 +368,14 @@ class Dispatcher(DispatcherBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
+        give_up_after: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
             max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
+            give_up_after=give_up_after,
         )  # fmt: skip
         self.engine: Engine = engine
         self._db = LoopConnection(engine, self.spec.table.name)
@@ -439,7 +465,7 @@ class Dispatcher(DispatcherBase):
             self._flush()
         self._rescue()
         if rows:
-            self._settle(self._publish_blocking([Message.from_row(r) for r in rows], claimed_at))
+            self._settle(self._publish_blocking(self._messages(rows), claimed_at))
         elif wanted:
             self._probed_nothing()
         return len(rows), wanted
@@ -531,6 +557,7 @@ class AsyncDispatcher(DispatcherBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
+        give_up_after: Duration | None = None,
         publish_concurrency: int = 16,
     ) -> None:
         super().__init__(
@@ -538,6 +565,7 @@ class AsyncDispatcher(DispatcherBase):
             max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
+            give_up_after=give_up_after,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")
@@ -631,7 +659,7 @@ class AsyncDispatcher(DispatcherBase):
             await self._flush()
         await self._rescue()
         if rows:
-            messages = [Message.from_row(r) for r in rows]
+            messages = self._messages(rows)
             if self._async_publisher:
                 outcomes = await self._publish_async(messages, claimed_at)
             else:

@@ -58,8 +58,8 @@ class Message:
     @classmethod
     def from_row(cls, row: Any) -> Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
-        created_at, headers) — the order of ``_sql.claim_returning``."""
-        id_, version, attempts, atype, aid, etype, payload, created, headers = row
+        created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
+        id_, version, attempts, atype, aid, etype, payload, created, headers = row[:9]
         return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created, _read_only(headers))
 
 
@@ -92,8 +92,8 @@ class ClaimedJob:
     @classmethod
     def from_row(cls, row: Any, cancel: CancelToken | None = None) -> ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
-        created_at, headers) — the order of ``_sql.claim_returning``."""
-        id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row
+        created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
+        id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row[:10]
         return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created,
                    _read_only(headers), cancel or CancelToken())  # fmt: skip
 

@@ -161,9 +161,11 @@ def spec_for(model: type[Any]) -> QueueSpec:
 # --- claim ----------------------------------------------------------------------------------------------
 
 
-def claim_returning(spec: QueueSpec) -> list[Column[Any]]:
-    """What a claim hands back per row, in the order ``Message.from_row`` / ``ClaimedJob.from_row`` unpack.
-    ``headers`` comes last (NULL reads back as an empty mapping)."""
+def claim_returning(spec: QueueSpec) -> list[Any]:
+    """What a claim hands back per row, in the order ``Message.from_row`` / ``ClaimedJob.from_row`` unpack
+    (``headers`` last: NULL reads back as an empty mapping), then ``age``: seconds since the row was written,
+    by the database's clock at the claim (the loops' time-based decisions — ``give_up_after``, the grace of a
+    task no handler knows yet — use it, never the worker's clock)."""
     c = spec.c
     if spec.kind == "outbox":
         names = ["id", "lease_version", "attempts", "aggregate_type", "aggregate_id", "event_type", "payload",
@@ -171,7 +173,8 @@ def claim_returning(spec: QueueSpec) -> list[Column[Any]]:
     else:
         names = ["id", "lease_version", "attempts", "max_attempts", "task", "queue", "payload", "priority",
                  "created_at", "headers"]  # fmt: skip
-    return [c[n] for n in names]
+    age = sa_cast(func.extract("epoch", func.now() - c.created_at), Float).label("age")
+    return [*(c[n] for n in names), age]
 
 
 @cache

@@ -57,7 +57,7 @@ from ._sql import QueueSpec, queue_table
 from ._steps import Outcome
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
-from .errors import ConfigurationError, JobCancelled, PayloadError, PermanentError, RetryableError
+from .errors import ConfigurationError, Defer, JobCancelled, PayloadError, PermanentError, RetryableError
 
 __all__ = ["AsyncWorker", "Handler", "TaskRegistry", "Worker"]
 
@@ -220,7 +220,10 @@ class WorkerBase(LoopBase):
     whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
     disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
     shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
-    ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``.
+    ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``;
+    ``unknown_task_grace`` (default 1 h): a job whose task this worker has no handler for — producers often
+    deploy before workers — is deferred (attempt refunded, 30 s at a time, so workers that know the task take
+    it meanwhile) until it is that old (database clock), then fails with a clear error.
     """
 
     _kind = "jobs"
@@ -248,6 +251,7 @@ class WorkerBase(LoopBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
+        unknown_task_grace: Duration = 3600.0,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -276,6 +280,10 @@ class WorkerBase(LoopBase):
         )
         if self.handler_timeout is not None and self.handler_timeout >= self.stale_after.total_seconds():
             raise ConfigurationError("handler_timeout must be shorter than stale_after")
+        self.unknown_task_grace = to_seconds(unknown_task_grace, name="unknown_task_grace")
+        #: Each claimed job's age (database clock) at its claim, for unknown_task_grace.
+        self._ages: dict[int, float] = {}
+        self._unknown_seen: set[str] = set()
         self._pace = _Pace()
         #: Claimed jobs that have not started yet.
         self._queue: deque[ClaimedJob] = deque()
@@ -358,6 +366,7 @@ class WorkerBase(LoopBase):
         jobs = []
         for row in rows:
             token = self._tokens[row[0]] = CancelToken()
+            self._ages[row[0]] = row[-1]
             jobs.append(ClaimedJob.from_row(row, token))
         self._held.hold((j.id, j.lease_version) for j in jobs)
         self._queue.extend(jobs)
@@ -376,14 +385,30 @@ class WorkerBase(LoopBase):
         super()._report(outcomes, applied)
         for o in outcomes:
             self._tokens.pop(o.id, None)
+            self._ages.pop(o.id, None)
 
-    def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError:
-        """The job's handler, or the permanent failure of a task nobody handles."""
+    def _handler_for(self, job: ClaimedJob) -> Handler | PermanentError | Defer:
+        """The job's handler; for a task this worker does not know, a deferral while the job is younger than
+        ``unknown_task_grace`` (a rolling deploy: producers first, workers later), then a permanent failure."""
         handler = self.handlers.get(job.task)
-        if handler is None:
-            known = ", ".join(sorted(self.handlers)) or "none"
-            return PermanentError(f"no handler registered for task {job.task!r} (known: {known})")
-        return handler
+        if handler is not None:
+            return handler
+        known = ", ".join(sorted(self.handlers)) or "none"
+        age = self._ages.get(job.id, float("inf"))
+        if age < self.unknown_task_grace:
+            if job.task not in self._unknown_seen:
+                self._unknown_seen.add(job.task)
+                log.warning(
+                    "no handler for task %r here (known: %s): deferring its jobs for up to %gs after they were "
+                    "written (a deploy in progress?), then failing them", job.task, known, self.unknown_task_grace,
+                    extra={"task": job.task},
+                )  # fmt: skip
+            wait = min(30.0, max(1.0, self.unknown_task_grace - age))
+            return Defer(wait, f"no handler for task {job.task!r} on this worker yet (known: {known})")
+        return PermanentError(
+            f"no handler registered for task {job.task!r} (known: {known}); it waited unknown_task_grace "
+            f"({self.unknown_task_grace:g}s)"
+        )
 
     def _timed_out(self) -> RetryableError:
         return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
@@ -518,12 +543,13 @@ class Worker(WorkerBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
+        unknown_task_grace: Duration = 3600.0,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            handler_timeout=handler_timeout,
+            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace,
         )  # fmt: skip
         self.engine: Engine = engine
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
@@ -690,7 +716,7 @@ class Worker(WorkerBase):
     def _run_queued_inline(self) -> None:
         while (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
-            if isinstance(handler, PermanentError):
+            if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
             else:
                 self._finish(job, self._call(handler, job))
@@ -698,7 +724,7 @@ class Worker(WorkerBase):
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
-            if isinstance(handler, PermanentError):
+            if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
                 continue
             now = time.monotonic()
@@ -799,12 +825,13 @@ class AsyncWorker(WorkerBase):
         stop_on_unclassified: bool = False,
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
+        unknown_task_grace: Duration = 3600.0,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            handler_timeout=handler_timeout,
+            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
@@ -959,7 +986,7 @@ class AsyncWorker(WorkerBase):
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
-            if isinstance(handler, PermanentError):
+            if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
                 continue
             task = asyncio.ensure_future(self._execute(handler, job))

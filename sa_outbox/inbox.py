@@ -76,6 +76,7 @@ __all__ = [
     "headers_from_redis",
     "message_id_from_amqp",
     "message_id_from_http",
+    "message_id_from_kafka",
     "message_id_from_mqtt",
     "message_id_from_nats",
     "message_id_from_redis",
@@ -322,6 +323,14 @@ def message_id_from_http(headers: Mapping[str, str]) -> str:
         if key.lower() == "idempotency-key" and value:
             return value
     raise PayloadError("request has no Idempotency-Key header")
+
+
+def message_id_from_kafka(msg: Any) -> str:
+    """Kafka (a confluent-kafka ``Message``): the ``message_id`` header."""
+    for key, value in getattr(msg, "headers", lambda: None)() or []:
+        if key == "message_id" and value:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    raise PayloadError("Kafka record has no message_id header")
 
 
 def message_id_from_mqtt(msg: Any) -> str:

@@ -448,3 +448,56 @@ def test_a_rescued_job_whose_cancellation_was_requested_is_cancelled_not_requeue
     ran: list[int] = []
     assert runner.run_once(runner.worker({"noop": lambda j: ran.append(j.id)})) == 0
     assert ran == [] and row(engine, "jobs", 1).status == "cancelled"
+
+
+# --- rolling deploys -------------------------------------------------------------------------------------------
+
+
+def test_a_task_no_handler_knows_yet_is_deferred_with_its_attempt_refunded_then_failed(
+    runner: Runner, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Producers often deploy before workers: a job of an unknown task waits (attempt refunded) for
+    unknown_task_grace after it was written — by the database's clock — then fails with a clear error."""
+    seed_jobs(engine, 2, task="new_task")
+    seed_jobs(engine, 1, task="new_task")
+    with engine.begin() as conn:  # written two hours ago: past the default grace of an hour
+        conn.execute(text("UPDATE jobs SET created_at = now() - interval '2 hours' WHERE id = 3"))
+    w = runner.worker({"old_task": lambda j: None}, batch=3)
+    with caplog.at_level("WARNING", logger="sa_outbox.worker"):
+        assert runner.run_once(w) == 3
+    for job_id in (1, 2):
+        r = row(engine, "jobs", job_id)
+        assert (r.status, r.attempts) == ("queued", 0) and "no handler for task 'new_task'" in r.last_error
+        with engine.connect() as conn:
+            wait = conn.execute(text("SELECT extract(epoch FROM run_at - now()) FROM jobs WHERE id = :i"),
+                                {"i": job_id}).scalar_one()  # fmt: skip
+        assert 20 < wait <= 30
+    old = row(engine, "jobs", 3)
+    assert old.status == "failed" and "unknown_task_grace" in old.last_error
+    assert sum("no handler for task 'new_task' here" in r.getMessage() for r in caplog.records) == 1
+
+
+# --- giving up by age ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", ["retry", "unavailable", "defer"])
+def test_give_up_after_sends_an_old_undeliverable_message_to_dead_whatever_the_failure(
+    runner: Runner, engine: Engine, failure: str
+) -> None:
+    from sa_outbox import Defer, DestinationUnavailable
+    from sa_outbox.testing import RecordingPublisher
+
+    from .helpers import seed_events
+
+    seed_events(engine, 2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET created_at = now() - interval '2 hours' WHERE id = 1"))
+    errors = {"retry": RetryableError("503"), "unavailable": DestinationUnavailable("down"),
+              "defer": Defer(60, "not yet")}  # fmt: skip
+    d = runner.dispatcher(
+        RecordingPublisher(fail=lambda m: errors[failure]), give_up_after=dt.timedelta(hours=1)
+    )
+    assert runner.run_once(d) in (1, 2)  # an outage releases the rest of the batch
+    old = row(engine, "outbox", 1)
+    assert old.status == "dead" and old.last_error.startswith("gave up: written 7200s ago")
+    assert row(engine, "outbox", 2).status == "pending"

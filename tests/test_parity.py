@@ -100,7 +100,11 @@ def test_worker_outcomes_and_unknown_task(runner: Runner, engine: Engine) -> Non
     def boom(job: ClaimedJob) -> None:
         raise RetryableError("later")
 
-    w = runner.worker({"ok": ok_async if runner.kind == "async" else ok_sync, "boom": boom}, backoff=FAST)
+    w = runner.worker(
+        {"ok": ok_async if runner.kind == "async" else ok_sync, "boom": boom},
+        backoff=FAST,
+        unknown_task_grace=0,
+    )
     assert runner.run_once(w) == 4
     assert sorted(seen) == [1, 2]
     assert row(engine, "jobs", 3).status == "queued" and row(engine, "jobs", 3).attempts == 1

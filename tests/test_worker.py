@@ -99,7 +99,7 @@ def test_failure_classes_for_jobs(engine: Engine) -> None:
     def retry(job: ClaimedJob) -> None:
         raise RetryableError("smtp 451")
 
-    w = worker(engine, {"defer": defer, "perm": perm, "retry": retry}, backoff=FAST)
+    w = worker(engine, {"defer": defer, "perm": perm, "retry": retry}, backoff=FAST, unknown_task_grace=0)
     assert w.run_once() == 4
     with engine.connect() as conn:
         rows = {
