@@ -11,8 +11,8 @@ SQLAlchemy's ``examples/versioned_history``, the producer is a few session liste
    :class:`~sa_outbox.errors.PayloadError` *before any SQL of the flush* (a listener's row: when it is added,
    before any SQL that writes it), and the refused flush writes nothing.
 2. **Plan the locks** (:func:`_plan`): each aggregate is locked once per transaction, so that within one
-   aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, outbox
-   document §5):
+   aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, docs/design.md
+   "The producer lock"):
 
    * an event built with :meth:`OutboxMixin.for_aggregate` locks the aggregate's own row with
      ``SELECT … FOR NO KEY UPDATE`` (it does not block foreign-key inserts into child tables); an aggregate

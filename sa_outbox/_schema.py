@@ -1,11 +1,11 @@
 """Declarative mixins for the outbox and jobs tables.
 
-``class OutboxEvent(OutboxMixin, Base): __tablename__ = "outbox"`` gives exactly the outbox schema of the
-outbox document (§3.1): identity ``id``, the event columns, and the dispatcher columns (``status``,
+``class OutboxEvent(OutboxMixin, Base): __tablename__ = "outbox"`` gives the outbox schema of
+docs/design.md "The tables": identity ``id``, the event columns, and the dispatcher columns (``status``,
 ``available_at``, ``attempts``, ``lease_owner``, ``lease_until``, ``lease_version``, ``last_error``,
 ``done_at``), with database-side defaults and the partial indexes the claims need.
 
-``class Job(JobMixin, Base): __tablename__ = "jobs"`` gives the jobs schema of the jobs document plus
+``class Job(JobMixin, Base): __tablename__ = "jobs"`` gives the jobs schema (docs/design.md "The tables") plus
 ``task`` (routes a job to its handler) and ``lease_version`` (the fencing token: a worker whose job was
 reaped and re-claimed cannot finalize it).
 
@@ -59,7 +59,7 @@ def _status_check(column: str, statuses: tuple[str, ...]) -> str:
 
 
 class OutboxMixin:
-    """Columns, constraints and partial indexes of an outbox table (outbox document §3.1).
+    """Columns, constraints and partial indexes of an outbox table (docs/design.md "The tables").
 
     Subclasses may set ``sa_outbox_max_payload_bytes`` (default 1 MiB of encoded JSON) to change the size
     limit the producer enforces at flush, and ``sa_outbox_max_headers_bytes`` (default 8 KiB of header names
@@ -146,7 +146,7 @@ class OutboxMixin:
 
 
 class JobMixin:
-    """Columns, constraints and partial indexes of a jobs table (jobs document, plus task and fencing)."""
+    """Columns, constraints and partial indexes of a jobs table (docs/design.md "The tables": the queue columns, task, fencing)."""
 
     sa_outbox_kind: ClassVar[str] = "jobs"
     #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs

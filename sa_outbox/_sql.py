@@ -71,9 +71,7 @@ class QueueSpec:
     lease_until: Column[Any] | None
     locked_at: Column[Any] | None
     finish_on_dead: bool  # jobs stamp finished_at on failed; the outbox leaves done_at for done rows only
-    clear_error_on_done: (
-        bool  # the outbox clears last_error on done (its document does); jobs keep the history
-    )
+    clear_error_on_done: bool  # the outbox clears last_error on done; jobs keep the history
     key_share: bool  # FOR NO KEY UPDATE (jobs: child tables may reference jobs) vs FOR UPDATE (outbox)
 
     @property

@@ -75,7 +75,7 @@ def decide(
     error: BaseException | None,
     backoff: Backoff,
 ) -> Outcome:
-    """The failure classes of the outbox document §4, for both tables.
+    """The failure classes (docs/design.md "The failure classes"), for both tables.
 
     * success → done;
     * :class:`Defer` → back to ready at ``now() + delay``, the attempt refunded (deferring never exhausts
