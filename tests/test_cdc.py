@@ -13,6 +13,7 @@ publication. The configuration's option names are checked against the Debezium d
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
@@ -34,12 +35,14 @@ from sqlalchemy import (
     Integer,
     MetaData,
     create_engine,
+    event,
     func,
     insert,
     select,
     text,
 )
 from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from sa_outbox import CdcOutboxMixin, Dispatcher, PayloadError, SchemaError, emit
@@ -85,12 +88,25 @@ def _event(model: type[Any] = CdcEvent, agg: str = "7", n: int = 0, **kw: Any) -
     )
 
 
-def _written(session: Session, table: str = "cdc_outbox") -> tuple[int, int]:
-    """Rows this transaction inserted into and deleted from ``table`` (PostgreSQL's per-transaction stats)."""
-    row = session.execute(
-        text("SELECT n_tup_ins, n_tup_del FROM pg_stat_xact_user_tables WHERE relname = :t"), {"t": table}
-    ).one()
-    return int(row[0]), int(row[1])
+class _Written:
+    """Rows inserted into and deleted from a table since this was made, in the session's transaction (from
+    PostgreSQL's per-transaction statistics; compared with a reading taken at the start, since PostgreSQL
+    ≥ 15 also counts earlier transactions of the backend whose statistics it has not flushed yet)."""
+
+    def __init__(self, session: Session, table: str = "cdc_outbox") -> None:
+        self.session, self.table = session, table
+        self.start = self._now()
+
+    def _now(self) -> tuple[int, int]:
+        row = self.session.execute(
+            text("SELECT n_tup_ins, n_tup_del FROM pg_stat_xact_user_tables WHERE relname = :t"),
+            {"t": self.table},
+        ).one()
+        return int(row[0]), int(row[1])
+
+    def __call__(self) -> tuple[int, int]:
+        now = self._now()
+        return now[0] - self.start[0], now[1] - self.start[1]
 
 
 # --- the shared test database: the producer side ------------------------------------------------------------
@@ -126,11 +142,12 @@ def test_the_table_has_the_columns_the_connector_config_maps(db: Engine) -> None
 
 def test_session_add_inserts_and_deletes_the_row_in_the_same_transaction(db: Engine) -> None:
     with Session(db) as s, s.begin():
+        written = _Written(s)
         ev = _event(headers={"x-tenant": "acme"})
         s.add(ev)
         s.flush()
         assert isinstance(ev.id, uuid.UUID)
-        assert _written(s) == (1, 1)  # the WAL has the insert; the table has nothing
+        assert written() == (1, 1)  # the WAL has the insert; the table has nothing
         assert s.execute(select(func.count()).select_from(CdcEvent)).scalar_one() == 0
         assert ev not in s  # what the ORM makes of a row deleted in this transaction
     state = sa_inspect(ev)
@@ -141,27 +158,43 @@ def test_session_add_inserts_and_deletes_the_row_in_the_same_transaction(db: Eng
 
 def test_keep_mode_leaves_the_rows_for_a_retention_job_of_your_own(db: Engine) -> None:
     with Session(db) as s, s.begin():
+        written = _Written(s, "cdc_outbox_kept")
         ev = _event(KeptEvent, headers={"x-tenant": "acme"})
         s.add(ev)
         s.flush()
-        assert _written(s, "cdc_outbox_kept") == (1, 0)
+        assert written() == (1, 0)
         assert ev in s
+        ev_id = ev.id
     with db.connect() as conn:
         row = conn.execute(select(KeptEvent.__table__)).one()._mapping
-    assert row["id"] == ev.id and row["payload"] == {"n": 0} and row["headers"] == {"x-tenant": "acme"}
+    assert row["id"] == ev_id and row["payload"] == {"n": 0} and row["headers"] == {"x-tenant": "acme"}
     assert row["tracingspancontext"] is None
 
 
-def test_a_rolled_back_event_leaves_nothing_and_is_transient_again(db: Engine) -> None:
+@pytest.mark.parametrize("model", [CdcEvent, KeptEvent], ids=["deleted", "kept"])
+def test_a_rolled_back_event_leaves_nothing_and_is_transient_again(db: Engine, model: type[Any]) -> None:
+    """As for rows the ORM inserted (and deleted) itself: a rolled back transaction or savepoint makes its
+    events transient again (``Session._register_persistent`` / ``_remove_newly_deleted``, pinned here)."""
     with Session(db) as s:
         s.begin()
-        ev = _event(KeptEvent)
+        ev = _event(model)
         s.add(ev)
         s.flush()
         s.rollback()
-    assert sa_inspect(ev).transient
+        assert sa_inspect(ev).transient and ev.payload == {"n": 0}
+        with s.begin():
+            kept = _event(model, n=1)
+            s.add(kept)
+            with s.begin_nested():
+                dropped = _event(model, n=2)
+                s.add(dropped)
+                s.flush()
+                s.get_nested_transaction().rollback()  # type: ignore[union-attr]
+            assert sa_inspect(dropped).transient
+        assert sa_inspect(kept).detached if model is CdcEvent else sa_inspect(kept).persistent
     with db.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(KeptEvent)).scalar_one() == 0
+        rows = conn.execute(select(KeptEvent.payload)).scalars().all()
+    assert rows == ([{"n": 1}] if model is KeptEvent else [])
 
 
 def test_emit_returns_uuids_in_write_order_after_the_pending_events(db: Engine) -> None:
@@ -177,16 +210,20 @@ def test_emit_returns_uuids_in_write_order_after_the_pending_events(db: Engine) 
     assert [rows[i].payload["n"] for i in ids] == [1, 2]
     assert rows[ids[1]].headers == {"x-tenant": "acme", "x-request-id": "r-2"}
     with Session(db) as s, s.begin():
+        written = _Written(s)
         deleted = emit(s, CdcEvent, [("customer", "7", "Charged", {"n": 3})] * 3)
-        assert len(set(deleted)) == 3 and _written(s) == (3, 3)
+        assert len(set(deleted)) == 3 and written() == (3, 3)
 
 
 def test_orm_insert_statements_are_validated_and_deleted_too(db: Engine) -> None:
     rows = [{"aggregate_type": "customer", "aggregate_id": "7", "event_type": "Charged", "payload": {"n": n}}
             for n in range(3)]  # fmt: skip
     with Session(db) as s, s.begin():
+        written = _Written(s)
+        returned = s.execute(insert(CdcEvent).returning(CdcEvent.id), rows).scalars().all()
+        assert written() == (3, 3) and len(set(returned)) == 3  # RETURNING still works
         s.execute(insert(CdcEvent), rows)
-        assert _written(s) == (3, 3)
+        assert written() == (6, 6)
     with Session(db) as s, s.begin():
         s.execute(insert(KeptEvent), [{**rows[0], "headers": {"traceparent": _TP}}])
     with db.connect() as conn:
@@ -194,6 +231,25 @@ def test_orm_insert_statements_are_validated_and_deleted_too(db: Engine) -> None
     assert isinstance(kept.id, uuid.UUID) and kept.tracingspancontext == f"traceparent={_TP}\n"
     with pytest.raises(PayloadError, match="Out of range float"), Session(db) as s, s.begin():
         s.execute(insert(CdcEvent), [{**rows[0], "payload": {"x": float("nan")}}])
+
+
+def test_a_watched_connection_takes_sqlalchemys_own_path_with_the_same_result(db: Engine) -> None:
+    """With a SQL listener attached the statements go through SQLAlchemy's regular execution (``_execute.run``):
+    the UUIDs, ``created_at`` and the DELETE come out the same."""
+    engine = create_engine(db.url)
+    seen: list[str] = []
+    event.listen(engine, "before_cursor_execute", lambda *a: seen.append(a[2].split()[0]))
+    try:
+        with Session(engine) as s, s.begin():
+            written = _Written(s)
+            ev = _event(n=1)
+            s.add(ev)
+            s.flush()
+            [other] = emit(s, CdcEvent, [("customer", "7", "Charged", {"n": 2})])
+            assert written() == (2, 2) and isinstance(other, uuid.UUID)
+        assert ev.created_at is not None and seen.count("DELETE") == 2
+    finally:
+        engine.dispose()
 
 
 def test_a_refused_payload_or_header_writes_nothing(db: Engine) -> None:
@@ -220,7 +276,7 @@ def tracer() -> Any:
 def test_the_active_span_goes_into_headers_and_debeziums_tracing_column(db: Engine, tracer: Any) -> None:
     with tracer.start_as_current_span("request") as span, Session(db) as s, s.begin():
         ctx = span.get_span_context()
-        expected = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
+        expected = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
         s.add(_event(KeptEvent, n=1, headers={"x-tenant": "acme"}))
         emit(s, KeptEvent, [("customer", "7", "Charged", {"n": 2})])
     with Session(db) as s, s.begin():
@@ -404,21 +460,6 @@ def test_headers_from_debezium_unfolds_the_event_headers() -> None:
     assert headers_from_debezium([("outbox-headers", None), ("event-type", b"E")]) == {"event-type": "E"}
 
 
-def test_the_cli_prints_the_connector_json_for_the_table(
-    db: Engine, capsys: pytest.CaptureFixture[str]
-) -> None:
-    url = db.url.render_as_string(hide_password=False)
-    assert (
-        main(["cdc", "debezium-config", "--url", url, "--table", "cdc_outbox", "--topic-prefix", "shop"]) == 0
-    )
-    out, err = capsys.readouterr()
-    printed = json.loads(out)
-    assert printed["config"]["table.include.list"] == r"public\.cdc_outbox"
-    assert printed["config"]["database.dbname"] == db.url.database
-    assert printed["config"]["topic.prefix"] == "shop"
-    assert "wal_level" in err  # this server is not set up for logical decoding: said on stderr
-
-
 def test_the_cli_refuses_a_polling_outbox_table(db: Engine, capsys: pytest.CaptureFixture[str]) -> None:
     url = db.url.render_as_string(hide_password=False)
     assert main(["cdc", "debezium-config", "--url", url, "--table", "outbox"]) == 2
@@ -426,11 +467,15 @@ def test_the_cli_refuses_a_polling_outbox_table(db: Engine, capsys: pytest.Captu
     assert main(["cdc", "debezium-config", "--url", url, "--table", "no_such_table"]) == 2
 
 
-def test_the_cli_prints_the_setup_sql(db: Engine, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_prints_the_setup_sql_and_warns_about_wal_level(
+    db: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = db.url.render_as_string(hide_password=False)
     assert main(["cdc", "setup-sql", "--url", url, "--table", "cdc_outbox"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.splitlines() == [f"{s};" for s in setup_sql(CdcEvent)]
+    # The test server is not set up for logical decoding: said on stderr, the output stays usable.
+    assert "wal_level=replica" in err and "Debezium needs wal_level=logical" in err
 
 
 # --- logical decoding on a throwaway cluster -----------------------------------------------------------------
@@ -659,6 +704,28 @@ def test_the_aggregate_lock_makes_an_aggregates_stream_order_its_write_order(
         assert inserts[1] is written_first
 
 
+def test_an_async_session_writes_and_deletes_the_same_way(cluster: LogicalCluster, wal: Slot) -> None:
+    async def write() -> list[uuid.UUID]:
+        engine = create_async_engine(cluster.url.set(drivername="postgresql+psycopg_async"))
+        try:
+            async with AsyncSession(engine) as s, s.begin():
+                s.add(_event(n=1, headers={"traceparent": _TP}))
+                ids = await emit(s, CdcEvent, [("customer", "7", "Charged", {"n": 2})])
+                account = await s.get(Account, 1)
+                s.add(CdcEvent.for_aggregate(account, "Touched", {"n": 3}))
+            return ids
+        finally:
+            await engine.dispose()
+
+    [emitted] = asyncio.run(write())
+    [tx] = wal.take()
+    assert [(c.action, _n(c) if c.action == "I" else None) for c in tx.changes] == [
+        ("I", 1), ("D", None), ("I", 2), ("D", None), ("I", 3), ("D", None)]  # fmt: skip
+    assert tx.changes[2].values["id"] == str(emitted)
+    assert tx.changes[0].values["tracingspancontext"] == f"traceparent={_TP}\n"
+    assert (tx.changes[4].values["aggregate_type"], tx.changes[4].values["aggregate_id"]) == ("account", "1")
+
+
 def test_keep_mode_decodes_inserts_only(logical: Engine, wal: Slot) -> None:
     with Session(logical) as s, s.begin():
         s.add_all([_event(KeptEvent, n=1), _event(KeptEvent, n=2)])
@@ -698,10 +765,14 @@ def test_pgoutput_through_the_generated_publication_carries_what_the_config_maps
         with logical.begin() as conn:
             conn.execute(text("DROP PUBLICATION t_pub_cdc"))
             conn.execute(text("TRUNCATE cdc_outbox_kept"))
-    assert [(c.action, c.table) for c in tx.changes] == [("I", "public.cdc_outbox")] * 2 + [
-        ("D", "public.cdc_outbox")] * 2  # fmt: skip
+    # Insert then delete, per flush; no UPDATE, and nothing of the table outside the include list.
+    assert [(c.action, c.table) for c in tx.changes] == [
+        ("I", "public.cdc_outbox"),
+        ("D", "public.cdc_outbox"),
+    ] * 2
     assert re.fullmatch(config["table.include.list"], tx.changes[0].table)
-    first, second, *deletes = tx.changes
+    first, first_gone, second, second_gone = tx.changes
+    deletes = [first_gone, second_gone]
     # Every column the configuration names is a column PostgreSQL sends for the table.
     placement = [
         e.split(":")[0] for e in config["transforms.outbox.table.fields.additional.placement"].split(",")
@@ -720,12 +791,16 @@ def test_pgoutput_through_the_generated_publication_carries_what_the_config_maps
     assert [d.values for d in deletes] == [{"id": str(ev.id)}, {"id": str(other)}]
 
 
-def test_the_cli_on_a_logical_server_prints_no_warning(
+def test_the_cli_prints_the_connector_json_for_the_table(
     logical: Engine, cluster: LogicalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = cluster.url.render_as_string(hide_password=False)
-    assert main(["cdc", "debezium-config", "--url", url, "--table", "cdc_outbox"]) == 0
+    argv = ["cdc", "debezium-config", "--url", url, "--table", "public.cdc_outbox", "--topic-prefix", "shop"]
+    assert main(argv) == 0
     out, err = capsys.readouterr()
-    config = json.loads(out)["config"]
+    printed = json.loads(out)
+    assert printed == debezium_config(CdcEvent, url=cluster.url, topic_prefix="shop")
+    config = printed["config"]
     assert (config["database.hostname"], config["database.port"]) == ("127.0.0.1", str(cluster.port))
-    assert err == ""
+    assert config["table.include.list"] == r"public\.cdc_outbox" and config["topic.prefix"] == "shop"
+    assert err == ""  # wal_level=logical: nothing to warn about
