@@ -687,12 +687,18 @@ def _cdc_commands(sub: Any) -> None:
         p = csub.add_parser(action, help=what)
         p.add_argument(
             "--url", default=os.environ.get("DATABASE_URL"),
-            help="the database as Debezium reaches it: PostgreSQL itself, not PgBouncer (default: $DATABASE_URL)",
+            help="the database the table is checked in (default: $DATABASE_URL); the connector's address too, "
+            "unless --debezium-url",
         )  # fmt: skip
         p.add_argument("--table", required=True, help="the CdcOutboxMixin table: name, or schema.table")
         p.add_argument("--slot-name", help="replication slot (default: sa_outbox_<table>)")
         p.add_argument("--publication-name", help="publication (default: the slot name)")
         if action == "debezium-config":
+            p.add_argument(
+                "--debezium-url",
+                help="where Debezium connects, if not --url (e.g. the server itself when --url is PgBouncer): "
+                "its host, port, user and database are printed",
+            )
             p.add_argument("--name", help="connector name (default: sa-outbox-<table>)")
             p.add_argument("--topic-prefix", help="Debezium's topic.prefix (default: the slot name)")
             p.add_argument(
@@ -722,9 +728,9 @@ def _cmd_cdc(args: argparse.Namespace) -> int:
             print(f"{statement};")
         return 0
     config = cdc._config(
-        schema, table, url=engine.url, name=args.name, topic_prefix=args.topic_prefix, slot_name=args.slot_name,
-        publication_name=args.publication_name, topic_replacement=args.topic_replacement or cdc.DEFAULT_TOPIC_REPLACEMENT,
-        password=args.password,
+        schema, table, url=args.debezium_url or engine.url, name=args.name, topic_prefix=args.topic_prefix,
+        slot_name=args.slot_name, publication_name=args.publication_name, password=args.password,
+        topic_replacement=args.topic_replacement or cdc.DEFAULT_TOPIC_REPLACEMENT,
     )  # fmt: skip
     print(json.dumps(config, indent=2))
     return 0

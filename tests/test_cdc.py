@@ -467,6 +467,20 @@ def test_the_cli_refuses_a_polling_outbox_table(db: Engine, capsys: pytest.Captu
     assert main(["cdc", "debezium-config", "--url", url, "--table", "no_such_table"]) == 2
 
 
+def test_the_cli_checks_the_table_through_url_and_prints_the_debezium_url(
+    db: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The application's URL may be PgBouncer or a socket; Debezium connects to the server itself."""
+    url = db.url.render_as_string(hide_password=False)
+    argv = ["cdc", "debezium-config", "--url", url, "--table", "cdc_outbox",
+            "--debezium-url", "postgresql://debezium:secret@db.internal:5433/shop"]  # fmt: skip
+    assert main(argv) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["database.hostname"], config["database.port"], config["database.user"],
+            config["database.dbname"]) == ("db.internal", "5433", "debezium", "shop")  # fmt: skip
+    assert "secret" not in json.dumps(config)
+
+
 def test_the_cli_prints_the_setup_sql_and_warns_about_wal_level(
     db: Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
