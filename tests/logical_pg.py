@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
@@ -326,14 +327,19 @@ class Slot:
             conn.execute(_DROP, {"slot": self.name})
             conn.commit()
 
-    def take(self) -> list[Transaction]:
+    def fetch(self) -> list[tuple[str, Any]]:
+        """Consume what the slot decoded: its ``(lsn, data)`` rows as the plugin wrote them."""
         binary = self.plugin == "pgoutput"
         with self.engine.connect() as conn:
             rows = conn.execute(_BINARY_CHANGES if binary else _TEXT_CHANGES,
                                 {"slot": self.name, "options": list(self.options)}).all()  # fmt: skip
             conn.commit()
-        pairs = [(r[0], r[1]) for r in rows]
-        return parse_pgoutput(pairs) if binary else parse_wal2json(pairs)
+        return [(r[0], r[1]) for r in rows]
+
+    def take(self) -> list[Transaction]:
+        """Consume what the slot decoded, as transactions in stream order."""
+        rows = self.fetch()
+        return parse_pgoutput(rows) if self.plugin == "pgoutput" else parse_wal2json(rows)
 
     def __enter__(self) -> Slot:
         return self.create()
