@@ -14,6 +14,7 @@ publication. The configuration's option names are checked against the Debezium d
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import itertools
 import json
 import random
@@ -250,6 +251,19 @@ def test_a_watched_connection_takes_sqlalchemys_own_path_with_the_same_result(db
         assert ev.created_at is not None and seen.count("DELETE") == 2
     finally:
         engine.dispose()
+
+
+def test_an_event_with_other_columns_set_is_written_alone_and_deleted_too(db: Engine) -> None:
+    """A column given as a SQL expression takes the one-row INSERT; every column comes back with it (the row
+    is gone before anything could load it)."""
+    with Session(db) as s, s.begin():
+        written = _Written(s)
+        ev = _event(n=1, created_at=func.now() - dt.timedelta(days=1))
+        s.add(ev)
+        s.flush()
+        assert written() == (1, 1)
+        yesterday = s.execute(select(func.now() - dt.timedelta(days=1))).scalar_one()
+    assert sa_inspect(ev).detached and ev.created_at == yesterday and ev.headers is None
 
 
 def test_a_refused_payload_or_header_writes_nothing(db: Engine) -> None:
@@ -727,6 +741,13 @@ def test_an_async_session_writes_and_deletes_the_same_way(cluster: LogicalCluste
                 ids = await emit(s, CdcEvent, [("customer", "7", "Charged", {"n": 2})])
                 account = await s.get(Account, 1)
                 s.add(CdcEvent.for_aggregate(account, "Touched", {"n": 3}))
+                # A new aggregate's key is known only once the flush inserted it: the event waits for it.
+                new = Account()
+                s.add(new)
+                late = CdcEvent.for_aggregate(new, "Opened", {"n": 4})
+                s.add(late)
+                await s.flush()
+                assert sa_inspect(late).deleted and late.aggregate_id == str(new.id)
             return ids
         finally:
             await engine.dispose()
@@ -734,7 +755,7 @@ def test_an_async_session_writes_and_deletes_the_same_way(cluster: LogicalCluste
     [emitted] = asyncio.run(write())
     [tx] = wal.take()
     assert [(c.action, _n(c) if c.action == "I" else None) for c in tx.changes] == [
-        ("I", 1), ("D", None), ("I", 2), ("D", None), ("I", 3), ("D", None)]  # fmt: skip
+        ("I", 1), ("D", None), ("I", 2), ("D", None), ("I", 3), ("D", None), ("I", 4), ("D", None)]  # fmt: skip
     assert tx.changes[2].values["id"] == str(emitted)
     assert tx.changes[0].values["tracingspancontext"] == f"traceparent={_TP}\n"
     assert (tx.changes[4].values["aggregate_type"], tx.changes[4].values["aggregate_id"]) == ("account", "1")
