@@ -257,8 +257,9 @@ class CdcOutboxMixin:
       without a ``traceparent``.
 
     ``sa_outbox_delete_after_insert`` (default ``True``): the producer deletes each row again in the
-    transaction that inserted it — Debezium's recommended "insert then delete": the table stays empty, the WAL
-    keeps the insert (the router drops the delete). ``False`` keeps the rows (retention is then yours). The
+    transaction that inserted it — "insert then delete", as Debezium's own Quarkus outbox extension does by
+    default (``remove-after-insert``): the table stays empty, the WAL keeps the insert (the router drops the
+    delete). ``False`` keeps the rows (retention is then yours). The
     size limits are those of :class:`OutboxMixin`.
     """
 
