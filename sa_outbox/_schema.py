@@ -17,6 +17,7 @@ side in one database and a user's own ``naming_convention`` does not rename them
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Self
 
@@ -30,6 +31,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
+    Uuid,
     desc,
     text,
 )
@@ -43,6 +45,7 @@ from ._sql import queue_table, starts_table
 __all__ = [
     "JOB_STATUSES",
     "OUTBOX_STATUSES",
+    "CdcOutboxMixin",
     "JobMixin",
     "OutboxMixin",
 ]
@@ -245,3 +248,69 @@ def _add_queue_table(cls: Any) -> None:
     if isinstance(table, Table) and table.info.get("sa_outbox_kind") == "jobs":
         queue_table(table)
         starts_table(table)
+
+
+class CdcOutboxMixin:
+    """An insert-only outbox table for change data capture: Debezium's outbox event router reads its rows
+    from the WAL (see docs/cdc.md; ``sa-outbox cdc debezium-config`` prints the connector configuration).
+
+    Written by the same producer paths as :class:`OutboxMixin` (``session.add`` and the flush hook,
+    :meth:`for_aggregate`, :func:`~sa_outbox.emit`, ORM-enabled ``INSERT``): validated, locked per aggregate,
+    with headers and the trace context. No dispatcher ever touches it (the router refuses UPDATEs, and a
+    ``Dispatcher`` refuses this model), so it has no status or lease columns:
+
+    * ``id`` — a UUID made by the producer (``gen_random_uuid()`` for rows written another way): the event id
+      the router puts in the ``id`` header, the consumers' de-duplication key;
+    * ``aggregate_type``, ``aggregate_id``, ``event_type``, ``payload`` (``jsonb``), ``headers`` (``jsonb``,
+      NULL for none), ``created_at`` — as in :class:`OutboxMixin`;
+    * ``tracingspancontext`` — the trace context of the ``traceparent``/``tracestate`` headers as the text of
+      a ``java.util.Properties`` (``traceparent=…``), the column the event router's tracing reads; NULL
+      without a ``traceparent``.
+
+    ``sa_outbox_delete_after_insert`` (default ``True``): the producer deletes each row again in the
+    transaction that inserted it — "insert then delete", as Debezium's own Quarkus outbox extension does by
+    default (``remove-after-insert``): the table stays empty, the WAL keeps the insert (the router drops the
+    delete). ``False`` keeps the rows (retention is then yours). The
+    size limits are those of :class:`OutboxMixin`.
+    """
+
+    sa_outbox_kind: ClassVar[str] = "cdc"
+    sa_outbox_delete_after_insert: ClassVar[bool] = True
+    sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, server_default=text("gen_random_uuid()"))
+    aggregate_type: Mapped[str] = mapped_column(Text, nullable=False)
+    aggregate_id: Mapped[str] = mapped_column(Text, nullable=False)
+    event_type: Mapped[str] = mapped_column(Text, nullable=False)
+    payload: Mapped[Any] = mapped_column(JSONB(none_as_null=True), nullable=False)
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
+    #: Set by the producer from the ``traceparent``/``tracestate`` headers (Debezium's ``tracingspancontext``).
+    tracingspancontext: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        t: str = cls.__tablename__  # type: ignore[attr-defined]
+        info = {
+            "sa_outbox_kind": "cdc",
+            "sa_outbox_delete_after_insert": bool(cls.sa_outbox_delete_after_insert),
+        }
+        # No secondary index: nothing reads the table (the WAL is read), and every index costs each insert.
+        return (PrimaryKeyConstraint("id", name=conv(f"pk_{t}")), {"info": info})
+
+    @classmethod
+    def for_aggregate(
+        cls, aggregate: Any, event_type: str, payload: Any, *, aggregate_type: str | None = None
+    ) -> Self:
+        """An event of this model for a mapped aggregate instance, as :meth:`OutboxMixin.for_aggregate`."""
+        return _producer.event_for(cls, aggregate, event_type, payload, aggregate_type=aggregate_type)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        _producer.install()  # the producer's flush hook writes (and deletes) this model's rows
+        super().__init_subclass__(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} id={self.id} {self.aggregate_type}/{self.aggregate_id} {self.event_type}>"
