@@ -96,7 +96,8 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
             raise DBAPIError.instance(
                 compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
             ) from exc
-    return [tuple(r) for r in conn.execute(stmt, params)]
+    result = conn.execute(stmt, params)
+    return [tuple(r) for r in result] if result.returns_rows else []
 
 
 @contextmanager
