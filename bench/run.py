@@ -42,6 +42,7 @@ SCENARIOS = {
     "wakeup": "latency:scenario_wakeup",
     "growth": "latency:scenario_growth",
     "steady": "latency:scenario_steady",
+    "pgbouncer": "pgbouncer:scenario_pgbouncer",
 }
 #: Modes run only when asked for (``--memory``, ``--profile``, or by name in ``--scenarios``).
 MODES = {"memory": "memory:scenario_memory", "profile": "profiling:scenario_profile"}

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
     from ._messages import Publisher as Publisher
+    from ._pgbouncer import pgbouncer_async_engine as pgbouncer_async_engine
+    from ._pgbouncer import pgbouncer_engine as pgbouncer_engine
     from ._producer import emit as emit
     from ._producer import enqueue as enqueue
     from ._producer import lock_aggregate as lock_aggregate
@@ -97,6 +99,8 @@ _EXPORTS: dict[str, str] = {
     "job_result": "admin",
     "list_dead": "admin",
     "lock_aggregate": "_producer",
+    "pgbouncer_async_engine": "_pgbouncer",
+    "pgbouncer_engine": "_pgbouncer",
     "purge": "monitoring",
     "queue_status": "monitoring",
     "receive": "inbox",

@@ -96,7 +96,9 @@ def _engine(args: argparse.Namespace) -> Any:
         raise ConfigurationError("no database URL: pass --url or set DATABASE_URL")
     try:
         url = make_url(normalize_url(args.url))
-        engine = create_engine(url)
+        # No server-side prepared statements: an operator's command runs a handful of statements, and the URL
+        # may well be PgBouncer's in transaction mode, where a prepared name does not survive the transaction.
+        engine = create_engine(url, connect_args={"prepare_threshold": None})
     except Exception as exc:  # ArgumentError, a bad port, an unknown or missing driver
         raise ConfigurationError(
             f"invalid database URL (--url / DATABASE_URL): {exc}; expected "

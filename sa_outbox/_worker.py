@@ -1064,7 +1064,7 @@ class AsyncWorker(WorkerBase):
                 else:
                     if self._in_transaction(handler):
                         future = self._threads.submit(
-                            _invoke_in_transaction, self._sync_engine(), self.spec, handler, job,
+                            _invoke_in_transaction, await self._sync_engine(), self.spec, handler, job,
                             self._max_result_bytes(),
                         )  # fmt: skip
                     else:
@@ -1114,12 +1114,21 @@ class AsyncWorker(WorkerBase):
             return _Ran(None, 0.0, lost=True)
         return _Ran(None, 0.0, value, committed=True)
 
-    def _sync_engine(self) -> Engine:
+    async def _sync_engine(self) -> Engine:
         """A sync engine on the same database, for sync handlers that take a session (they run on threads of
-        their own, where the async engine cannot serve them)."""
+        their own, where the async engine cannot serve them). Its connections prepare statements exactly when
+        the async engine's do (behind PgBouncer in transaction mode, not at all)."""
         if self._sync is None:
-            url = self.engine.url.set(drivername="postgresql+psycopg")
-            self._sync = create_engine(url, pool_size=self.concurrency, max_overflow=self.concurrency)
+            async with self.engine.connect() as conn:
+                threshold = await conn.run_sync(
+                    lambda c: getattr(c.connection.driver_connection, "prepare_threshold", 5)
+                )
+            if self._sync is None:  # another job's task may have made it meanwhile
+                url = self.engine.url.set(drivername="postgresql+psycopg")
+                self._sync = create_engine(
+                    url, pool_size=self.concurrency, max_overflow=self.concurrency,
+                    connect_args={"prepare_threshold": threshold},
+                )  # fmt: skip
         return self._sync
 
     def _collect(self) -> None:
