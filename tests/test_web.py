@@ -359,6 +359,27 @@ def test_the_locks_page_names_the_idle_session_that_holds_queue_locks(
         stuck.dispose()
 
 
+def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(engine: Engine, tab: Tab) -> None:
+    """Rows given back by a real dispatcher whose broker cannot be reached (a port nothing listens on)."""
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    from .brokers import closed_port
+
+    with Session(engine) as s, s.begin():
+        for i in range(3):
+            s.add(OutboxEvent(aggregate_type="order", aggregate_id=str(i), event_type="OrderPaid", payload={}))
+    down = RedisStreamPublisher(f"redis://127.0.0.1:{closed_port()}/0", stream="s", timeout=1)
+    d = Dispatcher(engine, OutboxEvent, down, listen=False)
+    try:
+        assert d.run_once() == 3 and d.circuit_open
+    finally:
+        d.close()
+    card = tab.go("/").locator('section.card[data-table="outbox"]')
+    assert card.locator(".badge", has_text="unavailable").is_visible()
+    assert "3 of the 3 oldest due messages were given back for it" in card.inner_text()
+    assert "deliveries are failing: the destination is unavailable" in card.locator(".warnings").inner_text()
+
+
 def test_dead_letter_filters_narrow_the_list(engine: Engine, tab: Tab) -> None:
     seed(engine)
     refunded = ids(

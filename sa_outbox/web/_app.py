@@ -226,11 +226,11 @@ class Dashboard:
             "form-action 'self'"
         )
         if flash:
-            response.delete_cookie(FLASH, path=self._cookie_path(request))
+            response.delete_cookie(FLASH, path=self.cookie_path(request))
         return response
 
     @staticmethod
-    def _cookie_path(request: Request) -> str:
+    def cookie_path(request: Request) -> str:
         return str(request.url_for("overview").path)
 
     def page(
@@ -242,11 +242,11 @@ class Dashboard:
                 who = await self.who(request)
                 return await fn(self, request, who)
             except Refused as exc:
-                return self._refusal(request, exc)
+                return self.refusal(request, exc)
 
         return endpoint
 
-    def _refusal(self, request: Request, exc: Refused) -> Response:
+    def refusal(self, request: Request, exc: Refused) -> Response:
         return self.render(request, "error.html", None, http_status=exc.status, message=exc.message, login=exc.login,
                            active="error")  # fmt: skip
 
@@ -275,12 +275,12 @@ class Dashboard:
             except Refused as exc:
                 log.warning("dashboard refused %s: %s", what, exc.message,
                             extra={"status": exc.status, "client": request.client.host if request.client else None})  # fmt: skip
-                return self._refusal(request, exc)
+                return self.refusal(request, exc)
             except OutboxError as exc:  # a bad filter or option, said by the admin function itself
-                return self._refusal(request, Refused(400, str(exc)))
+                return self.refusal(request, Refused(400, str(exc)))
             target = _safe_next(request, _one(form, "next"))
             response = RedirectResponse(target, status_code=303)
-            response.set_cookie(FLASH, quote(message), max_age=60, path=self._cookie_path(request), httponly=True,
+            response.set_cookie(FLASH, quote(message), max_age=60, path=self.cookie_path(request), httponly=True,
                                 samesite="strict")  # fmt: skip
             return response
 
@@ -393,8 +393,8 @@ async def dead_preview(d: Dashboard, request: Request, who: str | None) -> Respo
         ids = await run_in_threadpool(fn, d.engine, t.model, dry_run=True, all=not filters, **filters)
     except OutboxError as exc:
         raise Refused(400, str(exc)) from None
-    return d.render(request, "preview.html", who, t=t, action=action, ids=ids, typed=typed,
-                    back=d.href(request, "dead", typed, table=t.name), active="dead:" + t.name,
+    return d.render(request, "preview.html", who, t=t, action=action, count=_reads.Count(len(ids)), sample=ids[:100],
+                    typed=typed, back=d.href(request, "dead", typed, table=t.name), active="dead:" + t.name,
                     post=d.href(request, "dead_action", table=t.name, action=action))  # fmt: skip
 
 
@@ -455,25 +455,17 @@ async def jobs_preview(d: Dashboard, request: Request, who: str | None) -> Respo
                 raise Refused(400, "retry applies to failed or cancelled jobs")
             ids = await run_in_threadpool(admin.retry_jobs, d.engine, t.model, task=task, queue=queue,
                                           statuses=(status,), dry_run=True)  # fmt: skip
+            count, sample = _reads.Count(len(ids)), ids[:100]
         else:
-            ids = await run_in_threadpool(d.read, lambda conn: _cancellable(conn, t, task, queue))
+            count, sample = await run_in_threadpool(
+                d.read, lambda conn: _reads.cancellable(conn, t.spec, task, queue)
+            )
     except OutboxError as exc:
         raise Refused(400, str(exc)) from None
     typed = {"status": status, "task": task or "", "queue": queue or ""}
-    return d.render(request, "preview.html", who, t=t, action=action, ids=ids, typed=typed,
+    return d.render(request, "preview.html", who, t=t, action=action, count=count, sample=sample, typed=typed,
                     back=d.href(request, "jobs", typed, table=t.name), active="jobs:" + t.name,
                     post=d.href(request, "jobs_action", table=t.name, action=action))  # fmt: skip
-
-
-def _cancellable(conn: Connection, t: Table, task: str | None, queue: str | None) -> list[int]:
-    from sqlalchemy import select
-
-    from .._sql import const, job_filters
-
-    c = t.spec.c
-    where = job_filters(t.spec, {"task": task, "queue": queue})
-    stmt = select(c.id).where(c.status.in_([const("queued"), const("running")]), *where).order_by(c.id)
-    return list(conn.execute(stmt).scalars())
 
 
 async def queues(d: Dashboard, request: Request, who: str | None) -> Response:
@@ -609,7 +601,7 @@ def _login_endpoint(d: Dashboard) -> Callable[[Request], Awaitable[Response]]:
         token: str | None
         if request.method == "POST":
             if cross_site(request):
-                return d._refusal(request, Refused(403, "refused a cross-site login"))
+                return d.refusal(request, Refused(403, "refused a cross-site login"))
             token = _one(await _form(request), "token")
         else:
             token = request.query_params.get("token")
@@ -621,7 +613,7 @@ def _login_endpoint(d: Dashboard) -> Callable[[Request], Awaitable[Response]]:
             )
             return d.render(request, "login.html", None, http_status=401, failed=True, active="login")
         response = RedirectResponse(str(request.url_for("overview").path), status_code=303)
-        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path=Dashboard._cookie_path(request),
+        response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path=Dashboard.cookie_path(request),
                             secure=request.url.scheme == "https")  # fmt: skip
         return response
 

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import (
     Connection,
     Integer,
+    and_,
     bindparam,
     desc,
     func,
@@ -106,13 +107,21 @@ def planner_estimate(conn: Connection, stmt: Select[Any]) -> int:
     return int(plan[0]["Plan"]["Plan Rows"])
 
 
-def status_counts(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> dict[str, Count]:
+def status_counts(
+    conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP, *, dead: Count | None = None
+) -> dict[str, Count]:
     """Rows per status, each read through its partial index and capped. ``done`` beyond the cap comes from
     the statistics' live tuples minus the other states (as ``queue_status`` reports it). Jobs: ``cancelled``
     has no index of its own (it shares the finished index with ``done``): counted while the finished rows are
-    under the cap, else the planner's estimate from the statistics' sample of the status column."""
-    counts = {status: capped_count(conn, spec, _where_status(spec, status), cap)
-              for status in (spec.ready, spec.active, spec.dead)}  # fmt: skip
+    under the cap, else the planner's estimate from the statistics' sample of the status column. ``dead``:
+    the dead rows when the caller has counted them already."""
+    counts = {
+        status: capped_count(conn, spec, _where_status(spec, status), cap)
+        for status in (spec.ready, spec.active)
+    }
+    counts[spec.dead] = (
+        dead if dead is not None else capped_count(conn, spec, _where_status(spec, spec.dead), cap)
+    )
     done, estimated = monitoring._done_count(conn, spec, sum(c.value for c in counts.values()), cap)
     if spec.kind == "outbox":
         counts[spec.done] = Count(done, estimated)
@@ -120,7 +129,9 @@ def status_counts(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> di
     if not estimated:
         cancelled = capped_count(conn, spec, _where_status(spec, "cancelled"), cap)
     else:
-        stmt = select(literal_column("1")).select_from(spec.table).where(_where_status(spec, "cancelled"))
+        stmt: Select[Any] = (
+            select(literal_column("1")).select_from(spec.table).where(_where_status(spec, "cancelled"))
+        )
         cancelled = Count(planner_estimate(conn, stmt), True)
         done = max(done - cancelled.value, cap + 1)  # the live tuples counted the cancelled rows as done
     counts[spec.done] = Count(done, estimated)
@@ -147,33 +158,25 @@ def _oldest_created(spec: QueueSpec, status: str) -> Select[Any]:
 
 
 def oldest_unfinished(
-    conn: Connection, spec: QueueSpec, counts: dict[str, Count]
+    conn: Connection, spec: QueueSpec, counts: dict[str, Count], oldest_due: Any
 ) -> tuple[float | None, bool]:
-    """Age (from created_at) of the oldest unfinished row. Exact while the unfinished rows are under the
-    cap; beyond (a backlog), the oldest by id among the first ``COUNT_CAP`` ready rows in the claim's order
-    — a lower bound, flagged ``True``."""
+    """Age (from created_at) of the oldest unfinished row, exact while the ready rows are under the cap.
+    Beyond (a backlog) it is not computed, as it would read every ready row: a row becomes due no earlier
+    than it was created, so the oldest due row's age is a lower bound, returned with ``True``."""
     oldest: list[Any] = []
-    estimated = False
-    for status in (spec.ready, spec.active):
-        if counts[status].value == 0:
-            continue
-        if counts[status].estimated:
-            c = spec.c
-            head = (
-                select(c.created_at)
-                .where(c.status == const(status))
-                .order_by(*spec.claim_order())
-                .limit(COUNT_CAP)
-                if status == spec.ready
-                else select(c.created_at).where(c.status == const(status)).limit(COUNT_CAP)
-            ).subquery()
-            oldest.append(conn.execute(select(func.min(head.c.created_at))).scalar())
-            estimated = True
-        else:
-            oldest.append(conn.execute(_oldest_created(spec, status)).scalar())
+    estimated = counts[spec.ready].estimated
+    if estimated:
+        if oldest_due is not None:
+            oldest.append(oldest_due)
+    elif counts[spec.ready].value:
+        oldest.append(conn.execute(_oldest_created(spec, spec.ready)).scalar())
+    if counts[
+        spec.active
+    ].value:  # leased rows are few (as many as the loops hold); an estimate counts them too
+        oldest.append(conn.execute(_oldest_created(spec, spec.active)).scalar())
     found = [o for o in oldest if o is not None]
     if not found:
-        return None, False
+        return None, estimated
     return _age_of(conn, min(found)), estimated
 
 
@@ -231,17 +234,46 @@ def blocked_aggregates(
     return found, int(rows[0].total) if rows else 0
 
 
+@cache
+def _dead_and_blocked(spec: QueueSpec) -> Select[Any]:
+    """Outbox: dead rows, and the aggregates whose first dead message has a pending message after it — in one
+    pass over the dead rows (there is no index of dead rows alone: the aggregate index also holds every
+    pending row), each aggregate probed once through the aggregate index for the first pending successor."""
+    dead, later = spec.table.alias("d"), spec.table.alias("w")
+    heads = (
+        select(dead.c.aggregate_type, dead.c.aggregate_id, func.min(dead.c.id).label("dead_id"),
+               func.count().label("n"))
+        .where(dead.c.status == const(spec.dead))
+        .group_by(dead.c.aggregate_type, dead.c.aggregate_id)
+        .subquery("heads")
+    )  # fmt: skip
+    waiting = (
+        select(literal_column("1"))
+        .select_from(later)
+        .where(
+            later.c.aggregate_id == heads.c.aggregate_id,
+            later.c.aggregate_type == heads.c.aggregate_type,
+            later.c.id > heads.c.dead_id,
+            later.c.status == const(spec.ready),
+        )
+        .exists()
+    )
+    return select(func.coalesce(func.sum(heads.c.n), 0), func.count().filter(waiting))
+
+
 def overview(conn: Connection, spec: QueueSpec, *, stale_after: float) -> TableOverview:
-    counts = status_counts(conn, spec)
+    blocked_total = 0
+    dead: Count | None = None
+    if spec.kind == "outbox":
+        n, blocked_total = (int(x) for x in conn.execute(_dead_and_blocked(spec)).one())
+        dead = Count(n)
+    counts = status_counts(conn, spec, dead=dead)
     due = conn.execute(_oldest_due(spec)).scalar()
     oldest_due_age = _age_of(conn, due) if due is not None else None
-    unfinished_age, unfinished_estimated = oldest_unfinished(conn, spec, counts)
+    unfinished_age, unfinished_estimated = oldest_unfinished(conn, spec, counts, due)
     expired = expired_leases(conn, spec, stale_after)
     last_done = conn.execute(monitoring._last_done_statement(spec)).scalar()
     outage = monitoring.destination_outage(conn, spec)
-    blocked_total = 0
-    if spec.kind == "outbox" and counts[spec.dead].value:
-        _, blocked_total = blocked_aggregates(conn, spec, 1)
     warnings: list[str] = []
     if expired:
         warnings.append(f"{expired} expired lease(s): a dispatcher/worker crashed or its lease is too short")
@@ -292,10 +324,10 @@ def row_detail(conn: Connection, spec: QueueSpec, row_id: int) -> dict[str, Any]
     t, c = spec.table, spec.c
     ages = [_age_column(c.created_at, "age"), _age_column(spec.due, "due_age"),
             _age_column(spec.finished, "finished_age")]  # fmt: skip
-    found = conn.execute(select(t, *ages).where(c.id == row_id)).first()
-    if found is None:
+    r = conn.execute(select(t, *ages).where(c.id == row_id)).first()
+    if r is None:
         return None
-    out = dict(found._mapping)
+    out = dict(r._mapping)
     if spec.kind == "outbox" and out["status"] == spec.dead:
         later = (
             select(func.count())
@@ -354,6 +386,25 @@ def job_summary(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> tupl
         for q, task, n in got:
             per.setdefault((q, task), {"queued": 0, "running": 0, "failed": 0})[status] = int(n)
     return [{"queue": q, "task": t, **v} for (q, t), v in sorted(per.items())], sampled
+
+
+def cancellable(
+    conn: Connection, spec: QueueSpec, task: str | None, queue: str | None
+) -> tuple[Count, list[int]]:
+    """The queued and running jobs a cancel by task/queue reaches: how many (capped), and the first 100 of
+    them — queued ones in the dequeue index's order, so the search stops after 100 index entries."""
+    c = spec.c
+    filters = job_filters(spec, {"task": task, "queue": queue})
+    queued = (
+        select(c.id)
+        .where(c.status == const("queued"), *filters)
+        .order_by(c.queue, c.priority.desc(), c.run_at, c.id)
+        .limit(100)
+    )
+    running = select(c.id).where(c.status == const("running"), *filters).limit(100)
+    first = sorted({*conn.execute(queued).scalars(), *conn.execute(running).scalars()})[:100]
+    both = or_(c.status == const("queued"), c.status == const("running"))
+    return capped_count(conn, spec, and_(both, *filters)), first
 
 
 def pretty_json(value: Any) -> str:
