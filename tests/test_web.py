@@ -311,6 +311,12 @@ def test_every_page_loads_in_the_browser_and_shows_the_queue(engine: Engine, tab
     }
     for name, path in pages.items():
         page = tab.go(path)
+        if name == "dead-letters":  # one opened, with headers if one has them: payload, headers, error
+            opened = (
+                ids(engine, OutboxEvent, OutboxEvent.status == "dead", OutboxEvent.headers.is_not(None))
+                or dead
+            )[0]
+            page.locator(f'tr[data-id="{opened}"] summary').click()
         page.screenshot(path=str(shots / f"dashboard-{name}.png"), full_page=True)
     assert tab.errors == []
 
@@ -359,7 +365,9 @@ def test_the_locks_page_names_the_idle_session_that_holds_queue_locks(
         stuck.dispose()
 
 
-def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(engine: Engine, tab: Tab) -> None:
+def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(
+    engine: Engine, tab: Tab
+) -> None:
     """Rows given back by a real dispatcher whose broker cannot be reached (a port nothing listens on)."""
     from sa_outbox.publishers.redis import RedisStreamPublisher
 
@@ -367,7 +375,9 @@ def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(
 
     with Session(engine) as s, s.begin():
         for i in range(3):
-            s.add(OutboxEvent(aggregate_type="order", aggregate_id=str(i), event_type="OrderPaid", payload={}))
+            s.add(
+                OutboxEvent(aggregate_type="order", aggregate_id=str(i), event_type="OrderPaid", payload={})
+            )
     down = RedisStreamPublisher(f"redis://127.0.0.1:{closed_port()}/0", stream="s", timeout=1)
     d = Dispatcher(engine, OutboxEvent, down, listen=False)
     try:
@@ -378,6 +388,20 @@ def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(
     assert card.locator(".badge", has_text="unavailable").is_visible()
     assert "3 of the 3 oldest due messages were given back for it" in card.inner_text()
     assert "deliveries are failing: the destination is unavailable" in card.locator(".warnings").inner_text()
+
+
+def test_the_overview_refreshes_itself_in_place(engine: Engine, tab: Tab) -> None:
+    """The script re-reads the page every 10 s and swaps the figures in, without a navigation."""
+    page = tab.go("/")
+    page.evaluate("window.sameDocument = true")
+    dead = page.locator('section.card[data-table="outbox"] [data-status="dead"] .n')
+    assert dead.inner_text() == "0"
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status) "
+                          "VALUES ('order', '1', 'OrderPaid', '{}', 'dead')"))  # fmt: skip
+    script = "() => document.querySelector('section.card[data-table=outbox] [data-status=dead] .n').textContent === '1'"
+    page.wait_for_function(script, timeout=WAIT_MS + 10_000)
+    assert page.evaluate("window.sameDocument") is True
 
 
 def test_dead_letter_filters_narrow_the_list(engine: Engine, tab: Tab) -> None:

@@ -519,14 +519,15 @@ async def dead_action(d: Dashboard, request: Request, who: str, form: dict[str, 
     verb = "requeued" if action == "retry" else "skipped"
     if _one(form, "scope") == "matching":
         filters, typed = dead_filters(t, form)
-        expected = _one(form, "expected")
+        expected = _one(form, "expected") or ""
         changed = await run_in_threadpool(fn, d.engine, t.model, all=not filters, **filters)
+        said = f" (the preview showed {int(expected):,})" if expected.isdigit() else ""
         how = "every dead letter matching " + (
             ", ".join(f"{k}={v}" for k, v in typed.items()) or "(no filter)"
         )
-        _log_action(who, f"{action}_dead", t, selected=int(expected or len(changed)), changed=len(changed), ids=changed,
-                    how=how)  # fmt: skip
-        said = f" (the preview showed {int(expected):,})" if expected and expected.isdigit() else ""
+        _log_action(
+            who, f"{action}_dead", t, selected=len(changed), changed=len(changed), ids=changed, how=how + said
+        )
         return f"{verb} {len(changed):,} row(s) of {t.name}{said}"
     ids = _ints(form.get("ids", []))
     if not ids:

@@ -35,6 +35,8 @@ from ..monitoring import DestinationOutage, TableHealth
 
 #: Index entries read at most per state when counting: beyond, the figure is an estimate.
 COUNT_CAP = 50_000
+#: Finished rows read at most for the last hour's throughput: beyond, the rate of the newest is extrapolated.
+THROUGHPUT_CAP = 20_000
 #: Rows per page of a list.
 PAGE_SIZE = 50
 #: Jobs lists with a task/queue filter look at most at this many rows of the chosen status (newest first).
@@ -180,7 +182,7 @@ def oldest_unfinished(
     return _age_of(conn, min(found)), estimated
 
 
-def throughput(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> Throughput:
+def throughput(conn: Connection, spec: QueueSpec, cap: int = THROUGHPUT_CAP) -> Throughput:
     """Finished rows per minute over the last hour from ``done_at`` / ``finished_at``, read backwards
     through the finished rows' partial index, at most ``cap`` entries (jobs: done and cancelled, the
     index's own predicate, so the index alone answers)."""
@@ -343,30 +345,34 @@ def jobs_page(
     conn: Connection, spec: QueueSpec, *, status: str, task: str | None, queue: str | None,
     before: int | None, limit: int = PAGE_SIZE,
 ) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
-    """A page of jobs of one status, newest first (before id ``before``), filtered by task/queue. With a
-    filter, at most the newest ``SEARCH_WINDOW`` rows of the status are searched (returned ``True`` when
-    that window was cut short), so a rare task never makes the page walk a million done rows."""
+    """A page of jobs of one status, newest first (ids below ``before``), filtered by task/queue.
+
+    Queued, running and failed jobs are read in id order (failed: through their own index). Done and
+    cancelled jobs have no id index of their own: the page looks at the ``SEARCH_WINDOW`` most recently
+    finished ones (the finished index, newest first) and ``True`` is returned when that window was full, so
+    neither a rare task nor a backlog of newer queued jobs makes the page walk a million rows."""
     c = spec.c
     where = [c.status == const(status), *job_filters(spec, {"task": task, "queue": queue})]
     if before is not None:
         where.append(c.id < bindparam("before", before, type_=Integer))
-    t = spec.table
     cols = [c.id, c.queue, c.task, c.status, c.priority, c.attempts, c.max_attempts, c.locked_by, c.last_error,
             c.cancel_requested_at, _age_column(c.created_at, "age"), _age_column(c.run_at, "due_age"),
             _age_column(c.finished_at, "finished_age"), _age_column(c.locked_at, "locked_age")]  # fmt: skip
-    if task is None and queue is None:
+    if status not in ("done", "cancelled"):
         stmt = select(*cols).where(*where).order_by(c.id.desc()).limit(limit)
         return [dict(r._mapping) for r in conn.execute(stmt)], False
-    window_where = [c.status == const(status)]
-    if before is not None:
-        window_where.append(c.id < bindparam("before", before, type_=Integer))
-    window = select(c.id).where(*window_where).order_by(c.id.desc()).limit(SEARCH_WINDOW).subquery()
-    stmt = select(*cols).join(window, window.c.id == t.c.id).where(*where).order_by(c.id.desc()).limit(limit)
+    window = (
+        select(c.id)
+        .where(c.status == const(status))
+        .order_by(c.finished_at.desc())
+        .limit(SEARCH_WINDOW)
+        .subquery()
+    )
+    stmt = select(*cols).join(window, window.c.id == c.id).where(*where).order_by(c.id.desc()).limit(limit)
     rows = [dict(r._mapping) for r in conn.execute(stmt)]
     cut = False
     if len(rows) < limit:
-        n = int(conn.execute(select(func.count()).select_from(window)).scalar_one())
-        cut = n >= SEARCH_WINDOW
+        cut = int(conn.execute(select(func.count()).select_from(window)).scalar_one()) >= SEARCH_WINDOW
     return rows, cut
 
 

@@ -51,8 +51,8 @@
         .then(function (html) {
           if (!html) return;
           var fresh = new DOMParser().parseFromString(html, "text/html");
-          var cards = document.querySelector(".cards"), freshCards = fresh.querySelector(".cards");
-          if (cards && freshCards) cards.replaceWith(freshCards);
+          var live = document.getElementById("live"), freshLive = fresh.getElementById("live");
+          if (live && freshLive) live.replaceWith(freshLive);
           var foot = document.querySelector("footer"), freshFoot = fresh.querySelector("footer");
           if (foot && freshFoot) foot.replaceWith(freshFoot);
         })
