@@ -710,6 +710,27 @@ def test_counts_beyond_the_cap_are_estimates_and_below_it_exact(engine: Engine) 
     assert (capped["dead"].value, capped["dead"].estimated) == (0, False)
 
 
+def test_the_queues_page_reads_what_list_queues_reads_with_bounded_counts(engine: Engine) -> None:
+    from sa_outbox.admin import list_queues, pause_queue
+    from sa_outbox.web._reads import queue_rows
+
+    seed(engine)
+    pause_queue(engine, Job, "reports", by="ops")
+    pause_queue(engine, Job, "nightly")  # a state row and no job
+    with engine.connect() as conn:
+        rows = queue_rows(conn, spec_for(Job))
+        capped = queue_rows(conn, spec_for(Job), cap=2)
+    expected = [
+        (q.name, q.paused_at, q.paused_by, q.queued, False, q.running) for q in list_queues(engine, Job)
+    ]
+    assert [
+        (r.name, r.paused_at, r.paused_by, r.queued.value, r.queued.estimated, r.running) for r in rows
+    ] == expected
+    assert [r.name for r in rows] == ["mail", "nightly", "reports"]
+    reports = next(r for r in capped if r.name == "reports")
+    assert reports.queued.estimated and reports.queued.value > 2
+
+
 def test_throughput_counts_rows_finished_in_the_last_hour_per_minute(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(text(

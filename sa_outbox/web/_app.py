@@ -470,7 +470,7 @@ async def jobs_preview(d: Dashboard, request: Request, who: str | None) -> Respo
 
 async def queues(d: Dashboard, request: Request, who: str | None) -> Response:
     t = d.table(request, "jobs")
-    states = await run_in_threadpool(admin.list_queues, d.engine, t.model)
+    states = await run_in_threadpool(d.read, lambda conn: _reads.queue_rows(conn, t.spec))
     return d.render(request, "queues.html", who, t=t, queues=states, active="queues:" + t.name)
 
 

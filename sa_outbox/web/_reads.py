@@ -29,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Select
 
 from .. import admin, monitoring
-from .._sql import QueueSpec, const, job_filters
+from .._sql import QueueSpec, const, job_filters, queue_table
 from .._sql import dead_selection as _dead_selection
 from ..monitoring import DestinationOutage, TableHealth
 
@@ -411,6 +411,47 @@ def cancellable(
     first = sorted({*conn.execute(queued).scalars(), *conn.execute(running).scalars()})[:100]
     both = or_(c.status == const("queued"), c.status == const("running"))
     return capped_count(conn, spec, and_(both, *filters)), first
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    """A queue of a jobs table as the queues page shows it: ``admin.list_queues``' state with bounded counts."""
+
+    name: str
+    paused_at: datetime | None
+    paused_by: str | None
+    queued: Count
+    running: int
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
+
+
+def queue_rows(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> list[QueueRow]:
+    """Every queue with a state row or unfinished jobs (as ``admin.list_queues``), its queued jobs counted
+    through the dequeue index up to ``cap`` per queue and estimated beyond: the queues with queued jobs are
+    found by skipping through that index (one probe per queue), not by reading every queued row."""
+    c = spec.c
+    table = queue_table(spec.table)
+    queued = c.status == const("queued")
+    # A loose index scan: the smallest queue name, then the next one after it, … (the index leads on queue).
+    first = (
+        select(c.queue.label("queue")).where(queued).order_by(c.queue).limit(1).cte("names", recursive=True)
+    )
+    step = select(c.queue).where(queued, c.queue > first.c.queue).order_by(c.queue).limit(1).scalar_subquery()
+    names = first.union_all(select(step).where(first.c.queue.is_not(None)))
+    with_queued = {q for q in conn.execute(select(names.c.queue)).scalars() if q is not None}
+    running: dict[str, int] = dict(conn.execute(
+        select(c.queue, func.count()).where(c.status == const("running")).group_by(c.queue)).all())  # fmt: skip
+    states = {r.queue: r for r in conn.execute(select(table))}
+    out = []
+    for name in sorted(with_queued | set(running) | set(states)):
+        n = capped_count(conn, spec, and_(queued, c.queue == name), cap) if name in with_queued else Count(0)
+        state = states.get(name)
+        out.append(QueueRow(name, state.paused_at if state else None, state.paused_by if state else None, n,
+                            int(running.get(name, 0))))  # fmt: skip
+    return out
 
 
 def pretty_json(value: Any) -> str:
