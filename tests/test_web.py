@@ -491,6 +491,23 @@ def test_cancel_and_retry_jobs_through_the_ui(engine: Engine, tab: Tab) -> None:
     assert ids(engine, Job, Job.id.in_(failed), Job.status == "queued") == failed
 
 
+def test_job_lists_filter_by_status_task_and_queue_newest_first(
+    engine: Engine, cli_server: CliServer
+) -> None:
+    seed(engine)
+
+    def listed(query: str) -> list[int]:
+        page = http("GET", f"{cli_server.base}/tables/jobs/jobs?{query}", headers=BEARER)
+        assert page.status == 200
+        return [int(x) for x in re.findall(r'<tr data-id="(\d+)"', page.body)]
+
+    invoices = ids(engine, Job, Job.status == "done", Job.task == "render_invoice")
+    assert listed("status=done&task=render_invoice") == invoices[::-1]
+    assert listed(f"status=done&task=render_invoice&before={invoices[-3]}") == invoices[-4::-1]
+    assert listed("status=failed&queue=mail") == ids(engine, Job, Job.status == "failed")[::-1]
+    assert listed("status=queued&queue=reports&task=send_email") == []
+
+
 def test_pause_and_resume_a_queue_through_the_ui(engine: Engine, tab: Tab) -> None:
     from sa_outbox.admin import list_queues
 
@@ -636,6 +653,24 @@ def test_read_only_by_default_no_action_is_offered_or_accepted(
         assert reply.status == 403 and "read-only" in reply.body
         assert status_of(engine, OutboxEvent, target) == "dead"
     finally:
+        stop()
+
+
+def test_a_page_whose_statement_waits_too_long_says_so_instead_of_hanging(engine: Engine) -> None:
+    """Another session holds an ACCESS EXCLUSIVE lock on the outbox (a migration, say): the page's read waits
+    for it, then statement_timeout cancels it and the page answers 503 with the database's reason."""
+    base, stop = serve(create_app(engine, statement_timeout=0.5))
+    blocker = engine.connect()
+    try:
+        blocker.execute(text("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE"))
+        reply = http(
+            "GET", base + "/tables/outbox/dead"
+        )  # the lock is held for good: only the timeout ends it
+        assert reply.status == 503 and "canceling statement due to statement timeout" in reply.body
+        blocker.rollback()
+        assert http("GET", base + "/tables/outbox/dead").status == 200
+    finally:
+        blocker.close()
         stop()
 
 

@@ -53,6 +53,7 @@ def create_app(
     long_transaction: Duration = 60.0,
     title: str = "sa_outbox",
     csrf_secret: bytes | str | None = None,
+    statement_timeout: Duration = 10.0,
 ) -> Starlette:
     """The dashboard as a Starlette application.
 
@@ -63,7 +64,9 @@ def create_app(
     jobs locked longer ago count as expired leases). ``long_transaction``: the age from which an open
     transaction is shown as holding back the xmin horizon on the overview. ``csrf_secret``: the key the
     forms' CSRF tokens are signed with — give the same one to every process behind one load balancer
-    (default: a random key per process). Raises :class:`~sa_outbox.errors.ConfigurationError` on a bad
+    (default: a random key per process). ``statement_timeout``: the longest a page's statements may run
+    (``SET LOCAL``, so it works behind PgBouncer); past it the page says the database did not answer (503)
+    instead of hanging. Raises :class:`~sa_outbox.errors.ConfigurationError` on a bad
     option, before serving anything."""
     from ._app import Dashboard, build
 
@@ -73,6 +76,6 @@ def create_app(
         tables = [OutboxEvent, Job]
     dashboard = Dashboard(
         engine, list(tables), actions=actions, authenticate=authenticate, stale_after=stale_after,
-        long_transaction=long_transaction, title=title, csrf_secret=csrf_secret,
+        long_transaction=long_transaction, title=title, csrf_secret=csrf_secret, statement_timeout=statement_timeout,
     )  # fmt: skip
     return build(dashboard)

@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, quote, urlencode
 
 import jinja2
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -33,8 +34,6 @@ log = logging.getLogger("sa_outbox.web")
 
 HERE = Path(__file__).resolve().parent
 FLASH = "sa_outbox_flash"
-#: The longest a page's statements may run (SET LOCAL statement_timeout): a page fails, it never hangs.
-STATEMENT_TIMEOUT_MS = 10_000
 #: The largest form body accepted (a bulk selection of ids is the largest thing a form sends).
 MAX_FORM_BYTES = 1_000_000
 
@@ -120,6 +119,7 @@ class Dashboard:
     def __init__(
         self, engine: Engine, models: Sequence[type[Any]], *, actions: bool, authenticate: Authenticate | None,
         stale_after: Duration, long_transaction: Duration, title: str, csrf_secret: bytes | str | None,
+        statement_timeout: Duration = 10.0,
     ) -> None:  # fmt: skip
         if not isinstance(engine, Engine):
             raise ConfigurationError(
@@ -148,6 +148,9 @@ class Dashboard:
         if self.stale_after <= 0:
             raise ConfigurationError("stale_after must be > 0")
         self.long_transaction = to_seconds(long_transaction, name="long_transaction")
+        self.statement_timeout_ms = int(to_seconds(statement_timeout, name="statement_timeout") * 1000)
+        if self.statement_timeout_ms < 1:
+            raise ConfigurationError("statement_timeout must be at least 1 ms")
         self.title = title
         if isinstance(csrf_secret, str):
             csrf_secret = csrf_secret.encode()
@@ -156,6 +159,7 @@ class Dashboard:
         self.csrf = Csrf(csrf_secret or os.urandom(32))
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader(HERE / "templates"),
+            auto_reload=False,  # package data: read once
             autoescape=True,
             undefined=jinja2.StrictUndefined,
             trim_blocks=True,
@@ -171,7 +175,7 @@ class Dashboard:
     def read(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` on one connection, in one transaction that only reads, bounded in time."""
         with self.engine.connect() as conn:
-            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}")
+            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {self.statement_timeout_ms:d}")
             try:
                 return fn(conn)
             finally:
@@ -243,6 +247,9 @@ class Dashboard:
                 return await fn(self, request, who)
             except Refused as exc:
                 return self.refusal(request, exc)
+            except DBAPIError as exc:  # down, restarting, or a statement past the page's statement_timeout
+                log.warning("dashboard page %s failed: %s", request.url.path, _db_cause(exc))
+                return self.refusal(request, Refused(503, f"the database did not answer: {_db_cause(exc)}"))
 
         return endpoint
 
@@ -278,6 +285,9 @@ class Dashboard:
                 return self.refusal(request, exc)
             except OutboxError as exc:  # a bad filter or option, said by the admin function itself
                 return self.refusal(request, Refused(400, str(exc)))
+            except DBAPIError as exc:
+                log.warning("dashboard action %s failed: %s", what, _db_cause(exc))
+                return self.refusal(request, Refused(503, f"the database did not answer: {_db_cause(exc)}"))
             target = _safe_next(request, _one(form, "next"))
             response = RedirectResponse(target, status_code=303)
             response.set_cookie(FLASH, quote(message), max_age=60, path=self.cookie_path(request), httponly=True,
@@ -298,6 +308,11 @@ async def _form(request: Request) -> dict[str, list[str]]:
 def _one(form: dict[str, list[str]], key: str) -> str | None:
     values = form.get(key)
     return values[0] if values else None
+
+
+def _db_cause(exc: DBAPIError) -> str:
+    lines = str(exc.orig or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _unquote(text: str) -> str:

@@ -361,19 +361,36 @@ def jobs_page(
     if status not in ("done", "cancelled"):
         stmt = select(*cols).where(*where).order_by(c.id.desc()).limit(limit)
         return [dict(r._mapping) for r in conn.execute(stmt)], False
+    # The window is a subquery with a LIMIT, so it is computed on its own first (with the columns the filters
+    # read); joined bare, the planner walked the primary key past every newer queued job instead.
     window = (
-        select(c.id)
+        select(c.id, c.task, c.queue)
         .where(c.status == const(status))
         .order_by(c.finished_at.desc())
         .limit(SEARCH_WINDOW)
         .subquery()
     )
-    stmt = select(*cols).join(window, window.c.id == c.id).where(*where).order_by(c.id.desc()).limit(limit)
+    w = window.c
+    picked = select(w.id).where(*_job_filters_on(w, task, queue))
+    if before is not None:
+        picked = picked.where(w.id < bindparam("before", before, type_=Integer))
+    page = picked.order_by(w.id.desc()).limit(limit).subquery()
+    stmt = select(*cols).join(page, page.c.id == c.id).order_by(c.id.desc())
     rows = [dict(r._mapping) for r in conn.execute(stmt)]
     cut = False
     if len(rows) < limit:
         cut = int(conn.execute(select(func.count()).select_from(window)).scalar_one()) >= SEARCH_WINDOW
     return rows, cut
+
+
+def _job_filters_on(cols: Any, task: str | None, queue: str | None) -> list[ColumnElement[bool]]:
+    """The task/queue filters on another selectable's columns (values bound)."""
+    where: list[ColumnElement[bool]] = []
+    if task is not None:
+        where.append(cols.task == bindparam("f_task", task))
+    if queue is not None:
+        where.append(cols.queue == bindparam("f_queue", queue))
+    return where
 
 
 def job_summary(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> tuple[list[dict[str, Any]], bool]:
