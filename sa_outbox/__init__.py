@@ -6,7 +6,7 @@ token (``lease_version``): at least once, never for a rolled-back transaction, i
 asked. See README.md and docs/ for the guarantees in plain words.
 
 This module is the whole public surface, with the documented modules ``errors``, ``admin``, ``monitoring``,
-``doctor``, ``metrics``, ``migration``, ``inbox``, ``testing``, ``models``, ``embedded`` and
+``doctor``, ``metrics``, ``migration``, ``inbox``, ``testing``, ``models``, ``embedded``, ``cdc`` and
 ``publishers.*``. Modules whose name starts with an underscore are implementation and may change.
 
 Public names are imported lazily (PEP 562), so ``python -m sa_outbox`` can install its signal handlers
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ._dispatcher import AsyncDispatcher as AsyncDispatcher
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
+    from ._limits import Limit as Limit
     from ._messages import BatchPublisher as BatchPublisher
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ._producer import lock_aggregate as lock_aggregate
     from ._schema import JOB_STATUSES as JOB_STATUSES
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
+    from ._schema import CdcOutboxMixin as CdcOutboxMixin
     from ._schema import JobMixin as JobMixin
     from ._schema import OutboxMixin as OutboxMixin
     from ._worker import AsyncWorker as AsyncWorker
@@ -66,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "AsyncWorker": "_worker",
     "Backoff": "_backoff",
     "BatchPublisher": "_messages",
+    "CdcOutboxMixin": "_schema",
     "ClaimedJob": "_messages",
     "ConfigurationError": "errors",
     "Defer": "errors",
@@ -75,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "InboxMixin": "inbox",
     "JOB_STATUSES": "_schema",
     "JobMixin": "_schema",
+    "Limit": "_limits",
     "Message": "_messages",
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",

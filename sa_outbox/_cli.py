@@ -216,7 +216,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if r.attempts:
             print("  attempts                " + "  ".join(f"{a}: {n}" for a, n in r.attempts.items()))
         for q, by in sorted(r.queues.items()):
-            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()))
+            since = f"  PAUSED since {r.paused_queues[q]}" if q in r.paused_queues else ""
+            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()) + since)
+        for q in sorted(set(r.paused_queues) - set(r.queues)):
+            print(f"  queue {q:<17} PAUSED since {r.paused_queues[q]}")
+        for key, by in r.concurrency_keys.items():
+            print(f"  concurrency key {key!r:<7} " + "  ".join(f"{k} {v}" for k, v in by.items()))
         if r.health:
             h = r.health
             print(
@@ -563,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(handler=_cmd_purge)
     _job_commands(sub)
+    _cdc_commands(sub)
     _dashboard_commands(sub)
     return parser
 
@@ -666,6 +672,73 @@ def _cmd_queues(args: argparse.Namespace) -> int:
             else "active"
         )
         print(f"{q.name:<20} {state:<40} queued {q.queued:>8,}  running {q.running:>6,}")
+    return 0
+
+
+# --- cdc: the Debezium connector of a CdcOutboxMixin table -------------------------------------------------
+
+
+def _cdc_commands(sub: Any) -> None:
+    cdc = sub.add_parser(
+        "cdc", help="change data capture: Debezium reads a CdcOutboxMixin table from the WAL"
+    )
+    csub = cdc.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    csub.required = True
+    for action, what in (
+        ("debezium-config", "print the Kafka Connect JSON of a Debezium PostgreSQL connector with the outbox "
+                            "event router for the table"),
+        ("setup-sql", "print the SQL that creates the publication and the replication slot (run it before the "
+                      "first event is written)"),
+    ):  # fmt: skip
+        p = csub.add_parser(action, help=what)
+        p.add_argument(
+            "--url", default=os.environ.get("DATABASE_URL"),
+            help="the database the table is checked in (default: $DATABASE_URL); the connector's address too, "
+            "unless --debezium-url",
+        )  # fmt: skip
+        p.add_argument("--table", required=True, help="the CdcOutboxMixin table: name, or schema.table")
+        p.add_argument("--slot-name", help="replication slot (default: sa_outbox_<table>)")
+        p.add_argument("--publication-name", help="publication (default: the slot name)")
+        if action == "debezium-config":
+            p.add_argument(
+                "--debezium-url",
+                help="where Debezium connects, if not --url (e.g. the server itself when --url is PgBouncer): "
+                "its host, port, user and database are printed",
+            )
+            p.add_argument("--name", help="connector name (default: sa-outbox-<table>)")
+            p.add_argument("--topic-prefix", help="Debezium's topic.prefix (default: the slot name)")
+            p.add_argument(
+                "--topic-replacement", default=None,
+                help="the router's topic (default: outbox.event.${routedByValue}, KafkaPublisher's topics)",
+            )  # fmt: skip
+            p.add_argument(
+                "--password",
+                help="database.password: best a config provider reference, e.g. ${file:/secrets/pg.properties:password}"
+                " (the URL's password is never printed)",
+            )
+        p.set_defaults(handler=_cmd_cdc)
+
+
+def _cmd_cdc(args: argparse.Namespace) -> int:
+    import json
+
+    from . import cdc
+
+    engine = _engine(args)
+    schema, table = _split_table("--table", args.table)
+    schema, warnings = cdc._check_table(engine, table, schema)
+    for warning in warnings:
+        sys.stderr.write(f"sa-outbox: warning: {warning}\n")
+    if args.action == "setup-sql":
+        for statement in cdc._setup_sql(schema, table, args.slot_name, args.publication_name):
+            print(f"{statement};")
+        return 0
+    config = cdc._config(
+        schema, table, url=args.debezium_url or engine.url, name=args.name, topic_prefix=args.topic_prefix,
+        slot_name=args.slot_name, publication_name=args.publication_name, password=args.password,
+        topic_replacement=args.topic_replacement or cdc.DEFAULT_TOPIC_REPLACEMENT,
+    )  # fmt: skip
+    print(json.dumps(config, indent=2))
     return 0
 
 

@@ -6,6 +6,9 @@ of the package (the producer is imported by ``schema``, which the engine's ``sql
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +17,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util import await_only
 
-__all__ = ["run"]
+__all__ = ["run", "transaction"]
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
@@ -93,4 +96,30 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
             raise DBAPIError.instance(
                 compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
             ) from exc
-    return [tuple(r) for r in conn.execute(stmt, params)]
+    result = conn.execute(stmt, params)
+    return [tuple(r) for r in result] if result.returns_rows else []
+
+
+@contextmanager
+def transaction(conn: Connection) -> Iterator[None]:
+    """An explicit transaction block on one of the loops' autocommit connections (``BEGIN`` … ``COMMIT``, or
+    ``ROLLBACK`` on error): for the few steps that need two statements under the same locks — the claim of a
+    limited queue. Every other step is one autocommit statement."""
+    driver = getattr(conn.connection, "driver_connection", None)
+
+    def send(sql: str) -> None:
+        if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
+            await_only(driver.execute(sql, prepare=False))
+        elif isinstance(driver, psycopg.Connection) and not _observed(conn):
+            driver.execute(sql, prepare=False)
+        else:
+            conn.exec_driver_sql(sql)
+
+    send("BEGIN")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the connection may be gone: its owner drops it
+            send("ROLLBACK")
+        raise
+    send("COMMIT")

@@ -32,7 +32,7 @@ from sqlalchemy.sql import Select
 
 from . import _steps
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
-from ._sql import QueueSpec, const, spec_for
+from ._sql import QueueSpec, const, queue_table, spec_for
 from .errors import ConfigurationError
 
 __all__ = [
@@ -135,6 +135,10 @@ class QueueStatus:
     destination_unavailable: DestinationOutage | None = None
     #: Seconds since the last row finished ``done`` (``None`` when no done row is left: none yet, or purged).
     last_done_age: float | None = None
+    #: Jobs: the paused queues (``sa-outbox jobs pause``) and since when (ISO 8601).
+    paused_queues: dict[str, str] = field(default_factory=dict)
+    #: Jobs: the concurrency keys with the most unfinished jobs (at most ``keys_limit``), queued/running each.
+    concurrency_keys: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -383,23 +387,26 @@ def queue_status(
     long_transaction: Duration = 60.0,
     done_count_cap: int = DONE_COUNT_CAP,
     blocked_limit: int = 10,
+    keys_limit: int = 10,
 ) -> QueueStatus:
     """A snapshot of one outbox/jobs table.
 
     ``stale_after`` is the workers' reaping window (a running job locked longer ago counts as an expired
     lease; pass the ``stale_after`` your workers use); ``long_transaction`` is the age at which an open
     transaction is reported as holding back the xmin horizon; at most ``blocked_limit`` blocked aggregates
-    are listed (``blocked_aggregates_total`` counts them all). Invalid options raise ``ConfigurationError``
+    are listed (``blocked_aggregates_total`` counts them all), and the ``keys_limit`` busiest concurrency keys. Invalid options raise ``ConfigurationError``
     before any query."""
     stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
     to_seconds(long_transaction, name="long_transaction")
     if isinstance(done_count_cap, bool) or not isinstance(done_count_cap, int) or done_count_cap < 0:
         raise ConfigurationError(f"done_count_cap must be an integer >= 0, got {done_count_cap!r}")
     blocked_limit = positive_int(blocked_limit, "blocked_limit")
+    keys_limit = positive_int(keys_limit, "keys_limit")
     if isinstance(engine, Engine):
         with engine.connect() as conn:
             return queue_status(conn, model, stale_after=stale, long_transaction=long_transaction,
-                                done_count_cap=done_count_cap, blocked_limit=blocked_limit)  # fmt: skip
+                                done_count_cap=done_count_cap, blocked_limit=blocked_limit,
+                                keys_limit=keys_limit)  # fmt: skip
     conn = engine
     spec = spec_for(model)
     t, c = spec.table, spec.c
@@ -407,6 +414,10 @@ def queue_status(
     for status in (spec.ready, spec.active, spec.dead):
         counts[status] = int(
             conn.execute(select(func.count()).select_from(t).where(c.status == const(status))).scalar_one()
+        )
+    if spec.kind == "jobs":
+        counts["cancelled"] = int(
+            conn.execute(select(func.count()).select_from(t).where(c.status == "cancelled")).scalar_one()
         )
     counts[spec.done], estimate = _done_count(conn, spec, sum(counts.values()), done_count_cap)
 
@@ -435,6 +446,10 @@ def queue_status(
             select(c.queue, c.status, func.count()).where(unfinished).group_by(c.queue, c.status)
         ):
             queues.setdefault(q, {spec.ready: 0, spec.active: 0})[st] = int(n)
+    paused: dict[str, str] = {}
+    keys: dict[str, dict[str, int]] = {}
+    if spec.kind == "jobs":
+        paused, keys = _jobs_extras(conn, spec, keys_limit)
     blocked: list[BlockedAggregate] = []
     blocked_total = 0
     if spec.kind == "outbox" and counts[spec.dead]:
@@ -468,7 +483,36 @@ def queue_status(
         t.fullname, spec.kind, counts, estimate, oldest_pending, oldest_unfinished, expired,
         stale.total_seconds() if spec.kind == "jobs" else None, attempts, counts[spec.dead], queues, health,
         blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon], outage, last_done_age,
+        paused, keys,
     )  # fmt: skip
+
+
+def _jobs_extras(
+    conn: Connection, spec: QueueSpec, keys_limit: int
+) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
+    """Paused queues (when the ``<jobs>_queues`` table exists) and the busiest concurrency keys."""
+    c = spec.c
+    paused: dict[str, str] = {}
+    queues = queue_table(spec.table)
+    if conn.execute(select(func.to_regclass(regclass_name(conn, queues)))).scalar() is not None:
+        for name, at in conn.execute(
+            select(queues.c.queue, queues.c.paused_at).where(queues.c.paused_at.is_not(None))
+        ):
+            paused[name] = at.isoformat()
+    keys: dict[str, dict[str, int]] = {}
+    if "concurrency_key" in c and keys_limit:
+        queued = func.count().filter(c.status == const(spec.ready))
+        running = func.count().filter(c.status == const(spec.active))
+        stmt = (
+            select(c.concurrency_key, queued, running)
+            .where(c.status.in_([const(spec.ready), const(spec.active)]), c.concurrency_key != "")
+            .group_by(c.concurrency_key)
+            .order_by((queued + running).desc(), c.concurrency_key)
+            .limit(keys_limit)
+        )
+        for key, q, r in conn.execute(stmt):
+            keys[key] = {spec.ready: int(q), spec.active: int(r)}
+    return paused, keys
 
 
 def purge(

@@ -45,11 +45,11 @@ def _tables(url: URL) -> set[str]:
 
 def test_upgrade_downgrade_upgrade_round_trip(scratch_url: URL) -> None:
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "inbox"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox"}
     migrate(scratch_url, "base", down=True)
     assert _tables(scratch_url) == set()
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "inbox"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox"}
 
 
 def _autogenerate_diff(url: URL) -> list[Any]:
@@ -184,17 +184,16 @@ def test_headers_revision_adds_a_nullable_jsonb_column_to_existing_rows_and_drop
 
 
 def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> None:
-    """A database migrated before the headers column and the jobs-control revision: autogenerate proposes
-    exactly the new columns and the queue table (a CHECK's or a partial index's new text it cannot see: the
-    revisions carry those)."""
+    """A database migrated before the headers, jobs-control and limits revisions: autogenerate proposes exactly
+    the new columns, tables and index (a CHECK's or a partial index's new text it cannot see: the revisions
+    carry those)."""
     migrate(scratch_url, "0002")
     diff = _autogenerate_diff(scratch_url)
     added = sorted((d[2], d[3].name) for d in diff if d[0] == "add_column")
     tables = [d[1].name for d in diff if d[0] == "add_table"]
-    assert added == [
-        ("jobs", "cancel_requested_at"),
-        ("jobs", "headers"),
-        ("jobs", "result"),
-        ("outbox", "headers"),
-    ]
-    assert tables == ["jobs_queues"] and len(diff) == 5, diff
+    assert added == [("jobs", "cancel_requested_at"), ("jobs", "concurrency_key"), ("jobs", "headers"),
+                     ("jobs", "result"), ("outbox", "headers")]  # fmt: skip
+    indexes = [d[1].name for d in diff if d[0] == "add_index"]
+    assert sorted(tables) == ["jobs_queues", "jobs_starts"], diff
+    assert sorted(indexes) == ["ix_jobs_limited", "ix_jobs_starts_window"], diff
+    assert len(diff) == 9, diff
