@@ -571,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_purge)
     _job_commands(sub)
     _cdc_commands(sub)
+    _dashboard_commands(sub)
     return parser
 
 
@@ -834,3 +835,108 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         for engine in args.engines:
             engine.dispose()
     return code
+
+
+# --- the dashboard: sa-outbox dashboard -------------------------------------------------------------------
+
+
+def _dashboard_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="serve the web dashboard (extra web): read-only unless --actions; 127.0.0.1 by default",
+    )
+    _common(p)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--actions",
+        action="store_true",
+        help="allow retry, skip, cancel, pause and resume; requires the token (SA_OUTBOX_DASHBOARD_TOKEN, "
+        "or one generated and printed at start)",
+    )
+    p.add_argument(
+        "--stale-after",
+        type=_positive_duration,
+        default=None,
+        help="the workers' stale_after: a running job locked longer ago is an expired lease (default 60s)",
+    )
+    p.add_argument(
+        "--long-transaction",
+        type=_duration,
+        default=_duration("60s"),
+        help="show transactions open longer than this as holding back the xmin horizon (default 60s)",
+    )
+    p.set_defaults(handler=_cmd_dashboard)
+
+
+def _port(text_: str) -> int:
+    value: int = _int_at_least(1)(text_)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {text_!r}")
+    return value
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve ``sa_outbox.web`` with uvicorn until SIGINT/SIGTERM. A token (``SA_OUTBOX_DASHBOARD_TOKEN``, or one
+    generated for this run with ``--actions``) guards every page; without one the dashboard is read-only and
+    only binds a loopback address."""
+    import secrets
+    import socket
+
+    try:
+        import uvicorn
+
+        from .web import TokenAuth, create_app
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the dashboard needs the web extra ({exc.name} is missing): pip install 'sa-outbox[web]'"
+        ) from None
+    token = os.environ.get("SA_OUTBOX_DASHBOARD_TOKEN") or None
+    generated = False
+    if args.actions and token is None:
+        token, generated = secrets.token_urlsafe(24), True
+    if token is None and args.host not in _LOOPBACK:
+        raise ConfigurationError(
+            f"--host {args.host} without a token would show every payload to anyone who reaches it: set "
+            "SA_OUTBOX_DASHBOARD_TOKEN (or bind 127.0.0.1 and reach it through an SSH tunnel)"
+        )
+    engine = _engine(args)
+    models = [m for _, m in _tables(args, engine)]
+    auth = TokenAuth(token) if token else None
+    app = create_app(engine, tables=models, actions=args.actions, authenticate=auth,
+                     stale_after=_stale_after(args), long_transaction=args.long_transaction)  # fmt: skip
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:  # a clear error now, not uvicorn's exit later
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    base = f"http://{host}:{args.port}/"
+    mode = "actions on" if args.actions else "read-only"
+    tables = ", ".join(m.__table__.fullname for m in models)
+    print(f"sa-outbox dashboard: {base} ({mode}; {tables})", flush=True)
+    if generated:
+        print(f"sign in (token generated for this run): {base}login?token={token}", flush=True)
+    elif token:
+        print(f"sign in with the token in SA_OUTBOX_DASHBOARD_TOKEN: {base}login", flush=True)
+    early = args.early_signals
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            # uvicorn's own SIGTERM/SIGINT handlers are in place by now; one that came before them was
+            # remembered by __main__ and stops the server here, as a clean exit 0.
+            if early:
+                self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            server_header=False, lifespan="off")  # fmt: skip
+    Server(config).run()
+    return 0

@@ -83,7 +83,7 @@ MARKERS = ("output", "illustration", "demo-command", "test-command")
 SHELL = ("shell", "bash", "sh")
 RUN = ("python", *SHELL, "sql", "ini")
 #: sa-outbox commands that are only parsed: they run until stopped, or build their own database.
-PARSE_ONLY = {"dispatch", "worker", "demo"}
+PARSE_ONLY = {"dispatch", "worker", "demo", "dashboard"}
 
 
 @dataclass(frozen=True)

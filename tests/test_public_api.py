@@ -11,7 +11,7 @@ import sa_outbox
 
 PACKAGE = Path(sa_outbox.__file__).parent
 PUBLIC_MODULES = {"errors", "admin", "monitoring", "doctor", "metrics", "migration", "inbox", "testing",
-                  "models", "embedded", "publishers", "cdc"}  # fmt: skip
+                  "models", "embedded", "publishers", "cdc", "web"}  # fmt: skip
 
 
 def _type_checking_names() -> dict[str, str]:
