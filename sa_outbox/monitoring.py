@@ -505,7 +505,7 @@ def _jobs_extras(
         running = func.count().filter(c.status == const(spec.active))
         stmt = (
             select(c.concurrency_key, queued, running)
-            .where(c.status.in_([const(spec.ready), const(spec.active)]), c.concurrency_key != "")
+            .where(or_(c.status == const(spec.ready), c.status == const(spec.active)), c.concurrency_key != "")
             .group_by(c.concurrency_key)
             .order_by((queued + running).desc(), c.concurrency_key)
             .limit(keys_limit)
