@@ -25,8 +25,8 @@ from .monitoring import (
     dead_list_command,
     describe_holder,
     describe_outage,
+    essentials,
     long_horizon_holders,
-    queue_status,
     regclass_name,
 )
 
@@ -369,7 +369,7 @@ def doctor(
                     "up and every claim slows down",
                     f"ALTER TABLE {regclass_name(conn, _sql.spec_for(model).table)} RESET (autovacuum_enabled)",
                 ))  # fmt: skip
-            status = queue_status(conn, model, long_transaction=threshold, stale_after=stale)
+            status = essentials(conn, model, stale_after=stale)
             if status.health is not None:
                 findings.append(_dead_tuples_finding(
                     conn, model, status.health, ratio_warn=dead_ratio_warn, server_on=server_on,
