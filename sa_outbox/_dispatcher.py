@@ -204,7 +204,9 @@ class DispatcherBase(LoopBase):
         return self.batch if one_shot else self._circuit.want(self.batch, time.monotonic())
 
     def _timed_out(self) -> RetryableError:
-        """A publish that overran publish_timeout: retried like any transient fault."""
+        """A publish that overran publish_timeout: retried like any transient fault (it may have reached the
+        broker: counted in ``stats.timed_out``)."""
+        self.stats.timed_out += 1
         return RetryableError(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
 
     def _over_budget(self) -> RetryableError:

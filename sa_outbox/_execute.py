@@ -105,16 +105,23 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
                     "max_prepared_statements) sends each transaction to another server connection. Build the "
                     "engine with sa_outbox.pgbouncer_engine() (or connect_args={'prepare_threshold': None})"
                 ) from DBAPIError.instance(compiled.sql, full, exc, psycopg.Error, dialect=conn.dialect)
-            # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so
-            # the pool never hands it out again.
-            lost = driver.closed or isinstance(exc, psycopg.OperationalError)
-            if lost:
-                conn.invalidate(exc)
-            raise DBAPIError.instance(
-                compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
-            ) from exc
+            raise _wrapped(conn, driver, exc, compiled.sql, full) from exc
     regular = conn.execute(stmt, params)
     return [tuple(r) for r in regular] if regular.returns_rows else []
+
+
+def _wrapped(
+    conn: Connection, driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], exc: psycopg.Error,
+    sql: str, params: Any,
+) -> Exception:  # fmt: skip
+    """Same error vocabulary as SQLAlchemy's own path: the driver's error as a ``DBAPIError``; a connection
+    that is gone is invalidated, so the pool never hands it out again."""
+    lost = driver.closed or isinstance(exc, psycopg.OperationalError)
+    if lost:
+        conn.invalidate(exc)
+    return DBAPIError.instance(
+        sql, params, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
+    )
 
 
 @contextmanager
@@ -125,12 +132,16 @@ def transaction(conn: Connection) -> Iterator[None]:
     driver = getattr(conn.connection, "driver_connection", None)
 
     def send(sql: str) -> None:
-        if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
-            await_only(driver.execute(sql, prepare=False))
-        elif isinstance(driver, psycopg.Connection) and not _observed(conn):
-            driver.execute(sql, prepare=False)
-        else:
-            conn.exec_driver_sql(sql)
+        try:
+            if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
+                await_only(driver.execute(sql, prepare=False))
+            elif isinstance(driver, psycopg.Connection) and not _observed(conn):
+                driver.execute(sql, prepare=False)
+            else:
+                conn.exec_driver_sql(sql)
+        except psycopg.Error as exc:  # (the regular path raises DBAPIError already)
+            assert driver is not None
+            raise _wrapped(conn, driver, exc, sql, None) from exc
 
     send("BEGIN")
     try:

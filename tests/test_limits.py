@@ -212,3 +212,27 @@ def test_status_names_the_busiest_concurrency_keys_and_the_paused_queues(engine:
     assert list(report.paused_queues) == ["mail"]
     assert report.counts["cancelled"] == 1 and report.counts["queued"] == 5
     assert len(queue_status(engine, Job).concurrency_keys) == 2  # the unkeyed jobs are not a key
+
+
+def test_a_limited_claim_on_a_terminated_connection_is_a_fault_the_loop_rides_out(
+    log: Engine, db_url: URL
+) -> None:
+    """The limited claim's BEGIN on a connection the server dropped raised psycopg's own OperationalError,
+    which the loop did not recognise as a connection fault: the worker died (model-based seed 23)."""
+    from sqlalchemy import create_engine
+
+    jobs(log, 4)
+    engine = create_engine(db_url, connect_args={"application_name": "limited-fault"})
+    w = Worker(engine, Job, {"t": lambda j: None}, limits={"default": Limit(1)}, listen=False,
+               poll_interval=0.05, batch=1)  # fmt: skip
+    try:
+        assert w.run_once() == 1
+        with log.connect() as conn:
+            killed = conn.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                       "WHERE application_name = 'limited-fault'")).scalar_one()  # fmt: skip
+        assert killed >= 1
+        w.run(until_idle=True, install_signal_handlers=False)
+        assert statuses(log, "jobs") == {"done": 4} and w.stats.db_errors >= 1
+    finally:
+        w.close()
+        engine.dispose()
