@@ -246,21 +246,34 @@ class LoopBase:
             if left <= 0:
                 continue
             fixed = left == self.batch
-            if limit is not None:  # a limited queue: its own short transaction, outcomes written first
-                if pending:
-                    applied |= _steps.finalize(conn, self.spec, pending)
+            committed = bool(rows) or bool(applied)
+            try:
+                if limit is not None:  # a limited queue: its own short transaction, outcomes written first
+                    if pending:
+                        applied |= _steps.finalize(conn, self.spec, pending)
+                        pending = []
+                    got = _steps.claim_limited(
+                        conn, self.spec, owner=self.owner, batch=left, limit=limit, **params
+                    )
+                elif pending:
+                    done, got = _steps.finalize_and_claim(
+                        conn, self.spec, pending, owner=self.owner, batch=left, fixed_batch=fixed, **params
+                    )
+                    applied |= done
                     pending = []
-                got = _steps.claim_limited(
-                    conn, self.spec, owner=self.owner, batch=left, limit=limit, **params
-                )
-            elif pending:
-                done, got = _steps.finalize_and_claim(
-                    conn, self.spec, pending, owner=self.owner, batch=left, fixed_batch=fixed, **params
-                )
-                applied |= done
-                pending = []
-            else:
-                got = _steps.claim(conn, self.spec, owner=self.owner, batch=left, fixed_batch=fixed, **params)
+                else:
+                    got = _steps.claim(
+                        conn, self.spec, owner=self.owner, batch=left, fixed_batch=fixed, **params
+                    )
+            except Exception as exc:
+                if not (committed or applied):
+                    raise  # nothing was written: the caller keeps the outcomes and retries the turn
+                # Earlier queues' claims (and the outcomes) are committed: keep those rows rather than leave
+                # them leased to nobody until rescued. The fault meets the next turn again.
+                self.stats.db_errors += 1
+                self._log.warning("claim of queue %r failed after other claims of this turn: %s",
+                                  params.get("queue"), exc)  # fmt: skip
+                break
             rows += got
         if pending:  # no claim call at all: write the outcomes on their own
             applied |= _steps.finalize(conn, self.spec, pending)

@@ -236,3 +236,41 @@ def test_a_limited_claim_on_a_terminated_connection_is_a_fault_the_loop_rides_ou
     finally:
         w.close()
         engine.dispose()
+
+
+def test_a_claim_that_fails_after_another_queues_claim_keeps_the_rows_already_claimed(
+    log: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One turn claims queue by queue. When the second claim fails (here: the limited queue's, made to raise
+    a connection error once), the first one's rows are committed as running and leased to this worker: the
+    worker runs them, instead of dropping them to wait for a rescue with an attempt spent."""
+    from sqlalchemy.exc import OperationalError
+
+    from sa_outbox import _steps
+
+    jobs(log, 2, queue="a")
+    jobs(log, 2, queue="b")
+    real = _steps.claim_limited
+    calls = [0]
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OperationalError("claim", {}, Exception("server closed the connection unexpectedly"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_steps, "claim_limited", failing_once)
+    w = Worker(log, Job, {"t": lambda j: None}, queues=["a", "b"], limits={"b": Limit(1)}, listen=False,
+               batch=5)  # fmt: skip
+    try:
+        assert w.run_once() == 2  # queue a's two jobs, run and finished
+        assert w.stats.db_errors == 1
+        with log.connect() as conn:
+            by_queue = dict(conn.execute(text("SELECT queue, string_agg(DISTINCT status, ',') FROM jobs "
+                                              "GROUP BY queue")).all())  # fmt: skip
+        assert by_queue == {"a": "done", "b": "queued"}
+        while w.run_once():
+            pass
+        assert statuses(log, "jobs") == {"done": 4}
+    finally:
+        w.close()
