@@ -27,7 +27,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import (
     BigInteger,
@@ -280,11 +279,10 @@ _TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 @pytest.fixture
 def tracer() -> Any:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    return trace.get_tracer("tests.cdc")
+    """A tracer of a provider of its own, not the global one: an SDK provider installed globally makes every
+    later test's dispatcher open recording publish spans, whose traceparent then appears in headers that
+    those tests compare exactly. The producer reads the active span from the context, whoever made it."""
+    return TracerProvider().get_tracer("tests.cdc")
 
 
 def test_the_active_span_goes_into_headers_and_debeziums_tracing_column(db: Engine, tracer: Any) -> None:
