@@ -26,17 +26,20 @@ if TYPE_CHECKING:
     from ._dispatcher import AsyncDispatcher as AsyncDispatcher
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
+    from ._enqueue import Enqueued as Enqueued
     from ._messages import BatchPublisher as BatchPublisher
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
     from ._messages import Publisher as Publisher
     from ._producer import emit as emit
     from ._producer import enqueue as enqueue
+    from ._producer import enqueue_many as enqueue_many
     from ._producer import lock_aggregate as lock_aggregate
     from ._schema import JOB_STATUSES as JOB_STATUSES
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
     from ._schema import JobMixin as JobMixin
     from ._schema import OutboxMixin as OutboxMixin
+    from ._schema import ScheduleMixin as ScheduleMixin
     from ._worker import AsyncWorker as AsyncWorker
     from ._worker import TaskRegistry as TaskRegistry
     from ._worker import Worker as Worker
@@ -72,6 +75,7 @@ _EXPORTS: dict[str, str] = {
     "DestinationUnavailable": "errors",
     "Dispatcher": "_dispatcher",
     "Duration": "_durations",
+    "Enqueued": "_enqueue",
     "InboxMixin": "inbox",
     "JOB_STATUSES": "_schema",
     "JobMixin": "_schema",
@@ -84,12 +88,14 @@ _EXPORTS: dict[str, str] = {
     "Publisher": "_messages",
     "Receipt": "inbox",
     "RetryableError": "errors",
+    "ScheduleMixin": "_schema",
     "SchemaError": "errors",
     "TaskRegistry": "_worker",
     "Worker": "_worker",
     "cancel_jobs": "admin",
     "emit": "_producer",
     "enqueue": "_producer",
+    "enqueue_many": "_producer",
     "job_result": "admin",
     "list_dead": "admin",
     "lock_aggregate": "_producer",

@@ -77,7 +77,9 @@ from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
 from sqlalchemy.sql.elements import ClauseElement
 
+from . import _enqueue
 from ._durations import Duration, to_timedelta
+from ._enqueue import NOTIFY_SQL, Enqueued, OnConflict
 from ._execute import run
 from ._names import channel_for
 from ._payload import (
@@ -95,8 +97,10 @@ from .errors import PayloadError
 __all__ = [
     "LOCK_AGGREGATES",
     "EmitEvent",
+    "JobItem",
     "emit",
     "enqueue",
+    "enqueue_many",
     "event_for",
     "install",
     "lock_aggregate",
@@ -122,6 +126,10 @@ E = TypeVar("E", bound="OutboxMixin")
 #: An event for :func:`emit`: ``(aggregate_type, aggregate_id, event_type, payload)``, optionally with the
 #: event's own headers as a fifth element.
 EmitEvent = tuple[str, str, str, Any] | tuple[str, str, str, Any, Mapping[str, str] | None]
+#: A job for :func:`enqueue_many`: ``(task, payload)``, or a mapping of ``enqueue``'s options with ``task`` and
+#: ``payload`` (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``, ``unique_key``,
+#: ``on_conflict``, ``debounce``, ``max_delay``).
+JobItem = tuple[str, Any] | Mapping[str, Any]
 
 
 # --- the statements (constant SQL, values only as bound parameters) ---------------------------------------
@@ -135,9 +143,7 @@ _LOCKS_SQL = """(SELECT count(*) FROM (
           SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
             FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
        ORDER BY k) AS locked)"""
-_NOTIFY_SQL = """(SELECT count(*) FROM (
-      SELECT pg_notify(c, p)
-        FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent)"""
+_NOTIFY_SQL = NOTIFY_SQL  # shared with the jobs' one-statement insert (``_enqueue``)
 
 #: Locks and NOTIFYs on their own (before inserts that cannot carry them, and :func:`lock_aggregate`).
 _LOCK_AND_NOTIFY = text(f"SELECT {_LOCKS_SQL} AS locks, {_NOTIFY_SQL} AS notifies")
@@ -1049,6 +1055,29 @@ def lock_aggregate(
     return None
 
 
+@overload
+def enqueue(
+    session: Session | AsyncSession, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, unique_key: None = None,
+) -> J: ...  # fmt: skip
+@overload
+def enqueue(
+    session: Session, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, unique_key: str, on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None, max_delay: Duration | None = None,
+) -> Enqueued: ...  # fmt: skip
+@overload
+def enqueue(
+    session: AsyncSession, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, unique_key: str, on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None, max_delay: Duration | None = None,
+) -> Awaitable[Enqueued]: ...  # fmt: skip
 def enqueue(
     session: Session | AsyncSession,
     job_model: type[J],
@@ -1061,9 +1090,30 @@ def enqueue(
     max_attempts: int | None = None,
     registry: Collection[str] | None = None,
     headers: Mapping[str, str] | None = None,
-) -> J:
-    """Add a job to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O here): it is written by the
-    caller's next flush and exists only if that transaction commits.
+    unique_key: str | None = None,
+    on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None,
+    max_delay: Duration | None = None,
+) -> J | Enqueued | Awaitable[Enqueued]:
+    """Add a job to the caller's transaction: it exists only if that transaction commits.
+
+    **Without** ``unique_key``: the job is added to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O
+    here) and written by the caller's next flush; the return value is that ORM object (``.id`` once flushed).
+
+    **With** ``unique_key``: at most one job per key waits to start. The job is written at once, in the
+    session's transaction, by one ``INSERT … ON CONFLICT`` (``await`` it with an ``AsyncSession``), and the
+    return value is an :class:`~sa_outbox.Enqueued` with the ``id`` of the key's job and whether this call
+    ``inserted`` it. When the key already has a job that has not started (queued, never claimed):
+
+    * ``on_conflict="skip"`` (the default): nothing is written; ``.id`` is that job's;
+    * ``"replace"``: its payload, run_at, priority, max_attempts and headers become this call's;
+    * ``"debounce"``: the same, and ``run_at`` becomes ``now() + debounce`` — but never later than
+      ``created_at + max_delay`` (default: ten debounces), so a key under constant traffic still runs at
+      least every ``max_delay``. A first call runs ``debounce`` after it.
+
+    A running or retried job holds no key: the next enqueue of the key adds a new job (see
+    ``Worker(…, unique_running=True)`` to keep them from running at the same time). Race-free across
+    processes (a partial unique index decides); the key's row is locked until commit by replace/debounce.
 
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
@@ -1071,6 +1121,16 @@ def enqueue(
     handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``. Invalid values raise
     :class:`PayloadError` before anything is written.
     """
+    if unique_key is not None or on_conflict != "skip" or debounce is not None or max_delay is not None:
+        options = {"task": task, "payload": payload, "queue": queue, "priority": priority, "run_at": run_at,
+                   "max_attempts": max_attempts, "headers": headers, "unique_key": unique_key,
+                   "on_conflict": on_conflict, "debounce": debounce, "max_delay": max_delay}  # fmt: skip
+        batch = _enqueue.prepare(
+            job_model, [options], context=trace_headers(), registry=registry, single=True
+        )
+        if not _sync(session):
+            return cast("AsyncSession", session).run_sync(lambda s: _write_jobs(s, job_model, batch)[0])
+        return _write_jobs(cast(Session, session), job_model, batch)[0]
     if registry is not None and task not in registry:
         raise PayloadError(
             f"job task {task!r} is not in the task registry; known tasks: {sorted(registry)!r}"
@@ -1091,3 +1151,57 @@ def enqueue(
     _validate_job(job, trace_headers())
     session.add(job)
     return job
+
+
+@overload
+def enqueue_many(
+    session: Session, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> list[int]: ...  # fmt: skip
+@overload
+def enqueue_many(
+    session: AsyncSession, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> Awaitable[list[int]]: ...  # fmt: skip
+def enqueue_many(
+    session: Session | AsyncSession, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> list[int] | Awaitable[list[int]]:  # fmt: skip
+    """Write many jobs in the session's transaction with one statement and return their ids in the given
+    order (``await`` it with an ``AsyncSession``).
+
+    ``jobs`` are ``(task, payload)`` tuples or mappings with ``task``, ``payload`` and any of
+    :func:`enqueue`'s options (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``,
+    ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``). Every item is validated before any SQL:
+    one bad item raises :class:`PayloadError` naming it (``jobs[i]``) and nothing is written. Items with a
+    unique key follow :func:`enqueue`'s rules and get the key's job's id (items of one key in one call share
+    it; one key may not have two ``on_conflict`` rules in a call). One NOTIFY per queue and transaction; a
+    span active now adds its trace context to every job's headers. Jobs added to the session and not yet
+    flushed are written first, so ids follow the order the code enqueued.
+    """
+    batch = _enqueue.prepare(job_model, jobs, context=trace_headers(), registry=registry)
+    if not _sync(session):
+        return cast("AsyncSession", session).run_sync(
+            lambda s: [r.id for r in _write_jobs(s, job_model, batch)]
+        )
+    return [r.id for r in _write_jobs(cast(Session, session), job_model, batch)]
+
+
+def _write_jobs(session: Session, job_model: type[Any], batch: _enqueue.Batch) -> list[Enqueued]:
+    """Write a prepared batch on the session's connection, with the NOTIFYs of its queues that this
+    transaction has not sent yet."""
+    if not len(batch):
+        return []
+    if not _in_flush(session) and any(
+        getattr(type(o), "sa_outbox_kind", None) is not None for o in session.new
+    ):
+        session.flush()  # pending jobs/events first: ids follow the order the code wrote them
+    table: Table = job_model.__table__
+    conn = session.connection(bind_arguments={"mapper": _mapper_of(job_model)})
+    seen = _Seen(session)
+    channel = channel_for(table.name)
+    plan = _plan(session, seen, notifies=[(channel, q) for q in dict.fromkeys(batch.queues)])
+    gate = plan.gate()
+    results = _enqueue.write(conn, table, batch, channels=gate["channels"], payloads=gate["payloads"])
+    plan.record(seen)
+    return results
