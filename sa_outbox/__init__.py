@@ -35,6 +35,12 @@ if TYPE_CHECKING:
     from ._producer import enqueue as enqueue
     from ._producer import enqueue_many as enqueue_many
     from ._producer import lock_aggregate as lock_aggregate
+    from ._schedules import Schedule as Schedule
+    from ._schedules import fire_due_schedules as fire_due_schedules
+    from ._schedules import pause_schedule as pause_schedule
+    from ._schedules import resume_schedule as resume_schedule
+    from ._schedules import run_schedule_now as run_schedule_now
+    from ._schedules import sync_schedules as sync_schedules
     from ._schema import JOB_STATUSES as JOB_STATUSES
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
     from ._schema import JobMixin as JobMixin
@@ -88,6 +94,7 @@ _EXPORTS: dict[str, str] = {
     "Publisher": "_messages",
     "Receipt": "inbox",
     "RetryableError": "errors",
+    "Schedule": "_schedules",
     "ScheduleMixin": "_schema",
     "SchemaError": "errors",
     "TaskRegistry": "_worker",
@@ -96,15 +103,20 @@ _EXPORTS: dict[str, str] = {
     "emit": "_producer",
     "enqueue": "_producer",
     "enqueue_many": "_producer",
+    "fire_due_schedules": "_schedules",
     "job_result": "admin",
     "list_dead": "admin",
     "lock_aggregate": "_producer",
+    "pause_schedule": "_schedules",
     "purge": "monitoring",
     "queue_status": "monitoring",
     "receive": "inbox",
+    "resume_schedule": "_schedules",
     "retry_dead": "admin",
+    "run_schedule_now": "_schedules",
     "set_queue_storage_parameters": "migration",
     "skip_dead": "admin",
+    "sync_schedules": "_schedules",
 }
 
 __all__ = ["__version__", *_EXPORTS]
