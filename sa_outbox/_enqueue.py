@@ -155,6 +155,19 @@ class Batch:
     def __len__(self) -> int:
         return len(self.tasks)
 
+    def append(
+        self, task: str, queue: str, payload: str, priority: int | None, max_attempts: int | None,
+        run_at: dt.datetime | None, delay: float | None, headers: str | None,
+    ) -> None:  # fmt: skip
+        """One plain job, already validated (the flush's jobs: ``_producer._insert_jobs``)."""
+        for name, value in zip(
+            _ARRAYS,
+            (task, queue, payload, priority or 0, max_attempts, run_at, delay, headers, None, "plain", None),
+            strict=True,
+        ):
+            getattr(self, name).append(value)
+        self.rows_of_items.append(len(self.tasks) - 1)
+
     def subset(self, rows: Sequence[int]) -> Batch:
         """The given rows only (a retry of skip rows whose waiting job the first statement could not see)."""
         part = Batch(default_max_attempts=self.default_max_attempts)

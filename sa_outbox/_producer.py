@@ -88,7 +88,6 @@ from ._payload import (
     check_int,
     check_payload,
     index_safe_chars,
-    normalize_payload,
     require_text,
 )
 from ._tracing import trace_headers, with_trace
@@ -451,6 +450,14 @@ def _job_values(
 ) -> dict[str, Any]:  # fmt: skip
     """A job's values checked and normalised (``queue`` defaults to ``"default"``; ``headers`` plus the trace
     ``context``), or PayloadError."""
+    return _checked_job(table, max_bytes, values, max_headers=max_headers, context=context)[0]
+
+
+def _checked_job(
+    table: Table, max_bytes: int, values: Mapping[str, Any], *, max_headers: int = 8 * 1024,
+    context: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], str, str | None]:  # fmt: skip
+    """:func:`_job_values`, plus the payload and the headers as JSON text (``None``: no headers)."""
     out = dict(values)
     task, queue = values.get("task"), values.get("queue")
     what = f"job {task!r:.80} on queue {queue!r:.80}"
@@ -460,23 +467,61 @@ def _job_values(
     for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
         if values.get(name) is not None:
             check_int(values[name], what=what, name=name, low=low, high=_INT4[1])
-    out["payload"] = normalize_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    out["payload"], encoded = check_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    headers_text = None
     if values.get("headers") is not None or context:
-        out["headers"] = _headers_of(what, values.get("headers"), max_headers, context or {})[0]
-    return out
+        out["headers"], headers_text = _headers_of(what, values.get("headers"), max_headers, context or {})
+    return out, encoded, headers_text
 
 
-def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
-    """Validate (and normalise) a job in place; ``context``: the trace headers to add."""
-    model = type(job)
-    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers")}
-    checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given,
-                          max_headers=model.sa_outbox_max_headers_bytes, context=context)  # fmt: skip
+def _validate_job(job: JobMixin, context: Mapping[str, str]) -> tuple[str, str | None]:
+    """Validate (and normalise) a job in place; ``context``: the trace headers to add. Returns its payload and
+    its headers as JSON text."""
+    model, d = type(job), instance_state(job).dict
+    given = {k: d.get(k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers")}
+    checked, encoded, headers_text = _checked_job(
+        _table_of(job), model.sa_outbox_max_payload_bytes, given, max_headers=model.sa_outbox_max_headers_bytes,
+        context=context,
+    )  # fmt: skip
     for name in ("task", "queue", "payload"):
         if checked[name] is not given[name]:
             setattr(job, name, checked[name])
     if "headers" in checked and checked["headers"] != given["headers"]:
         job.headers = checked["headers"]
+    return encoded, headers_text
+
+
+#: The columns of a jobs table that :func:`_insert_jobs` can write for the ORM (exactly JobMixin's: a table
+#: with columns of its own, whose Python-side defaults only the ORM applies, keeps the ORM's INSERT).
+_JOB_COLUMNS = frozenset(
+    {"id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts", "locked_by",
+     "locked_at", "lease_version", "last_error", "created_at", "finished_at", "headers", "cancel_requested_at",
+     "result", "unique_key"}
+)  # fmt: skip
+_JOB_SET = frozenset({"task", "queue", "payload", "priority", "max_attempts", "run_at", "headers"})
+#: ``enqueue``'s mark on a job whose ``run_at`` is ``now() + delay`` (an SQL expression): the delay in seconds.
+_DELAY_ATTR = "_sa_outbox_delay"
+
+
+@functools.cache
+def _plain_job_table(table: Table) -> bool:
+    return set(table.c.keys()) == _JOB_COLUMNS
+
+
+def _job_fast_eligible(job: JobMixin) -> bool:
+    """Only enqueue's columns are set (``run_at`` a datetime or enqueue's delay), on a table with JobMixin's
+    columns: the one-statement insert can write it (anything else — a unique key set by hand, a status — keeps
+    the ORM's INSERT)."""
+    if not _plain_job_table(_table_of(job)):
+        return False
+    d = instance_state(job).dict
+    for key, value in d.items():
+        if key in _JOB_SET:
+            if key == "run_at" and isinstance(value, ClauseElement) and _DELAY_ATTR not in d:
+                return False
+        elif key[0] != "_":
+            return False
+    return True
 
 
 # --- step 2: plan the locks -------------------------------------------------------------------------------
@@ -699,7 +744,7 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     if kind == "outbox":
         fl.encoded[id(obj)] = _validate_event(obj, cast(dict[str, str], fl.trace))
     elif kind == "jobs":
-        _validate_job(obj, cast(dict[str, str], fl.trace))
+        fl.encoded[id(obj)] = _validate_job(obj, cast(dict[str, str], fl.trace))
         fl.jobs.add((channel_for(_table_of(obj).name), obj.queue))
     if kind is not None and fl.anchor is None:
         fl.anchor = object_mapper(obj)
@@ -719,39 +764,99 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     Written now: per table, the plain events (the four event columns, aggregate known) ahead of the first one
     that is not — in one statement that also takes the flush's advisory locks and sends its NOTIFYs. The rest
     keeps its place in the write order and is written by :func:`_after_flush`. The locks of every event known
-    here are taken here, sorted, whichever of the two writes it."""
+    here are taken here, sorted, whichever of the two writes it. Jobs with only enqueue's columns set are
+    written by one statement too (:func:`_insert_jobs`, which carries the NOTIFYs when no event does); other
+    jobs are inserted by the ORM."""
     fl = _Flush(flush_context)
     session.info[_FLUSH_KEY] = fl
     try:
         # session.new iterates in the order the objects were added (the ORM keeps pending objects in a dict)
         candidates = session.new if instances is None else [o for o in instances if o in session.new]
-        events: list[OutboxMixin] = [
-            o
-            for o in candidates
-            if getattr(type(o), "sa_outbox_kind", None) is not None and _take(fl, o) == "outbox"
-        ]  # step 1, before any SQL
+        events: list[OutboxMixin] = []
+        jobs: list[JobMixin] = []
+        for o in candidates:
+            if getattr(type(o), "sa_outbox_kind", None) is None:
+                continue
+            kind = _take(fl, o)  # step 1, before any SQL
+            if kind == "outbox":
+                events.append(o)
+            elif kind == "jobs" and _job_fast_eligible(o):
+                jobs.append(o)
         if not events and not fl.jobs:
             return
-        now: list[OutboxMixin] = []
-        tables: set[Table] = set()
-        blocked: set[Table] = set()
-        for ev in events:
-            table = _table_of(ev)
-            tables.add(table)
-            if table not in blocked and ev.aggregate_id is not None and _fast_eligible(ev):
-                now.append(ev)
-            else:  # the table's events after this one wait with it, so that ids follow the write order
-                blocked.add(table)
-                _defer(fl, ev)
-        notifies = {(channel_for(t.name), "") for t in tables}
-        expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
-                        insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
-        fl.jobs.clear()
-        if now:
-            _now_persistent(session, now, expire)
+        if events or not jobs:
+            now: list[OutboxMixin] = []
+            tables: set[Table] = set()
+            blocked: set[Table] = set()
+            for ev in events:
+                table = _table_of(ev)
+                tables.add(table)
+                if table not in blocked and ev.aggregate_id is not None and _fast_eligible(ev):
+                    now.append(ev)
+                else:  # the table's events after this one wait with it, so that ids follow the write order
+                    blocked.add(table)
+                    _defer(fl, ev)
+            notifies = {(channel_for(t.name), "") for t in tables}
+            expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
+                            insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
+            fl.jobs.clear()
+            if now:
+                _now_persistent(session, now, expire)
+        if jobs:
+            _insert_jobs(session, fl, jobs)
     except BaseException:
         session.info.pop(_FLUSH_KEY, None)
         raise
+
+
+def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
+    """Write jobs that only have enqueue's columns set with ``_enqueue``'s one-statement insert (per table, in
+    the order they were added; the first statement also sends the NOTIFYs the flush has not sent), then make
+    them persistent as the ORM would have (ids set, the columns the database filled in load on access)."""
+    conn = session.connection(bind_arguments={"mapper": object_mapper(jobs[0])})
+    seen = _Seen(session)
+    plan = _plan(session, seen, notifies=fl.jobs)
+    gate = plan.gate()
+    by_table: dict[Table, list[JobMixin]] = {}
+    for job in jobs:
+        by_table.setdefault(_table_of(job), []).append(job)
+    expire: dict[int, Sequence[str]] = {}
+    for table, group in by_table.items():
+        batch = _enqueue.Batch(default_max_attempts=type(group[0]).sa_outbox_default_max_attempts)
+        known: list[set[str]] = []
+        for job in group:
+            d = instance_state(job).dict
+            payload_text, headers_text = fl.encoded[id(job)]
+            run_at, delay = d.get("run_at"), None
+            if isinstance(run_at, ClauseElement):
+                run_at, delay = None, d[_DELAY_ATTR]
+            batch.append(d["task"], d["queue"], payload_text, d.get("priority"), d.get("max_attempts"), run_at,
+                         delay, headers_text)  # fmt: skip
+            given = {"task", "queue", "payload", "headers"}
+            given |= {k for k in ("priority", "max_attempts") if d.get(k) is not None}
+            if run_at is not None:
+                given.add("run_at")
+            known.append(given)
+        written = _enqueue.write(conn, table, batch, channels=gate["channels"], payloads=gate["payloads"])
+        gate = {"channels": [], "payloads": []}
+        mapper = object_mapper(group[0])
+        for job, got, given in zip(group, written, known, strict=True):
+            d = instance_state(job).dict
+            d["id"] = got.id  # as the unit of work sets a fetched key
+            # as after the ORM's INSERT: a column without a server default is NULL (known), the others load
+            # from the database on first access
+            expire[id(job)] = []
+            for prop in mapper.column_attrs:
+                col = prop.columns[0]
+                if prop.key in given or col.primary_key:
+                    continue
+                if col.server_default is None:
+                    d.setdefault(prop.key, None)
+                else:
+                    expire[id(job)].append(prop.key)
+    plan.record(seen)
+    fl.jobs.clear()
+    _now_persistent(session, cast(list[Any], jobs), expire)
 
 
 def _on_add(session: Session, instance: Any) -> None:
@@ -1146,8 +1251,11 @@ def enqueue(
                 raise PayloadError("run_at must be timezone-aware (a naive datetime is ambiguous)")
             values["run_at"] = run_at
         else:
-            values["run_at"] = func.now() + to_timedelta(run_at, name="run_at delay")
+            delay = to_timedelta(run_at, name="run_at delay")
+            values["run_at"] = func.now() + delay
     job: J = cast(Any, job_model)(**values)
+    if "run_at" in values and not isinstance(run_at, dt.datetime):
+        setattr(job, _DELAY_ATTR, delay.total_seconds())  # the flush's one-statement insert writes it so
     _validate_job(job, trace_headers())
     session.add(job)
     return job
