@@ -845,7 +845,7 @@ def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
             d["id"] = got.id  # as the unit of work sets a fetched key
             # as after the ORM's INSERT: a column without a server default is NULL (known), the others load
             # from the database on first access
-            expire[id(job)] = []
+            loads: list[str] = []
             for prop in mapper.column_attrs:
                 col = prop.columns[0]
                 if prop.key in given or col.primary_key:
@@ -853,7 +853,8 @@ def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
                 if col.server_default is None:
                     d.setdefault(prop.key, None)
                 else:
-                    expire[id(job)].append(prop.key)
+                    loads.append(prop.key)
+            expire[id(job)] = loads
     plan.record(seen)
     fl.jobs.clear()
     _now_persistent(session, cast(list[Any], jobs), expire)

@@ -232,10 +232,12 @@ class JobMixin:
                 unique=True,
                 postgresql_where=text(UNIQUE_WAITING),
             ),
-            # unique_running's claim: is a job of this key running, or an older one still queued?
+            # unique_running's claim: is a job of this key running, or an older one still queued? (each one
+            # index condition: key and status, key and status and id below the candidate's)
             Index(
                 conv(f"ix_{t}_unique_active"),
                 "unique_key",
+                "status",
                 "id",
                 postgresql_where=text(UNIQUE_ACTIVE),
             ),

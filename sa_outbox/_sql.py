@@ -236,18 +236,29 @@ def claim_statement(
         else:
             conditions.append(not_(blocked))
     if unique_running:
-        other = t.alias("same_key")
-        busy = exists(
-            select(literal(1))
-            .select_from(other)
-            .where(
-                other.c.unique_key == c.unique_key,
-                other.c.unique_key.is_not(None),
-                other.c.status.in_([const(spec.ready), const(spec.active)]),
-                or_(other.c.status == const(spec.active), other.c.id < c.id),
+        # Two lookups of ix_<jobs>_unique_active (unique_key, status, id), each answered by its index
+        # condition alone: a job of the key running, or an older one queued. One EXISTS with "running OR
+        # older" let the planner OR in ix_<jobs>_running and read every running job of every key for each
+        # candidate (0.18× the plain claim with 40 jobs running), and a key's blocked candidates each walked all
+        # of the key's jobs.
+        def same_key(other: Any, *where: ColumnElement[bool]) -> Any:
+            return exists(
+                select(literal(1))
+                .select_from(other)
+                .where(
+                    other.c.unique_key == c.unique_key,
+                    other.c.unique_key.is_not(None),
+                    other.c.status.in_([const(spec.ready), const(spec.active)]),
+                    *where,
+                )
             )
-        )
-        conditions.append(or_(c.unique_key.is_(None), not_(busy)))
+
+        mine, older = t.alias("running_same_key"), t.alias("older_same_key")
+        # ("another job": a per-candidate lookup; without it the planner may read every running job once and
+        # hash their keys, a claim whose cost grows with the number of jobs running)
+        running = same_key(mine, mine.c.status == const(spec.active), mine.c.id != c.id)
+        waiting = same_key(older, older.c.status == const(spec.ready), older.c.id < c.id)
+        conditions.append(or_(c.unique_key.is_(None), and_(not_(running), not_(waiting))))
     picked: Select[Any] = (
         select(c.id)
         .where(*conditions)

@@ -147,9 +147,11 @@ def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: UR
         assert job_idx["ux_billing_jobs_unique"]["dialect_options"]["postgresql_where"] == (
             "((status = 'queued'::text) AND (lease_version = 0) AND (unique_key IS NOT NULL))"
         )
-        assert job_idx["ix_billing_jobs_unique_active"]["column_names"] == ["unique_key", "id"]
+        assert job_idx["ix_billing_jobs_unique_active"]["column_names"] == ["unique_key", "status", "id"]
         schedule_idx = {i["name"]: i for i in insp.get_indexes("billing_schedules")}
-        assert schedule_idx["ix_billing_schedules_due"]["dialect_options"]["postgresql_where"] == "(NOT paused)"
+        assert (
+            schedule_idx["ix_billing_schedules_due"]["dialect_options"]["postgresql_where"] == "(NOT paused)"
+        )
         assert "ck_billing_schedules_catch_up" in {
             c["name"] for c in insp.get_check_constraints("billing_schedules")
         }
@@ -232,7 +234,9 @@ def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch
         assert _columns(scratch_url, "jobs")["unique_key"]["nullable"]
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM jobs WHERE unique_key IS NULL")).scalar_one() == 2
-            names = set(conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'")).scalars())
+            names = set(
+                conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'")).scalars()
+            )
         assert {"ux_jobs_unique", "ix_jobs_unique_active"} <= names
         assert "schedules" in _tables(scratch_url)
         migrate(scratch_url, "0004", down=True)

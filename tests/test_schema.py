@@ -112,7 +112,7 @@ def test_jobs_status_check_and_partial_indexes(engine: Engine) -> None:
         "(unique_key) WHERE ((status = 'queued'::text) AND (lease_version = 0) AND (unique_key IS NOT NULL))"
     )
     assert idx["ix_jobs_unique_active"].endswith(
-        "(unique_key, id) WHERE ((status = ANY (ARRAY['queued'::text, 'running'::text])) AND (unique_key IS NOT NULL))"
+        "(unique_key, status, id) WHERE ((status = ANY (ARRAY['queued'::text, 'running'::text])) AND (unique_key IS NOT NULL))"
     )
 
 

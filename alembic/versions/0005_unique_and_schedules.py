@@ -43,7 +43,7 @@ def upgrade() -> None:
     op.create_index(
         op.f("ix_jobs_unique_active"),
         "jobs",
-        ["unique_key", "id"],
+        ["unique_key", "status", "id"],
         unique=False,
         postgresql_where=sa.text(UNIQUE_ACTIVE),
         if_not_exists=True,
