@@ -741,7 +741,8 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
     for r in rows:
         state = "paused" if r.paused else "active"
         last = f"{r.last_run_at:%Y-%m-%d %H:%M:%S%z}" if r.last_run_at else "never"
-        print(f"{r.name:<24} {r.cron:<16} {r.timezone:<16} {r.queue}/{r.task:<20} {state:<7} "
+        where = f"{r.queue}/{r.task}"
+        print(f"{r.name:<24} {r.cron:<16} {r.timezone:<16} {where:<32} {state:<7} "
               f"next {r.next_run_at:%Y-%m-%d %H:%M:%S%z}  last {last}  catch-up {r.catch_up}")  # fmt: skip
     print(f"{len(rows)} schedule(s)")
     return 0

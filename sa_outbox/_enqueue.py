@@ -109,6 +109,11 @@ NOTIFY_SQL = """(SELECT count(*) FROM (
       SELECT pg_notify(c, p)
         FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent)"""
 
+#: The same for a statement that writes one job: at most one NOTIFY, as two scalar parameters (NULL: none).
+NOTIFY_ONE_SQL = """(SELECT count(*) FROM (
+      SELECT pg_notify(CAST(:channel AS text), CAST(:payload AS text))
+       WHERE CAST(:channel AS text) IS NOT NULL) AS sent)"""
+
 _INT4 = (-(2**31), 2**31 - 1)
 #: ``debounce`` without ``max_delay``: the cap is this many debounces (a key under constant traffic must
 #: still run).
@@ -358,8 +363,7 @@ def _word(value: str) -> ColumnElement[str]:
     return literal_column(f"'{value}'", Text)
 
 
-def _source(parts: frozenset[str], optional: frozenset[str]) -> Any:
-    """The rows as a table: one array parameter per column, unnested together with their order."""
+def _columns(parts: frozenset[str], optional: frozenset[str]) -> list[tuple[str, Any]]:
     names: list[tuple[str, Any]] = [("task", Text), ("queue", Text), ("payload", Text)]
     names += [(n, t) for n, t in (("priority", Integer), ("max_attempts", Integer)) if n in optional]
     if "run_at" in optional:
@@ -368,6 +372,12 @@ def _source(parts: frozenset[str], optional: frozenset[str]) -> Any:
         names.append(("headers", Text))
     if parts != {"plain"}:
         names += [("unique_key", Text), ("mode", Text)]
+    return names
+
+
+def _source(parts: frozenset[str], optional: frozenset[str]) -> Any:
+    """The rows as a table: one array parameter per column, unnested together with their order."""
+    names = _columns(parts, optional)
     arrays = [bindparam(f"j_{n}", type_=ARRAY(t)) for n, t in names]
     return (
         func.unnest(*arrays)
@@ -376,7 +386,23 @@ def _source(parts: frozenset[str], optional: frozenset[str]) -> Any:
     )
 
 
-def _insert(table: Table, u: Any, optional: frozenset[str], where: list[Any], order: list[Any]) -> Any:
+def _one_row(optional: frozenset[str]) -> Any:
+    """One plain row as a table of scalar parameters (arrays of one element cost more to send than the
+    row itself: the flush of one enqueued job is the commonest write)."""
+    names = _columns(frozenset({"plain"}), optional)
+    return select(
+        *[bindparam(f"j_{n}", type_=t).label(n) for n, t in names], literal_column("1", Integer).label("ord")
+    ).subquery("u")
+
+
+def _insert(
+    table: Table,
+    u: Any,
+    optional: frozenset[str],
+    where: list[Any],
+    order: list[Any],
+    notify: str = NOTIFY_SQL,
+) -> Any:
     """``INSERT INTO jobs (…) SELECT … FROM u WHERE … ORDER BY …`` (the NOTIFYs ride in the WHERE)."""
     c = table.c
     targets: list[Any] = [c.task, c.queue, c.payload]
@@ -397,7 +423,7 @@ def _insert(table: Table, u: Any, optional: frozenset[str], where: list[Any], or
     if "unique_key" in u.c:
         targets.append(c.unique_key)
         values.append(u.c.unique_key)
-    gate = text(f"{NOTIFY_SQL} >= 0")
+    gate = text(f"{notify} >= 0")
     source = select(*values).where(*where, gate).order_by(*order)
     return pg_insert(table).from_select(targets, source)
 
@@ -467,6 +493,15 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
     return union_all(*branches) if len(branches) > 1 else branches[0]
 
 
+@functools.cache
+def one_statement(table: Table, optional: frozenset[str]) -> Any:
+    """:func:`statement` for one plain row, with scalar parameters and at most one NOTIFY."""
+    c = table.c
+    return _insert(table, _one_row(optional), optional, [], [], notify=NOTIFY_ONE_SQL).returning(
+        c.id, c.unique_key, literal_column("true", Boolean)
+    )
+
+
 def _shape(batch: Batch) -> tuple[frozenset[str], frozenset[str]]:
     parts = frozenset(batch.modes)
     optional = set()
@@ -523,7 +558,15 @@ def write(
     for _ in range(_MAX_ROUNDS):
         part = batch if len(todo) == len(batch) else batch.subset(todo)
         parts, optional = _shape(part)
-        rows = run(conn, statement(table, parts, optional), {**_params(part, parts, optional), **notify})
+        params = _params(part, parts, optional)
+        if len(part) == 1 and parts == {"plain"} and len(notify["channels"]) <= 1:
+            one = {k: v[0] for k, v in params.items() if k.startswith("j_") and isinstance(v, list)}
+            one["j_default_max_attempts"] = part.default_max_attempts
+            one["channel"] = notify["channels"][0] if notify["channels"] else None
+            one["payload"] = notify["payloads"][0] if notify["payloads"] else None
+            rows = run(conn, one_statement(table, optional), one)
+        else:
+            rows = run(conn, statement(table, parts, optional), {**params, **notify})
         notify = {"channels": [], "payloads": []}
         plain_ids = sorted(r[0] for r in rows if r[1] is None)
         by_key: dict[str, Enqueued] = {}

@@ -463,7 +463,8 @@ def _checked_job(
     what = f"job {task!r:.80} on queue {queue!r:.80}"
     out["task"] = require_text(task, what, "task")
     out["queue"] = require_text("default" if queue is None else queue, what, "queue")
-    check_index_entries(table, out, what=what)
+    if sum(len(v) for v in out.values() if type(v) is str) > index_safe_chars(table):  # else: fits, surely
+        check_index_entries(table, out, what=what)
     for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
         if values.get(name) is not None:
             check_int(values[name], what=what, name=name, low=low, high=_INT4[1])
@@ -506,6 +507,16 @@ _DELAY_ATTR = "_sa_outbox_delay"
 @functools.cache
 def _plain_job_table(table: Table) -> bool:
     return set(table.c.keys()) == _JOB_COLUMNS
+
+
+@functools.cache
+def _job_attributes(mapper: Mapper[Any]) -> tuple[tuple[str, bool], ...]:
+    """(attribute, has a server default) of a jobs mapper's columns, the primary key aside."""
+    return tuple(
+        (prop.key, prop.columns[0].server_default is not None)
+        for prop in mapper.column_attrs
+        if not prop.columns[0].primary_key
+    )
 
 
 def _job_fast_eligible(job: JobMixin) -> bool:
@@ -839,21 +850,20 @@ def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
             known.append(given)
         written = _enqueue.write(conn, table, batch, channels=gate["channels"], payloads=gate["payloads"])
         gate = {"channels": [], "payloads": []}
-        mapper = object_mapper(group[0])
+        columns = _job_attributes(object_mapper(group[0]))
         for job, got, given in zip(group, written, known, strict=True):
             d = instance_state(job).dict
             d["id"] = got.id  # as the unit of work sets a fetched key
             # as after the ORM's INSERT: a column without a server default is NULL (known), the others load
             # from the database on first access
             loads: list[str] = []
-            for prop in mapper.column_attrs:
-                col = prop.columns[0]
-                if prop.key in given or col.primary_key:
+            for key, defaulted in columns:
+                if key in given:
                     continue
-                if col.server_default is None:
-                    d.setdefault(prop.key, None)
+                if defaulted:
+                    loads.append(key)
                 else:
-                    loads.append(prop.key)
+                    d.setdefault(key, None)
             expire[id(job)] = loads
     plan.record(seen)
     fl.jobs.clear()

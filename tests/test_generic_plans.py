@@ -125,6 +125,20 @@ STATEMENTS.update(
         ),
         # the producer's statements: enqueue_many, enqueue(…, unique_key=…) with each rule
         "enqueue_many, plain": _enqueue_case([("t", {}), ("t", {})]),
+        "enqueue, one plain job (the flush's)": (
+            _enqueue.one_statement(Job.__table__, frozenset({"priority", "run_at", "headers"})),
+            {
+                "j_task": "t",
+                "j_queue": "q",
+                "j_payload": "{}",
+                "j_priority": 0,
+                "j_run_at": None,
+                "j_delay": 5.0,
+                "j_headers": None,
+                "channel": "c",
+                "payload": "q",
+            },
+        ),  # fmt: skip
         "enqueue, unique skip": _enqueue_case([UNIQUE_JOBS]),
         "enqueue, unique replace": _enqueue_case([{**UNIQUE_JOBS, "on_conflict": "replace"}]),
         "enqueue, unique debounce": _enqueue_case(
