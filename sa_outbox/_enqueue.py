@@ -390,8 +390,10 @@ def _one_row(optional: frozenset[str]) -> Any:
     """One plain row as a table of scalar parameters (arrays of one element cost more to send than the
     row itself: the flush of one enqueued job is the commonest write)."""
     names = _columns(frozenset({"plain"}), optional)
+    # explicit casts: a parameter sent as NULL carries no type, and an untyped one here would be text
     return select(
-        *[bindparam(f"j_{n}", type_=t).label(n) for n, t in names], literal_column("1", Integer).label("ord")
+        *[sa_cast(bindparam(f"j_{n}", type_=t), t).label(n) for n, t in names],
+        literal_column("1", Integer).label("ord"),
     ).subquery("u")
 
 

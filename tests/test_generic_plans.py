@@ -138,7 +138,7 @@ STATEMENTS.update(
                 "channel": "c",
                 "payload": "q",
             },
-        ),  # fmt: skip
+        ),
         "enqueue, unique skip": _enqueue_case([UNIQUE_JOBS]),
         "enqueue, unique replace": _enqueue_case([{**UNIQUE_JOBS, "on_conflict": "replace"}]),
         "enqueue, unique debounce": _enqueue_case(

@@ -339,6 +339,20 @@ def test_enqueued_jobs_are_one_statement_that_also_sends_their_notifies(engine: 
     assert count_rows(engine, "jobs") == 5
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"run_at": dt.datetime(2030, 1, 1, tzinfo=dt.UTC)}, {"run_at": 30}, {"priority": 3, "headers": {"x-a": "1"}},
+     {"max_attempts": 2}],
+)  # fmt: skip
+def test_one_enqueued_job_alone_in_its_flush(engine: Engine, options: dict[str, Any]) -> None:
+    """The one-job statement (scalar parameters; NULL ones must still have their types)."""
+    with Session(engine) as s, s.begin():
+        job = enqueue(s, Job, "t", {"n": 1}, **options)
+        s.flush()
+        assert job.id == 1 and job.status == "queued" and job.payload == {"n": 1}
+    assert count_rows(engine, "jobs") == 1
+
+
 def test_a_job_with_other_columns_set_keeps_the_orm_insert(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         s.add(Job(task="t", payload={}, unique_key="k"))
