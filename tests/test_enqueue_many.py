@@ -19,7 +19,8 @@ from sa_outbox._names import channel_for
 from sa_outbox.models import Job
 
 from .conftest import count_rows
-from .test_unique import jobs, statement_log
+from .test_producer import statement_log
+from .test_unique import jobs
 
 
 def test_tuples_and_dicts_get_their_ids_in_order_in_one_statement(engine: Engine) -> None:

@@ -37,7 +37,7 @@ from sa_outbox._cli import main
 from sa_outbox.models import Job, JobSchedule
 
 from .conftest import count_rows
-from .test_unique import statement_log
+from .test_producer import statement_log
 
 
 def at(iso: str) -> dt.datetime:

@@ -17,12 +17,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
@@ -34,20 +32,7 @@ from sa_outbox.models import Job
 
 from .conftest import count_rows
 from .helpers import JOBS
-
-
-@contextmanager
-def statement_log(engine: Engine) -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
-        seen.append(statement)
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
+from .test_producer import statement_log
 
 
 def jobs(engine: Engine, where: str = "true") -> list[Any]:
