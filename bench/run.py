@@ -44,9 +44,14 @@ SCENARIOS = {
     "steady": "latency:scenario_steady",
     "bulk": "unique_bulk:scenario_bulk",
     "unique": "unique_bulk:scenario_unique",
+    "pgbouncer": "pgbouncer:scenario_pgbouncer",
 }
 #: Modes run only when asked for (``--memory``, ``--profile``, or by name in ``--scenarios``).
-MODES = {"memory": "memory:scenario_memory", "profile": "profiling:scenario_profile"}
+MODES = {
+    "memory": "memory:scenario_memory",
+    "profile": "profiling:scenario_profile",
+    "dashboard": "dashboard:scenario_dashboard",  # every page over HTTP on 1M rows per table (bench/dashboard.py)
+}
 
 
 def scenario(name: str) -> Any:
@@ -63,6 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--memory", action="store_true", help="only the memory mode (RSS over --memory-rows rows)")
     p.add_argument("--memory-rows", type=int, default=1_000_000)
+    p.add_argument(
+        "--dashboard-rows", type=int, default=1_000_000, help="rows per table for --scenarios dashboard"
+    )
     p.add_argument("--profile", action="store_true", help="only the profile mode (batch 1 and the 5 ms case)")
     p.add_argument("--with-pgqueuer", action="store_true", help="add PgQueuer to the jobs drain at batch 50")
     p.add_argument("--jobs", type=int, default=20_000, help="rows per drain (jobs, outbox, async, profile)")
@@ -82,6 +90,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         cfg.growth_rows, cfg.steady_rate, cfg.steady_seconds = 50_000, 100, 2
         if cfg.memory_rows == 1_000_000:
             cfg.memory_rows = 20_000
+        if cfg.dashboard_rows == 1_000_000:
+            cfg.dashboard_rows = 50_000
     names = cfg.scenarios.split(",") if cfg.scenarios else []
     if cfg.memory:
         names.append("memory")

@@ -49,7 +49,7 @@ def send_receipt(job: ClaimedJob) -> None:
 def main() -> None:
     with database_url() as url:
         engine = create_engine(url)
-        Base.metadata.create_all(engine)  # in a real project: an alembic migration (see README)
+        Base.metadata.create_all(engine)  # in a real project: an alembic migration (docs/getting-started.md)
         try:
             # One transaction: the order, its event and a job commit together — or not at all.
             with Session(engine) as session, session.begin():

@@ -6,7 +6,7 @@ token (``lease_version``): at least once, never for a rolled-back transaction, i
 asked. See README.md and docs/ for the guarantees in plain words.
 
 This module is the whole public surface, with the documented modules ``errors``, ``admin``, ``monitoring``,
-``doctor``, ``metrics``, ``migration``, ``inbox``, ``testing``, ``models``, ``embedded`` and
+``doctor``, ``metrics``, ``migration``, ``inbox``, ``testing``, ``models``, ``embedded``, ``cdc`` and
 ``publishers.*``. Modules whose name starts with an underscore are implementation and may change.
 
 Public names are imported lazily (PEP 562), so ``python -m sa_outbox`` can install its signal handlers
@@ -27,10 +27,13 @@ if TYPE_CHECKING:
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
     from ._enqueue import Enqueued as Enqueued
+    from ._limits import Limit as Limit
     from ._messages import BatchPublisher as BatchPublisher
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
     from ._messages import Publisher as Publisher
+    from ._pgbouncer import pgbouncer_async_engine as pgbouncer_async_engine
+    from ._pgbouncer import pgbouncer_engine as pgbouncer_engine
     from ._producer import emit as emit
     from ._producer import enqueue as enqueue
     from ._producer import enqueue_many as enqueue_many
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from ._schedules import sync_schedules as sync_schedules
     from ._schema import JOB_STATUSES as JOB_STATUSES
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
+    from ._schema import CdcOutboxMixin as CdcOutboxMixin
     from ._schema import JobMixin as JobMixin
     from ._schema import OutboxMixin as OutboxMixin
     from ._schema import ScheduleMixin as ScheduleMixin
@@ -75,6 +79,7 @@ _EXPORTS: dict[str, str] = {
     "AsyncWorker": "_worker",
     "Backoff": "_backoff",
     "BatchPublisher": "_messages",
+    "CdcOutboxMixin": "_schema",
     "ClaimedJob": "_messages",
     "ConfigurationError": "errors",
     "Defer": "errors",
@@ -85,6 +90,7 @@ _EXPORTS: dict[str, str] = {
     "InboxMixin": "inbox",
     "JOB_STATUSES": "_schema",
     "JobMixin": "_schema",
+    "Limit": "_limits",
     "Message": "_messages",
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",
@@ -108,6 +114,8 @@ _EXPORTS: dict[str, str] = {
     "list_dead": "admin",
     "lock_aggregate": "_producer",
     "pause_schedule": "_schedules",
+    "pgbouncer_async_engine": "_pgbouncer",
+    "pgbouncer_engine": "_pgbouncer",
     "purge": "monitoring",
     "queue_status": "monitoring",
     "receive": "inbox",

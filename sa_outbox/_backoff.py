@@ -47,6 +47,13 @@ class Backoff:
         ceiling = self.ceiling(attempt)
         return random.uniform(0.0, ceiling) if self.jitter else ceiling
 
+    def give_up_window(self, max_attempts: int) -> tuple[float, float]:
+        """Seconds from the first attempt to the last of ``max_attempts`` when every one fails (the waits
+        between them; the attempts' own run time not counted): ``(shortest, longest)`` — equal without jitter,
+        from 0 to the sum of the ceilings with it (half that on average)."""
+        longest = sum(self.ceiling(k) for k in range(1, max_attempts))
+        return (0.0 if self.jitter else longest), longest
+
 
 @dataclass(frozen=True)
 class _HalfJitter:

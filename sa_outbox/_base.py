@@ -240,11 +240,20 @@ class LoopBase:
         rows: list[Any] = []
         pending = list(outcomes)
         for params in self._claim_params():
-            left = want - len(rows)
+            params = dict(params)
+            room, limit = params.pop("room", None), params.pop("limit", None)
+            left = want - len(rows) if room is None else min(want - len(rows), room)
             if left <= 0:
-                break
+                continue
             fixed = left == self.batch
-            if pending:
+            if limit is not None:  # a limited queue: its own short transaction, outcomes written first
+                if pending:
+                    applied |= _steps.finalize(conn, self.spec, pending)
+                    pending = []
+                got = _steps.claim_limited(
+                    conn, self.spec, owner=self.owner, batch=left, limit=limit, **params
+                )
+            elif pending:
                 done, got = _steps.finalize_and_claim(
                     conn, self.spec, pending, owner=self.owner, batch=left, fixed_batch=fixed, **params
                 )

@@ -96,7 +96,9 @@ def _engine(args: argparse.Namespace) -> Any:
         raise ConfigurationError("no database URL: pass --url or set DATABASE_URL")
     try:
         url = make_url(normalize_url(args.url))
-        engine = create_engine(url)
+        # No server-side prepared statements: an operator's command runs a handful of statements, and the URL
+        # may well be PgBouncer's in transaction mode, where a prepared name does not survive the transaction.
+        engine = create_engine(url, connect_args={"prepare_threshold": None})
     except Exception as exc:  # ArgumentError, a bad port, an unknown or missing driver
         raise ConfigurationError(
             f"invalid database URL (--url / DATABASE_URL): {exc}; expected "
@@ -216,7 +218,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if r.attempts:
             print("  attempts                " + "  ".join(f"{a}: {n}" for a, n in r.attempts.items()))
         for q, by in sorted(r.queues.items()):
-            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()))
+            since = f"  PAUSED since {r.paused_queues[q]}" if q in r.paused_queues else ""
+            print(f"  queue {q:<17} " + "  ".join(f"{k} {v}" for k, v in by.items()) + since)
+        for q in sorted(set(r.paused_queues) - set(r.queues)):
+            print(f"  queue {q:<17} PAUSED since {r.paused_queues[q]}")
+        for key, by in r.concurrency_keys.items():
+            print(f"  concurrency key {key!r:<7} " + "  ".join(f"{k} {v}" for k, v in by.items()))
         if r.health:
             h = r.health
             print(
@@ -564,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_purge)
     _job_commands(sub)
     _schedule_commands(sub)
+    _cdc_commands(sub)
+    _dashboard_commands(sub)
     return parser
 
 
@@ -748,6 +757,73 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- cdc: the Debezium connector of a CdcOutboxMixin table -------------------------------------------------
+
+
+def _cdc_commands(sub: Any) -> None:
+    cdc = sub.add_parser(
+        "cdc", help="change data capture: Debezium reads a CdcOutboxMixin table from the WAL"
+    )
+    csub = cdc.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    csub.required = True
+    for action, what in (
+        ("debezium-config", "print the Kafka Connect JSON of a Debezium PostgreSQL connector with the outbox "
+                            "event router for the table"),
+        ("setup-sql", "print the SQL that creates the publication and the replication slot (run it before the "
+                      "first event is written)"),
+    ):  # fmt: skip
+        p = csub.add_parser(action, help=what)
+        p.add_argument(
+            "--url", default=os.environ.get("DATABASE_URL"),
+            help="the database the table is checked in (default: $DATABASE_URL); the connector's address too, "
+            "unless --debezium-url",
+        )  # fmt: skip
+        p.add_argument("--table", required=True, help="the CdcOutboxMixin table: name, or schema.table")
+        p.add_argument("--slot-name", help="replication slot (default: sa_outbox_<table>)")
+        p.add_argument("--publication-name", help="publication (default: the slot name)")
+        if action == "debezium-config":
+            p.add_argument(
+                "--debezium-url",
+                help="where Debezium connects, if not --url (e.g. the server itself when --url is PgBouncer): "
+                "its host, port, user and database are printed",
+            )
+            p.add_argument("--name", help="connector name (default: sa-outbox-<table>)")
+            p.add_argument("--topic-prefix", help="Debezium's topic.prefix (default: the slot name)")
+            p.add_argument(
+                "--topic-replacement", default=None,
+                help="the router's topic (default: outbox.event.${routedByValue}, KafkaPublisher's topics)",
+            )  # fmt: skip
+            p.add_argument(
+                "--password",
+                help="database.password: best a config provider reference, e.g. ${file:/secrets/pg.properties:password}"
+                " (the URL's password is never printed)",
+            )
+        p.set_defaults(handler=_cmd_cdc)
+
+
+def _cmd_cdc(args: argparse.Namespace) -> int:
+    import json
+
+    from . import cdc
+
+    engine = _engine(args)
+    schema, table = _split_table("--table", args.table)
+    schema, warnings = cdc._check_table(engine, table, schema)
+    for warning in warnings:
+        sys.stderr.write(f"sa-outbox: warning: {warning}\n")
+    if args.action == "setup-sql":
+        for statement in cdc._setup_sql(schema, table, args.slot_name, args.publication_name):
+            print(f"{statement};")
+        return 0
+    config = cdc._config(
+        schema, table, url=args.debezium_url or engine.url, name=args.name, topic_prefix=args.topic_prefix,
+        slot_name=args.slot_name, publication_name=args.publication_name, password=args.password,
+        topic_replacement=args.topic_replacement or cdc.DEFAULT_TOPIC_REPLACEMENT,
+    )  # fmt: skip
+    print(json.dumps(config, indent=2))
+    return 0
+
+
 # Exit codes (README, "Operations"): 0 success; 1 a check threshold passed or doctor found a failure (the
 # queue needs attention); 2 bad usage or configuration, fix the command (invalid option, malformed URL, no
 # such table, no such database or role, authentication refused, unknown host); 3 the database could not be
@@ -839,3 +915,108 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         for engine in args.engines:
             engine.dispose()
     return code
+
+
+# --- the dashboard: sa-outbox dashboard -------------------------------------------------------------------
+
+
+def _dashboard_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="serve the web dashboard (extra web): read-only unless --actions; 127.0.0.1 by default",
+    )
+    _common(p)
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--actions",
+        action="store_true",
+        help="allow retry, skip, cancel, pause and resume; requires the token (SA_OUTBOX_DASHBOARD_TOKEN, "
+        "or one generated and printed at start)",
+    )
+    p.add_argument(
+        "--stale-after",
+        type=_positive_duration,
+        default=None,
+        help="the workers' stale_after: a running job locked longer ago is an expired lease (default 60s)",
+    )
+    p.add_argument(
+        "--long-transaction",
+        type=_duration,
+        default=_duration("60s"),
+        help="show transactions open longer than this as holding back the xmin horizon (default 60s)",
+    )
+    p.set_defaults(handler=_cmd_dashboard)
+
+
+def _port(text_: str) -> int:
+    value: int = _int_at_least(1)(text_)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1-65535), got {text_!r}")
+    return value
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve ``sa_outbox.web`` with uvicorn until SIGINT/SIGTERM. A token (``SA_OUTBOX_DASHBOARD_TOKEN``, or one
+    generated for this run with ``--actions``) guards every page; without one the dashboard is read-only and
+    only binds a loopback address."""
+    import secrets
+    import socket
+
+    try:
+        import uvicorn
+
+        from .web import TokenAuth, create_app
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the dashboard needs the web extra ({exc.name} is missing): pip install 'sa-outbox[web]'"
+        ) from None
+    token = os.environ.get("SA_OUTBOX_DASHBOARD_TOKEN") or None
+    generated = False
+    if args.actions and token is None:
+        token, generated = secrets.token_urlsafe(24), True
+    if token is None and args.host not in _LOOPBACK:
+        raise ConfigurationError(
+            f"--host {args.host} without a token would show every payload to anyone who reaches it: set "
+            "SA_OUTBOX_DASHBOARD_TOKEN (or bind 127.0.0.1 and reach it through an SSH tunnel)"
+        )
+    engine = _engine(args)
+    models = [m for _, m in _tables(args, engine)]
+    auth = TokenAuth(token) if token else None
+    app = create_app(engine, tables=models, actions=args.actions, authenticate=auth,
+                     stale_after=_stale_after(args), long_transaction=args.long_transaction)  # fmt: skip
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:  # a clear error now, not uvicorn's exit later
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as exc:
+            raise ConfigurationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    base = f"http://{host}:{args.port}/"
+    mode = "actions on" if args.actions else "read-only"
+    tables = ", ".join(m.__table__.fullname for m in models)
+    print(f"sa-outbox dashboard: {base} ({mode}; {tables})", flush=True)
+    if generated:
+        print(f"sign in (token generated for this run): {base}login?token={token}", flush=True)
+    elif token:
+        print(f"sign in with the token in SA_OUTBOX_DASHBOARD_TOKEN: {base}login", flush=True)
+    early = args.early_signals
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            # uvicorn's own SIGTERM/SIGINT handlers are in place by now; one that came before them was
+            # remembered by __main__ and stops the server here, as a clean exit 0.
+            if early:
+                self.should_exit = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            server_header=False, lifespan="off")  # fmt: skip
+    Server(config).run()
+    return 0

@@ -23,8 +23,13 @@ __all__ = ["AsyncLoopConnection", "LoopConnection"]
 T = TypeVar("T")
 
 
+#: undefined_table, undefined_column: what a missing or older table raises (by SQLSTATE, not by message text:
+#: "prepared statement … does not exist" is not a schema problem).
+_SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
+
+
 def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
-    if "does not exist" in str(exc.orig):
+    if getattr(exc.orig, "sqlstate", None) in _SCHEMA_SQLSTATES:
         return SchemaError(
             f"table {table!r} is missing or incomplete ({exc.orig}); run the migration (alembic upgrade head) first"
         )

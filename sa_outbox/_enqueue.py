@@ -119,8 +119,8 @@ _INT4 = (-(2**31), 2**31 - 1)
 #: still run).
 DEFAULT_MAX_DELAY_FACTOR = 10
 _OPTIONS = frozenset(
-    {"task", "payload", "queue", "priority", "run_at", "max_attempts", "headers", "unique_key", "on_conflict",
-     "debounce", "max_delay"}
+    {"task", "payload", "queue", "priority", "run_at", "max_attempts", "headers", "concurrency_key",
+     "unique_key", "on_conflict", "debounce", "max_delay"}
 )  # fmt: skip
 
 
@@ -153,6 +153,7 @@ class Batch:
     keys: list[str | None] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)  # plain | skip | replace | debounce
     max_delays: list[float | None] = field(default_factory=list)  # debounce rows: seconds after created_at
+    concurrency_keys: list[str | None] = field(default_factory=list)  # None: the column's default ('')
     #: For each given item, the row it was written as (items of one key share a row).
     rows_of_items: list[int] = field(default_factory=list)
     default_max_attempts: int = 10
@@ -162,14 +163,12 @@ class Batch:
 
     def append(
         self, task: str, queue: str, payload: str, priority: int | None, max_attempts: int | None,
-        run_at: dt.datetime | None, delay: float | None, headers: str | None,
+        run_at: dt.datetime | None, delay: float | None, headers: str | None, concurrency_key: str | None = None,
     ) -> None:  # fmt: skip
         """One plain job, already validated (the flush's jobs: ``_producer._insert_jobs``)."""
-        for name, value in zip(
-            _ARRAYS,
-            (task, queue, payload, priority or 0, max_attempts, run_at, delay, headers, None, "plain", None),
-            strict=True,
-        ):
+        row = (task, queue, payload, priority or 0, max_attempts, run_at, delay, headers, None, "plain", None,
+               concurrency_key)  # fmt: skip
+        for name, value in zip(_ARRAYS, row, strict=True):
             getattr(self, name).append(value)
         self.rows_of_items.append(len(self.tasks) - 1)
 
@@ -184,7 +183,7 @@ class Batch:
 
 
 _ARRAYS = ("tasks", "queues", "payloads", "priorities", "max_attempts", "run_ats", "delays", "headers", "keys",
-           "modes", "max_delays")  # fmt: skip
+           "modes", "max_delays", "concurrency_keys")  # fmt: skip
 
 
 # --- step 1: prepare ------------------------------------------------------------------------------------
@@ -240,8 +239,12 @@ def _add(
     if mode != "debounce" and (debounce is not None or max_delay is not None):
         given = "debounce=" if debounce is not None else "max_delay="
         raise PayloadError(f"{what()}: {given} is for on_conflict='debounce', not {mode!r}")
-    if len(queue) + (len(key) if key else 0) > index_safe_chars(table):
-        check_index_entries(table, {"task": task, "queue": queue, "unique_key": key}, what=what)
+    group = values.get("concurrency_key")
+    if group is not None and not isinstance(group, str):
+        raise PayloadError(f"{what()}: concurrency_key must be a string, got {group!r:.80}")
+    if len(queue) + len(key or "") + len(group or "") > index_safe_chars(table):
+        texts = {"task": task, "queue": queue, "unique_key": key, "concurrency_key": group}
+        check_index_entries(table, {k: v for k, v in texts.items() if k in table.c}, what=what)
     priority = values.get("priority", 0)
     if priority is None:
         priority = 0
@@ -250,6 +253,8 @@ def _add(
     attempts = values.get("max_attempts")
     if attempts is not None:
         check_int(attempts, what=what, name="max_attempts", low=1, high=_INT4[1])
+    else:
+        attempts = batch.default_max_attempts  # the model's default, as Job(...) gets at flush
     run_at, delay = values.get("run_at"), None
     if mode == "debounce":
         if debounce is None:
@@ -299,7 +304,7 @@ def _add(
         else:
             by_key[key] = (row, mode, index or 0)
     values_of_row = (task, queue, payload, priority, attempts, run_at, delay, headers_text, key,
-                     mode if key is not None else "plain", cap)  # fmt: skip
+                     mode if key is not None else "plain", cap, group)  # fmt: skip
     if row == len(batch.tasks):
         for name, value in zip(_ARRAYS, values_of_row, strict=True):
             getattr(batch, name).append(value)
@@ -370,6 +375,8 @@ def _columns(parts: frozenset[str], optional: frozenset[str]) -> list[tuple[str,
         names += [("run_at", DateTime(timezone=True)), ("delay", Float)]
     if "headers" in optional:
         names.append(("headers", Text))
+    if "concurrency_key" in optional:
+        names.append(("concurrency_key", Text))
     if parts != {"plain"}:
         names += [("unique_key", Text), ("mode", Text)]
     return names
@@ -422,6 +429,9 @@ def _insert(
     if "headers" in optional:
         targets.append(c.headers)
         values.append(sa_cast(u.c.headers, JSONB))
+    if "concurrency_key" in optional:
+        targets.append(c.concurrency_key)
+        values.append(func.coalesce(u.c.concurrency_key, literal_column("''", Text)))
     if "unique_key" in u.c:
         targets.append(c.unique_key)
         values.append(u.c.unique_key)
@@ -466,6 +476,8 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
         new = ins.excluded
         values: dict[str, Any] = {"payload": new.payload, "priority": new.priority, "run_at": new.run_at,
                                   "max_attempts": new.max_attempts, "headers": new.headers}  # fmt: skip
+        if "concurrency_key" in optional:
+            values["concurrency_key"] = new.concurrency_key
         if rule == "debounce":
             caps = (
                 func.unnest(
@@ -515,6 +527,8 @@ def _shape(batch: Batch) -> tuple[frozenset[str], frozenset[str]]:
         optional.add("run_at")
     if any(h is not None for h in batch.headers):
         optional.add("headers")
+    if any(g is not None for g in batch.concurrency_keys):
+        optional.add("concurrency_key")
     if parts & {"replace", "debounce"}:
         optional |= {"priority", "max_attempts", "run_at", "headers"}  # the update sets them all
     return parts, frozenset(optional)
@@ -532,6 +546,8 @@ def _params(batch: Batch, parts: frozenset[str], optional: frozenset[str]) -> di
         params["j_delay"] = batch.delays
     if "headers" in optional:
         params["j_headers"] = batch.headers
+    if "concurrency_key" in optional:
+        params["j_concurrency_key"] = batch.concurrency_keys
     if parts != {"plain"}:
         params["j_unique_key"] = batch.keys
         params["j_mode"] = batch.modes

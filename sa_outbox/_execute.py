@@ -1,11 +1,15 @@
 """Executing the library's own Core statements: compiled once, sent straight to psycopg when nobody watches.
 
 Used by the claim/lease/finalize engine and by the producer's one-statement insert. No imports from the rest
-of the package (the producer is imported by ``schema``, which the engine's ``sql`` module imports).
+of the package but the leaf module ``errors`` (the producer is imported by ``schema``, which the engine's
+``sql`` module imports).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +18,15 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util import await_only
 
-__all__ = ["run"]
+from .errors import ConfigurationError
+
+__all__ = ["run", "transaction"]
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+
+#: invalid_sql_statement_name (``prepared statement "_pg3_3" does not exist``) and duplicate_prepared_statement
+#: (``… already exists``): on a connection that prepares, a pooler moved it to another server connection.
+_LOST_PREPARED = frozenset(("26000", "42P05"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +67,9 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     psycopg 3 connection their compiled text is sent straight to the driver as a server-side prepared
     statement (unless the connection has ``prepare_threshold=None``): no per-call compile cache lookup,
     result processing or Row objects in the claim/finalize/produce hot paths. Errors come out as
-    SQLAlchemy's ``DBAPIError`` subclasses either way.
+    SQLAlchemy's ``DBAPIError`` subclasses either way — except a prepared statement lost to a pooler in
+    transaction mode (missing, taken, or another client's): a :class:`ConfigurationError` that says what to
+    set, since no retry fixes it.
     The same holds for psycopg's async connection, reached through ``AsyncConnection.run_sync`` (the async
     loops) or an ``AsyncSession`` flush. Other drivers and a connection someone observes (``echo``, or
     listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
@@ -85,6 +97,14 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
             result = cur.pgresult
             return cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
         except psycopg.Error as exc:
+            if prepare and _prepared_statement_mixup(exc):
+                conn.invalidate(exc)  # its cache of prepared names no longer matches any server connection
+                raise ConfigurationError(
+                    f"{exc.diag.message_primary or exc}: this connection's prepared statements are not where it "
+                    "left them — a pooler in transaction mode (PgBouncer before 1.21, or without "
+                    "max_prepared_statements) sends each transaction to another server connection. Build the "
+                    "engine with sa_outbox.pgbouncer_engine() (or connect_args={'prepare_threshold': None})"
+                ) from DBAPIError.instance(compiled.sql, full, exc, psycopg.Error, dialect=conn.dialect)
             # Same error vocabulary as SQLAlchemy's own path: wrap it, and invalidate a dead connection so
             # the pool never hands it out again.
             lost = driver.closed or isinstance(exc, psycopg.OperationalError)
@@ -93,4 +113,39 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
             raise DBAPIError.instance(
                 compiled.sql, full, exc, psycopg.Error, connection_invalidated=lost, dialect=conn.dialect
             ) from exc
-    return [tuple(r) for r in conn.execute(stmt, params)]
+    regular = conn.execute(stmt, params)
+    return [tuple(r) for r in regular] if regular.returns_rows else []
+
+
+@contextmanager
+def transaction(conn: Connection) -> Iterator[None]:
+    """An explicit transaction block on one of the loops' autocommit connections (``BEGIN`` … ``COMMIT``, or
+    ``ROLLBACK`` on error): for the few steps that need two statements under the same locks — the claim of a
+    limited queue. Every other step is one autocommit statement."""
+    driver = getattr(conn.connection, "driver_connection", None)
+
+    def send(sql: str) -> None:
+        if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
+            await_only(driver.execute(sql, prepare=False))
+        elif isinstance(driver, psycopg.Connection) and not _observed(conn):
+            driver.execute(sql, prepare=False)
+        else:
+            conn.exec_driver_sql(sql)
+
+    send("BEGIN")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the connection may be gone: its owner drops it
+            send("ROLLBACK")
+        raise
+    send("COMMIT")
+
+
+def _prepared_statement_mixup(exc: psycopg.Error) -> bool:
+    """A prepared statement of this connection missing, taken, or someone else's (a pooler in transaction
+    mode): no retry fixes that, and a statement sent under another client's name may run that client's SQL."""
+    if exc.sqlstate in _LOST_PREPARED:
+        return True
+    # protocol_violation: "bind message supplies 4 parameters, but prepared statement "_pg3_3" requires 12"
+    return exc.sqlstate == "08P01" and "prepared statement" in str(exc)

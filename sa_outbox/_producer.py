@@ -11,8 +11,8 @@ SQLAlchemy's ``examples/versioned_history``, the producer is a few session liste
    :class:`~sa_outbox.errors.PayloadError` *before any SQL of the flush* (a listener's row: when it is added,
    before any SQL that writes it), and the refused flush writes nothing.
 2. **Plan the locks** (:func:`_plan`): each aggregate is locked once per transaction, so that within one
-   aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, outbox
-   document §5):
+   aggregate the outbox ``id`` order is the commit order (the precondition of the ordered claim, docs/design.md
+   "The producer lock"):
 
    * an event built with :meth:`OutboxMixin.for_aggregate` locks the aggregate's own row with
      ``SELECT … FOR NO KEY UPDATE`` (it does not block foreign-key inserts into child tables); an aggregate
@@ -39,6 +39,12 @@ other columns set, or after such an event in the same table, or added by a later
 is taken out of the ORM's own INSERT (``listonly``) and written in ``after_flush``, when the ORM has inserted
 everything else; the ORM then makes it persistent as if it had inserted it.
 
+Events of a ``CdcOutboxMixin`` table (``sa_outbox_kind = "cdc"``: Debezium reads it from the WAL) take the
+same steps with three differences (``_Shape``): the producer makes their ids (UUIDs, so it knows them in
+write order) and their ``tracingspancontext`` at step 1, step 4 sends no NOTIFY for them (nobody polls the
+table), and in insert-then-delete mode a DELETE of the rows follows their INSERT in the same flush — they
+then end as the ORM's own deleted objects.
+
 The other session paths keep the same guarantees: :func:`emit` (no ORM objects), ORM-enabled
 ``session.execute(insert(OutboxEvent), rows)`` (``do_orm_execute``: validated, locked, announced; rows given
 inside the statement are refused), and :func:`lock_aggregate`. ``Session.bulk_save_objects`` and
@@ -52,17 +58,21 @@ import datetime as dt
 import functools
 import importlib
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast, overload
 
 from sqlalchemy import (
     ARRAY,
     Connection,
     Table,
     Text,
+    Uuid,
+    any_,
     bindparam,
     column,
+    delete,
     event,
     func,
     insert,
@@ -91,6 +101,8 @@ from ._payload import (
     require_text,
 )
 from ._tracing import trace_headers, with_trace
+from .cdc import COLUMNS as _CDC_COLUMNS
+from .cdc import span_context
 from .errors import PayloadError
 
 __all__ = [
@@ -117,17 +129,24 @@ _INT4 = (-(2**31), 2**31 - 1)
 if TYPE_CHECKING:  # the mixins import this module (to install the hook), never the other way round
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-    from ._schema import JobMixin, OutboxMixin
+    from ._schema import CdcOutboxMixin, JobMixin, OutboxMixin
+
+#: An event of either kind: the producer writes both through the same steps.
+_Event: TypeAlias = "OutboxMixin | CdcOutboxMixin"
 
 J = TypeVar("J", bound="JobMixin")
-E = TypeVar("E", bound="OutboxMixin")
+E = TypeVar("E", bound="OutboxMixin | CdcOutboxMixin")
+
+#: The model kinds (``sa_outbox_kind``) whose rows are events: ``outbox`` (polled by dispatchers) and ``cdc``
+#: (an insert-only table read from the WAL by Debezium's outbox event router).
+_EVENT_KINDS = frozenset({"outbox", "cdc"})
 
 #: An event for :func:`emit`: ``(aggregate_type, aggregate_id, event_type, payload)``, optionally with the
 #: event's own headers as a fifth element.
 EmitEvent = tuple[str, str, str, Any] | tuple[str, str, str, Any, Mapping[str, str] | None]
 #: A job for :func:`enqueue_many`: ``(task, payload)``, or a mapping of ``enqueue``'s options with ``task`` and
-#: ``payload`` (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``, ``unique_key``,
-#: ``on_conflict``, ``debounce``, ``max_delay``).
+#: ``payload`` (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``, ``concurrency_key``,
+#: ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``).
 JobItem = tuple[str, Any] | Mapping[str, Any]
 
 
@@ -156,6 +175,29 @@ _FAST_COLUMNS = frozenset(
 _FAST_SET = frozenset({"aggregate_type", "aggregate_id", "event_type", "payload", "headers"})
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """How the producer writes one event table.
+
+    ``cdc``: a ``CdcOutboxMixin`` table — ids are UUIDs the producer makes (so it knows them in write order),
+    ``tracingspancontext`` is filled from the headers, and no NOTIFY is sent (nobody polls the table: the WAL
+    is read). ``delete``: each row is deleted again in the transaction that inserted it (the WAL keeps the
+    insert for Debezium; the table stays empty)."""
+
+    columns: frozenset[str]  # exactly the mixin's columns: the table can take the one-statement insert
+    fast_set: frozenset[str]  # the attributes an event on the one-statement path may have set
+    cdc: bool = False
+    delete: bool = False
+
+
+@functools.cache
+def _shape(table: Table) -> _Shape:
+    if table.info.get("sa_outbox_kind") == "cdc":
+        delete = bool(table.info.get("sa_outbox_delete_after_insert", True))
+        return _Shape(_CDC_COLUMNS, _FAST_SET | {"id", "tracingspancontext"}, cdc=True, delete=delete)
+    return _Shape(_FAST_COLUMNS, _FAST_SET)
+
+
 @functools.cache
 def _fast_insert(table: Table) -> Any:
     """Locks, NOTIFYs and plain events in one statement (one round trip).
@@ -163,37 +205,54 @@ def _fast_insert(table: Table) -> Any:
     ``INSERT … SELECT`` from ``unnest`` of the column arrays in their given order; the WHERE holds the lock and
     NOTIFY subqueries (evaluated once, before the first row is inserted). Used for events that set only the
     four event columns and ``headers`` (JSON text, NULL for none) on a table with exactly the mixin's columns;
-    anything else gets :func:`_row_insert`.
+    anything else gets :func:`_row_insert`. A CDC table also takes the producer's UUIDs (``f_uuids``) and
+    ``tracingspancontext`` (``f_spans``), and returns ``created_at`` with the id: its rows may be deleted
+    before anyone could load it.
     """
+    cdc = _shape(table).cdc
+    arrays = [
+        "f_types",
+        "f_ids",
+        "f_events",
+        "f_payloads",
+        "f_headers",
+        *(["f_uuids", "f_spans"] if cdc else []),
+    ]
     rows = (
-        func.unnest(
-            bindparam("f_types", type_=ARRAY(Text)),
-            bindparam("f_ids", type_=ARRAY(Text)),
-            bindparam("f_events", type_=ARRAY(Text)),
-            bindparam("f_payloads", type_=ARRAY(Text)),
-            bindparam("f_headers", type_=ARRAY(Text)),
-        )
-        .table_valued(*[column(n, Text) for n in "tieph"], with_ordinality="ord")
+        func.unnest(*[bindparam(name, type_=ARRAY(Text)) for name in arrays])
+        .table_valued(*[column(n, Text) for n in "tiephus"[: len(arrays)]], with_ordinality="ord")
         .render_derived(name="ev")
     )
     gate = text(f"{_LOCKS_SQL} >= 0 AND {_NOTIFY_SQL} >= 0")
-    source = (
-        select(rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB), sa_cast(rows.c.h, JSONB))
-        .where(gate)
-        .order_by(rows.c.ord)
-    )
+    values: list[Any] = [rows.c.t, rows.c.i, rows.c.e, sa_cast(rows.c.p, JSONB), sa_cast(rows.c.h, JSONB)]
     c = table.c
-    return (
-        insert(table)
-        .from_select([c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers], source)
-        .returning(c.id)
-    )
+    targets = [c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers]
+    if cdc:
+        values += [sa_cast(rows.c.u, Uuid), rows.c.s]
+        targets += [c.id, c.tracingspancontext]
+    source = select(*values).where(gate).order_by(rows.c.ord)
+    stmt = insert(table).from_select(targets, source)
+    return stmt.returning(c.id, c.created_at) if cdc else stmt.returning(c.id)
+
+
+@functools.cache
+def _delete_events(table: Table) -> Any:
+    """Insert then delete (a CDC table in its default mode): the rows this transaction just inserted go again;
+    the WAL keeps the inserts, which is what Debezium's outbox event router reads (it drops the deletes)."""
+    ids = sa_cast(bindparam("d_ids", type_=ARRAY(Text)), ARRAY(Uuid))
+    return delete(table).where(table.c.id == any_(ids))
 
 
 @functools.cache
 def _row_insert(table: Table) -> Any:
     """One event with any columns set (the values are bound per row; SQL expressions via ``.values()``)."""
     return insert(table).returning(table.c.id)
+
+
+@functools.cache
+def _row_insert_all(table: Table) -> Any:
+    """The same for a CDC table, returning every column (the row may be gone before anything loads it)."""
+    return insert(table).returning(*table.c)
 
 
 def _table_of(obj: Any) -> Table:
@@ -204,18 +263,20 @@ def _table_of(obj: Any) -> Table:
 @functools.cache
 def _plain_table(table: Table) -> bool:
     """The table has exactly the mixin's columns (no user columns whose defaults the ORM would apply)."""
-    return set(table.c.keys()) == _FAST_COLUMNS
+    return set(table.c.keys()) == _shape(table).columns
 
 
 _FAST_KEYS = _FAST_SET | {"_sa_instance_state", _AGGREGATE_ATTR}
 
 
-def _fast_eligible(ev: OutboxMixin) -> bool:
+def _fast_eligible(ev: _Event) -> bool:
     """Only the four event columns are set (private attributes aside), on a table with the mixin's columns."""
-    if not _plain_table(_table_of(ev)):
+    table = _table_of(ev)
+    if not _plain_table(table):
         return False
     keys = instance_state(ev).dict.keys()
-    return keys <= _FAST_KEYS or all(k in _FAST_SET or k[0] == "_" for k in keys)
+    allowed = _shape(table).fast_set
+    return keys <= _FAST_KEYS or all(k in allowed or k[0] == "_" for k in keys)
 
 
 @functools.cache
@@ -339,7 +400,7 @@ def event_for(
     return ev
 
 
-def _resolve_aggregate_id(ev: OutboxMixin) -> None:
+def _resolve_aggregate_id(ev: _Event) -> None:
     """Give an event built from a then-new aggregate the key the flush gave that aggregate."""
     aggregate = ev.__dict__.get(_AGGREGATE_ATTR)
     if aggregate is None or ev.aggregate_id is not None:
@@ -402,7 +463,7 @@ def _merge_headers(common: Mapping[str, str] | None, own: Any) -> Any:
     return {**{k: v for k, v in common.items() if not (isinstance(k, str) and k.lower() in mine)}, **own}
 
 
-def _validate_event(ev: OutboxMixin, context: Mapping[str, str]) -> tuple[str, str | None]:
+def _validate_event(ev: _Event, context: Mapping[str, str]) -> tuple[str, str | None]:
     """Validate (and normalise) an event in place; returns its payload and its headers as JSON text
     (``context``: the trace headers to add, see :func:`_tracing.trace_headers`)."""
     model, d = type(ev), instance_state(ev).dict
@@ -444,6 +505,36 @@ def _validate_event(ev: OutboxMixin, context: Mapping[str, str]) -> tuple[str, s
     return encoded, headers_text
 
 
+def _cdc_id(given: Any, what: str | Callable[[], str]) -> uuid.UUID:
+    """A CDC event's id: a new UUID, or the one given (a ``UUID`` or its text)."""
+    if given is None:
+        return uuid.uuid4()
+    if isinstance(given, uuid.UUID):
+        return given
+    try:
+        return uuid.UUID(str(given))
+    except ValueError:
+        where = what() if callable(what) else what
+        raise PayloadError(
+            f"{where}: id must be a UUID (or left out: the producer makes one), got {given!r:.80}"
+        ) from None
+
+
+def _cdc_columns(ev: CdcOutboxMixin) -> None:
+    """The CDC columns of a validated event: its id, and Debezium's ``tracingspancontext`` from its headers
+    (unless the application set it)."""
+    d = instance_state(ev).dict
+    new_id = _cdc_id(
+        d.get("id"), functools.partial(_what_event, ev.event_type, ev.aggregate_type, ev.aggregate_id)
+    )
+    if new_id is not d.get("id"):
+        ev.id = new_id
+    if d.get("tracingspancontext") is None:
+        span = span_context(d.get("headers"))
+        if span is not None:
+            ev.tracingspancontext = span
+
+
 def _job_values(
     table: Table, max_bytes: int, values: Mapping[str, Any], *, max_headers: int = 8 * 1024,
     context: Mapping[str, str] | None = None,
@@ -479,7 +570,8 @@ def _validate_job(job: JobMixin, context: Mapping[str, str]) -> tuple[str, str |
     """Validate (and normalise) a job in place; ``context``: the trace headers to add. Returns its payload and
     its headers as JSON text."""
     model, d = type(job), instance_state(job).dict
-    given = {k: d.get(k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers")}
+    given = {k: d.get(k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers",
+                                   "concurrency_key")}  # fmt: skip
     checked, encoded, headers_text = _checked_job(
         _table_of(job), model.sa_outbox_max_payload_bytes, given, max_headers=model.sa_outbox_max_headers_bytes,
         context=context,
@@ -489,6 +581,8 @@ def _validate_job(job: JobMixin, context: Mapping[str, str]) -> tuple[str, str |
             setattr(job, name, checked[name])
     if "headers" in checked and checked["headers"] != given["headers"]:
         job.headers = checked["headers"]
+    if given["max_attempts"] is None:
+        job.max_attempts = model.sa_outbox_default_max_attempts
     return encoded, headers_text
 
 
@@ -497,9 +591,11 @@ def _validate_job(job: JobMixin, context: Mapping[str, str]) -> tuple[str, str |
 _JOB_COLUMNS = frozenset(
     {"id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts", "locked_by",
      "locked_at", "lease_version", "last_error", "created_at", "finished_at", "headers", "cancel_requested_at",
-     "result", "unique_key"}
+     "result", "concurrency_key", "unique_key"}
 )  # fmt: skip
-_JOB_SET = frozenset({"task", "queue", "payload", "priority", "max_attempts", "run_at", "headers"})
+_JOB_SET = frozenset(
+    {"task", "queue", "payload", "priority", "max_attempts", "run_at", "headers", "concurrency_key"}
+)
 #: ``enqueue``'s mark on a job whose ``run_at`` is ``now() + delay`` (an SQL expression): the delay in seconds.
 _DELAY_ATTR = "_sa_outbox_delay"
 
@@ -616,18 +712,20 @@ def _lock_and_notify(conn: Connection, gate: dict[str, list[str]]) -> dict[str, 
 
 def _insert_events(
     conn: Connection,
-    events: list[OutboxMixin],
+    events: list[_Event],
     encoded: Mapping[int, tuple[str, str | None]],
     gate: dict[str, list[str]],
     *,
     all_plain: bool = False,
 ) -> dict[int, Sequence[str]]:
     """Insert ``events`` in their order (runs of plain events as one statement that first takes the locks and
-    sends the NOTIFYs of ``gate``; the gate goes alone before any other insert) and set their ids.
+    sends the NOTIFYs of ``gate``; the gate goes alone before any other insert) and set their ids; then delete
+    the rows of CDC tables in insert-then-delete mode (one statement per table).
 
     Returns, per event (``id()``), the attributes the database filled in, to expire once they are persistent.
     """
     expire: dict[int, Sequence[str]] = {}
+    gone: dict[Table, list[str]] = {}
     i = 0
     while i < len(events):
         table = _table_of(events[i])
@@ -640,6 +738,7 @@ def _insert_events(
         ):
             j += 1
         group = events[i:j]
+        shape = _shape(table)
         if plain:
             params = {
                 **gate,
@@ -649,31 +748,50 @@ def _insert_events(
                 "f_payloads": [encoded[id(ev)][0] for ev in group],
                 "f_headers": [encoded[id(ev)][1] for ev in group],
             }
-            ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
+            if shape.cdc:
+                params["f_uuids"] = [str(ev.id) for ev in group]
+                params["f_spans"] = [instance_state(ev).dict.get("tracingspancontext") for ev in group]
+            rows = run(conn, _fast_insert(table), params)
             gate = _NO_GATE
-            defaulted = _server_defaulted(table)
-            for ev, new_id in zip(group, ids, strict=True):
-                instance_state(ev).dict["id"] = new_id  # as the unit of work sets a fetched key
-                expire[id(ev)] = defaulted
+            if shape.cdc:  # ids made here, known in write order; created_at came back with them
+                created = dict(rows)
+                for ev in group:
+                    instance_state(ev).dict["created_at"] = created[ev.id]
+                    expire[id(ev)] = ()
+            else:
+                defaulted = _server_defaulted(table)
+                for ev, new_id in zip(group, sorted(r[0] for r in rows), strict=True):
+                    instance_state(ev).dict["id"] = new_id  # as the unit of work sets a fetched key
+                    expire[id(ev)] = defaulted
         else:
             gate = _lock_and_notify(conn, gate)
             for ev in group:
                 expire[id(ev)] = _insert_one(conn, table, ev)
+        if shape.delete:
+            gone.setdefault(table, []).extend(str(ev.id) for ev in group)
         i = j
     _lock_and_notify(conn, gate)
+    for table, ids in gone.items():
+        conn.execute(_delete_events(table), {"d_ids": ids})
     return expire
 
 
-def _insert_one(conn: Connection, table: Table, ev: OutboxMixin) -> list[str]:
+def _insert_one(conn: Connection, table: Table, ev: _Event) -> list[str]:
     """Insert an event with other columns set: its set attributes as bound values (SQL expressions inline),
-    column defaults by Core and the database. Returns the attributes to load from the database later."""
+    column defaults by Core and the database. Returns the attributes to load from the database later (none
+    for a CDC event: its row may be deleted at once, so every column comes back with the insert)."""
     state = instance_state(ev)
     values: dict[str, Any] = {}
     inline: dict[str, Any] = {}
     known: set[str] = set()  # attributes whose value the insert was given as is
+    cdc = _shape(table).cdc
     for prop in state.mapper.column_attrs:
         col = prop.columns[0]
-        if getattr(col, "table", None) is not table or prop.key not in state.dict or col.primary_key:
+        if (
+            getattr(col, "table", None) is not table
+            or prop.key not in state.dict
+            or (col.primary_key and not cdc)
+        ):
             continue
         value = state.dict[prop.key]
         if isinstance(value, ClauseElement):  # e.g. available_at=func.now() + …: evaluated by the database
@@ -681,6 +799,13 @@ def _insert_one(conn: Connection, table: Table, ev: OutboxMixin) -> list[str]:
         else:
             values[col.key] = value
             known.add(prop.key)
+    if cdc:
+        stmt = _row_insert_all(table)
+        row = conn.execute(stmt.values(inline) if inline else stmt, values).mappings().one()
+        for prop in state.mapper.column_attrs:
+            if prop.key not in known and prop.columns[0] in row:
+                state.dict[prop.key] = row[prop.columns[0]]
+        return []
     stmt = _row_insert(table)
     state.dict["id"] = conn.execute(stmt.values(inline) if inline else stmt, values).scalar_one()
     return [p.key for p in state.mapper.column_attrs if p.key not in known and not p.columns[0].primary_key]
@@ -689,13 +814,19 @@ def _insert_one(conn: Connection, table: Table, ev: OutboxMixin) -> list[str]:
 # --- the flush: session listeners -------------------------------------------------------------------------
 
 
+def _event_notifies(tables: Iterable[Table]) -> set[tuple[str, str]]:
+    """The NOTIFY of each outbox table written (one per table and transaction: it wakes idle dispatchers). A
+    CDC table has none: nobody polls it, its events leave through the WAL."""
+    return {(channel_for(t.name), "") for t in tables if not _shape(t).cdc}
+
+
 def _write(
     session: Session,
     anchor: Mapper[Any],
     encoded: Mapping[int, tuple[str, str | None]],
     *,
-    lock: list[OutboxMixin],
-    insert: list[OutboxMixin],
+    lock: list[_Event],
+    insert: list[_Event],
     notifies: Iterable[tuple[str, str]],
     all_plain: bool = False,
 ) -> dict[int, Sequence[str]]:
@@ -713,9 +844,7 @@ def _write(
     return expire
 
 
-def _now_persistent(
-    session: Session, written: list[OutboxMixin], expire: Mapping[int, Sequence[str]]
-) -> None:
+def _now_persistent(session: Session, written: list[_Event], expire: Mapping[int, Sequence[str]]) -> None:
     """Make events inserted in ``before_flush`` (ids set) what the ORM makes of the rows it inserts itself.
 
     ``Session._register_persistent`` is the step the unit of work runs after its own INSERTs: identity key and
@@ -728,7 +857,19 @@ def _now_persistent(
     """
     session._register_persistent({instance_state(ev) for ev in written})
     for ev in written:
-        session.expire(ev, expire[id(ev)])
+        if expire[id(ev)]:
+            session.expire(ev, expire[id(ev)])
+    _now_deleted(session, written)
+
+
+def _now_deleted(session: Session, written: Iterable[_Event]) -> None:
+    """CDC events of an insert-then-delete table are deleted rows now: what the ORM makes of a row it deleted
+    itself (``Session._remove_newly_deleted``, the unit of work's step after its DELETEs; not public API, pinned
+    by ``tests/test_cdc.py``): out of the session, detached at commit with their values still readable, transient
+    again if the transaction or savepoint rolls back."""
+    gone = [instance_state(ev) for ev in written if _shape(_table_of(ev)).delete]
+    if gone:
+        session._remove_newly_deleted(gone)
 
 
 class _Flush:
@@ -740,7 +881,7 @@ class _Flush:
         self.context = context  # the flush's UOWTransaction
         self.encoded: dict[int, tuple[str, str | None]] = {}  # id(event) -> payload, headers JSON text
         self.trace: dict[str, str] | None = None  # the trace context at this flush, read once when needed
-        self.later: list[OutboxMixin] = []  # events written by after_flush, in write order
+        self.later: list[_Event] = []  # events written by after_flush, in write order
         self.jobs: set[tuple[str, str]] = set()  # NOTIFYs (table channel, queue) not sent yet
         self.anchor: Any = None  # a mapper of the flush's rows: the bind to write on
         self.collecting = True  # session.add() now is a before_flush listener adding to this flush
@@ -752,8 +893,10 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     kind: str | None = getattr(type(obj), "sa_outbox_kind", None)
     if kind is not None and fl.trace is None:
         fl.trace = trace_headers()  # once per flush: every row of the flush is written in the same span
-    if kind == "outbox":
+    if kind in _EVENT_KINDS:
         fl.encoded[id(obj)] = _validate_event(obj, cast(dict[str, str], fl.trace))
+        if kind == "cdc":
+            _cdc_columns(obj)
     elif kind == "jobs":
         fl.encoded[id(obj)] = _validate_job(obj, cast(dict[str, str], fl.trace))
         fl.jobs.add((channel_for(_table_of(obj).name), obj.queue))
@@ -762,7 +905,7 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     return kind
 
 
-def _defer(fl: _Flush, ev: OutboxMixin) -> None:
+def _defer(fl: _Flush, ev: _Event) -> None:
     """Take ``ev`` out of the ORM's own INSERT (``listonly``): :func:`_after_flush` writes it, after the rows the
     ORM inserts (a new aggregate's key is known then); the ORM makes it persistent as if it had."""
     fl.context.register_object(instance_state(ev), listonly=True)
@@ -783,20 +926,20 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     try:
         # session.new iterates in the order the objects were added (the ORM keeps pending objects in a dict)
         candidates = session.new if instances is None else [o for o in instances if o in session.new]
-        events: list[OutboxMixin] = []
+        events: list[_Event] = []
         jobs: list[JobMixin] = []
         for o in candidates:
             if getattr(type(o), "sa_outbox_kind", None) is None:
                 continue
             kind = _take(fl, o)  # step 1, before any SQL
-            if kind == "outbox":
+            if kind in _EVENT_KINDS:
                 events.append(o)
             elif kind == "jobs" and _job_fast_eligible(o):
                 jobs.append(o)
         if not events and not fl.jobs:
             return
         if events or not jobs:
-            now: list[OutboxMixin] = []
+            now: list[_Event] = []
             tables: set[Table] = set()
             blocked: set[Table] = set()
             for ev in events:
@@ -807,7 +950,7 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
                 else:  # the table's events after this one wait with it, so that ids follow the write order
                     blocked.add(table)
                     _defer(fl, ev)
-            notifies = {(channel_for(t.name), "") for t in tables}
+            notifies = _event_notifies(tables)
             expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
                             insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
             fl.jobs.clear()
@@ -842,9 +985,9 @@ def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
             if isinstance(run_at, ClauseElement):
                 run_at, delay = None, d[_DELAY_ATTR]
             batch.append(d["task"], d["queue"], payload_text, d.get("priority"), d.get("max_attempts"), run_at,
-                         delay, headers_text)  # fmt: skip
+                         delay, headers_text, d.get("concurrency_key"))  # fmt: skip
             given = {"task", "queue", "payload", "headers"}
-            given |= {k for k in ("priority", "max_attempts") if d.get(k) is not None}
+            given |= {k for k in ("priority", "max_attempts", "concurrency_key") if d.get(k) is not None}
             if run_at is not None:
                 given.add("run_at")
             known.append(given)
@@ -878,7 +1021,7 @@ def _on_add(session: Session, instance: Any) -> None:
     fl: _Flush | None = session.info.get(_FLUSH_KEY)
     if fl is None or not fl.collecting or getattr(type(instance), "sa_outbox_kind", None) is None:
         return
-    if _take(fl, instance) == "outbox":
+    if _take(fl, instance) in _EVENT_KINDS:
         _defer(fl, instance)
 
 
@@ -896,7 +1039,7 @@ def _after_flush(session: Session, flush_context: Any) -> None:
         return
     for ev in fl.later:
         _resolve_aggregate_id(ev)
-    notifies = {(channel_for(t.name), "") for t in {_table_of(ev) for ev in fl.later}}
+    notifies = _event_notifies({_table_of(ev) for ev in fl.later})
     fl.expire = _write(
         session, fl.anchor, fl.encoded, lock=fl.later, insert=fl.later, notifies=notifies | fl.jobs
     )
@@ -913,6 +1056,7 @@ def _after_flush_postexec(session: Session, flush_context: Any) -> None:
         keys = fl.expire.get(id(ev))
         if keys:
             session.expire(ev, keys)
+    _now_deleted(session, fl.later)
 
 
 def _after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
@@ -934,13 +1078,15 @@ def _flush_pending_events(session: Session, what: str) -> None:
             f"{what} cannot run inside a flush (a flush listener): its rows would be written before the "
             "flush's own events; add OutboxEvent/Job objects to the session instead"
         )
-    if any(getattr(type(o), "sa_outbox_kind", None) == "outbox" for o in session.new):
+    if any(getattr(type(o), "sa_outbox_kind", None) in _EVENT_KINDS for o in session.new):
         session.flush()
 
 
-def _do_orm_execute(orm_state: ORMExecuteState) -> None:
+def _do_orm_execute(orm_state: ORMExecuteState) -> Any:
     """``session.execute(insert(OutboxEvent | Job), rows)``: the rows are validated and normalised, the
-    aggregates locked and the table announced before the statement runs, as for ``session.add``."""
+    aggregates locked and the table announced before the statement runs, as for ``session.add``. Rows of a CDC
+    table get their ids and ``tracingspancontext`` here, and in insert-then-delete mode the statement is run
+    here so that its rows can be deleted right after it (its result is returned)."""
     if not orm_state.is_insert:
         return
     stmt: Any = orm_state.statement
@@ -964,7 +1110,7 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     max_bytes = getattr(model, "sa_outbox_max_payload_bytes", 1024 * 1024)
     max_headers = getattr(model, "sa_outbox_max_headers_bytes", 8 * 1024)
     context = trace_headers()
-    if kind == "outbox":
+    if kind in _EVENT_KINDS:
         checked = []
         for row in rows:
             atype, aid, etype, payload, _ = _event_values(
@@ -978,12 +1124,16 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
                 "event_type": etype,
                 "payload": payload,
             }
+            what = functools.partial(_what_event, etype, atype, aid)
             if row.get("headers") is not None or context:
-                what = functools.partial(_what_event, etype, atype, aid)
                 values["headers"] = _headers_of(what, row.get("headers"), max_headers, context)[0]
+            if kind == "cdc":
+                values["id"] = _cdc_id(row.get("id"), what)
+                if row.get("tracingspancontext") is None:
+                    values["tracingspancontext"] = span_context(values.get("headers"))
             checked.append(values)
         strings = [(r["aggregate_type"], r["aggregate_id"]) for r in checked]
-        notifies = [(channel_for(table.name), "")]
+        notifies = list(_event_notifies([table]))
     else:
         checked = [
             _job_values(table, max_bytes, row, max_headers=max_headers, context=context) for row in rows
@@ -996,6 +1146,15 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> None:
     _lock_and_notify(conn, plan.gate())
     plan.record(seen)
     orm_state.parameters = checked[0] if isinstance(params, Mapping) else checked
+    own = (
+        cast(Table, model.__table__) if model is not None else table
+    )  # (the statement's is an annotated copy)
+    if kind == "cdc" and _shape(own).delete:
+        result = orm_state.invoke_statement()
+        frozen = result.freeze() if stmt.returning_column_descriptions else None  # RETURNING rows, read first
+        conn.execute(_delete_events(own), {"d_ids": [str(r["id"]) for r in checked]})
+        return frozen() if frozen is not None else result
+    return None
 
 
 _LISTENERS: tuple[tuple[str, Callable[..., Any]], ...] = (
@@ -1030,13 +1189,23 @@ def emit(
 ) -> list[int]: ...  # fmt: skip
 @overload
 def emit(
+    session: Session, model: type[CdcOutboxMixin], events: Iterable[EmitEvent], *,
+    headers: Mapping[str, str] | None = None,
+) -> list[uuid.UUID]: ...  # fmt: skip
+@overload
+def emit(
     session: AsyncSession, model: type[OutboxMixin], events: Iterable[EmitEvent], *,
     headers: Mapping[str, str] | None = None,
 ) -> Awaitable[list[int]]: ...  # fmt: skip
+@overload
 def emit(
-    session: Session | AsyncSession, model: type[OutboxMixin], events: Iterable[EmitEvent], *,
+    session: AsyncSession, model: type[CdcOutboxMixin], events: Iterable[EmitEvent], *,
     headers: Mapping[str, str] | None = None,
-) -> list[int] | Awaitable[list[int]]:  # fmt: skip
+) -> Awaitable[list[uuid.UUID]]: ...  # fmt: skip
+def emit(
+    session: Session | AsyncSession, model: type[OutboxMixin] | type[CdcOutboxMixin], events: Iterable[EmitEvent], *,
+    headers: Mapping[str, str] | None = None,
+) -> list[int] | list[uuid.UUID] | Awaitable[list[int]] | Awaitable[list[uuid.UUID]]:  # fmt: skip
     """Write events ``(aggregate_type, aggregate_id, event_type, payload)`` in the session's transaction with
     one statement — no ORM objects — and return their ids in the given order (``await`` it with an
     ``AsyncSession``).
@@ -1050,6 +1219,9 @@ def emit(
     table and transaction, rolled back with the transaction. Events added to the session and not yet flushed
     are written first, so ids follow the order the code wrote the events. For producers that write many events
     per second.
+
+    With a ``CdcOutboxMixin`` model the ids are the events' UUIDs, in the given order; no NOTIFY is sent, and
+    in insert-then-delete mode the rows are deleted again by a second statement.
     """
     context = trace_headers()  # the span active at the call, read once for every event
     if not _sync(session):
@@ -1059,14 +1231,17 @@ def emit(
 
 
 def _emit(
-    session: Session, model: type[OutboxMixin], events: Iterable[EmitEvent],
+    session: Session, model: type[OutboxMixin] | type[CdcOutboxMixin], events: Iterable[EmitEvent],
     common: Mapping[str, str] | None, context: Mapping[str, str],
-) -> list[int]:  # fmt: skip
-    table: Table = model.__table__  # type: ignore[attr-defined]
+) -> list[Any]:  # fmt: skip
+    table: Table = model.__table__  # type: ignore[union-attr]
     if not _plain_table(table):
         raise PayloadError(
-            f"emit() needs a table with exactly the OutboxMixin columns; {table.name} has others"
+            f"emit() needs a table with exactly the columns of its mixin ({model.__name__}'s "
+            f"OutboxMixin/CdcOutboxMixin); {table.name} has others: add the events with session.add()"
         )
+    shape = _shape(table)
+    spans: list[str | None] = []
     max_bytes, max_headers = model.sa_outbox_max_payload_bytes, model.sa_outbox_max_headers_bytes
     rows = []
     encoded_headers: list[str | None] = []
@@ -1079,11 +1254,14 @@ def _emit(
         row = _event_values(table, max_bytes, *given[:4])
         own = given[4] if len(given) == 5 else None
         merged = _merge_headers(common, own)
+        plain: dict[str, str] | None = None
         if merged is not None or context:
             what = functools.partial(_what_event, row[2], row[0], row[1])
-            encoded_headers.append(_headers_of(what, merged, max_headers, context)[1])
+            plain, encoded = _headers_of(what, merged, max_headers, context)
+            encoded_headers.append(encoded)
         else:
             encoded_headers.append(None)
+        spans.append(span_context(plain) if shape.cdc else None)
         rows.append(row)
     if not rows:
         return []
@@ -1091,12 +1269,20 @@ def _emit(
     conn = session.connection(bind_arguments={"mapper": _mapper_of(model)})
     seen = _Seen(session)
     plan = _plan(session, seen, strings=[(r[0], cast(str, r[1])) for r in rows],
-                 notifies=[(channel_for(table.name), "")])  # fmt: skip
-    params = {
+                 notifies=_event_notifies([table]))  # fmt: skip
+    params: dict[str, Any] = {
         **plan.gate(),
         "f_types": [r[0] for r in rows], "f_ids": [r[1] for r in rows],
         "f_events": [r[2] for r in rows], "f_payloads": [r[4] for r in rows], "f_headers": encoded_headers,
     }  # fmt: skip
+    if shape.cdc:  # the ids are made here, in the given order
+        new_ids = [uuid.uuid4() for _ in rows]
+        params["f_uuids"], params["f_spans"] = [str(i) for i in new_ids], spans
+        run(conn, _fast_insert(table), params)
+        if shape.delete:
+            conn.execute(_delete_events(table), {"d_ids": params["f_uuids"]})
+        plan.record(seen)
+        return new_ids
     ids = sorted(r[0] for r in run(conn, _fast_insert(table), params))
     plan.record(seen)
     return ids
@@ -1176,14 +1362,15 @@ def enqueue(
     session: Session | AsyncSession, job_model: type[J], task: str, payload: Any, *,
     queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
     max_attempts: int | None = None, registry: Collection[str] | None = None,
-    headers: Mapping[str, str] | None = None, unique_key: None = None,
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: None = None,
 ) -> J: ...  # fmt: skip
 @overload
 def enqueue(
     session: Session, job_model: type[J], task: str, payload: Any, *,
     queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
     max_attempts: int | None = None, registry: Collection[str] | None = None,
-    headers: Mapping[str, str] | None = None, unique_key: str, on_conflict: OnConflict = "skip",
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: str,
+    on_conflict: OnConflict = "skip",
     debounce: Duration | None = None, max_delay: Duration | None = None,
 ) -> Enqueued: ...  # fmt: skip
 @overload
@@ -1191,7 +1378,8 @@ def enqueue(
     session: AsyncSession, job_model: type[J], task: str, payload: Any, *,
     queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
     max_attempts: int | None = None, registry: Collection[str] | None = None,
-    headers: Mapping[str, str] | None = None, unique_key: str, on_conflict: OnConflict = "skip",
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: str,
+    on_conflict: OnConflict = "skip",
     debounce: Duration | None = None, max_delay: Duration | None = None,
 ) -> Awaitable[Enqueued]: ...  # fmt: skip
 def enqueue(
@@ -1206,6 +1394,7 @@ def enqueue(
     max_attempts: int | None = None,
     registry: Collection[str] | None = None,
     headers: Mapping[str, str] | None = None,
+    concurrency_key: str | None = None,
     unique_key: str | None = None,
     on_conflict: OnConflict = "skip",
     debounce: Duration | None = None,
@@ -1234,13 +1423,15 @@ def enqueue(
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
     rather than at run time. ``headers`` (string names and values, see ``_payload.check_headers``) reach the
-    handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``. Invalid values raise
-    :class:`PayloadError` before anything is written.
+    handler as ``job.headers``; a span active now adds its ``traceparent``/``tracestate``.
+    ``concurrency_key`` groups the job for a per-key limit (``Worker(limits={queue: Limit(n, per_key=True)})``).
+    Invalid values raise :class:`PayloadError` before anything is written.
     """
     if unique_key is not None or on_conflict != "skip" or debounce is not None or max_delay is not None:
         options = {"task": task, "payload": payload, "queue": queue, "priority": priority, "run_at": run_at,
-                   "max_attempts": max_attempts, "headers": headers, "unique_key": unique_key,
-                   "on_conflict": on_conflict, "debounce": debounce, "max_delay": max_delay}  # fmt: skip
+                   "max_attempts": max_attempts, "headers": headers, "concurrency_key": concurrency_key,
+                   "unique_key": unique_key, "on_conflict": on_conflict, "debounce": debounce,
+                   "max_delay": max_delay}  # fmt: skip
         batch = _enqueue.prepare(
             job_model, [options], context=trace_headers(), registry=registry, single=True
         )
@@ -1256,6 +1447,10 @@ def enqueue(
         values["max_attempts"] = max_attempts
     if headers is not None:
         values["headers"] = headers
+    if concurrency_key is not None:
+        if not isinstance(concurrency_key, str):
+            raise PayloadError(f"job {task!r}: concurrency_key must be a string, got {concurrency_key!r}")
+        values["concurrency_key"] = concurrency_key
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:
@@ -1291,7 +1486,7 @@ def enqueue_many(
 
     ``jobs`` are ``(task, payload)`` tuples or mappings with ``task``, ``payload`` and any of
     :func:`enqueue`'s options (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``,
-    ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``). Every item is validated before any SQL:
+    ``concurrency_key``, ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``). Every item is validated before any SQL:
     one bad item raises :class:`PayloadError` naming it (``jobs[i]``) and nothing is written. Items with a
     unique key follow :func:`enqueue`'s rules and get the key's job's id (items of one key in one call share
     it; one key may not have two ``on_conflict`` rules in a call). One NOTIFY per queue and transaction; a

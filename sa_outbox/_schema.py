@@ -1,11 +1,11 @@
 """Declarative mixins for the outbox and jobs tables.
 
-``class OutboxEvent(OutboxMixin, Base): __tablename__ = "outbox"`` gives exactly the outbox schema of the
-outbox document (§3.1): identity ``id``, the event columns, and the dispatcher columns (``status``,
+``class OutboxEvent(OutboxMixin, Base): __tablename__ = "outbox"`` gives the outbox schema of
+docs/design.md "The tables": identity ``id``, the event columns, and the dispatcher columns (``status``,
 ``available_at``, ``attempts``, ``lease_owner``, ``lease_until``, ``lease_version``, ``last_error``,
 ``done_at``), with database-side defaults and the partial indexes the claims need.
 
-``class Job(JobMixin, Base): __tablename__ = "jobs"`` gives the jobs schema of the jobs document plus
+``class Job(JobMixin, Base): __tablename__ = "jobs"`` gives the jobs schema (docs/design.md "The tables") plus
 ``task`` (routes a job to its handler) and ``lease_version`` (the fencing token: a worker whose job was
 reaped and re-claimed cannot finalize it).
 
@@ -17,6 +17,7 @@ side in one database and a user's own ``naming_convention`` does not rename them
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from typing import Any, ClassVar, Self
 
@@ -31,6 +32,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
+    Uuid,
     desc,
     text,
 )
@@ -40,12 +42,13 @@ from sqlalchemy.sql.elements import conv
 
 from . import _producer, migration
 from ._enqueue import UNIQUE_ACTIVE, UNIQUE_WAITING
-from ._sql import queue_table
+from ._sql import queue_table, starts_table
 
 __all__ = [
     "CATCH_UP_POLICIES",
     "JOB_STATUSES",
     "OUTBOX_STATUSES",
+    "CdcOutboxMixin",
     "JobMixin",
     "OutboxMixin",
     "ScheduleMixin",
@@ -65,7 +68,7 @@ def _status_check(column: str, statuses: tuple[str, ...]) -> str:
 
 
 class OutboxMixin:
-    """Columns, constraints and partial indexes of an outbox table (outbox document §3.1).
+    """Columns, constraints and partial indexes of an outbox table (docs/design.md "The tables").
 
     Subclasses may set ``sa_outbox_max_payload_bytes`` (default 1 MiB of encoded JSON) to change the size
     limit the producer enforces at flush, and ``sa_outbox_max_headers_bytes`` (default 8 KiB of header names
@@ -152,7 +155,7 @@ class OutboxMixin:
 
 
 class JobMixin:
-    """Columns, constraints and partial indexes of a jobs table (jobs document, plus task and fencing)."""
+    """Columns, constraints and partial indexes of a jobs table (docs/design.md "The tables": the queue columns, task, fencing)."""
 
     sa_outbox_kind: ClassVar[str] = "jobs"
     #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs
@@ -191,6 +194,8 @@ class JobMixin:
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     #: What the handler returned (a JSON value), written with the fenced completion.
     result: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True), nullable=True)
+    #: Groups jobs for a per-key concurrency or rate limit (``Limit(per_key=True)``); '' when not given.
+    concurrency_key: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
     #: ``enqueue(…, unique_key=…)``: at most one job per key waits to start (``ux_<t>_unique``), and with
     #: ``Worker(…, unique_running=True)`` at most one per key runs. NULL: an ordinary job.
     unique_key: Mapped[str | None] = mapped_column(Text)
@@ -223,6 +228,13 @@ class JobMixin:
             ),
             # Dead letters: `dead list`, `status` and `check` count them without reading done rows.
             Index(conv(f"ix_{t}_failed"), "id", postgresql_where=text("status = 'failed'")),
+            # Limits: a limited queue's claim counts its running jobs (per concurrency key) through this.
+            Index(
+                conv(f"ix_{t}_limited"),
+                "queue",
+                "concurrency_key",
+                postgresql_where=text("status = 'running'"),
+            ),
             # A unique key belongs to the key's job that has not started yet: queued and never claimed
             # (lease_version 0). The arbiter of enqueue's INSERT … ON CONFLICT; a claimed job leaves it, so a
             # retried job going back to queued never conflicts with the key's next job.
@@ -257,10 +269,78 @@ class JobMixin:
 
 
 def _add_queue_table(cls: Any) -> None:
-    """A jobs model's companion table ``<jobs>_queues`` on the same metadata (so autogenerate sees it)."""
+    """A jobs model's companion tables ``<jobs>_queues`` and ``<jobs>_starts`` on the same metadata (so
+    autogenerate sees them)."""
     table = getattr(cls, "__table__", None)
     if isinstance(table, Table) and table.info.get("sa_outbox_kind") == "jobs":
         queue_table(table)
+        starts_table(table)
+
+
+class CdcOutboxMixin:
+    """An insert-only outbox table for change data capture: Debezium's outbox event router reads its rows
+    from the WAL (see docs/cdc.md; ``sa-outbox cdc debezium-config`` prints the connector configuration).
+
+    Written by the same producer paths as :class:`OutboxMixin` (``session.add`` and the flush hook,
+    :meth:`for_aggregate`, :func:`~sa_outbox.emit`, ORM-enabled ``INSERT``): validated, locked per aggregate,
+    with headers and the trace context. No dispatcher ever touches it (the router refuses UPDATEs, and a
+    ``Dispatcher`` refuses this model), so it has no status or lease columns:
+
+    * ``id`` — a UUID made by the producer (``gen_random_uuid()`` for rows written another way): the event id
+      the router puts in the ``id`` header, the consumers' de-duplication key;
+    * ``aggregate_type``, ``aggregate_id``, ``event_type``, ``payload`` (``jsonb``), ``headers`` (``jsonb``,
+      NULL for none), ``created_at`` — as in :class:`OutboxMixin`;
+    * ``tracingspancontext`` — the trace context of the ``traceparent``/``tracestate`` headers as the text of
+      a ``java.util.Properties`` (``traceparent=…``), the column the event router's tracing reads; NULL
+      without a ``traceparent``.
+
+    ``sa_outbox_delete_after_insert`` (default ``True``): the producer deletes each row again in the
+    transaction that inserted it — "insert then delete", as Debezium's own Quarkus outbox extension does by
+    default (``remove-after-insert``): the table stays empty, the WAL keeps the insert (the router drops the
+    delete). ``False`` keeps the rows (retention is then yours). The
+    size limits are those of :class:`OutboxMixin`.
+    """
+
+    sa_outbox_kind: ClassVar[str] = "cdc"
+    sa_outbox_delete_after_insert: ClassVar[bool] = True
+    sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, server_default=text("gen_random_uuid()"))
+    aggregate_type: Mapped[str] = mapped_column(Text, nullable=False)
+    aggregate_id: Mapped[str] = mapped_column(Text, nullable=False)
+    event_type: Mapped[str] = mapped_column(Text, nullable=False)
+    payload: Mapped[Any] = mapped_column(JSONB(none_as_null=True), nullable=False)
+    headers: Mapped[dict[str, str] | None] = mapped_column(JSONB(none_as_null=True))
+    #: Set by the producer from the ``traceparent``/``tracestate`` headers (Debezium's ``tracingspancontext``).
+    tracingspancontext: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        t: str = cls.__tablename__  # type: ignore[attr-defined]
+        info = {
+            "sa_outbox_kind": "cdc",
+            "sa_outbox_delete_after_insert": bool(cls.sa_outbox_delete_after_insert),
+        }
+        # No secondary index: nothing reads the table (the WAL is read), and every index costs each insert.
+        return (PrimaryKeyConstraint("id", name=conv(f"pk_{t}")), {"info": info})
+
+    @classmethod
+    def for_aggregate(
+        cls, aggregate: Any, event_type: str, payload: Any, *, aggregate_type: str | None = None
+    ) -> Self:
+        """An event of this model for a mapped aggregate instance, as :meth:`OutboxMixin.for_aggregate`."""
+        return _producer.event_for(cls, aggregate, event_type, payload, aggregate_type=aggregate_type)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        _producer.install()  # the producer's flush hook writes (and deletes) this model's rows
+        super().__init_subclass__(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} id={self.id} {self.aggregate_type}/{self.aggregate_id} {self.event_type}>"
 
 
 class ScheduleMixin:

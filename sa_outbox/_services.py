@@ -144,7 +144,8 @@ class Circuit:
                 self.opened_at = now
                 return "opened"
             return None
-        if self.state == "probing" and any(o.kind != "release" for o in outcomes):
+        # A delivery while not closed (the probe's, or an explicit run_once while open): the destination is back.
+        if self.state != "closed" and any(o.kind != "release" for o in outcomes):
             self.state, self.failures = "closed", 0
             return "closed"
         return None

@@ -18,6 +18,8 @@ from sqlalchemy import (
     Column,
     DateTime,
     Float,
+    Identity,
+    Index,
     Integer,
     Interval,
     PrimaryKeyConstraint,
@@ -30,6 +32,7 @@ from sqlalchemy import (
     column,
     exists,
     func,
+    insert,
     literal,
     literal_column,
     not_,
@@ -44,7 +47,7 @@ from sqlalchemy.sql.elements import conv
 
 from .errors import SchemaError
 
-__all__ = ["QueueSpec", "queue_table", "spec_for"]
+__all__ = ["QueueSpec", "queue_table", "spec_for", "starts_table"]
 
 # Error texts stored in last_error are cut to this many characters.
 LAST_ERROR_MAX = 2000
@@ -68,9 +71,7 @@ class QueueSpec:
     lease_until: Column[Any] | None
     locked_at: Column[Any] | None
     finish_on_dead: bool  # jobs stamp finished_at on failed; the outbox leaves done_at for done rows only
-    clear_error_on_done: (
-        bool  # the outbox clears last_error on done (its document does); jobs keep the history
-    )
+    clear_error_on_done: bool  # the outbox clears last_error on done; jobs keep the history
     key_share: bool  # FOR NO KEY UPDATE (jobs: child tables may reference jobs) vs FOR UPDATE (outbox)
 
     @property
@@ -417,10 +418,16 @@ def finalize_statement(spec: QueueSpec) -> Update:
     finished_when = [(o.c.status == spec.done, func.now())]
     if spec.finish_on_dead:
         finished_when.append((o.c.status == spec.dead, func.now()))
+    status: ColumnElement[Any] = o.c.status
     if spec.kind == "jobs":
-        finished_when.append((o.c.status == "cancelled", func.now()))
+        # A job whose cancellation was requested while it ran is not run again: a retry becomes cancelled.
+        status = case(
+            (and_(o.c.status == spec.ready, c.cancel_requested_at.is_not(None)), literal("cancelled")),
+            else_=o.c.status,
+        )
+        finished_when.append((status == "cancelled", func.now()))
     values: dict[str, Any] = {
-        "status": o.c.status,
+        "status": status,
         spec.due.name: case(
             (o.c.delay.is_(None), spec.due),
             else_=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, o.c.delay),
@@ -688,4 +695,182 @@ def queue_table(jobs: Table) -> Table:
         PrimaryKeyConstraint("queue", name=conv(f"pk_{name}")),
         schema=jobs.schema,
         info={"sa_outbox_kind": "queues", "sa_outbox_jobs": jobs.name},
+    )
+
+
+def starts_table(jobs: Table) -> Table:
+    """``<jobs>_starts``: when each job of a rate-limited queue started (one row per claim, per concurrency key
+    when the limit is per key). The claim of a rate-limited queue counts the rows of its window and adds its
+    own in the same transaction; the maintenance step deletes rows older than the window."""
+    name = f"{jobs.name}_starts"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    existing = jobs.metadata.tables.get(key)
+    if existing is not None:
+        return existing
+    return Table(
+        name,
+        jobs.metadata,
+        Column("id", BigInteger, Identity(always=True), nullable=False),
+        Column("queue", Text, nullable=False),
+        Column("key", Text, nullable=False),
+        Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint("id", name=conv(f"pk_{name}")),
+        Index(conv(f"ix_{name}_window"), "queue", "key", "at"),
+        schema=jobs.schema,
+        info={"sa_outbox_kind": "starts", "sa_outbox_jobs": jobs.name},
+    )
+
+
+# --- limited queues: concurrency and rate limits enforced from the rows -------------------------------------
+
+
+def _limit_key(spec: QueueSpec, per_key: bool, table: Any = None) -> Any:
+    c = (table if table is not None else spec.table).c
+    return c.concurrency_key if per_key else literal("", Text)
+
+
+@cache
+def limited_pick_statement(spec: QueueSpec, *, per_key: bool) -> Select[Any]:
+    """First statement of a limited queue's claim transaction: up to ``:batch`` due jobs of ``:queue_name`` in
+    claim order, locked (``FOR NO KEY UPDATE SKIP LOCKED``), skipping keys whose running jobs already reach
+    ``:n`` (a snapshot-old filter that only saves work: the second statement counts again). Returns
+    (id, key) of the picked jobs whose key this transaction could lock — ``pg_try_advisory_xact_lock`` on the
+    queue and key, never waited for: a key another worker is claiming right now is left to it.
+
+    Walks the dequeue index like the plain claim; jobs of a saturated key are skipped, so their number is what
+    a claim costs extra (the ordered outbox claim has the same shape)."""
+    t, c = spec.table, spec.c
+    running = t.alias("running")
+    key = _limit_key(spec, per_key)
+    busy = (
+        select(func.count())
+        .select_from(running)
+        .where(
+            running.c.status == const("running"),
+            running.c.queue == c.queue,
+            *([running.c.concurrency_key == c.concurrency_key] if per_key else []),
+        )
+        .scalar_subquery()
+    )
+    n = bindparam("n", type_=Integer)
+    picked = (
+        select(c.id, key.label("key"), c.priority, c.run_at)
+        .where(
+            c.status == const(spec.ready),
+            spec.due <= func.now(),
+            c.queue == bindparam("queue_name", type_=Text),
+            or_(n.is_(None), busy < n),
+        )
+        .order_by(*spec.claim_order())
+        .limit(bindparam("batch", type_=Integer))
+        .with_for_update(skip_locked=True, key_share=True)
+        .cte("picked")
+        .prefix_with("MATERIALIZED")
+    )
+    keys = select(picked.c.key).distinct().order_by(picked.c.key).subquery("keys")
+    locked = select(keys.c.key).where(
+        func.pg_try_advisory_xact_lock(
+            func.hashtextextended(
+                func.concat("sa_outbox.limit:", bindparam("queue_name", type_=Text), ":", keys.c.key), 0
+            )
+        )
+    )
+    return (
+        select(picked.c.id, picked.c.key)
+        .where(picked.c.key == any_(func.array(locked.scalar_subquery())))
+        .order_by(picked.c.priority.desc(), picked.c.run_at, picked.c.id)
+    )
+
+
+@cache
+def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> Any:
+    """Second statement of a limited queue's claim transaction, with a snapshot taken after the advisory locks
+    of the first: of the picked jobs (``:ids``/``:keys`` in claim order, still row-locked by this transaction),
+    claim per key only what fits — ``:n`` minus the key's running jobs (when there is a concurrency limit) and
+    ``:rate_count`` minus the key's starts in the last ``:rate_window`` (when there is a rate) — and log the
+    starts. Returns the claimed rows as the plain claim does. Every claimer of a key holds its lock while it
+    counts and claims, so no two can both see room for the same slot: from the rows, across every host."""
+    t, c = spec.table, spec.c
+    cand = (
+        func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("keys", type_=ARRAY(Text)))
+        .table_valued(column("id", BigInteger), column("key", Text), with_ordinality="ord")
+        .render_derived(name="cand")
+    )
+    running = t.alias("running")
+    distinct_keys = select(cand.c.key).distinct().subquery("k")
+    busy = (
+        select(func.count())
+        .select_from(running)
+        .where(
+            running.c.status == const("running"),
+            running.c.queue == bindparam("queue_name", type_=Text),
+            *([running.c.concurrency_key == distinct_keys.c.key] if per_key else []),
+        )
+        .scalar_subquery()
+    )
+    big = literal(2**31 - 1, Integer)
+    n = bindparam("n", type_=Integer)
+    room: Any = case((n.is_(None), big), else_=n - busy)
+    if rate:
+        starts = starts_table(t)
+        recent = (
+            select(func.count())
+            .select_from(starts)
+            .where(
+                starts.c.queue == bindparam("queue_name", type_=Text),
+                starts.c.key == distinct_keys.c.key,
+                starts.c.at
+                > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
+            )
+            .scalar_subquery()
+        )
+        room = func.least(room, bindparam("rate_count", type_=Integer) - recent)
+    allow = select(distinct_keys.c.key, room.label("room")).cte("allow")
+    ranked = select(
+        cand.c.id,
+        cand.c.key,
+        func.row_number().over(partition_by=cand.c.key, order_by=cand.c.ord).label("rn"),
+    ).subquery("ranked")
+    chosen = select(ranked.c.id).join(allow, allow.c.key == ranked.c.key).where(ranked.c.rn <= allow.c.room)
+    values: dict[str, Any] = {
+        "status": const(spec.active),
+        spec.owner.name: bindparam("owner", type_=Text),
+        "lease_version": c.lease_version + 1,
+        "attempts": c.attempts + 1,
+        **spec.lease_values(),
+    }
+    claimed = (
+        update(t)
+        .where(c.id == any_(func.array(chosen.scalar_subquery())), c.status == const(spec.ready))
+        .values(values)
+        .returning(*claim_returning(spec), c.concurrency_key.label("limit_key"))
+        .cte("claimed")
+    )
+    if not rate:
+        return select(*[claimed.c[col.name] for col in claim_returning(spec)])
+    starts = starts_table(t)
+    logged = (
+        insert(starts)
+        .from_select(
+            ["queue", "key"],
+            select(claimed.c.queue, claimed.c.limit_key if per_key else literal("", Text)),
+        )
+        .returning(starts.c.id)
+        .cte("logged")
+    )
+    return select(*[claimed.c[col.name] for col in claim_returning(spec)]).where(
+        select(func.count()).select_from(logged).scalar_subquery() >= 0
+    )
+
+
+@cache
+def forget_starts_statement(spec: QueueSpec) -> Any:
+    """Delete starts of ``:queue_name`` older than ``:rate_window`` (the once-a-second maintenance)."""
+    from sqlalchemy import delete
+
+    starts = starts_table(spec.table)
+    return delete(starts).where(
+        starts.c.queue == bindparam("queue_name", type_=Text),
+        starts.c.at
+        < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
     )

@@ -17,7 +17,8 @@ from sqlalchemy import Connection
 
 from . import _sql
 from ._backoff import Backoff
-from ._execute import run
+from ._execute import run, transaction
+from ._limits import Limit
 from ._sql import QueueSpec
 from .errors import Defer, PermanentError
 
@@ -27,11 +28,13 @@ __all__ = [
     "Outcome",
     "cancelled",
     "claim",
+    "claim_limited",
     "decide",
     "describe_error",
     "extend",
     "finalize",
     "finalize_and_claim",
+    "forget_starts",
     "release",
     "rescue",
     "run",
@@ -72,7 +75,7 @@ def decide(
     error: BaseException | None,
     backoff: Backoff,
 ) -> Outcome:
-    """The failure classes of the outbox document §4, for both tables.
+    """The failure classes (docs/design.md "The failure classes"), for both tables.
 
     * success → done;
     * :class:`Defer` → back to ready at ``now() + delay``, the attempt refunded (deferring never exhausts
@@ -227,6 +230,38 @@ def claim(
     )
     rows.sort(key=lambda r: r[0])
     return rows
+
+
+def claim_limited(
+    conn: Connection, spec: QueueSpec, *, owner: str, batch: int, queue: str, limit: Limit
+) -> list[Any]:
+    """Claim up to ``batch`` jobs of a limited queue (see :mod:`sa_outbox._limits`): in one short transaction,
+    pick and lock candidates and the advisory locks of their keys, then — with a snapshot taken after those
+    locks — claim per key only what the running jobs and the rate window leave room for. Rows as
+    :func:`claim` returns them."""
+    per_key, rate = limit.per_key, limit.rate_count is not None
+    with transaction(conn):
+        picked = run(
+            conn,
+            _sql.limited_pick_statement(spec, per_key=per_key),
+            {"queue_name": queue, "batch": batch, "n": limit.concurrency},
+        )
+        if not picked:
+            return []
+        params: dict[str, Any] = {
+            "queue_name": queue, "owner": owner, "n": limit.concurrency,
+            "ids": [p[0] for p in picked], "keys": [p[1] for p in picked],
+        }  # fmt: skip
+        if rate:
+            params.update(rate_count=limit.rate_count, rate_window=limit.rate_window)
+        rows = run(conn, _sql.limited_claim_statement(spec, per_key=per_key, rate=rate), params)
+    rows.sort(key=lambda r: r[0])
+    return rows
+
+
+def forget_starts(conn: Connection, spec: QueueSpec, queue: str, window: float) -> None:
+    """Delete the starts of ``queue`` older than its rate window."""
+    run(conn, _sql.forget_starts_statement(spec), {"queue_name": queue, "rate_window": window})
 
 
 def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> set[int]:

@@ -6,7 +6,9 @@ the loop; the claim is always the SKIP LOCKED statement, and polling stays the c
 notification can be lost: a LISTEN connection that drops, a producer that does not send one). The LISTEN
 connection is a direct psycopg connection, separate from the engine's pool — through PgBouncer in
 transaction mode LISTEN receives nothing, so point ``listen_url`` at the server itself, or turn wake-ups off
-(poll only).
+(poll only). Each new LISTEN connection checks itself: it NOTIFYs a private channel from a second connection
+and waits for it (up to ``PROBE_TIMEOUT``); a connection that does not hear it (a pooler) is closed with a
+warning naming ``listen_url``, and the loop polls, trying again after ``PROBE_RETRY``.
 
 :class:`Waker` (threads) and :class:`AsyncWaker` (asyncio) implement the same protocol: ``wait(timeout)``
 returns ``"notify"``, ``"poke"`` or ``None`` (timeout); ``poke()`` may be called from any thread.
@@ -20,6 +22,7 @@ import logging
 import os
 import select
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -34,6 +37,11 @@ __all__ = ["AsyncWaker", "Wake", "Waker", "libpq_url"]
 log = logging.getLogger("sa_outbox.wakeup")
 
 Wake = Literal["notify", "poke"] | None
+
+#: How long a new LISTEN connection waits for its own probe notification before it counts as deaf.
+PROBE_TIMEOUT = 2.0
+#: After a deaf LISTEN connection (a pooler in transaction mode), how long the loop polls before trying again.
+PROBE_RETRY = 300.0
 
 
 def libpq_url(url: str | URL) -> str:
@@ -60,6 +68,24 @@ class _Listen:
     def statements(self) -> list[psql.Composed]:
         return [psql.SQL("LISTEN {}").format(psql.Identifier(ch)) for ch in self.channels]
 
+    def probe(self) -> tuple[str, psql.Composed, psql.Composed]:
+        """A private channel, and the statements to LISTEN on it and to NOTIFY it (the LISTEN stays: nothing
+        notifies that channel again)."""
+        channel = f"sa_outbox_probe_{uuid.uuid4().hex}"
+        ident = psql.Identifier(channel)
+        return channel, psql.SQL("LISTEN {}").format(ident), psql.SQL("NOTIFY {}").format(ident)
+
+    def deaf(self) -> None:
+        """The new LISTEN connection did not hear its own probe: poll, and say why and what to do."""
+        self.next_try = time.monotonic() + PROBE_RETRY
+        shown = make_url(self.url or "").render_as_string(hide_password=True)
+        log.warning(
+            "the LISTEN connection to %s did not receive its own test notification within %.0fs: it is most "
+            "likely a pooler in transaction mode (PgBouncer), where LISTEN receives nothing. Polling only; "
+            "pass listen_url= the database server itself (or listen=False to silence this); trying again in "
+            "%.0fs", shown, PROBE_TIMEOUT, PROBE_RETRY, extra={"listen_url": shown},
+        )  # fmt: skip
+
 
 class Waker:
     """The threaded waker: ``select()`` on the LISTEN socket and a self-pipe that :meth:`poke` writes to."""
@@ -79,15 +105,40 @@ class Waker:
         if self._conn is not None or not self._listen.may_connect():
             return self._conn
         assert self._listen.url is not None
+        conn: psycopg.Connection[Any] | None = None
         try:
             conn = psycopg.connect(self._listen.url, autocommit=True, application_name="sa_outbox.listen")
             for statement in self._listen.statements():
                 conn.execute(statement)
+            heard = self._probe(conn)
         except psycopg.Error as exc:
+            if conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
             self._listen.failed(exc, "LISTEN connection failed")
+            return None
+        if not heard:
+            conn.close()
+            self._listen.deaf()
             return None
         self._conn = conn
         return conn
+
+    def _probe(self, conn: psycopg.Connection[Any]) -> bool:
+        """NOTIFY a private channel from a second connection; whether ``conn`` hears it. Notifications on the
+        table's channels that arrive meanwhile are not lost: they count as a wake-up (a poke)."""
+        assert self._listen.url is not None
+        channel, listen, notify = self._listen.probe()
+        conn.execute(listen)
+        with psycopg.connect(self._listen.url, autocommit=True, application_name="sa_outbox.listen") as other:
+            other.execute(notify)
+        heard = False
+        for n in conn.notifies(timeout=PROBE_TIMEOUT):
+            if n.channel == channel:
+                heard = True
+                break
+            self.poke()  # one of ours: do not swallow it
+        return heard
 
     def poke(self) -> None:
         """Wake a :meth:`wait` in progress (or the next one) — safe from any thread."""
@@ -176,17 +227,46 @@ class AsyncWaker:
         if self._conn is not None or not self._listen.may_connect():
             return self._conn
         assert self._listen.url is not None
+        conn: psycopg.AsyncConnection[Any] | None = None
         try:
             conn = await psycopg.AsyncConnection.connect(
                 self._listen.url, autocommit=True, application_name="sa_outbox.listen"
             )
             for statement in self._listen.statements():
                 await conn.execute(statement)
+            heard = await self._probe(conn)
         except psycopg.Error as exc:
+            if conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
             self._listen.failed(exc, "LISTEN connection failed")
+            return None
+        if not heard:
+            await conn.close()
+            self._listen.deaf()
             return None
         self._conn = conn
         return conn
+
+    async def _probe(self, conn: psycopg.AsyncConnection[Any]) -> bool:
+        """As :meth:`Waker._probe`."""
+        assert self._listen.url is not None
+        channel, listen, notify = self._listen.probe()
+        await conn.execute(listen)
+        other = await psycopg.AsyncConnection.connect(
+            self._listen.url, autocommit=True, application_name="sa_outbox.listen"
+        )
+        try:
+            await other.execute(notify)
+        finally:
+            await other.close()
+        heard = False
+        async for n in conn.notifies(timeout=PROBE_TIMEOUT):
+            if n.channel == channel:
+                heard = True
+                break
+            self._poked.set()  # one of ours: do not swallow it
+        return heard
 
     async def wait(self, timeout: float) -> Wake:
         """Wait up to ``timeout`` seconds; say what woke the loop (``None``: the timeout)."""

@@ -51,6 +51,7 @@ from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
 from ._db import AsyncLoopConnection, LoopConnection
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
+from ._limits import Limit
 from ._messages import CancelToken, ClaimedJob
 from ._payload import encode_payload
 from ._sql import QueueSpec, queue_table
@@ -221,6 +222,10 @@ class WorkerBase(LoopBase):
     disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
     shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
     ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``;
+    ``queues`` may map each queue to its share — ``{"mail": 4, "reports": 1}``: at most that many of its
+    jobs in hand at once (the shares add up to ``concurrency`` unless it is given), and the queues take turns
+    being claimed first. ``limits`` maps a queue to a :class:`~sa_outbox.Limit` — fleet-wide
+    concurrency (per queue or per ``concurrency_key``) and rate, enforced from the rows at claim time;
     ``unknown_task_grace`` (default 1 h): a job whose task this worker has no handler for — producers often
     deploy before workers — is deferred (attempt refunded, 30 s at a time, so workers that know the task take
     it meanwhile) until it is that old (database clock), then fails with a clear error.
@@ -238,7 +243,7 @@ class WorkerBase(LoopBase):
         model: type[Any],
         handlers: Mapping[str, Handler] | None = None,
         *,
-        queues: Iterable[str] = ("default",),
+        queues: Iterable[str] | Mapping[str, int] = ("default",),
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
@@ -252,6 +257,7 @@ class WorkerBase(LoopBase):
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
+        limits: Mapping[str, Limit] | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -260,9 +266,22 @@ class WorkerBase(LoopBase):
         )  # fmt: skip
         if isinstance(queues, str):
             raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
+        #: The mapping form's shares: at most this many of each queue's jobs in hand at once (fair queues).
+        self.shares: dict[str, int] | None = None
+        if isinstance(queues, Mapping):
+            self.shares = {q: positive_int(n, f"the share of queue {q!r}") for q, n in queues.items()}
         self.queues = list(dict.fromkeys(queues))
         if not self.queues or not all(isinstance(q, str) and q for q in self.queues):
             raise ConfigurationError(f"queues must be non-empty queue names, got {self.queues!r}")
+        self.limits: dict[str, Limit] = dict(limits or {})
+        for name, limit in self.limits.items():
+            if name not in self.queues:
+                raise ConfigurationError(f"limits name queue {name!r}, which this worker does not serve")
+            if not isinstance(limit, Limit):
+                raise ConfigurationError(
+                    f"the limit of queue {name!r} must be a sa_outbox.Limit, got {limit!r}"
+                )
+        self._turn_of = 0
         self.handlers: TaskRegistry = TaskRegistry()
         for name, fn in (handlers or {}).items():
             self._check_handler(name, fn)
@@ -273,6 +292,8 @@ class WorkerBase(LoopBase):
             raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
         self.heartbeat: float | None = beat.total_seconds() or None
         self.concurrency = positive_int(concurrency, "concurrency")
+        if self.shares is not None and concurrency == 1:
+            self.concurrency = sum(self.shares.values())
         self.handler_timeout: float | None = (
             None
             if handler_timeout is None
@@ -317,14 +338,43 @@ class WorkerBase(LoopBase):
     # -- decisions -------------------------------------------------------------------------------------
 
     def _claim_params(self) -> list[dict[str, Any]]:
-        return [{"queue": q} for q in self.queues if q not in self._paused]
+        """One claim per queue that is not paused: limited queues with their Limit, and with the mapping form
+        each queue's room (its share minus its jobs in hand). A list is claimed in its order (strict priority);
+        with the mapping form the queues take turns being first, so a flood in one starves no other."""
+        queues = [q for q in self.queues if q not in self._paused]
+        if self.shares is not None and len(queues) > 1:
+            self._turn_of = (self._turn_of + 1) % len(queues)
+            queues = queues[self._turn_of :] + queues[: self._turn_of]
+        in_hand: dict[str, int] = {}
+        if self.shares is not None:
+            for job in list(self._queue) + [r.job for r in self._running_jobs()]:
+                in_hand[job.queue] = in_hand.get(job.queue, 0) + 1
+        params: list[dict[str, Any]] = []
+        for q in queues:
+            p: dict[str, Any] = {"queue": q}
+            if q in self.limits:
+                p["limit"] = self.limits[q]
+            if self.shares is not None:
+                p["room"] = self.shares[q] - in_hand.get(q, 0)
+                if p["room"] <= 0:
+                    continue
+            params.append(p)
+        return params
+
+    def _running_jobs(self) -> list[_Running]:
+        """The handlers running now (each flavour keeps its own table of them)."""
+        return list(getattr(self, "_running", {}).values())
 
     def _rescue_params(self) -> dict[str, Any]:
         return {"stale_after": self.stale_after, "limit": self.rescue_limit}
 
     def _rescue_on(self, conn: Connection) -> None:
-        """The once-a-second maintenance: rescue expired leases, and learn which of our queues are paused."""
+        """The once-a-second maintenance: rescue expired leases, forget starts older than each rate window, and
+        learn which of our queues are paused."""
         super()._rescue_on(conn)
+        for name, limit in self.limits.items():
+            if limit.rate_window is not None:
+                _steps.forget_starts(conn, self.spec, name, limit.rate_window)
         table = self._pause_table
         if table is None:
             return
@@ -530,7 +580,7 @@ class Worker(WorkerBase):
         model: type[Any],
         handlers: Mapping[str, Handler] | None = None,
         *,
-        queues: Iterable[str] = ("default",),
+        queues: Iterable[str] | Mapping[str, int] = ("default",),
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
@@ -544,12 +594,13 @@ class Worker(WorkerBase):
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
+        limits: Mapping[str, Limit] | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace,
+            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
         )  # fmt: skip
         self.engine: Engine = engine
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
@@ -812,7 +863,7 @@ class AsyncWorker(WorkerBase):
         model: type[Any],
         handlers: Mapping[str, Handler] | None = None,
         *,
-        queues: Iterable[str] = ("default",),
+        queues: Iterable[str] | Mapping[str, int] = ("default",),
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
@@ -826,12 +877,13 @@ class AsyncWorker(WorkerBase):
         rescue_limit: int = 1000,
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
+        limits: Mapping[str, Limit] | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace,
+            handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
@@ -1012,7 +1064,7 @@ class AsyncWorker(WorkerBase):
                 else:
                     if self._in_transaction(handler):
                         future = self._threads.submit(
-                            _invoke_in_transaction, self._sync_engine(), self.spec, handler, job,
+                            _invoke_in_transaction, await self._sync_engine(), self.spec, handler, job,
                             self._max_result_bytes(),
                         )  # fmt: skip
                     else:
@@ -1062,12 +1114,21 @@ class AsyncWorker(WorkerBase):
             return _Ran(None, 0.0, lost=True)
         return _Ran(None, 0.0, value, committed=True)
 
-    def _sync_engine(self) -> Engine:
+    async def _sync_engine(self) -> Engine:
         """A sync engine on the same database, for sync handlers that take a session (they run on threads of
-        their own, where the async engine cannot serve them)."""
+        their own, where the async engine cannot serve them). Its connections prepare statements exactly when
+        the async engine's do (behind PgBouncer in transaction mode, not at all)."""
         if self._sync is None:
-            url = self.engine.url.set(drivername="postgresql+psycopg")
-            self._sync = create_engine(url, pool_size=self.concurrency, max_overflow=self.concurrency)
+            async with self.engine.connect() as conn:
+                threshold = await conn.run_sync(
+                    lambda c: getattr(c.connection.driver_connection, "prepare_threshold", 5)
+                )
+            if self._sync is None:  # another job's task may have made it meanwhile
+                url = self.engine.url.set(drivername="postgresql+psycopg")
+                self._sync = create_engine(
+                    url, pool_size=self.concurrency, max_overflow=self.concurrency,
+                    connect_args={"prepare_threshold": threshold},
+                )  # fmt: skip
         return self._sync
 
     def _collect(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Connection, Engine, func, select, union, update
+from sqlalchemy import Connection, Engine, func, or_, select, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
@@ -376,10 +376,12 @@ def list_queues(bind: Engine | Connection | Session, model: type[Any]) -> list[Q
     counts = (
         select(
             c.queue,
-            func.count().filter(c.status == "queued").label("queued"),
-            func.count().filter(c.status == "running").label("running"),
+            func.count().filter(c.status == _sql.const("queued")).label("queued"),
+            func.count().filter(c.status == _sql.const("running")).label("running"),
         )
-        .where(c.status.in_(("queued", "running")))
+        # OR, not IN: the planner reads the queued and the running partial indexes (BitmapOr) instead of the
+        # whole table (measured at 1M rows: 175 ms → 30 ms).
+        .where(or_(c.status == _sql.const("queued"), c.status == _sql.const("running")))
         .group_by(c.queue)
         .subquery()
     )

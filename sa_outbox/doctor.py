@@ -1,4 +1,4 @@
-"""``sa-outbox doctor`` and ``sa-outbox locks``: the diagnosis the jobs document does by hand, in one command.
+"""``sa-outbox doctor`` and ``sa-outbox locks``: the diagnosis of a stuck queue done by hand in SQL, in one command.
 
 Each :class:`Finding` is ``ok``/``warn``/``fail`` with a one-line explanation and, when not ok, the fix.
 A fix that is SQL holds one statement per line: run each line on its own (``psql -c LINE``), as statements
@@ -25,8 +25,8 @@ from .monitoring import (
     dead_list_command,
     describe_holder,
     describe_outage,
+    essentials,
     long_horizon_holders,
-    queue_status,
     regclass_name,
 )
 
@@ -287,6 +287,42 @@ def _lease_finding(target: Any) -> Finding:
     )  # fmt: skip
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _retry_budget_finding(name: str, spec: Any, model: type[Any], target: Any) -> Finding:
+    """How long a row that fails every attempt keeps being retried before it is dead/failed."""
+    from ._backoff import JOBS_BACKOFF, OUTBOX_BACKOFF
+
+    is_dispatcher = hasattr(target, "publish_timeout")
+    if spec.kind == "outbox":
+        attempts = target.max_attempts if is_dispatcher else 12
+        backoff = target.backoff if is_dispatcher else OUTBOX_BACKOFF
+        whose = "the dispatcher's" if is_dispatcher else "the dispatcher's default"
+        outage = "; an unavailable destination (DestinationUnavailable) spends no attempt"
+    else:
+        attempts = model.sa_outbox_default_max_attempts
+        is_worker = target is not None and hasattr(target, "stale_after") and not is_dispatcher
+        backoff = target.backoff if is_worker else JOBS_BACKOFF
+        whose = "the model's default (a job's own max_attempts wins)"
+        outage = ""
+    shortest, longest = backoff.give_up_window(attempts)
+    window = (
+        f"about {_minutes(longest)}"
+        if shortest == longest
+        else f"about {_minutes(longest / 2)} on average, at most {_minutes(longest)} (jittered backoff)"
+    )
+    message = (
+        f"{whose} {attempts} attempts: a {'message' if spec.kind == 'outbox' else 'job'} that fails every "
+        f"attempt is retried for {window} before it is {spec.dead}{outage}"
+    )
+    if longest < 60:
+        return Finding("retry budget", name, "warn", message + ": a downstream blip of a minute kills rows",
+                       "raise max_attempts or the backoff's base/cap")  # fmt: skip
+    return Finding("retry budget", name, "ok", message)
+
+
 def doctor(
     engine: Engine,
     models: list[type[Any]],
@@ -333,7 +369,7 @@ def doctor(
                     "up and every claim slows down",
                     f"ALTER TABLE {regclass_name(conn, _sql.spec_for(model).table)} RESET (autovacuum_enabled)",
                 ))  # fmt: skip
-            status = queue_status(conn, model, long_transaction=threshold, stale_after=stale)
+            status = essentials(conn, model, stale_after=stale)
             if status.health is not None:
                 findings.append(_dead_tuples_finding(
                     conn, model, status.health, ratio_warn=dead_ratio_warn, server_on=server_on,
@@ -353,6 +389,7 @@ def doctor(
                 ))  # fmt: skip
             else:
                 findings.append(Finding("stuck rows", name, "ok", "no lease past its expiry"))
+            findings.append(_retry_budget_finding(name, _sql.spec_for(model), model, target))
             if status.kind == "outbox":
                 findings.append(_destination_finding(name, status))
             if status.dead:

@@ -2,7 +2,7 @@
 ``JobSchedule`` (cron schedules) on ``schedules``.
 
 The project's alembic environment, the demo and the tests use them; applications usually declare their own
-classes with the mixins on their own ``Base`` (see README).
+classes with the mixins on their own ``Base`` (see docs/getting-started.md).
 """
 
 from __future__ import annotations

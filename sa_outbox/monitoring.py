@@ -24,6 +24,7 @@ from sqlalchemy import (
     bindparam,
     func,
     literal_column,
+    or_,
     select,
     text,
 )
@@ -31,7 +32,7 @@ from sqlalchemy.sql import Select
 
 from . import _steps
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
-from ._sql import QueueSpec, const, spec_for
+from ._sql import QueueSpec, const, queue_table, spec_for
 from .errors import ConfigurationError
 
 __all__ = [
@@ -134,6 +135,10 @@ class QueueStatus:
     destination_unavailable: DestinationOutage | None = None
     #: Seconds since the last row finished ``done`` (``None`` when no done row is left: none yet, or purged).
     last_done_age: float | None = None
+    #: Jobs: the paused queues (``sa-outbox jobs pause``) and since when (ISO 8601).
+    paused_queues: dict[str, str] = field(default_factory=dict)
+    #: Jobs: the concurrency keys with the most unfinished jobs (at most ``keys_limit``), queued/running each.
+    concurrency_keys: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -374,6 +379,43 @@ def _done_count(conn: Connection, spec: QueueSpec, others: int, cap: int) -> tup
     return max(int(live) - others, cap + 1), True
 
 
+@dataclass(frozen=True)
+class Essentials:
+    """What ``doctor`` reads of a table: the few figures it reports, none of the counts that read every
+    unfinished row (a 500,000-row backlog made the full :func:`queue_status` cost over a second)."""
+
+    kind: str
+    dead: int
+    expired_leases: int
+    oldest_pending_age: float | None
+    last_done_age: float | None
+    destination_unavailable: DestinationOutage | None
+    health: TableHealth | None
+
+
+def essentials(conn: Connection, model: type[Any], *, stale_after: Duration = 60.0) -> Essentials:
+    """The figures of :class:`Essentials` for one table, each through an index (dead rows, expired leases,
+    the oldest due row, the newest done one) or the statistics views."""
+    stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
+    spec = spec_for(model)
+    t, c = spec.table, spec.c
+    dead = int(
+        conn.execute(select(func.count()).select_from(t).where(c.status == const(spec.dead))).scalar_one()
+    )
+    params = {} if spec.kind == "outbox" else {"stale_after": stale}
+    expired = int(
+        conn.execute(select(func.count()).select_from(t).where(spec.lease_expired()), params).scalar_one()
+    )
+    oldest_due = conn.execute(
+        select(func.min(spec.due)).where(c.status == const(spec.ready), spec.due <= func.now())
+    ).scalar()
+    last_done = conn.execute(_last_done_statement(spec)).scalar()
+    return Essentials(
+        spec.kind, dead, expired, _age(conn, oldest_due) if oldest_due is not None else None,
+        None if last_done is None else float(last_done), destination_outage(conn, spec), _health(conn, spec),
+    )  # fmt: skip
+
+
 def queue_status(
     engine: Engine | Connection,
     model: type[Any],
@@ -382,23 +424,26 @@ def queue_status(
     long_transaction: Duration = 60.0,
     done_count_cap: int = DONE_COUNT_CAP,
     blocked_limit: int = 10,
+    keys_limit: int = 10,
 ) -> QueueStatus:
     """A snapshot of one outbox/jobs table.
 
     ``stale_after`` is the workers' reaping window (a running job locked longer ago counts as an expired
     lease; pass the ``stale_after`` your workers use); ``long_transaction`` is the age at which an open
     transaction is reported as holding back the xmin horizon; at most ``blocked_limit`` blocked aggregates
-    are listed (``blocked_aggregates_total`` counts them all). Invalid options raise ``ConfigurationError``
+    are listed (``blocked_aggregates_total`` counts them all), and the ``keys_limit`` busiest concurrency keys. Invalid options raise ``ConfigurationError``
     before any query."""
     stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
     to_seconds(long_transaction, name="long_transaction")
     if isinstance(done_count_cap, bool) or not isinstance(done_count_cap, int) or done_count_cap < 0:
         raise ConfigurationError(f"done_count_cap must be an integer >= 0, got {done_count_cap!r}")
     blocked_limit = positive_int(blocked_limit, "blocked_limit")
+    keys_limit = positive_int(keys_limit, "keys_limit")
     if isinstance(engine, Engine):
         with engine.connect() as conn:
             return queue_status(conn, model, stale_after=stale, long_transaction=long_transaction,
-                                done_count_cap=done_count_cap, blocked_limit=blocked_limit)  # fmt: skip
+                                done_count_cap=done_count_cap, blocked_limit=blocked_limit,
+                                keys_limit=keys_limit)  # fmt: skip
     conn = engine
     spec = spec_for(model)
     t, c = spec.table, spec.c
@@ -407,9 +452,16 @@ def queue_status(
         counts[status] = int(
             conn.execute(select(func.count()).select_from(t).where(c.status == const(status))).scalar_one()
         )
+    if spec.kind == "jobs":
+        counts["cancelled"] = int(
+            conn.execute(select(func.count()).select_from(t).where(c.status == "cancelled")).scalar_one()
+        )
     counts[spec.done], estimate = _done_count(conn, spec, sum(counts.values()), done_count_cap)
 
-    unfinished = c.status.in_([const(spec.ready), const(spec.active)])
+    # An OR of the two states, not IN: the planner ORs their two partial indexes (BitmapOr) for an OR, while
+    # `status IN (…)` matches neither index predicate and fell to a Seq Scan of the jobs table (measured at
+    # 1M rows: 180 ms per statement vs 23 ms).
+    unfinished = or_(c.status == const(spec.ready), c.status == const(spec.active))
     oldest = conn.execute(select(func.min(c.created_at)).where(unfinished)).scalar()
     oldest_unfinished = _age(conn, oldest) if oldest is not None else None
     oldest_due = conn.execute(
@@ -431,6 +483,10 @@ def queue_status(
             select(c.queue, c.status, func.count()).where(unfinished).group_by(c.queue, c.status)
         ):
             queues.setdefault(q, {spec.ready: 0, spec.active: 0})[st] = int(n)
+    paused: dict[str, str] = {}
+    keys: dict[str, dict[str, int]] = {}
+    if spec.kind == "jobs":
+        paused, keys = _jobs_extras(conn, spec, keys_limit)
     blocked: list[BlockedAggregate] = []
     blocked_total = 0
     if spec.kind == "outbox" and counts[spec.dead]:
@@ -464,7 +520,38 @@ def queue_status(
         t.fullname, spec.kind, counts, estimate, oldest_pending, oldest_unfinished, expired,
         stale.total_seconds() if spec.kind == "jobs" else None, attempts, counts[spec.dead], queues, health,
         blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon], outage, last_done_age,
+        paused, keys,
     )  # fmt: skip
+
+
+def _jobs_extras(
+    conn: Connection, spec: QueueSpec, keys_limit: int
+) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
+    """Paused queues (when the ``<jobs>_queues`` table exists) and the busiest concurrency keys."""
+    c = spec.c
+    paused: dict[str, str] = {}
+    queues = queue_table(spec.table)
+    if conn.execute(select(func.to_regclass(regclass_name(conn, queues)))).scalar() is not None:
+        for name, at in conn.execute(
+            select(queues.c.queue, queues.c.paused_at).where(queues.c.paused_at.is_not(None))
+        ):
+            paused[name] = at.isoformat()
+    keys: dict[str, dict[str, int]] = {}
+    if "concurrency_key" in c and keys_limit:
+        queued = func.count().filter(c.status == const(spec.ready))
+        running = func.count().filter(c.status == const(spec.active))
+        stmt = (
+            select(c.concurrency_key, queued, running)
+            .where(
+                or_(c.status == const(spec.ready), c.status == const(spec.active)), c.concurrency_key != ""
+            )
+            .group_by(c.concurrency_key)
+            .order_by((queued + running).desc(), c.concurrency_key)
+            .limit(keys_limit)
+        )
+        for key, q, r in conn.execute(stmt):
+            keys[key] = {spec.ready: int(q), spec.active: int(r)}
+    return paused, keys
 
 
 def purge(

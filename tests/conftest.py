@@ -110,7 +110,11 @@ def shared_engine(db_url: URL) -> Iterator[Engine]:
 def engine(shared_engine: Engine) -> Engine:
     """The test database with empty outbox/jobs tables and identities reset."""
     with shared_engine.begin() as conn:
-        conn.execute(text("TRUNCATE outbox, jobs, jobs_queues, inbox, orders, order_lines RESTART IDENTITY"))
+        conn.execute(
+            text(
+                "TRUNCATE outbox, jobs, jobs_queues, jobs_starts, inbox, orders, order_lines RESTART IDENTITY"
+            )
+        )
     return shared_engine
 
 

@@ -14,6 +14,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * a broker outage begins or ends (the publisher raises ``DestinationUnavailable``);
 * an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
 * an operator cancels a job (``cancel_jobs``), pauses a queue or resumes it;
+* jobs of queue ``q3`` carry a concurrency key and every worker serves q3 under the scenario's
+  :class:`~sa_outbox.Limit` (per key or per queue, sometimes with a rate); some workers serve the queues
+  with fair shares (``queues={...}``) instead of a list;
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -31,6 +34,8 @@ After every step
     I4  successful executions beyond the first, summed over all rows, never exceed the lost leases the
         loops counted: a duplicate is always explained by a lease that was lost;
     I5  no job of a paused queue starts once the workers had time to learn of the pause (a few seconds);
+    I6  the limited queue never has more running jobs per key (per queue) than its limit, nor more starts in
+        a rate window than its rate — sampled from the rows every 20 ms by a thread of its own;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered, except poison ones and those behind a poison
         event of an ordered aggregate that no one skipped; every committed job is done, poison ones failed;
@@ -69,6 +74,7 @@ from sa_outbox import (
     Defer,
     DestinationUnavailable,
     Dispatcher,
+    Limit,
     Message,
     PermanentError,
     RetryableError,
@@ -93,7 +99,11 @@ FAST = Backoff(0.01, 0.05, jitter=True)
 LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
-QUEUES = ("q1", "q2")
+QUEUES = ("q1", "q2", "q3")
+LIMITED = "q3"
+KEYS = ("k1", "k2", "k3")
+#: The scenario picks one; every worker serves q3 with it (a limit is the fleet's, so all agree).
+LIMITS = (Limit(1, per_key=True), Limit(2, per_key=True), Limit(2), Limit(1, per_key=True, rate="40/s"))
 #: A worker learns of a pause with its once-a-second maintenance: starts later than this after a pause are
 #: violations (generous: the machine is shared and loaded).
 PAUSE_GRACE = 3.0
@@ -233,6 +243,44 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     return handle
 
 
+class LimitSampler:
+    """I6: reads the limited queue's rows every 20 ms on a connection of its own and keeps what broke the limit."""
+
+    def __init__(self, engine: Engine, limit: Limit) -> None:
+        self.engine, self.limit = engine, limit
+        self.violations: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="limit-sampler", daemon=True)
+
+    def _main(self) -> None:
+        key = "concurrency_key" if self.limit.per_key else "''"
+        running = text(
+            f"SELECT {key} AS k, count(*) AS n FROM jobs WHERE queue = :q AND status = 'running' GROUP BY 1"
+        )
+        starts = text("SELECT key, count(*) FROM jobs_starts WHERE queue = :q "
+                      "AND at > now() - make_interval(secs => :w) GROUP BY 1")  # fmt: skip
+        with self.engine.connect() as conn:
+            while not self._stop.wait(0.02):
+                for k, n in conn.execute(running, {"q": LIMITED}):
+                    if self.limit.concurrency is not None and n > self.limit.concurrency:
+                        self.violations.append(f"{n} running jobs of key {k!r} (limit {self.limit})")
+                if self.limit.rate_count is not None:
+                    for k, n in conn.execute(starts, {"q": LIMITED, "w": self.limit.rate_window}):
+                        if n > self.limit.rate_count:
+                            self.violations.append(f"{n} starts of key {k!r} in one window ({self.limit})")
+                conn.rollback()
+                self.samples += 1
+
+    def start(self) -> LimitSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 class LoopThread:
     """One Dispatcher/Worker (sync, or async on its own event loop) running in a thread of its own."""
 
@@ -358,6 +406,8 @@ class Scenario:
         self.orders: list[int] = []
         self.log: list[str] = []
         self.names = itertools.count(1)
+        self.limit = self.rng.choice(LIMITS)
+        self.sampler = LimitSampler(self.engine, self.limit)
 
     # -- rules: producers ----------------------------------------------------------------------------------
 
@@ -486,7 +536,9 @@ class Scenario:
             s.begin()
             for p in planned:
                 task = "model_tx" if p.seq in tx else "model"
-                enqueue(s, Job, task, self._payload(p), queue=self.rng.choice(QUEUES), max_attempts=10)
+                queue = self.rng.choice(QUEUES)
+                key = self.rng.choice(KEYS) if queue == LIMITED else None
+                enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=10, concurrency_key=key)
             s.flush()
             s.commit() if commit else s.rollback()
         for p in planned:
@@ -527,11 +579,17 @@ class Scenario:
             "model": make_handler(self.record, is_async=async_handler),
             "model_tx": make_handler(self.record, is_async=async_handler, in_transaction=True),
         }
+        queues: Any = QUEUES
+        if self.rng.random() < 0.3:  # fair shares; the concurrency stays the one chosen above
+            queues = {q: self.rng.randint(1, 2) for q in QUEUES}
+        options["limits"] = {LIMITED: self.limit}
         cls: Any = AsyncWorker if is_async else Worker
         name = f"worker-{next(self.names)}"
-        self.log.append(f"start {name} async={is_async} async_handler={async_handler} {options}")
+        self.log.append(
+            f"start {name} async={is_async} async_handler={async_handler} queues={queues} {options}"
+        )
         self.workers.append(
-            LoopThread(name, lambda e: cls(e, Job, handlers, queues=QUEUES, **options), is_async=is_async,
+            LoopThread(name, lambda e: cls(e, Job, handlers, queues=queues, **options), is_async=is_async,
                        engine=self.loop_engine, async_url=self.async_url).start()
         )  # fmt: skip
 
@@ -638,6 +696,8 @@ class Scenario:
         names = [n for n, _ in self.RULES]
         weights = [w for _, w in self.RULES]
         counter = StatementCounter()
+        self.log.append(f"limit of {LIMITED}: {self.limit}")
+        self.sampler.start()
         with counter.installed():
             try:
                 for step in range(self.profile.steps):
@@ -651,6 +711,7 @@ class Scenario:
             finally:
                 for lt in self.dispatchers + self.workers:
                     lt.stop()
+                self.sampler.stop()
         try:
             self.check_always()
             self.check_final()
@@ -756,6 +817,8 @@ class Scenario:
                 assert not (begin + PAUSE_GRACE <= at < end), (
                     f"job {seq} of queue {queue} started {at - begin:.1f}s into a pause"
                 )
+        # I6
+        assert not self.sampler.violations, f"the limit was broken: {self.sampler.violations[:5]}"
         # I4
         successes = Counter((kind, seq) for kind, seq, _, action in rec if action == "ok")
         extra = sum(n - 1 for n in successes.values() if n > 1)

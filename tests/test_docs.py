@@ -7,17 +7,27 @@ block must be:
 ``python``
     Executed. The blocks of a page share one namespace (like cells of a notebook), so a later block uses what
     an earlier one defined. A block whose first line starts with ``# inside an alembic revision`` runs inside
-    alembic's operations context (``from alembic import op`` works there) and its ``upgrade()`` is called.
+    alembic's operations context (``from alembic import op`` works there) and its ``upgrade()`` is called;
+    then every table it created must be a table of the page's models (the ``MetaData`` of the page's
+    declarative bases) and match it as far as alembic's ``compare_metadata`` sees (what autogenerate compares:
+    columns, types, nullability, server defaults, indexes): a revision that drifts from what the mixins define
+    fails there, not at the first INSERT.
 ``shell`` (also ``bash``, ``sh``)
-    One command per line (``#`` starts a comment; ``VAR=value`` prefixes are dropped):
+    One command per line (``#`` starts a comment; ``VAR=value`` prefixes are dropped; ``a && b`` is two
+    commands, each checked; other shell operators such as ``|``, ``||`` or ``;`` fail the test). ``python3``
+    is read as ``python``. ``python -m venv DIR`` is checked like any ``python -m MODULE`` and makes
+    ``DIR/bin/pip``, ``DIR/bin/python`` and ``DIR/bin/sa-outbox`` mean ``pip``, ``python`` and ``sa-outbox``
+    on the page's later lines (the README's own install shape:
+    ``python3 -m venv .venv && .venv/bin/pip install -e '.[test]'``); a ``DIR/bin/…`` of a venv the page did
+    not create is not checkable and fails. Then:
 
     * ``sa-outbox …`` / ``python -m sa_outbox …`` — parsed by the real argument parser. ``dispatch``,
       ``worker`` and ``demo`` are only parsed; every other command runs in-process against the page's
       database and must exit 0, or the code that a comment on the line names (``# … exit 1``);
     * ``alembic …`` — runs against the page's database with this repository's ``alembic.ini``;
     * ``pip install …`` — every extra it names exists in ``pyproject.toml``;
-    * ``python -m MODULE …`` (another module: the benchmark) — every ``--option`` of the line appears in the
-      module's ``--help`` (the module itself is not run).
+    * ``python -m MODULE …`` (another module: the benchmark, ``venv``) — every ``--option`` of the line
+      appears in the module's ``--help`` (the module itself is not run).
 
     Any other line fails the test.
 ``sql``
@@ -62,7 +72,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [Path("README.md"), *sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))]
 #: Pages other branches are writing now: links to them are allowed before they exist.
-PENDING_PAGES = {"docs/kafka.md", "docs/outages.md", "docs/headers-and-tracing.md"}
+PENDING_PAGES: set[str] = set()
 #: The pages issue #18 asks for (the test fails if one goes missing).
 REQUIRED_PAGES = {
     "getting-started", "writing-events", "ordered-delivery", "jobs", "publishers", "consuming", "operating",
@@ -73,7 +83,7 @@ MARKERS = ("output", "illustration", "demo-command", "test-command")
 SHELL = ("shell", "bash", "sh")
 RUN = ("python", *SHELL, "sql", "ini")
 #: sa-outbox commands that are only parsed: they run until stopped, or build their own database.
-PARSE_ONLY = {"dispatch", "worker", "demo"}
+PARSE_ONLY = {"dispatch", "worker", "demo", "dashboard"}
 
 
 @dataclass(frozen=True)
@@ -137,17 +147,65 @@ def _python(block: Block, module: types.ModuleType) -> None:
     if block.text.startswith("# inside an alembic revision"):
         from alembic.migration import MigrationContext
         from alembic.operations import Operations
-        from sqlalchemy import create_engine
+        from sqlalchemy import create_engine, inspect
 
         engine = create_engine(os.environ["DATABASE_URL"])
         try:
             with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
+                before = set(inspect(conn).get_table_names())
                 exec(code, module.__dict__)
                 module.__dict__["upgrade"]()
+                created = set(inspect(conn).get_table_names()) - before
+                _compare_with_models(block, conn, created, module)
         finally:
             engine.dispose()
         return
     exec(code, module.__dict__)
+
+
+def _page_metadata(module: types.ModuleType) -> list[Any]:
+    """The ``MetaData`` of the page's models: declarative bases and mapped classes it defined or imported."""
+    from sqlalchemy import MetaData
+
+    found: dict[int, MetaData] = {}
+    for value in list(module.__dict__.values()):
+        md = value if isinstance(value, MetaData) else getattr(value, "metadata", None)
+        if isinstance(value, MetaData | type) and isinstance(md, MetaData):
+            found[id(md)] = md
+    return list(found.values())
+
+
+def _compare_with_models(block: Block, conn: Any, created: set[str], module: types.ModuleType) -> None:
+    """The tables an alembic revision block created must be what the page's models define, as far as alembic's
+    ``compare_metadata`` (autogenerate's comparison, server defaults included) can tell."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    unmodelled = set(created)
+    for md in _page_metadata(module):
+        names = created & {t.name for t in md.tables.values() if t.schema is None}
+        if not names:
+            continue
+        unmodelled -= names
+
+        def ours(
+            obj: Any, name: Any, type_: str, reflected: bool, compare_to: Any, names: set[str] = names
+        ) -> bool:
+            table = name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+            return table in names
+
+        opts = {"compare_type": True, "compare_server_default": True, "include_object": ours}
+        diffs = compare_metadata(MigrationContext.configure(conn, opts=opts), md)
+        if diffs:
+            listed = "\n".join(f"  {d!r}" for d in diffs)
+            raise DocError(
+                f"{block.where}: the revision does not create what the page's models define "
+                f"({', '.join(sorted(names))}):\n{listed}"
+            )
+    if unmodelled:
+        raise DocError(
+            f"{block.where}: the revision creates {sorted(unmodelled)}, which no model of the page defines"
+        )
 
 
 def _extras() -> set[str]:
@@ -182,39 +240,79 @@ def _module_help(block: Block, lineno: int, module: str, argv: list[str]) -> Non
             raise DocError(f"{block.page}:{lineno}: python -m {module} has no option {opt}")
 
 
-def _shell(block: Block) -> None:
+#: Shell syntax the docs test does not follow (``&&`` is: each command of a chain is checked).
+SHELL_OPERATORS = {"|", "||", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"}
+#: What ``DIR/bin/NAME`` stands for when the page created ``DIR`` with ``python -m venv DIR``.
+VENV_TOOLS = {"pip": "pip", "python": "python", "python3": "python", "sa-outbox": "sa-outbox"}
+
+
+def _shell(block: Block, venvs: set[str]) -> None:
+    """Check each command of a shell block; ``venvs`` collects the virtual environments the page created."""
     for offset, raw in enumerate(block.text.splitlines(), start=1):
         lineno = block.line + offset
         command, _, comment = raw.partition(" #")
         if raw.lstrip().startswith("#"):
             command, comment = "", raw
         words = shlex.split(command)
-        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-            words.pop(0)
-        if not words:
-            continue
-        if words[0] == "sa-outbox":
-            _sa_outbox(block, lineno, words[1:], comment)
-        elif words[:3] == ["python", "-m", "sa_outbox"]:
-            _sa_outbox(block, lineno, words[3:], comment)
-        elif words[0] == "alembic":
-            import alembic.config
+        if SHELL_OPERATORS & set(words):
+            raise DocError(
+                f"{block.page}:{lineno}: the docs test cannot check `{command.strip()}` (shell operators)"
+            )
+        chain: list[list[str]] = [[]]
+        for word in words:
+            if word == "&&":
+                chain.append([])
+            else:
+                chain[-1].append(word)
+        if words and not all(chain):
+            raise DocError(f"{block.page}:{lineno}: an empty command in `{command.strip()}`")
+        for part in chain:
+            _command(block, lineno, part, comment, venvs)
 
-            try:
-                alembic.config.main(argv=words[1:], prog="alembic")
-            except SystemExit as exc:
-                if exc.code:
-                    raise DocError(f"{block.page}:{lineno}: `{command.strip()}` failed") from exc
-        elif words[:2] == ["pip", "install"]:
-            for spec in words[2:]:
-                for extras in re.findall(r"\[([^\]]*)\]", spec):
-                    unknown = {e.strip() for e in extras.split(",")} - _extras()
-                    if unknown:
-                        raise DocError(f"{block.page}:{lineno}: no extra {sorted(unknown)} in pyproject.toml")
-        elif words[:2] == ["python", "-m"] and len(words) > 2:
-            _module_help(block, lineno, words[2], words[3:])
-        else:
-            raise DocError(f"{block.page}:{lineno}: the docs test cannot check `{command.strip()}`")
+
+def _command(block: Block, lineno: int, words: list[str], comment: str, venvs: set[str]) -> None:
+    shown = shlex.join(words)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        words = words[1:]
+    if not words:
+        return
+    if "/bin/" in words[0]:
+        venv, _, tool = words[0].rpartition("/bin/")
+        if os.path.normpath(venv) not in venvs or tool not in VENV_TOOLS:
+            raise DocError(
+                f"{block.page}:{lineno}: the docs test cannot check `{shown}` ({words[0]} is not pip, python "
+                "or sa-outbox of a venv this page created with `python -m venv`)"
+            )
+        words = [VENV_TOOLS[tool], *words[1:]]
+    if words[0] == "python3":
+        words = ["python", *words[1:]]
+    if words[0] == "sa-outbox":
+        _sa_outbox(block, lineno, words[1:], comment)
+    elif words[:3] == ["python", "-m", "sa_outbox"]:
+        _sa_outbox(block, lineno, words[3:], comment)
+    elif words[0] == "alembic":
+        import alembic.config
+
+        try:
+            alembic.config.main(argv=words[1:], prog="alembic")
+        except SystemExit as exc:
+            if exc.code:
+                raise DocError(f"{block.page}:{lineno}: `{shown}` failed") from exc
+    elif words[:2] == ["pip", "install"]:
+        for spec in words[2:]:
+            for extras in re.findall(r"\[([^\]]*)\]", spec):
+                unknown = {e.strip() for e in extras.split(",")} - _extras()
+                if unknown:
+                    raise DocError(f"{block.page}:{lineno}: no extra {sorted(unknown)} in pyproject.toml")
+    elif words[:2] == ["python", "-m"] and len(words) > 2:
+        _module_help(block, lineno, words[2], words[3:])
+        if words[2] == "venv":
+            dirs = [w for w in words[3:] if not w.startswith("-")]
+            if not dirs:
+                raise DocError(f"{block.page}:{lineno}: `{shown}` names no directory")
+            venvs.update(os.path.normpath(d) for d in dirs)
+    else:
+        raise DocError(f"{block.page}:{lineno}: the docs test cannot check `{shown}`")
 
 
 def _sql(block: Block) -> None:
@@ -246,6 +344,7 @@ def run_page(page: Path) -> None:
     saved_main = sys.modules["__main__"]
     sys.modules["__main__"] = module
     last_output: str | None = None
+    venvs: set[str] = set()  # what `python -m venv DIR` created on this page
     try:
         for block in blocks(page):
             if block.marker == "output":
@@ -269,7 +368,7 @@ def run_page(page: Path) -> None:
                     if block.lang == "python":
                         _python(block, module)
                     elif block.lang in SHELL:
-                        _shell(block)
+                        _shell(block, venvs)
                     elif block.lang == "sql":
                         _sql(block)
                     elif block.lang == "ini":

@@ -348,3 +348,20 @@ def test_doctor_names_an_unavailable_destination_with_the_fix(engine: Engine) ->
         and "bring the broker back" in finding.fix
         and "no attempt is spent" in finding.fix
     )
+
+
+def test_doctor_states_how_long_a_failing_row_is_retried_and_warns_when_a_blip_would_kill_it(
+    engine: Engine,
+) -> None:
+    from sa_outbox import Backoff, Worker
+    from sa_outbox.doctor import doctor
+    from sa_outbox.models import Job, OutboxEvent
+
+    budget = {f.table: f for f in doctor(engine, [OutboxEvent, Job]) if f.check == "retry budget"}
+    assert budget["outbox"].status == "ok" and "at most 23.5 min" in budget["outbox"].message
+    assert "spends no attempt" in budget["outbox"].message
+    assert budget["jobs"].status == "ok" and "10 attempts" in budget["jobs"].message
+    assert "about 13.5 min" in budget["jobs"].message  # 2+4+…+256+300 s
+    hasty = Worker(engine, Job, {}, backoff=Backoff(0.1, 1, jitter=False), listen=False)
+    (finding,) = [f for f in doctor(engine, [Job], target=hasty) if f.check == "retry budget"]
+    assert finding.status == "warn" and "about 7 s" in finding.message and finding.fix

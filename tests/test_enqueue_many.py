@@ -192,3 +192,19 @@ def test_async_session_awaits_enqueue_many(engine: Engine, async_url: URL) -> No
 
     assert asyncio.run(main()) == [1, 2]
     assert count_rows(engine, "jobs") == 2
+
+
+def test_concurrency_keys_in_a_batch_and_with_a_unique_key(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue_many(s, Job, [("t", {}), {"task": "t", "payload": {}, "concurrency_key": "customer:7"}])
+        enqueue(s, Job, "t", {}, unique_key="k", concurrency_key="customer:8")
+        enqueue(s, Job, "t", {}, unique_key="k", concurrency_key="customer:9", on_conflict="replace")
+    with engine.connect() as conn:
+        keys = conn.execute(text("SELECT concurrency_key FROM jobs ORDER BY id")).scalars().all()
+    assert keys == ["", "customer:7", "customer:9"]  # replace takes the new key's group too
+    with statement_log(engine) as seen, Session(engine) as s:
+        with pytest.raises(PayloadError, match=r"jobs\[0\].*concurrency_key must be a string"):
+            enqueue_many(s, Job, [{"task": "t", "payload": {}, "concurrency_key": 7}])
+        with pytest.raises(PayloadError, match=r"queue and concurrency_key are 5007 bytes.*ix_jobs_limited"):
+            enqueue_many(s, Job, [{"task": "t", "payload": {}, "concurrency_key": "x" * 5000}])
+    assert seen == []

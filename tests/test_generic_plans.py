@@ -156,6 +156,17 @@ STATEMENTS.update(
         "schedules fire": _fire_case(),
     }
 )
+LIMITED = {"queue_name": "default", "batch": 50, "n": 2}
+LIMITED_CLAIM = {"queue_name": "default", "owner": "w", "n": 2, "ids": [1, 2, 3], "keys": ["", "", ""],
+                 "rate_count": 10, "rate_window": 60.0}  # fmt: skip
+STATEMENTS.update({
+    "jobs limited pick, per queue": (_sql.limited_pick_statement(JOBS, per_key=False), LIMITED),
+    "jobs limited pick, per key": (_sql.limited_pick_statement(JOBS, per_key=True), LIMITED),
+    "jobs limited claim, per key": (_sql.limited_claim_statement(JOBS, per_key=True, rate=False), LIMITED_CLAIM),
+    "jobs limited claim, per key with a rate": (
+        _sql.limited_claim_statement(JOBS, per_key=True, rate=True), LIMITED_CLAIM,
+    ),
+})  # fmt: skip
 
 
 @pytest.mark.parametrize("label", sorted(STATEMENTS))

@@ -501,3 +501,42 @@ def test_give_up_after_sends_an_old_undeliverable_message_to_dead_whatever_the_f
     old = row(engine, "outbox", 1)
     assert old.status == "dead" and old.last_error.startswith("gave up: written 7200s ago")
     assert row(engine, "outbox", 2).status == "pending"
+
+
+def test_a_job_that_fails_after_its_cancellation_was_requested_does_not_run_again(
+    runner: Runner, engine: Engine
+) -> None:
+    """The handler failed before the worker's heartbeat brought the request: the retry must not put a job
+    whose cancellation was asked for back in the queue (found while writing docs/jobs-control.md)."""
+    seed_jobs(engine, 1, task="t")
+    runs: list[int] = []
+
+    def fails(job: ClaimedJob) -> None:
+        runs.append(job.id)
+        cancel_jobs(engine, Job, ids=[job.id])  # asked for while it runs; no heartbeat before it fails
+        raise RetryableError("downstream 503")
+
+    w = runner.worker({"t": fails}, heartbeat=0)
+    runner.drain(w)
+    assert runs == [1] and row(engine, "jobs", 1).status == "cancelled"
+
+
+def test_the_models_default_max_attempts_is_used(engine: Engine) -> None:
+    """``sa_outbox_default_max_attempts`` on a model sets the attempts of its jobs (it did nothing)."""
+    from sqlalchemy.orm import DeclarativeBase, Session
+
+    from sa_outbox import JobMixin, enqueue
+
+    class Base(DeclarativeBase):
+        pass
+
+    class ThreeTries(JobMixin, Base):
+        __tablename__ = "jobs"
+        sa_outbox_default_max_attempts = 3
+
+    with Session(engine) as session, session.begin():
+        enqueue(session, ThreeTries, "t", {})
+        session.add(ThreeTries(task="t", payload={}))
+        session.add(ThreeTries(task="t", payload={}, max_attempts=5))
+    with engine.connect() as conn:
+        assert list(conn.execute(text("SELECT max_attempts FROM jobs ORDER BY id")).scalars()) == [3, 3, 5]

@@ -45,11 +45,11 @@ def _tables(url: URL) -> set[str]:
 
 def test_upgrade_downgrade_upgrade_round_trip(scratch_url: URL) -> None:
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "inbox", "schedules"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox", "schedules"}
     migrate(scratch_url, "base", down=True)
     assert _tables(scratch_url) == set()
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "inbox", "schedules"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox", "schedules"}
 
 
 def _autogenerate_diff(url: URL) -> list[Any]:
@@ -202,7 +202,7 @@ def test_headers_revision_adds_a_nullable_jsonb_column_to_existing_rows_and_drop
 
 
 def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> None:
-    """A database migrated before the headers column, the jobs-control and the unique/schedules revisions:
+    """A database migrated before the headers column, the jobs-control, unique/schedules and limits revisions:
     autogenerate proposes exactly the new columns, indexes and tables (a CHECK's or a partial index's new text
     it cannot see: the revisions carry those)."""
     migrate(scratch_url, "0002")
@@ -212,14 +212,17 @@ def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> No
     indexes = sorted(d[1].name for d in diff if d[0] == "add_index")
     assert added == [
         ("jobs", "cancel_requested_at"),
+        ("jobs", "concurrency_key"),
         ("jobs", "headers"),
         ("jobs", "result"),
         ("jobs", "unique_key"),
         ("outbox", "headers"),
     ]
-    assert tables == ["jobs_queues", "schedules"]
-    assert indexes == ["ix_jobs_unique_active", "ix_schedules_due", "ux_jobs_unique"]
-    assert len(diff) == 10, diff
+    assert tables == ["jobs_queues", "jobs_starts", "schedules"]
+    assert indexes == [
+        "ix_jobs_limited", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_schedules_due", "ux_jobs_unique",
+    ]  # fmt: skip
+    assert len(diff) == 14, diff
 
 
 def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch_url: URL) -> None:

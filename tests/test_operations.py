@@ -67,7 +67,13 @@ def test_status_json_reports_exact_figures(
     assert report["attempts"] == {"0": 2, "1": 1, "2": 1, "3": 1}
     assert report["dead"] == 1
     assert any("1 expired lease" in w for w in report["warnings"])
-    assert json.loads(out)["jobs"]["counts"] == {"queued": 0, "running": 0, "failed": 0, "done": 0}
+    assert json.loads(out)["jobs"]["counts"] == {
+        "queued": 0,
+        "running": 0,
+        "failed": 0,
+        "cancelled": 0,
+        "done": 0,
+    }
 
 
 def test_status_human_output_names_the_numbers(

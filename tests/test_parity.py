@@ -190,6 +190,25 @@ def test_hot_path_goes_straight_to_the_driver_unless_observed(
     assert statuses(engine) == {"done": 20}
 
 
+def test_a_statement_without_rows_runs_on_the_observed_path_too(engine: Engine) -> None:
+    """The regular path (a listener is attached) returns [] for a statement that returns no rows (a DELETE
+    without RETURNING), as the driver path does, instead of failing to iterate its result."""
+    from sqlalchemy import delete, event
+
+    from sa_outbox import _execute
+
+    seed_events(engine, 2)
+    seen: list[str] = []
+    listener = lambda conn, cur, st, *rest: seen.append(st)  # noqa: E731
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        with engine.begin() as conn:
+            assert _execute.run(conn, delete(OutboxEvent.__table__), {}) == []
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    assert any(st.startswith("DELETE") for st in seen) and statuses(engine) == {}
+
+
 @pytest.mark.parametrize("method", ["publish", "publish_many"])
 def test_sync_publishers_never_block_the_event_loop(engine: Engine, async_url: URL, method: str) -> None:
     """A blocking publisher (pika, a sync HTTP client) under AsyncDispatcher runs off the event loop: other
@@ -355,3 +374,18 @@ def test_an_outage_on_the_last_attempt_does_not_kill_the_message(runner: Runner,
     assert runner.run_once(d) == 1
     r = row(engine, "outbox", 1)
     assert (r.status, r.attempts) == ("pending", 0) and r.last_error.startswith("DestinationUnavailable")
+
+
+def test_run_once_closes_the_circuit_once_the_destination_is_back(runner: Runner, engine: Engine) -> None:
+    from sa_outbox import DestinationUnavailable
+
+    seed_events(engine, 2)
+    down = [True]
+    d = runner.dispatcher(
+        RecordingPublisher(fail=lambda m: DestinationUnavailable("down") if down[0] else None)
+    )
+    runner.run_once(d)
+    assert d.circuit_open
+    down[0] = False
+    runner.drain(d)
+    assert statuses(engine) == {"done": 2} and not d.circuit_open

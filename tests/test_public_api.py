@@ -11,7 +11,7 @@ import sa_outbox
 
 PACKAGE = Path(sa_outbox.__file__).parent
 PUBLIC_MODULES = {"errors", "admin", "monitoring", "doctor", "metrics", "migration", "inbox", "testing",
-                  "models", "embedded", "publishers"}  # fmt: skip
+                  "models", "embedded", "publishers", "cdc", "web"}  # fmt: skip
 
 
 def _type_checking_names() -> dict[str, str]:
@@ -94,6 +94,7 @@ FOREIGN_PRIVATE_OK = {
     "conn._echo",  # SQLAlchemy: whether SQL logging is on for this connection (the fast path must yield to it)
     "session._flushing",  # SQLAlchemy: an event added by a listener during a flush is written in that flush
     "session._register_persistent",  # SQLAlchemy: rows inserted by the one-statement path become persistent
+    "session._remove_newly_deleted",  # SQLAlchemy: CDC rows deleted again at once become deleted objects
     "stmt._values",  # SQLAlchemy Insert: refuse .values() on an outbox INSERT the hook cannot see
     "stmt._multi_values",
     "r._mapping",  # SQLAlchemy Row: its documented mapping view

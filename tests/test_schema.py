@@ -94,6 +94,7 @@ def test_jobs_columns_match_the_document_plus_task_and_fencing(engine: Engine) -
         "headers": ("jsonb", "YES", None),
         "cancel_requested_at": ("timestamp with time zone", "YES", None),
         "result": ("jsonb", "YES", None),
+        "concurrency_key": ("text", "NO", "''::text"),
         "unique_key": ("text", "YES", None),
     }
 

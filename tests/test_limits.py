@@ -1,0 +1,214 @@
+"""Concurrency keys, queue limits, rate limits and fair queues (issue #22): enforced by the rows, checked at
+every instant and in every window with real worker processes logging when each handler runs."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, insert, text
+from sqlalchemy.engine import URL
+
+from sa_outbox import ConfigurationError, Limit, Worker
+from sa_outbox.models import Job
+
+from .factories import Runner, expire_leases
+from .helpers import statuses
+from .limit_targets import run_worker
+
+CTX = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def log(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE IF EXISTS limit_log"))
+        conn.execute(text("CREATE TABLE limit_log (job_id bigint, queue text, key text, "
+                          "started timestamptz DEFAULT clock_timestamp(), ended timestamptz)"))  # fmt: skip
+    yield engine
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE limit_log"))
+
+
+def jobs(engine: Engine, n: int, *, queue: str = "default", keys: list[str] | None = None) -> None:
+    rows = [{"task": "t", "queue": queue, "payload": {"key": (keys or [""])[i % len(keys or [""])]},
+             "concurrency_key": (keys or [""])[i % len(keys or [""])]} for i in range(n)]  # fmt: skip
+    with engine.begin() as conn:
+        conn.execute(insert(Job), rows)
+
+
+def intervals(engine: Engine) -> list[tuple[str, str, datetime, datetime]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text("SELECT queue, key, started, ended FROM limit_log"))]
+
+
+def most_at_once(spans: list[tuple[datetime, datetime]]) -> int:
+    """The largest number of intervals open at one instant (an end before a start at the same instant)."""
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def workers(db_url: URL, n: int, **kw: Any) -> None:
+    url = db_url.render_as_string(hide_password=False)
+    args = (url, kw.get("limits", {}), kw.get("queues", ("default",)), kw.get("concurrency", 4),
+            kw.get("seconds", 0.05), kw.get("deadline", 60))  # fmt: skip
+    procs = [CTX.Process(target=run_worker, args=args) for _ in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+
+
+def test_at_most_n_jobs_per_key_run_at_once_across_processes_and_a_saturated_key_blocks_no_other(
+    log: Engine, db_url: URL
+) -> None:
+    jobs(log, 60, keys=["a", "b", "c", "d"])
+    workers(db_url, 3, limits={"default": {"concurrency": 1, "per_key": True}}, concurrency=4)
+    assert statuses(log, "jobs") == {"done": 60}
+    spans = intervals(log)
+    assert len(spans) == 60
+    by_key: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)
+    for _, key, started, ended in spans:
+        by_key[key].append((started, ended))
+    assert {k: most_at_once(v) for k, v in by_key.items()} == {"a": 1, "b": 1, "c": 1, "d": 1}
+    # the keys ran side by side: a saturated key did not hold the others up
+    assert most_at_once([(s, e) for _, _, s, e in spans]) >= 3
+
+
+def test_a_queue_limit_holds_across_every_worker(log: Engine, db_url: URL) -> None:
+    jobs(log, 40, queue="reports")
+    workers(db_url, 3, limits={"reports": {"concurrency": 2}}, queues=("reports",), concurrency=4)
+    assert statuses(log, "jobs") == {"done": 40}
+    assert most_at_once([(s, e) for _, _, s, e in intervals(log)]) == 2
+
+
+def test_a_rate_limit_holds_in_every_window_and_waiting_spends_no_attempt(log: Engine, db_url: URL) -> None:
+    jobs(log, 12, queue="api")
+    workers(db_url, 2, limits={"api": {"rate": "3/s"}}, queues=("api",), concurrency=4, seconds=0.01)
+    assert statuses(log, "jobs") == {"done": 12}
+    with log.connect() as conn:
+        assert set(conn.execute(text("SELECT attempts FROM jobs")).scalars()) == {1}
+    starts = sorted(s for _, _, s, _ in intervals(log))
+    # handlers start a moment after their claim: windows a little shorter than a second hold at most 3
+    window = timedelta(seconds=0.9)
+    assert max(sum(1 for t in starts if s <= t < s + window) for s in starts) <= 3
+    assert (
+        starts[-1] - starts[0]
+    ).total_seconds() >= 2.8  # 12 starts at 3 a second: the last ~3 s after the first
+
+
+def test_a_killed_worker_never_keeps_its_keys_slot(log: Engine, db_url: URL) -> None:
+    """kill -9 a worker holding the only slot of a key: once its job is rescued the key runs again."""
+    jobs(log, 3, keys=["k"])
+    url = db_url.render_as_string(hide_password=False)
+    proc = CTX.Process(target=run_worker, args=(url, {"default": {"concurrency": 1, "per_key": True}},
+                                                ("default",), 1, 30.0, 60))  # fmt: skip
+    proc.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not intervals(log):
+        time.sleep(0.05)
+    assert intervals(log), "the first worker never started a job"
+    os.kill(proc.pid or 0, signal.SIGKILL)
+    proc.join(10)
+    expire_leases(log, "jobs")  # stale_after has passed since the kill
+    with log.begin() as conn:
+        conn.execute(text("DELETE FROM limit_log"))
+    workers(db_url, 2, limits={"default": {"concurrency": 1, "per_key": True}}, concurrency=2)
+    assert statuses(log, "jobs") == {"done": 3}
+    assert most_at_once([(s, e) for _, _, s, e in intervals(log)]) == 1
+
+
+def test_fair_shares_cap_each_queue_and_take_turns_while_a_list_is_strict_priority(
+    runner: Runner, log: Engine
+) -> None:
+    order: list[str] = []
+    for queues in (["flood", "mail"], {"flood": 5, "mail": 5}):
+        with log.begin() as conn:
+            conn.execute(text("TRUNCATE jobs RESTART IDENTITY"))
+        jobs(log, 30, queue="flood")
+        jobs(log, 3, queue="mail")
+        order.clear()
+        w = runner.worker({"t": lambda j: order.append(j.queue)}, queues=queues, batch=5)
+        runner.drain(w)
+        last_mail = max(i for i, q in enumerate(order) if q == "mail")
+        assert len(order) == 33
+        if isinstance(queues, list):
+            assert order[:30] == ["flood"] * 30  # a list: the first queue first, always
+        else:
+            assert last_mail < 15  # shares: mail takes its turn, not after the flood
+    with log.begin() as conn:
+        conn.execute(text("TRUNCATE jobs RESTART IDENTITY"))
+    jobs(log, 6, queue="mail")
+    jobs(log, 6, queue="reports")
+    shared = Worker(
+        log, Job, {"t": lambda j: time.sleep(0.05)}, queues={"mail": 1, "reports": 2}, listen=False
+    )
+    assert shared.concurrency == 3
+    seen: list[dict[str, int]] = []
+
+    def spy(job: Any) -> None:
+        with log.connect() as conn:
+            seen.append(dict(conn.execute(text(
+                "SELECT queue, count(*) FROM jobs WHERE status = 'running' GROUP BY queue")).all()))  # fmt: skip
+        time.sleep(0.05)
+
+    shared.handlers["t"] = spy
+    for _ in range(20):
+        if not shared.run_once():
+            break
+    assert statuses(log, "jobs") == {"done": 12}
+    assert max(s.get("mail", 0) for s in seen) <= 1 and max(s.get("reports", 0) for s in seen) <= 2
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ConfigurationError, match="needs a concurrency, a rate"):
+        Limit()
+    with pytest.raises(ConfigurationError, match="invalid rate 'fast'"):
+        Limit(rate="fast")
+    assert (Limit(rate="100/min").rate_count, Limit(rate="100/min").rate_window) == (100, 60.0)
+    assert Limit(rate="30/10s").rate_window == 10.0 and Limit(rate="5/s").rate_window == 1.0
+    assert Limit(rate="1000/hour").rate_window == 3600.0
+
+
+def test_enqueue_takes_a_concurrency_key_and_refuses_one_the_index_cannot_hold(engine: Engine) -> None:
+    from sqlalchemy.orm import Session
+
+    from sa_outbox import PayloadError, enqueue
+
+    with Session(engine) as session, session.begin():
+        enqueue(session, Job, "t", {}, concurrency_key="customer:42")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT concurrency_key FROM jobs")).scalar_one() == "customer:42"
+    with Session(engine) as session, session.begin(), pytest.raises(PayloadError, match="concurrency_key"):
+        enqueue(session, Job, "t", {}, concurrency_key="x" * 5000)
+        session.flush()
+
+
+def test_status_names_the_busiest_concurrency_keys_and_the_paused_queues(engine: Engine) -> None:
+    from sa_outbox.admin import pause_queue
+    from sa_outbox.monitoring import queue_status
+
+    jobs(engine, 7, keys=["big", "big", "big", "small", ""], queue="mail")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'running', locked_by = 'w', locked_at = now() "
+                          "WHERE id = (SELECT min(id) FROM jobs WHERE concurrency_key = 'big')"))  # fmt: skip
+        conn.execute(text("UPDATE jobs SET status = 'cancelled', finished_at = now() "
+                          "WHERE id = (SELECT max(id) FROM jobs WHERE concurrency_key = '')"))  # fmt: skip
+    pause_queue(engine, Job, "mail", by="test")
+    report = queue_status(engine, Job, keys_limit=1)
+    assert report.concurrency_keys == {"big": {"queued": 4, "running": 1}}  # keys cycle: big 5, small 1
+    assert list(report.paused_queues) == ["mail"]
+    assert report.counts["cancelled"] == 1 and report.counts["queued"] == 5
+    assert len(queue_status(engine, Job).concurrency_keys) == 2  # the unkeyed jobs are not a key

@@ -1,0 +1,981 @@
+"""Through PgBouncer in transaction pooling mode (issue #23 §1): a private PgBouncer (the machine's package,
+1.18 here) in front of the test database, and everything sa_outbox does, sent through it.
+
+The settings a user needs come from one helper, :func:`sa_outbox.pgbouncer_engine`; the tests in "what breaks
+without them" show each one's reason on this PgBouncer: psycopg's server-side prepared statements fail a drain
+(and the loop stops with an error that names the fix), and LISTEN through the pooler never wakes a loop.
+
+PgBouncer refuses to run as root: as root the fixture starts it (``-u``) as the owner of the server's socket
+directory (the embedded server's data directory is closed to anyone else), else as ``postgres``. Its
+databases (aliases of the one test database, each its own pool of server connections):
+
+* ``<db>`` — the main pool (``POOL`` server connections) the working tests share;
+* ``<db>_one`` — one server connection, for deterministic demonstrations of what prepared statements do;
+* ``<db>_shared`` — two server connections shared by four clients;
+* ``<db>_listen`` — where a LISTEN is sent through the pooler on purpose (its server connections keep it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from sa_outbox import (
+    AsyncWorker,
+    Backoff,
+    ClaimedJob,
+    ConfigurationError,
+    Dispatcher,
+    Receipt,
+    RetryableError,
+    Worker,
+    cancel_jobs,
+    emit,
+    enqueue,
+    pgbouncer_async_engine,
+    pgbouncer_engine,
+    receive,
+)
+from sa_outbox._cli import main as cli
+from sa_outbox._names import channel_for
+from sa_outbox.admin import pause_queue, resume_queue
+from sa_outbox.doctor import doctor
+from sa_outbox.models import Inbox, Job, OutboxEvent
+from sa_outbox.testing import RecordingPublisher, drain
+
+from .brokers import _Server
+from .commit_order import assert_serialised
+from .factories import FAST, Runner
+from .helpers import row, seed_events, seed_jobs, statuses
+from .models import Order
+from .test_loop_guarantees import wait_until
+
+POOL = 4  # server connections of the main alias: fewer than the clients of most tests, so they share them
+
+# --- a private PgBouncer ----------------------------------------------------------------------------------
+
+
+def pgbouncer_binary() -> str:
+    found = shutil.which("pgbouncer") or (
+        "/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None
+    )
+    if found is None:
+        raise RuntimeError("pgbouncer is not installed: apt-get install -y pgbouncer (.ci/run does)")
+    return found
+
+
+def pgbouncer_version() -> tuple[int, ...]:
+    out = subprocess.run([pgbouncer_binary(), "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"PgBouncer (\d+)\.(\d+)", out)
+    assert found, out
+    return tuple(int(x) for x in found.groups())
+
+
+class PrivatePgBouncer(_Server):
+    """A PgBouncer of this run's own: its ini, userlist and log in a temporary directory, a free port,
+    ``pool_mode = transaction``, in front of the server of ``server`` (TCP host or Unix socket directory).
+
+    ``databases`` maps each alias to ``(database, pool_size)``. Nothing of the machine's own pgbouncer
+    service (``/etc/pgbouncer``, port 6432) is used or touched."""
+
+    name = "pgbouncer"
+
+    def __init__(self, server: URL, databases: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.server = server
+        host = server.host or server.query.get("host") or "127.0.0.1"
+        self.host = host if isinstance(host, str) else host[0]
+        user = server.username or "postgres"
+        self.dir.chmod(0o755)  # read by the unprivileged user PgBouncer runs as
+        dbs = [f"{alias} = host={self.host} port={server.port or 5432} dbname={db} pool_size={size}"
+               for alias, (db, size) in databases.items()]  # fmt: skip
+        settings = {
+            "listen_addr": "127.0.0.1",
+            "listen_port": str(self.port),
+            "unix_socket_dir": "",
+            "auth_type": "trust",
+            "auth_file": str(self.dir / "userlist.txt"),
+            "admin_users": user,
+            "pool_mode": "transaction",
+            "default_pool_size": str(POOL),
+            "max_client_conn": "500",
+            "server_login_retry": "1",
+        }
+        if pgbouncer_version() >= (1, 21):
+            settings["max_prepared_statements"] = "0"  # as 1.18 behaves (later versions default to 200)
+        ini = ["[databases]", *dbs, "", "[pgbouncer]", *(f"{k} = {v}" for k, v in settings.items())]
+        (self.dir / "pgbouncer.ini").write_text("\n".join(ini) + "\n")
+        (self.dir / "userlist.txt").write_text(f'"{user}" "{server.password or ""}"\n')
+        for f in ("pgbouncer.ini", "userlist.txt"):
+            (self.dir / f).chmod(0o644)
+
+    def command(self) -> Sequence[str]:
+        as_user: list[str] = []
+        if os.geteuid() == 0:  # "PgBouncer should not run as root": as the server's own user when the server
+            # is a Unix socket (the embedded server's is in its data directory, closed to anyone else)
+            owner = os.stat(self.host).st_uid if self.host.startswith("/") else None
+            try:
+                name = pwd.getpwuid(owner).pw_name if owner else pwd.getpwnam("postgres").pw_name
+            except KeyError:
+                name = "nobody"
+            as_user = ["-u", name]
+        return [pgbouncer_binary(), *as_user, str(self.dir / "pgbouncer.ini")]
+
+    def url(self, alias: str, driver: str = "postgresql+psycopg") -> URL:
+        return self.server.set(drivername=driver, host="127.0.0.1", port=self.port, database=alias, query={})
+
+    def admin(self, command: str) -> list[dict[str, Any]]:
+        """A command of PgBouncer's admin console (``SHOW SERVERS``, ``RECONNECT db``)."""
+        with psycopg.connect(psycopg.conninfo.make_conninfo(
+            host="127.0.0.1", port=self.port, dbname="pgbouncer", user=self.server.username or "postgres"
+        ), autocommit=True) as conn:  # fmt: skip
+            cur = conn.execute(command.encode())
+            if cur.description is None:
+                return []
+            names = [d.name for d in cur.description]
+            return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    def server_pids(self, alias: str) -> list[int]:
+        """The PostgreSQL backend pid of each server connection PgBouncer holds for ``alias``."""
+        return [int(s["remote_pid"]) for s in self.admin("SHOW SERVERS") if s["database"] == alias]
+
+    def log(self) -> str:
+        return (self.dir / "out.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
+    name = str(db_url.database)
+    aliases = {name: (name, POOL), f"{name}_one": (name, 1), f"{name}_shared": (name, 2),
+               f"{name}_listen": (name, 2)}  # fmt: skip
+    server = PrivatePgBouncer(server_url, aliases)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def pooled_url(bouncer: PrivatePgBouncer, db_url: URL) -> URL:
+    return bouncer.url(str(db_url.database))
+
+
+@pytest.fixture(scope="session")
+def pooled(pooled_url: URL, db_url: URL) -> Iterator[tuple[Engine, dict[str, Any]]]:
+    """The engine and wake-up options a user gets from the helper: through PgBouncer, LISTEN on the server."""
+    engine, wakeups = pgbouncer_engine(pooled_url, direct_url=db_url, pool_size=10, max_overflow=20)
+    yield engine, dict(wakeups)
+    engine.dispose()
+
+
+@pytest.fixture
+def pengine(engine: Engine, pooled: tuple[Engine, dict[str, Any]]) -> Engine:
+    """The pooled engine, after ``engine`` (direct) emptied the tables."""
+    return pooled[0]
+
+
+class PooledRunner(Runner):
+    """tests.factories.Runner with both flavours' engines from the helper (through PgBouncer)."""
+
+    def __init__(self, kind: str, engine: Engine, url: URL, direct: URL) -> None:
+        super().__init__(kind, engine, url.set(drivername="postgresql+psycopg_async"))
+        if self.aengine is not None:  # replaced before it ever connected
+            self.aengine, _ = pgbouncer_async_engine(url, direct_url=direct)
+
+
+@pytest.fixture(params=["sync", "async"])
+def prunner(request: pytest.FixtureRequest, pengine: Engine, pooled_url: URL, db_url: URL) -> Iterator[Any]:
+    r = PooledRunner(request.param, pengine, pooled_url, db_url)
+    yield r
+    r.close()
+
+
+def occupy_prepared_names(url: URL, n: int = 20) -> None:
+    """What any earlier client of the pool leaves behind: psycopg's statement names ``_pg3_0`` …
+    ``_pg3_{n-1}`` prepared on the server connection(s) it used (PgBouncer resets nothing between clients of
+    a transaction pool)."""
+    with psycopg.connect(url.set(drivername="postgresql").render_as_string(hide_password=False),
+                         autocommit=True) as conn:  # fmt: skip
+        for i in range(n):
+            try:
+                conn.execute(f"SELECT {i} AS n".encode(), prepare=True)
+            except psycopg.errors.DuplicatePreparedStatement:
+                return  # an earlier test left them there already
+
+
+def listeners(engine: Engine) -> set[int]:
+    """Backends of the test database whose last statement was a LISTEN (a waker, once its LISTEN is up)."""
+    with engine.connect() as conn:
+        return set(conn.execute(text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'"
+        )).scalars())  # fmt: skip
+
+
+def wait_for_listeners(engine: Engine, count: int, *, before: set[int], among: Any = None) -> None:
+    """Until ``count`` backends not in ``before`` (and in ``among()`` when given) have run their LISTEN: a
+    commit made now is sure to be notified to them."""
+
+    def up() -> bool:
+        new = listeners(engine) - before
+        return len(new & set(among()) if among is not None else new) >= count
+
+    assert wait_until(up, 15), "the loops' LISTEN never ran"
+
+
+# --- the helper -----------------------------------------------------------------------------------------
+
+
+def test_pgbouncer_engine_switches_prepared_statements_off_and_listens_on_the_server(
+    pooled_url: URL, db_url: URL
+) -> None:
+    engine, wakeups = pgbouncer_engine(pooled_url.render_as_string(hide_password=False), direct_url=db_url)
+    try:
+        assert wakeups == {"listen": True, "listen_url": db_url.set(drivername="postgresql+psycopg")}
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+            assert conn.execute(text("SELECT 1")).scalar_one() == 1
+    finally:
+        engine.dispose()
+    poll_only = pgbouncer_engine(pooled_url)
+    assert poll_only[1] == {"listen": False}
+    poll_only[0].dispose()
+    kept, _ = pgbouncer_engine(pooled_url, prepared_statements=True)  # PgBouncer >= 1.21 with tracking on
+    with kept.connect() as conn:
+        assert conn.connection.driver_connection.prepare_threshold == 5  # type: ignore[union-attr]
+    kept.dispose()
+    plain, _ = pgbouncer_engine(pooled_url.set(drivername="postgresql"))
+    assert plain.dialect.driver == "psycopg"
+    plain.dispose()
+
+    async def check_async() -> None:
+        aengine, awake = pgbouncer_async_engine(pooled_url, direct_url=db_url)
+        try:
+            assert awake == wakeups and aengine.url.drivername == "postgresql+psycopg_async"
+            async with aengine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                assert raw.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(check_async())
+
+
+def test_pgbouncer_engine_refuses_other_drivers_and_contradicting_settings(pooled_url: URL) -> None:
+    with pytest.raises(ConfigurationError, match="psycopg 3"):
+        pgbouncer_engine(pooled_url.set(drivername="postgresql+asyncpg"))
+    with pytest.raises(ConfigurationError, match="direct_url: not a database URL"):
+        pgbouncer_engine(pooled_url, direct_url="not a url")
+    with pytest.raises(ConfigurationError, match="prepared_statements=True"):
+        pgbouncer_engine(pooled_url, connect_args={"prepare_threshold": 5})
+    engine, _ = pgbouncer_engine(pooled_url, connect_args={"application_name": "billing"})
+    with engine.connect() as conn:
+        assert conn.execute(text("SHOW application_name")).scalar_one() == "billing"
+        assert conn.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+    engine.dispose()
+
+
+# --- what breaks without the settings -------------------------------------------------------------------
+
+
+def _drain_with_four_dispatchers(engine: Engine, attempts: int) -> tuple[int, list[BaseException]]:
+    """Four dispatchers (threads, one engine) call run_once until the outbox looks drained or each made
+    ``attempts`` calls; returns (messages published, errors raised by run_once)."""
+    publisher = RecordingPublisher()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        d = Dispatcher(engine, OutboxEvent, publisher, batch=10, backoff=FAST, listen=False)
+        idle = 0
+        for _ in range(attempts):
+            try:
+                idle = idle + 1 if d.run_once() == 0 else 0
+            except Exception as exc:
+                with lock:
+                    errors.append(exc)
+            if idle >= 3:
+                break
+        d.close()
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    return len(set(publisher.ids)), errors
+
+
+def test_psycopg_prepared_statements_fail_a_drain_through_pgbouncer_118(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL
+) -> None:
+    """Four dispatchers share two server connections. With psycopg's prepared statements (sa_outbox prepares
+    its claim and finalize at once) a statement name is prepared on one server connection and missing, or
+    another client's, on the next: errors by the hundred. Through the helper's engine: none, all delivered."""
+    url = bouncer.url(f"{db_url.database}_shared")
+    seed_events(engine, 300)
+    default = create_engine(url, pool_size=4)  # what a user gets without the setting
+    try:
+        published, errors = _drain_with_four_dispatchers(default, attempts=40)
+    finally:
+        default.dispose()
+    print(f"\nPgBouncer 1.18, psycopg's default prepare: {len(errors)} errors, {published} of 300 published")
+    assert errors, "no error through PgBouncer with prepared statements on"
+    assert all(isinstance(e, ConfigurationError) and "pgbouncer_engine()" in str(e) for e in errors), {
+        type(e).__name__: str(e)[:200] for e in errors
+    }
+    with engine.begin() as conn:  # what the failed claims left leased goes back
+        conn.execute(
+            text("UPDATE outbox SET status = 'pending', lease_until = NULL WHERE status = 'processing'")
+        )
+    helper, _ = pgbouncer_engine(url, pool_size=4)
+    try:
+        published, errors = _drain_with_four_dispatchers(helper, attempts=1000)
+    finally:
+        helper.dispose()
+    assert errors == []
+    assert statuses(engine) == {"done": 300}
+
+
+def test_a_loop_without_the_setting_stops_with_an_error_that_names_the_fix(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL
+) -> None:
+    """Another client of the pool prepared ``_pg3_0`` on the one server connection: the loop's first prepared
+    statement collides with it. ``run()`` stops with a ConfigurationError that names the helper — not a
+    "missing table" SchemaError, not an outage it would retry forever (measured before this check: a drain of
+    2,000 events by four dispatchers raised 682 SchemaErrors "table 'outbox' is missing" and 133
+    ProtocolViolations "bind message supplies 12 parameters, but prepared statement … requires 17" that
+    the loop took for an outage)."""
+    url = bouncer.url(f"{db_url.database}_one")
+    seed_events(engine, 3)
+    occupy_prepared_names(url)
+    default = create_engine(url)
+    d = Dispatcher(default, OutboxEvent, RecordingPublisher(), listen=False)
+    try:
+        with pytest.raises(ConfigurationError, match=r"_pg3_\d+\" already exists.*pgbouncer_engine\(\)"):
+            d.run(install_signal_handlers=False, until_idle=True, startup_timeout=5)
+    finally:
+        d.close()
+        default.dispose()
+    helper, _ = pgbouncer_engine(url)
+    try:
+        publisher = RecordingPublisher()
+        assert drain(Dispatcher(helper, OutboxEvent, publisher, listen=False)) == 3
+        assert publisher.ids == [1, 2, 3]
+    finally:
+        helper.dispose()
+
+
+def test_listen_through_the_pooler_never_wakes_a_loop(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, pooled: tuple[Engine, dict[str, Any]]
+) -> None:
+    """A loop listening through PgBouncer: its LISTEN runs on some server connection and what PostgreSQL
+    delivers there later is dropped (PgBouncer logs "got packet 'A' from server when not linked"). The jobs
+    still run — found by polling — but no wake-up ever arrives (the waker's self-check notices and polls). The same loop listening on the server itself
+    (the helper's ``direct_url``) is woken by each commit."""
+    pooled_engine, wakeups = pooled
+    handled: list[int] = []
+    alias = f"{db_url.database}_listen"
+    through = Worker(pooled_engine, Job, {"t": lambda j: handled.append(j.id)}, poll_interval=0.2,
+                     listen_url=bouncer.url(alias))  # fmt: skip
+    thread = threading.Thread(target=through.run, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        # (its self-check finds the LISTEN deaf within 2 s, closes it and polls: see the next test)
+        for n in range(3):
+            with Session(pooled_engine) as s, s.begin():
+                enqueue(s, Job, "t", {"n": n})
+            assert wait_until(lambda n=n: len(handled) == n + 1, 10)  # type: ignore[misc]
+    finally:
+        through.stop()
+        thread.join(30)
+    assert through.stats.wakeups == 0
+    bouncer.admin(f"RECONNECT {db_url.database}_listen")  # drop the server connection that kept the LISTEN
+
+    direct = Worker(pooled_engine, Job, {"t": lambda j: handled.append(j.id)}, poll_interval=30, **wakeups)
+    thread = threading.Thread(target=direct.run, kwargs={"install_signal_handlers": False})
+    before = listeners(engine)
+    thread.start()
+    try:
+        wait_for_listeners(engine, 1, before=before)
+        with Session(pooled_engine) as s, s.begin():
+            enqueue(s, Job, "t", {"n": 3})
+        assert wait_until(lambda: len(handled) == 4 and direct.stats.wakeups >= 1, 10)
+    finally:
+        direct.stop()
+        thread.join(30)
+
+
+def test_a_loop_listening_through_the_pooler_says_so_and_names_listen_url(
+    caplog: pytest.LogCaptureFixture,
+    bouncer: PrivatePgBouncer,
+    db_url: URL,
+    pooled: tuple[Engine, dict[str, Any]],
+) -> None:
+    """The loops listen on the engine's URL by default: behind PgBouncer that is the pooler, where nothing
+    arrives, silently (the previous test). A waker that NOTIFYs its own channel from a second connection
+    after its LISTEN (a same-connection check passes falsely) can tell, warn once, and poll."""
+    pooled_engine, _ = pooled
+    w = Worker(pooled_engine, Job, {"t": lambda j: None}, poll_interval=0.2,
+               listen_url=bouncer.url(f"{db_url.database}_listen"))  # fmt: skip
+    thread = threading.Thread(target=w.run, kwargs={"install_signal_handlers": False})
+    with caplog.at_level(logging.WARNING, logger="sa_outbox.wakeup"):
+        thread.start()
+        try:
+            warned = wait_until(lambda: any("listen_url" in r.getMessage() for r in caplog.records), 5)
+        finally:
+            w.stop()
+            thread.join(30)
+            bouncer.admin(f"RECONNECT {db_url.database}_listen")
+    assert warned
+
+
+# --- the producer ----------------------------------------------------------------------------------------
+
+
+def test_session_hook_emit_and_enqueue_through_pgbouncer_and_notify_reaches_a_direct_listener(
+    pengine: Engine, engine: Engine, db_url: URL
+) -> None:
+    listener = psycopg.connect(db_url.set(drivername="postgresql").render_as_string(hide_password=False),
+                               autocommit=True)  # fmt: skip
+    try:
+        for model in (OutboxEvent, Job):
+            listener.execute(f'LISTEN "{channel_for(model.__table__)}"'.encode())
+        with Session(pengine) as s, s.begin():
+            order = Order(status="paid")
+            s.add(order)
+            s.add(OutboxEvent.for_aggregate(order, "OrderPaid", {"n": 1}))
+            s.add(
+                OutboxEvent(
+                    aggregate_type="customer", aggregate_id="7", event_type="Charged", payload={"n": 2}
+                )
+            )
+            ids = emit(
+                s, OutboxEvent, [("customer", "7", "Mailed", {"n": 3}), ("customer", "8", "Mailed", {"n": 4})]
+            )
+            enqueue(s, Job, "receipt", {"order": 1}, queue="mail")
+        assert ids == [3, 4]
+        got = {n.channel for n in listener.notifies(timeout=10, stop_after=2)}
+        assert got == {channel_for(OutboxEvent.__table__), channel_for(Job.__table__)}
+    finally:
+        listener.close()
+    with Session(pengine) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="customer", aggregate_id="7", event_type="Lost", payload={}))
+        emit(s, OutboxEvent, [("customer", "7", "Lost", {})])
+        enqueue(s, Job, "lost", {})
+        s.flush()
+        s.rollback()
+    with engine.connect() as conn:
+        events = conn.execute(
+            text("SELECT aggregate_type, aggregate_id, event_type FROM outbox ORDER BY id")
+        ).all()
+        jobs = conn.execute(text("SELECT task, queue FROM jobs")).all()
+    assert [tuple(e) for e in events] == [("order", "1", "OrderPaid"), ("customer", "7", "Charged"),
+                                          ("customer", "7", "Mailed"), ("customer", "8", "Mailed")]  # fmt: skip
+    assert [tuple(j) for j in jobs] == [("receipt", "mail")]
+
+
+def _string_event(s: Session, n: int) -> None:
+    s.add(OutboxEvent(aggregate_type="account", aggregate_id="A", event_type="E", payload={"n": n}))
+
+
+def _emitted(s: Session, n: int) -> None:
+    emit(s, OutboxEvent, [("account", "A", "E", {"n": n})])
+
+
+def _order_event(s: Session, n: int) -> None:
+    order = s.get(Order, 1)
+    assert order is not None
+    s.add(OutboxEvent.for_aggregate(order, "OrderChanged", {"n": n}))
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [(_string_event, _string_event), (_string_event, _emitted), (_order_event, _order_event)],
+    ids=["advisory-lock", "advisory-lock-emit", "row-lock"],
+)
+def test_aggregate_locks_keep_commit_order_through_pgbouncer(
+    pengine: Engine, engine: Engine, first: Any, second: Any
+) -> None:
+    """T1 writes an event and holds its transaction (on one server connection); T2 writes one for the same
+    aggregate through the pooler: it waits on T1's transaction-scoped lock, commits after it, and has the
+    larger id. ``pg_advisory_xact_lock`` and the row lock live as long as the transaction, which is exactly
+    how long PgBouncer keeps the server connection: they work in transaction pooling mode."""
+    with Session(engine) as s, s.begin():
+        s.add(Order(status="new"))
+    assert_serialised(pengine, first, second, app="pgbouncer_t2")
+
+
+def test_async_session_producer_through_pgbouncer(engine: Engine, pooled_url: URL, db_url: URL) -> None:
+    async def produce() -> list[int]:
+        aengine, _ = pgbouncer_async_engine(pooled_url, direct_url=db_url)
+        try:
+            async with AsyncSession(aengine) as s, s.begin():
+                s.add(OutboxEvent(aggregate_type="a", aggregate_id="1", event_type="E", payload={}))
+                ids = await emit(s, OutboxEvent, [("a", "1", "F", {}), ("a", "2", "G", {})])
+                enqueue(s, Job, "t", {})
+            async with AsyncSession(aengine) as s, s.begin():
+                await emit(s, OutboxEvent, [("a", "1", "Lost", {})])
+                await s.rollback()
+            return ids
+        finally:
+            await aengine.dispose()
+
+    assert asyncio.run(produce()) == [2, 3]
+    assert statuses(engine) == {"pending": 3}
+    assert statuses(engine, "jobs") == {"queued": 1}
+
+
+# --- the loops ---------------------------------------------------------------------------------------------
+
+
+def test_dispatchers_and_workers_drain_through_pgbouncer(prunner: PooledRunner, engine: Engine) -> None:
+    for n in range(30):
+        seed_events(engine, 1, aggregate=f"agg-{n % 3}", start=n)
+    seed_jobs(engine, 30, task="t")
+    publisher = RecordingPublisher()
+    handled: list[int] = []
+    ordered = prunner.dispatcher(publisher, ordered=True, batch=5)
+    plain = prunner.dispatcher(RecordingPublisher(), batch=7)
+    worker = prunner.worker({"t": lambda j: handled.append(j.id)}, batch=4, concurrency=2)
+    assert prunner.drain(ordered) == 30
+    assert prunner.drain(worker) == 30
+    seed_events(engine, 10, start=30)
+    assert prunner.drain(plain) == 10
+    assert publisher.ids == sorted(publisher.ids) and len(publisher.ids) == 30
+    for agg in ("agg-0", "agg-1", "agg-2"):
+        ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == agg]
+        assert ns == sorted(ns) and len(ns) == 10
+    assert sorted(handled) == list(range(1, 31))
+    assert statuses(engine) == {"done": 40} and statuses(engine, "jobs") == {"done": 30}
+
+
+def test_idle_loops_wake_up_on_a_commit_through_pgbouncer(
+    prunner: PooledRunner, engine: Engine, pooled: tuple[Engine, dict[str, Any]]
+) -> None:
+    """The helper's wake-up options: LISTEN on the server, commits through the pooler: both loops are
+    notified of the commit (their wake-up counters move)."""
+    _, wakeups = pooled
+    publisher = RecordingPublisher()
+    handled: list[int] = []
+    d = prunner.dispatcher(publisher, poll_interval=30, **wakeups)
+    w = prunner.worker({"t": lambda j: handled.append(j.id)}, poll_interval=30, **wakeups)
+    before = listeners(engine)
+    threads = [prunner.run_in_thread(d)] if prunner.kind == "sync" else []
+    if prunner.kind == "sync":
+        threads.append(prunner.run_in_thread(w))
+    else:  # one event loop drives both async loops in one thread
+
+        async def both() -> None:
+            await asyncio.gather(d.run(install_signal_handlers=False), w.run(install_signal_handlers=False))
+
+        assert prunner.loop is not None
+        loop = prunner.loop
+        threads.append(threading.Thread(target=lambda: loop.run_until_complete(both())))
+        threads[0].start()
+    try:
+        wait_for_listeners(engine, 2, before=before)  # both idle, their LISTEN up on the server
+        with Session(prunner.engine) as s, s.begin():
+            s.add(OutboxEvent(aggregate_type="a", aggregate_id="1", event_type="E", payload={}))
+            enqueue(s, Job, "t", {})
+        assert wait_until(
+            lambda: len(publisher.ids) == 1 and len(handled) == 1 and d.stats.wakeups and w.stats.wakeups, 10
+        ), (d.stats, w.stats)
+    finally:
+        d.stop()
+        w.stop()
+        for t in threads:
+            t.join(30)
+
+
+# --- the inbox, jobs control, transactional handlers ---------------------------------------------------
+
+
+def test_inbox_receive_through_pgbouncer(pengine: Engine, engine: Engine) -> None:
+    def apply(message_id: str, **kw: Any) -> Receipt:
+        with Session(pengine) as s, s.begin():
+            return receive(s, Inbox, "billing", message_id, event_type="OrderPaid", **kw)
+
+    assert apply("1") is Receipt.NEW
+    assert apply("1") is Receipt.DUPLICATE
+    assert apply("7", aggregate="order-1", position=7) is Receipt.NEW
+    assert apply("5", aggregate="order-1", position=5) is Receipt.STALE
+    assert apply("7", aggregate="order-1", position=7) is Receipt.DUPLICATE
+    with Session(pengine) as s, s.begin():
+        assert receive(s, Inbox, "billing", "9")
+        s.rollback()  # the consumer failed: its record goes with its effects
+    assert apply("9") is Receipt.NEW
+
+
+def test_cancel_and_pause_through_pgbouncer(prunner: PooledRunner, engine: Engine) -> None:
+    pooled_engine = prunner.engine
+    seed_jobs(engine, 2, task="mail")
+    seed_jobs(engine, 1, task="long")
+    assert cancel_jobs(pooled_engine, Job, task="mail").cancelled == [1, 2]
+    started = threading.Event()
+
+    def long(job: ClaimedJob) -> None:
+        started.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            job.raise_if_cancelled()  # the request arrives with a heartbeat, through the pooler
+            time.sleep(0.02)
+
+    w = prunner.worker({"long": long, "mail": lambda j: None, "t": lambda j: None}, heartbeat=0.1)
+    thread = threading.Thread(target=lambda: prunner.run_once(w))
+    thread.start()
+    assert started.wait(20)
+    assert cancel_jobs(pooled_engine, Job, ids=[3]).requested == [3]
+    thread.join(30)
+    assert not thread.is_alive()
+    assert [row(engine, "jobs", i).status for i in (1, 2, 3)] == ["cancelled"] * 3
+
+    pause_queue(pooled_engine, Job, "default", by="ops")
+    seed_jobs(engine, 2, task="t")
+    assert prunner.drain(w) == 0
+    resume_queue(pooled_engine, Job, "default")
+    assert prunner.drain(w) == 2
+
+
+@pytest.fixture
+def effects(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS pgb_effects (job_id bigint PRIMARY KEY)"))
+        conn.execute(text("TRUNCATE pgb_effects"))
+    yield engine
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE pgb_effects"))
+
+
+def _effects(engine: Engine) -> list[int]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT job_id FROM pgb_effects ORDER BY 1")).scalars())
+
+
+def test_transactional_handlers_through_pgbouncer(prunner: PooledRunner, effects: Engine) -> None:
+    """The handler's writes and the job's fenced completion in one transaction — one server connection for
+    its duration — and a handler that raises leaves nothing."""
+    seed_jobs(effects, 4, task="charge")
+    seed_jobs(effects, 1, task="flaky")
+
+    def charge(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("INSERT INTO pgb_effects VALUES (:j)"), {"j": job.id})
+
+    def flaky(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("INSERT INTO pgb_effects VALUES (:j)"), {"j": job.id})
+        raise RetryableError("card service timeout")
+
+    async def charge_async(job: ClaimedJob, session: AsyncSession) -> None:
+        await session.execute(text("INSERT INTO pgb_effects VALUES (:j)"), {"j": job.id})
+
+    async def flaky_async(job: ClaimedJob, session: AsyncSession) -> None:
+        await session.execute(text("INSERT INTO pgb_effects VALUES (:j)"), {"j": job.id})
+        raise RetryableError("card service timeout")
+
+    handlers: dict[str, Any] = (
+        {"charge": charge, "flaky": flaky}
+        if prunner.kind == "sync"
+        else {"charge": charge_async, "flaky": flaky_async}
+    )
+    w = prunner.worker(handlers, concurrency=2, backoff=Backoff(60, 60, jitter=False))
+    assert prunner.drain(w) == 5
+    assert _effects(effects) == [1, 2, 3, 4]
+    assert statuses(effects, "jobs") == {"done": 4, "queued": 1}
+    assert "card service timeout" in row(effects, "jobs", 5).last_error
+
+
+def test_a_sync_transactional_handler_under_the_async_worker_through_pgbouncer(
+    effects: Engine, bouncer: PrivatePgBouncer, db_url: URL
+) -> None:
+    """AsyncWorker runs a sync handler that takes a session on a sync engine of its own. Built from the URL
+    alone it prepares statements again: the fenced completions collide with the names another client left on
+    the server connection, and the jobs fail."""
+    url = bouncer.url(f"{db_url.database}_one")
+    occupy_prepared_names(url)
+    seed_jobs(effects, 3, task="charge")
+
+    def charge(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("INSERT INTO pgb_effects VALUES (:j)"), {"j": job.id})
+
+    async def run() -> int:
+        aengine, wakeups = pgbouncer_async_engine(url)
+        w = AsyncWorker(aengine, Job, {"charge": charge}, concurrency=2, **wakeups)
+        try:
+            return int(await w.run_once())
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    assert asyncio.run(run()) == 3
+    assert _effects(effects) == [1, 2, 3] and statuses(effects, "jobs") == {"done": 3}
+
+
+# --- the CLI against the PgBouncer URL --------------------------------------------------------------------
+
+
+def _cli(capsys: pytest.CaptureFixture[str], url: URL, *argv: str) -> tuple[int, str]:
+    code = cli([*argv, "--url", url.render_as_string(hide_password=False)])
+    out = capsys.readouterr()
+    assert code == 0, (argv, out.out, out.err)
+    return code, out.out
+
+
+def test_cli_operations_through_pgbouncer(
+    capsys: pytest.CaptureFixture[str], engine: Engine, pooled_url: URL
+) -> None:
+    seed_events(engine, 6)
+    seed_jobs(engine, 2, task="t")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead', last_error = 'boom' WHERE id IN (1, 2)"))
+        conn.execute(
+            text("UPDATE outbox SET status = 'done', done_at = now() - interval '2 days' WHERE id > 4")
+        )
+    status = json.loads(_cli(capsys, pooled_url, "status", "--json")[1])
+    assert (status["outbox"]["dead"], status["jobs"]["counts"]["queued"]) == (2, 2)
+    findings = json.loads(_cli(capsys, pooled_url, "doctor", "--json")[1])
+    assert not [f for f in findings["findings"] if f["status"] == "fail"], findings
+    _cli(capsys, pooled_url, "locks")
+    dead = json.loads(_cli(capsys, pooled_url, "dead", "list", "--json")[1])
+    assert sorted(r["id"] for r in dead) == [1, 2], dead
+    _cli(capsys, pooled_url, "dead", "retry", "1")
+    _cli(capsys, pooled_url, "dead", "skip", "2")
+    _cli(capsys, pooled_url, "purge", "--older-than", "1d")
+    _cli(capsys, pooled_url, "check", "--max-dead", "0")
+    assert statuses(engine) == {"pending": 3, "done": 1}  # 1 retried, 2 skipped (done), 5 and 6 purged
+
+
+def test_cli_purge_in_many_batches_through_pgbouncer(
+    capsys: pytest.CaptureFixture[str], engine: Engine, bouncer: PrivatePgBouncer, db_url: URL
+) -> None:
+    """psycopg prepares a statement at its 6th execution on a connection: the purge's DELETE, batch after
+    batch, then collides with the names earlier clients left on the server connection."""
+    url = bouncer.url(f"{db_url.database}_one")
+    occupy_prepared_names(url)
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
+            "SELECT 'a', g::text, 'E', '{}', 'done', now() - interval '2 days' FROM generate_series(1, 200) g"
+        ))  # fmt: skip
+    _cli(capsys, url, "purge", "--older-than", "1d", "--batch-size", "10")
+    assert statuses(engine) == {}
+
+
+# --- nothing is left on a server connection -----------------------------------------------------------------
+
+
+def test_nothing_sa_outbox_does_leaves_state_on_a_server_connection(
+    capsys: pytest.CaptureFixture[str],
+    engine: Engine,
+    pooled: tuple[Engine, dict[str, Any]],
+    pooled_url: URL,
+    bouncer: PrivatePgBouncer,
+    db_url: URL,
+) -> None:
+    """After producers, both loops (sync and async), transactional handlers, ``doctor`` (its ``SET LOCAL``)
+    and the CLI have run through the pool, every server connection of it is as a new one: no setting changed
+    by a plain ``SET``, no LISTEN, no prepared statement, no WITH HOLD cursor, no advisory lock."""
+    pooled_engine, wakeups = pooled
+    with Session(pooled_engine) as s, s.begin():
+        for n in range(5):
+            s.add(OutboxEvent(aggregate_type="a", aggregate_id=str(n % 2), event_type="E", payload={}))
+            enqueue(s, Job, "t", {"n": n})
+        emit(s, OutboxEvent, [("a", "9", "E", {})])
+    assert drain(Dispatcher(pooled_engine, OutboxEvent, RecordingPublisher(), ordered=True, **wakeups)) == 6
+
+    def t(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("SELECT 1"))
+
+    assert drain(Worker(pooled_engine, Job, {"t": t}, **wakeups)) == 5
+    with Session(pooled_engine) as s, s.begin():
+        enqueue(s, Job, "t", {})
+
+    async def async_drain() -> int:
+        aengine, awake = pgbouncer_async_engine(pooled_url, direct_url=db_url)
+        w = AsyncWorker(aengine, Job, {"t": lambda j: None}, **awake)
+        try:
+            return int(await w.run_once())
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    assert asyncio.run(async_drain()) == 1
+    assert not [f for f in doctor(pooled_engine, [OutboxEvent, Job]) if f.status == "fail"]
+    for argv in (["doctor"], ["status"], ["locks"], ["dead", "list"], ["purge", "--older-than", "0s"]):
+        _cli(capsys, pooled_url, *argv)
+
+    state = _server_connection_state(bouncer, pooled_url)
+    assert len(state) >= 1
+    leftovers = {pid: s for pid, s in state.items() if s != CLEAN}
+    assert leftovers == {}, leftovers
+    assert set(state) >= set(bouncer.server_pids(str(db_url.database)))
+
+
+CLEAN = {"set": [], "listening": 0, "prepared": 0, "cursors": 0, "advisory_locks": 0}
+#: What PgBouncer itself sets on a server connection for each client (its tracked startup parameters).
+_PGBOUNCER_SETS = (
+    "application_name",
+    "client_encoding",
+    "DateStyle",
+    "TimeZone",
+    "standard_conforming_strings",
+)
+
+
+def _server_connection_state(bouncer: PrivatePgBouncer, url: URL) -> dict[int, dict[str, Any]]:
+    """Hold ``POOL`` transactions open at once through the pooler — one on each of its server connections —
+    and read each one's session state."""
+    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    sql = (
+        b"SELECT pg_backend_pid(), "
+        b"  (SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM pg_settings "
+        b"   WHERE source = 'session' AND name <> ALL(%(tracked)s::text[])), "
+        b"  (SELECT count(*) FROM pg_listening_channels()), (SELECT count(*) FROM pg_prepared_statements), "
+        b"  (SELECT count(*) FROM pg_cursors WHERE is_holdable), "
+        b"  (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())"
+    )
+    conns = [psycopg.connect(conninfo) for _ in range(POOL)]  # transactions: each holds a server connection
+    try:
+        rows = [c.execute(sql, {"tracked": list(_PGBOUNCER_SETS)}).fetchone() for c in conns]
+    finally:
+        for c in conns:
+            c.close()
+    out = {}
+    for r in rows:
+        assert r is not None
+        pid, sets, listening, prepared, cursors, locks = r
+        out[int(pid)] = {"set": list(sets), "listening": listening, "prepared": prepared, "cursors": cursors,
+                         "advisory_locks": locks}  # fmt: skip
+    assert len(out) == POOL, "two of the open transactions shared a server connection"
+    return out
+
+
+# --- a short fault profile --------------------------------------------------------------------------------
+
+
+def test_terminated_server_connections_lose_nothing_through_pgbouncer(
+    engine: Engine, pooled: tuple[Engine, dict[str, Any]], pooled_url: URL, bouncer: PrivatePgBouncer,
+    db_url: URL,
+) -> None:  # fmt: skip
+    """Producers, an ordered Dispatcher, a Worker and an AsyncWorker run through PgBouncer while the test
+    terminates every server connection PgBouncer holds (``pg_terminate_backend`` on the real server), again
+    and again. Then: every committed event delivered, each aggregate's events first delivered in id order,
+    every job done, nothing leased, nothing dead."""
+    pooled_engine, wakeups = pooled
+    alias = str(db_url.database)
+    publisher = RecordingPublisher()
+    handled: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def record(job: ClaimedJob) -> None:
+        with lock:
+            handled[job.id] += 1
+
+    d = Dispatcher(pooled_engine, OutboxEvent, publisher, ordered=True, batch=10, lease=3, publish_timeout=1,
+                   poll_interval=0.2, backoff=Backoff(0.01, 0.1), max_attempts=100, **wakeups)  # fmt: skip
+    w = Worker(pooled_engine, Job, {"t": record}, batch=5, stale_after=3, poll_interval=0.2,
+               backoff=Backoff(0.01, 0.1, jitter=False), **wakeups)  # fmt: skip
+    stop_async = threading.Event()
+    async_errors: list[BaseException] = []
+
+    async def async_worker() -> None:
+        aengine, awake = pgbouncer_async_engine(pooled_url, direct_url=db_url)
+        aw = AsyncWorker(aengine, Job, {"t": record}, batch=5, stale_after=3, poll_interval=0.2,
+                         backoff=Backoff(0.01, 0.1, jitter=False), **awake)  # fmt: skip
+        task = asyncio.ensure_future(aw.run(install_signal_handlers=False))
+        try:
+            while not stop_async.is_set() and not task.done():
+                await asyncio.sleep(0.05)
+        finally:
+            aw.stop()
+            await task
+            await aw.close()
+            await aengine.dispose()
+
+    def run_async() -> None:
+        try:
+            asyncio.run(async_worker())
+        except BaseException as exc:
+            async_errors.append(exc)
+
+    producer_errors = Counter[str]()
+
+    def produce(k: int) -> None:
+        for i in range(120):
+            try:
+                with Session(pooled_engine) as s, s.begin():
+                    s.add(OutboxEvent(aggregate_type="acct", aggregate_id=str((k * 120 + i) % 8), event_type="E",
+                                      payload={"k": k, "i": i}))  # fmt: skip
+                    enqueue(s, Job, "t", {"k": k, "i": i}, max_attempts=100)
+            except Exception as exc:  # a terminated server connection: this transaction's outcome is unknown
+                producer_errors[type(exc).__name__] += 1
+            time.sleep(0.005)
+
+    loops = [threading.Thread(target=lp.run, kwargs={"install_signal_handlers": False}) for lp in (d, w)]
+    loops.append(threading.Thread(target=run_async))
+    producers = [threading.Thread(target=produce, args=(k,)) for k in range(2)]
+    terminated = 0
+    for t in (*loops, *producers):
+        t.start()
+    try:
+        for _ in range(6):
+            time.sleep(0.4)
+            pids = bouncer.server_pids(alias)
+            with engine.connect() as conn:
+                terminated += int(conn.execute(
+                    text("SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM unnest(CAST(:p AS int[])) pid"),
+                    {"p": pids},
+                ).scalar_one())  # fmt: skip
+        for t in producers:
+            t.join(60)
+
+        def settled() -> bool:
+            with engine.connect() as conn:
+                return not conn.execute(text(
+                    "SELECT (SELECT count(*) FROM outbox WHERE status <> 'done') "
+                    "     + (SELECT count(*) FROM jobs WHERE status <> 'done')"
+                )).scalar_one()  # fmt: skip
+
+        assert wait_until(settled, 60, every=0.2), (statuses(engine), statuses(engine, "jobs"))
+    finally:
+        d.stop()
+        w.stop()
+        stop_async.set()
+        for t in loops:
+            t.join(30)
+    assert not async_errors, async_errors
+    print(f"\nterminated {terminated} server connections; producer errors {dict(producer_errors)}; "
+          f"db errors: dispatcher {d.stats.db_errors}, worker {w.stats.db_errors}")  # fmt: skip
+    assert terminated >= 3
+    with engine.connect() as conn:
+        events = {r.id: r for r in conn.execute(text("SELECT id, aggregate_id, lease_version FROM outbox"))}
+        jobs = {r.id: r for r in conn.execute(text("SELECT id, lease_version FROM jobs"))}
+    assert len(events) >= 120 and set(publisher.ids) == set(events)
+    first_seen: list[int] = []
+    for i in publisher.ids:
+        if i not in first_seen:
+            first_seen.append(i)
+    for agg in {e.aggregate_id for e in events.values()}:
+        mine = [i for i in first_seen if events[i].aggregate_id == agg]
+        assert mine == sorted(mine), (agg, mine)
+    assert set(handled) == set(jobs)
+    twice = [j for j, n in handled.items() if n > 1]
+    assert all(jobs[j].lease_version >= 2 for j in twice), twice  # only a lost lease runs a job again
