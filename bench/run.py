@@ -42,6 +42,8 @@ SCENARIOS = {
     "wakeup": "latency:scenario_wakeup",
     "growth": "latency:scenario_growth",
     "steady": "latency:scenario_steady",
+    "bulk": "unique_bulk:scenario_bulk",
+    "unique": "unique_bulk:scenario_unique",
     "pgbouncer": "pgbouncer:scenario_pgbouncer",
 }
 #: Modes run only when asked for (``--memory``, ``--profile``, or by name in ``--scenarios``).

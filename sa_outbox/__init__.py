@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ._dispatcher import AsyncDispatcher as AsyncDispatcher
     from ._dispatcher import Dispatcher as Dispatcher
     from ._durations import Duration as Duration
+    from ._enqueue import Enqueued as Enqueued
     from ._limits import Limit as Limit
     from ._messages import BatchPublisher as BatchPublisher
     from ._messages import ClaimedJob as ClaimedJob
@@ -35,12 +36,20 @@ if TYPE_CHECKING:
     from ._pgbouncer import pgbouncer_engine as pgbouncer_engine
     from ._producer import emit as emit
     from ._producer import enqueue as enqueue
+    from ._producer import enqueue_many as enqueue_many
     from ._producer import lock_aggregate as lock_aggregate
+    from ._schedules import Schedule as Schedule
+    from ._schedules import fire_due_schedules as fire_due_schedules
+    from ._schedules import pause_schedule as pause_schedule
+    from ._schedules import resume_schedule as resume_schedule
+    from ._schedules import run_schedule_now as run_schedule_now
+    from ._schedules import sync_schedules as sync_schedules
     from ._schema import JOB_STATUSES as JOB_STATUSES
     from ._schema import OUTBOX_STATUSES as OUTBOX_STATUSES
     from ._schema import CdcOutboxMixin as CdcOutboxMixin
     from ._schema import JobMixin as JobMixin
     from ._schema import OutboxMixin as OutboxMixin
+    from ._schema import ScheduleMixin as ScheduleMixin
     from ._worker import AsyncWorker as AsyncWorker
     from ._worker import TaskRegistry as TaskRegistry
     from ._worker import Worker as Worker
@@ -77,6 +86,7 @@ _EXPORTS: dict[str, str] = {
     "DestinationUnavailable": "errors",
     "Dispatcher": "_dispatcher",
     "Duration": "_durations",
+    "Enqueued": "_enqueue",
     "InboxMixin": "inbox",
     "JOB_STATUSES": "_schema",
     "JobMixin": "_schema",
@@ -90,23 +100,31 @@ _EXPORTS: dict[str, str] = {
     "Publisher": "_messages",
     "Receipt": "inbox",
     "RetryableError": "errors",
+    "Schedule": "_schedules",
+    "ScheduleMixin": "_schema",
     "SchemaError": "errors",
     "TaskRegistry": "_worker",
     "Worker": "_worker",
     "cancel_jobs": "admin",
     "emit": "_producer",
     "enqueue": "_producer",
+    "enqueue_many": "_producer",
+    "fire_due_schedules": "_schedules",
     "job_result": "admin",
     "list_dead": "admin",
     "lock_aggregate": "_producer",
+    "pause_schedule": "_schedules",
     "pgbouncer_async_engine": "_pgbouncer",
     "pgbouncer_engine": "_pgbouncer",
     "purge": "monitoring",
     "queue_status": "monitoring",
     "receive": "inbox",
+    "resume_schedule": "_schedules",
     "retry_dead": "admin",
+    "run_schedule_now": "_schedules",
     "set_queue_storage_parameters": "migration",
     "skip_dead": "admin",
+    "sync_schedules": "_schedules",
 }
 
 __all__ = ["__version__", *_EXPORTS]

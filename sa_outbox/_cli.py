@@ -570,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(handler=_cmd_purge)
     _job_commands(sub)
+    _schedule_commands(sub)
     _cdc_commands(sub)
     _dashboard_commands(sub)
     return parser
@@ -674,6 +675,85 @@ def _cmd_queues(args: argparse.Namespace) -> int:
             else "active"
         )
         print(f"{q.name:<20} {state:<40} queued {q.queued:>8,}  running {q.running:>6,}")
+    return 0
+
+
+# --- schedules: list, pause, resume, run-now ---------------------------------------------------------------
+
+
+def _schedule_commands(sub: Any) -> None:
+    schedules = sub.add_parser(
+        "schedules", help="cron schedules: list, pause, resume, run-now (paused schedules do not fire)"
+    )
+    ssub = schedules.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    ssub.required = True
+    for action in ("list", "pause", "resume", "run-now"):
+        p = ssub.add_parser(action)
+        _common(p)
+        p.add_argument(
+            "--schedules-table", default="schedules", help="schedules table name (default: schedules)"
+        )
+        p.add_argument("--json", action="store_true")
+        if action != "list":
+            p.add_argument("name", help="the schedule")
+        p.set_defaults(handler=_cmd_schedules)
+
+
+def _cmd_schedules(args: argparse.Namespace) -> int:
+    from sqlalchemy import inspect, select
+
+    from . import _schedules
+    from .models import model_for
+
+    engine = _engine(args)
+    schema, name = _split_table("--schedules-table", args.schedules_table)
+    if not inspect(engine).has_table(name, schema=schema):
+        raise ConfigurationError(
+            f"no table {args.schedules_table} in this database: check --schedules-table, or create it "
+            "(alembic upgrade head)"
+        )
+    model = model_for("schedules", name, schema)
+    if args.action == "pause":
+        _schedules.pause_schedule(engine, model, args.name)
+        print(f"paused {args.name}: it fires no slot until resumed")
+        return 0
+    if args.action == "resume":
+        _schedules.resume_schedule(engine, model, args.name)
+        print(f"resumed {args.name}: it fires from its next slot (the paused slots are skipped)")
+        return 0
+    if args.action == "run-now":
+        [(_, jobs)] = _tables(args, engine, ("jobs",))
+        job_id = _schedules.run_schedule_now(engine, model, jobs, args.name)
+        if args.json:
+            _print_json({"schedule": args.name, "job": job_id})
+        else:
+            print(f"enqueued job {job_id} for schedule {args.name}")
+        return 0
+    c = model.__table__.c
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                c.name,
+                c.cron,
+                c.timezone,
+                c.task,
+                c.queue,
+                c.catch_up,
+                c.paused,
+                c.next_run_at,
+                c.last_run_at,
+            ).order_by(c.name)
+        ).all()
+    if args.json:
+        _print_json([dict(r._mapping) for r in rows])
+        return 0
+    for r in rows:
+        state = "paused" if r.paused else "active"
+        last = f"{r.last_run_at:%Y-%m-%d %H:%M:%S%z}" if r.last_run_at else "never"
+        where = f"{r.queue}/{r.task}"
+        print(f"{r.name:<24} {r.cron:<16} {r.timezone:<16} {where:<32} {state:<7} "
+              f"next {r.next_run_at:%Y-%m-%d %H:%M:%S%z}  last {last}  catch-up {r.catch_up}")  # fmt: skip
+    print(f"{len(rows)} schedule(s)")
     return 0
 
 

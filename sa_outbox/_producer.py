@@ -87,7 +87,9 @@ from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
 from sqlalchemy.sql.elements import ClauseElement
 
+from . import _enqueue
 from ._durations import Duration, to_timedelta
+from ._enqueue import NOTIFY_SQL, Enqueued, OnConflict
 from ._execute import run
 from ._names import channel_for
 from ._payload import (
@@ -96,7 +98,6 @@ from ._payload import (
     check_int,
     check_payload,
     index_safe_chars,
-    normalize_payload,
     require_text,
 )
 from ._tracing import trace_headers, with_trace
@@ -107,8 +108,10 @@ from .errors import PayloadError
 __all__ = [
     "LOCK_AGGREGATES",
     "EmitEvent",
+    "JobItem",
     "emit",
     "enqueue",
+    "enqueue_many",
     "event_for",
     "install",
     "lock_aggregate",
@@ -141,6 +144,10 @@ _EVENT_KINDS = frozenset({"outbox", "cdc"})
 #: An event for :func:`emit`: ``(aggregate_type, aggregate_id, event_type, payload)``, optionally with the
 #: event's own headers as a fifth element.
 EmitEvent = tuple[str, str, str, Any] | tuple[str, str, str, Any, Mapping[str, str] | None]
+#: A job for :func:`enqueue_many`: ``(task, payload)``, or a mapping of ``enqueue``'s options with ``task`` and
+#: ``payload`` (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``, ``concurrency_key``,
+#: ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``).
+JobItem = tuple[str, Any] | Mapping[str, Any]
 
 
 # --- the statements (constant SQL, values only as bound parameters) ---------------------------------------
@@ -154,9 +161,7 @@ _LOCKS_SQL = """(SELECT count(*) FROM (
           SELECT DISTINCT hashtextextended(t || ':' || i, 0) AS k
             FROM unnest(CAST(:types AS text[]), CAST(:ids AS text[])) AS u(t, i)) AS keys
        ORDER BY k) AS locked)"""
-_NOTIFY_SQL = """(SELECT count(*) FROM (
-      SELECT pg_notify(c, p)
-        FROM unnest(CAST(:channels AS text[]), CAST(:payloads AS text[])) AS n(c, p)) AS sent)"""
+_NOTIFY_SQL = NOTIFY_SQL  # shared with the jobs' one-statement insert (``_enqueue``)
 
 #: Locks and NOTIFYs on their own (before inserts that cannot carry them, and :func:`lock_aggregate`).
 _LOCK_AND_NOTIFY = text(f"SELECT {_LOCKS_SQL} AS locks, {_NOTIFY_SQL} AS notifies")
@@ -536,28 +541,41 @@ def _job_values(
 ) -> dict[str, Any]:  # fmt: skip
     """A job's values checked and normalised (``queue`` defaults to ``"default"``; ``headers`` plus the trace
     ``context``), or PayloadError."""
+    return _checked_job(table, max_bytes, values, max_headers=max_headers, context=context)[0]
+
+
+def _checked_job(
+    table: Table, max_bytes: int, values: Mapping[str, Any], *, max_headers: int = 8 * 1024,
+    context: Mapping[str, str] | None = None,
+) -> tuple[dict[str, Any], str, str | None]:  # fmt: skip
+    """:func:`_job_values`, plus the payload and the headers as JSON text (``None``: no headers)."""
     out = dict(values)
     task, queue = values.get("task"), values.get("queue")
     what = f"job {task!r:.80} on queue {queue!r:.80}"
     out["task"] = require_text(task, what, "task")
     out["queue"] = require_text("default" if queue is None else queue, what, "queue")
-    check_index_entries(table, out, what=what)
+    if sum(len(v) for v in out.values() if type(v) is str) > index_safe_chars(table):  # else: fits, surely
+        check_index_entries(table, out, what=what)
     for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
         if values.get(name) is not None:
             check_int(values[name], what=what, name=name, low=low, high=_INT4[1])
-    out["payload"] = normalize_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    out["payload"], encoded = check_payload(values.get("payload"), what=what, max_bytes=max_bytes)
+    headers_text = None
     if values.get("headers") is not None or context:
-        out["headers"] = _headers_of(what, values.get("headers"), max_headers, context or {})[0]
-    return out
+        out["headers"], headers_text = _headers_of(what, values.get("headers"), max_headers, context or {})
+    return out, encoded, headers_text
 
 
-def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
-    """Validate (and normalise) a job in place; ``context``: the trace headers to add."""
-    model = type(job)
-    given = {k: getattr(job, k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers",
-                                          "concurrency_key")}  # fmt: skip
-    checked = _job_values(_table_of(job), model.sa_outbox_max_payload_bytes, given,
-                          max_headers=model.sa_outbox_max_headers_bytes, context=context)  # fmt: skip
+def _validate_job(job: JobMixin, context: Mapping[str, str]) -> tuple[str, str | None]:
+    """Validate (and normalise) a job in place; ``context``: the trace headers to add. Returns its payload and
+    its headers as JSON text."""
+    model, d = type(job), instance_state(job).dict
+    given = {k: d.get(k) for k in ("task", "queue", "payload", "priority", "max_attempts", "headers",
+                                   "concurrency_key")}  # fmt: skip
+    checked, encoded, headers_text = _checked_job(
+        _table_of(job), model.sa_outbox_max_payload_bytes, given, max_headers=model.sa_outbox_max_headers_bytes,
+        context=context,
+    )  # fmt: skip
     for name in ("task", "queue", "payload"):
         if checked[name] is not given[name]:
             setattr(job, name, checked[name])
@@ -565,6 +583,52 @@ def _validate_job(job: JobMixin, context: Mapping[str, str]) -> None:
         job.headers = checked["headers"]
     if given["max_attempts"] is None:
         job.max_attempts = model.sa_outbox_default_max_attempts
+    return encoded, headers_text
+
+
+#: The columns of a jobs table that :func:`_insert_jobs` can write for the ORM (exactly JobMixin's: a table
+#: with columns of its own, whose Python-side defaults only the ORM applies, keeps the ORM's INSERT).
+_JOB_COLUMNS = frozenset(
+    {"id", "queue", "task", "payload", "status", "priority", "run_at", "attempts", "max_attempts", "locked_by",
+     "locked_at", "lease_version", "last_error", "created_at", "finished_at", "headers", "cancel_requested_at",
+     "result", "concurrency_key", "unique_key"}
+)  # fmt: skip
+_JOB_SET = frozenset(
+    {"task", "queue", "payload", "priority", "max_attempts", "run_at", "headers", "concurrency_key"}
+)
+#: ``enqueue``'s mark on a job whose ``run_at`` is ``now() + delay`` (an SQL expression): the delay in seconds.
+_DELAY_ATTR = "_sa_outbox_delay"
+
+
+@functools.cache
+def _plain_job_table(table: Table) -> bool:
+    return set(table.c.keys()) == _JOB_COLUMNS
+
+
+@functools.cache
+def _job_attributes(mapper: Mapper[Any]) -> tuple[tuple[str, bool], ...]:
+    """(attribute, has a server default) of a jobs mapper's columns, the primary key aside."""
+    return tuple(
+        (prop.key, prop.columns[0].server_default is not None)
+        for prop in mapper.column_attrs
+        if not prop.columns[0].primary_key
+    )
+
+
+def _job_fast_eligible(job: JobMixin) -> bool:
+    """Only enqueue's columns are set (``run_at`` a datetime or enqueue's delay), on a table with JobMixin's
+    columns: the one-statement insert can write it (anything else — a unique key set by hand, a status — keeps
+    the ORM's INSERT)."""
+    if not _plain_job_table(_table_of(job)):
+        return False
+    d = instance_state(job).dict
+    for key, value in d.items():
+        if key in _JOB_SET:
+            if key == "run_at" and isinstance(value, ClauseElement) and _DELAY_ATTR not in d:
+                return False
+        elif key[0] != "_":
+            return False
+    return True
 
 
 # --- step 2: plan the locks -------------------------------------------------------------------------------
@@ -834,7 +898,7 @@ def _take(fl: _Flush, obj: Any) -> str | None:
         if kind == "cdc":
             _cdc_columns(obj)
     elif kind == "jobs":
-        _validate_job(obj, cast(dict[str, str], fl.trace))
+        fl.encoded[id(obj)] = _validate_job(obj, cast(dict[str, str], fl.trace))
         fl.jobs.add((channel_for(_table_of(obj).name), obj.queue))
     if kind is not None and fl.anchor is None:
         fl.anchor = object_mapper(obj)
@@ -854,39 +918,99 @@ def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any]
     Written now: per table, the plain events (the four event columns, aggregate known) ahead of the first one
     that is not — in one statement that also takes the flush's advisory locks and sends its NOTIFYs. The rest
     keeps its place in the write order and is written by :func:`_after_flush`. The locks of every event known
-    here are taken here, sorted, whichever of the two writes it."""
+    here are taken here, sorted, whichever of the two writes it. Jobs with only enqueue's columns set are
+    written by one statement too (:func:`_insert_jobs`, which carries the NOTIFYs when no event does); other
+    jobs are inserted by the ORM."""
     fl = _Flush(flush_context)
     session.info[_FLUSH_KEY] = fl
     try:
         # session.new iterates in the order the objects were added (the ORM keeps pending objects in a dict)
         candidates = session.new if instances is None else [o for o in instances if o in session.new]
-        events: list[_Event] = [
-            o
-            for o in candidates
-            if getattr(type(o), "sa_outbox_kind", None) is not None and _take(fl, o) in _EVENT_KINDS
-        ]  # step 1, before any SQL
+        events: list[_Event] = []
+        jobs: list[JobMixin] = []
+        for o in candidates:
+            if getattr(type(o), "sa_outbox_kind", None) is None:
+                continue
+            kind = _take(fl, o)  # step 1, before any SQL
+            if kind in _EVENT_KINDS:
+                events.append(o)
+            elif kind == "jobs" and _job_fast_eligible(o):
+                jobs.append(o)
         if not events and not fl.jobs:
             return
-        now: list[_Event] = []
-        tables: set[Table] = set()
-        blocked: set[Table] = set()
-        for ev in events:
-            table = _table_of(ev)
-            tables.add(table)
-            if table not in blocked and ev.aggregate_id is not None and _fast_eligible(ev):
-                now.append(ev)
-            else:  # the table's events after this one wait with it, so that ids follow the write order
-                blocked.add(table)
-                _defer(fl, ev)
-        notifies = _event_notifies(tables)
-        expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
-                        insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
-        fl.jobs.clear()
-        if now:
-            _now_persistent(session, now, expire)
+        if events or not jobs:
+            now: list[_Event] = []
+            tables: set[Table] = set()
+            blocked: set[Table] = set()
+            for ev in events:
+                table = _table_of(ev)
+                tables.add(table)
+                if table not in blocked and ev.aggregate_id is not None and _fast_eligible(ev):
+                    now.append(ev)
+                else:  # the table's events after this one wait with it, so that ids follow the write order
+                    blocked.add(table)
+                    _defer(fl, ev)
+            notifies = _event_notifies(tables)
+            expire = _write(session, fl.anchor, fl.encoded, lock=[ev for ev in events if ev.aggregate_id is not None],
+                            insert=now, notifies=notifies | fl.jobs, all_plain=True)  # fmt: skip
+            fl.jobs.clear()
+            if now:
+                _now_persistent(session, now, expire)
+        if jobs:
+            _insert_jobs(session, fl, jobs)
     except BaseException:
         session.info.pop(_FLUSH_KEY, None)
         raise
+
+
+def _insert_jobs(session: Session, fl: _Flush, jobs: list[JobMixin]) -> None:
+    """Write jobs that only have enqueue's columns set with ``_enqueue``'s one-statement insert (per table, in
+    the order they were added; the first statement also sends the NOTIFYs the flush has not sent), then make
+    them persistent as the ORM would have (ids set, the columns the database filled in load on access)."""
+    conn = session.connection(bind_arguments={"mapper": object_mapper(jobs[0])})
+    seen = _Seen(session)
+    plan = _plan(session, seen, notifies=fl.jobs)
+    gate = plan.gate()
+    by_table: dict[Table, list[JobMixin]] = {}
+    for job in jobs:
+        by_table.setdefault(_table_of(job), []).append(job)
+    expire: dict[int, Sequence[str]] = {}
+    for table, group in by_table.items():
+        batch = _enqueue.Batch(default_max_attempts=type(group[0]).sa_outbox_default_max_attempts)
+        known: list[set[str]] = []
+        for job in group:
+            d = instance_state(job).dict
+            payload_text, headers_text = fl.encoded[id(job)]
+            run_at, delay = d.get("run_at"), None
+            if isinstance(run_at, ClauseElement):
+                run_at, delay = None, d[_DELAY_ATTR]
+            batch.append(d["task"], d["queue"], payload_text, d.get("priority"), d.get("max_attempts"), run_at,
+                         delay, headers_text, d.get("concurrency_key"))  # fmt: skip
+            given = {"task", "queue", "payload", "headers"}
+            given |= {k for k in ("priority", "max_attempts", "concurrency_key") if d.get(k) is not None}
+            if run_at is not None:
+                given.add("run_at")
+            known.append(given)
+        written = _enqueue.write(conn, table, batch, channels=gate["channels"], payloads=gate["payloads"])
+        gate = {"channels": [], "payloads": []}
+        columns = _job_attributes(object_mapper(group[0]))
+        for job, got, given in zip(group, written, known, strict=True):
+            d = instance_state(job).dict
+            d["id"] = got.id  # as the unit of work sets a fetched key
+            # as after the ORM's INSERT: a column without a server default is NULL (known), the others load
+            # from the database on first access
+            loads: list[str] = []
+            for key, defaulted in columns:
+                if key in given:
+                    continue
+                if defaulted:
+                    loads.append(key)
+                else:
+                    d.setdefault(key, None)
+            expire[id(job)] = loads
+    plan.record(seen)
+    fl.jobs.clear()
+    _now_persistent(session, cast(list[Any], jobs), expire)
 
 
 def _on_add(session: Session, instance: Any) -> None:
@@ -1233,6 +1357,31 @@ def lock_aggregate(
     return None
 
 
+@overload
+def enqueue(
+    session: Session | AsyncSession, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: None = None,
+) -> J: ...  # fmt: skip
+@overload
+def enqueue(
+    session: Session, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: str,
+    on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None, max_delay: Duration | None = None,
+) -> Enqueued: ...  # fmt: skip
+@overload
+def enqueue(
+    session: AsyncSession, job_model: type[J], task: str, payload: Any, *,
+    queue: str = "default", priority: int = 0, run_at: dt.datetime | Duration | None = None,
+    max_attempts: int | None = None, registry: Collection[str] | None = None,
+    headers: Mapping[str, str] | None = None, concurrency_key: str | None = None, unique_key: str,
+    on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None, max_delay: Duration | None = None,
+) -> Awaitable[Enqueued]: ...  # fmt: skip
 def enqueue(
     session: Session | AsyncSession,
     job_model: type[J],
@@ -1246,9 +1395,30 @@ def enqueue(
     registry: Collection[str] | None = None,
     headers: Mapping[str, str] | None = None,
     concurrency_key: str | None = None,
-) -> J:
-    """Add a job to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O here): it is written by the
-    caller's next flush and exists only if that transaction commits.
+    unique_key: str | None = None,
+    on_conflict: OnConflict = "skip",
+    debounce: Duration | None = None,
+    max_delay: Duration | None = None,
+) -> J | Enqueued | Awaitable[Enqueued]:
+    """Add a job to the caller's transaction: it exists only if that transaction commits.
+
+    **Without** ``unique_key``: the job is added to ``session`` (a ``Session`` or an ``AsyncSession``; no I/O
+    here) and written by the caller's next flush; the return value is that ORM object (``.id`` once flushed).
+
+    **With** ``unique_key``: at most one job per key waits to start. The job is written at once, in the
+    session's transaction, by one ``INSERT … ON CONFLICT`` (``await`` it with an ``AsyncSession``), and the
+    return value is an :class:`~sa_outbox.Enqueued` with the ``id`` of the key's job and whether this call
+    ``inserted`` it. When the key already has a job that has not started (queued, never claimed):
+
+    * ``on_conflict="skip"`` (the default): nothing is written; ``.id`` is that job's;
+    * ``"replace"``: its payload, run_at, priority, max_attempts and headers become this call's;
+    * ``"debounce"``: the same, and ``run_at`` becomes ``now() + debounce`` — but never later than
+      ``created_at + max_delay`` (default: ten debounces), so a key under constant traffic still runs at
+      least every ``max_delay``. A first call runs ``debounce`` after it.
+
+    A running or retried job holds no key: the next enqueue of the key adds a new job (see
+    ``Worker(…, unique_running=True)`` to keep them from running at the same time). Race-free across
+    processes (a partial unique index decides); the key's row is locked until commit by replace/debounce.
 
     ``run_at`` is an aware ``datetime``, or a delay (``timedelta``/seconds) counted from the database's
     ``now()`` at insert. ``registry`` (e.g. the worker's handler mapping) refuses unknown task names here
@@ -1257,6 +1427,17 @@ def enqueue(
     ``concurrency_key`` groups the job for a per-key limit (``Worker(limits={queue: Limit(n, per_key=True)})``).
     Invalid values raise :class:`PayloadError` before anything is written.
     """
+    if unique_key is not None or on_conflict != "skip" or debounce is not None or max_delay is not None:
+        options = {"task": task, "payload": payload, "queue": queue, "priority": priority, "run_at": run_at,
+                   "max_attempts": max_attempts, "headers": headers, "concurrency_key": concurrency_key,
+                   "unique_key": unique_key, "on_conflict": on_conflict, "debounce": debounce,
+                   "max_delay": max_delay}  # fmt: skip
+        batch = _enqueue.prepare(
+            job_model, [options], context=trace_headers(), registry=registry, single=True
+        )
+        if not _sync(session):
+            return cast("AsyncSession", session).run_sync(lambda s: _write_jobs(s, job_model, batch)[0])
+        return _write_jobs(cast(Session, session), job_model, batch)[0]
     if registry is not None and task not in registry:
         raise PayloadError(
             f"job task {task!r} is not in the task registry; known tasks: {sorted(registry)!r}"
@@ -1276,8 +1457,65 @@ def enqueue(
                 raise PayloadError("run_at must be timezone-aware (a naive datetime is ambiguous)")
             values["run_at"] = run_at
         else:
-            values["run_at"] = func.now() + to_timedelta(run_at, name="run_at delay")
+            delay = to_timedelta(run_at, name="run_at delay")
+            values["run_at"] = func.now() + delay
     job: J = cast(Any, job_model)(**values)
+    if "run_at" in values and not isinstance(run_at, dt.datetime):
+        setattr(job, _DELAY_ATTR, delay.total_seconds())  # the flush's one-statement insert writes it so
     _validate_job(job, trace_headers())
     session.add(job)
     return job
+
+
+@overload
+def enqueue_many(
+    session: Session, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> list[int]: ...  # fmt: skip
+@overload
+def enqueue_many(
+    session: AsyncSession, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> Awaitable[list[int]]: ...  # fmt: skip
+def enqueue_many(
+    session: Session | AsyncSession, job_model: type[JobMixin], jobs: Iterable[JobItem], *,
+    registry: Collection[str] | None = None,
+) -> list[int] | Awaitable[list[int]]:  # fmt: skip
+    """Write many jobs in the session's transaction with one statement and return their ids in the given
+    order (``await`` it with an ``AsyncSession``).
+
+    ``jobs`` are ``(task, payload)`` tuples or mappings with ``task``, ``payload`` and any of
+    :func:`enqueue`'s options (``queue``, ``priority``, ``run_at``, ``max_attempts``, ``headers``,
+    ``concurrency_key``, ``unique_key``, ``on_conflict``, ``debounce``, ``max_delay``). Every item is validated before any SQL:
+    one bad item raises :class:`PayloadError` naming it (``jobs[i]``) and nothing is written. Items with a
+    unique key follow :func:`enqueue`'s rules and get the key's job's id (items of one key in one call share
+    it; one key may not have two ``on_conflict`` rules in a call). One NOTIFY per queue and transaction; a
+    span active now adds its trace context to every job's headers. Jobs added to the session and not yet
+    flushed are written first, so ids follow the order the code enqueued.
+    """
+    batch = _enqueue.prepare(job_model, jobs, context=trace_headers(), registry=registry)
+    if not _sync(session):
+        return cast("AsyncSession", session).run_sync(
+            lambda s: [r.id for r in _write_jobs(s, job_model, batch)]
+        )
+    return [r.id for r in _write_jobs(cast(Session, session), job_model, batch)]
+
+
+def _write_jobs(session: Session, job_model: type[Any], batch: _enqueue.Batch) -> list[Enqueued]:
+    """Write a prepared batch on the session's connection, with the NOTIFYs of its queues that this
+    transaction has not sent yet."""
+    if not len(batch):
+        return []
+    if not _in_flush(session) and any(
+        getattr(type(o), "sa_outbox_kind", None) is not None for o in session.new
+    ):
+        session.flush()  # pending jobs/events first: ids follow the order the code wrote them
+    table: Table = job_model.__table__
+    conn = session.connection(bind_arguments={"mapper": _mapper_of(job_model)})
+    seen = _Seen(session)
+    channel = channel_for(table.name)
+    plan = _plan(session, seen, notifies=[(channel, q) for q in dict.fromkeys(batch.queues)])
+    gate = plan.gate()
+    results = _enqueue.write(conn, table, batch, channels=gate["channels"], payloads=gate["payloads"])
+    plan.record(seen)
+    return results

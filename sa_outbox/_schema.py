@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Self
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Identity,
@@ -40,18 +41,23 @@ from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 from sqlalchemy.sql.elements import conv
 
 from . import _producer, migration
+from ._enqueue import UNIQUE_ACTIVE, UNIQUE_WAITING
 from ._sql import queue_table, starts_table
 
 __all__ = [
+    "CATCH_UP_POLICIES",
     "JOB_STATUSES",
     "OUTBOX_STATUSES",
     "CdcOutboxMixin",
     "JobMixin",
     "OutboxMixin",
+    "ScheduleMixin",
 ]
 
 OUTBOX_STATUSES: tuple[str, ...] = ("pending", "processing", "done", "dead")
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "done", "failed", "cancelled")
+#: The catch-up policies of a schedule (see ``sa_outbox._schedules``).
+CATCH_UP_POLICIES: tuple[str, ...] = ("latest", "all", "none")
 
 _NOW = text("now()")
 
@@ -190,6 +196,9 @@ class JobMixin:
     result: Mapped[Any | None] = mapped_column(JSONB(none_as_null=True), nullable=True)
     #: Groups jobs for a per-key concurrency or rate limit (``Limit(per_key=True)``); '' when not given.
     concurrency_key: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    #: ``enqueue(…, unique_key=…)``: at most one job per key waits to start (``ux_<t>_unique``), and with
+    #: ``Worker(…, unique_running=True)`` at most one per key runs. NULL: an ordinary job.
+    unique_key: Mapped[str | None] = mapped_column(Text)
 
     @declared_attr.directive
     @classmethod
@@ -225,6 +234,24 @@ class JobMixin:
                 "queue",
                 "concurrency_key",
                 postgresql_where=text("status = 'running'"),
+            ),
+            # A unique key belongs to the key's job that has not started yet: queued and never claimed
+            # (lease_version 0). The arbiter of enqueue's INSERT … ON CONFLICT; a claimed job leaves it, so a
+            # retried job going back to queued never conflicts with the key's next job.
+            Index(
+                conv(f"ux_{t}_unique"),
+                "unique_key",
+                unique=True,
+                postgresql_where=text(UNIQUE_WAITING),
+            ),
+            # unique_running's claim: is a job of this key running, or an older one still queued? (each one
+            # index condition: key and status, key and status and id below the candidate's)
+            Index(
+                conv(f"ix_{t}_unique_active"),
+                "unique_key",
+                "status",
+                "id",
+                postgresql_where=text(UNIQUE_ACTIVE),
             ),
             {"info": {"sa_outbox_kind": "jobs"}},
         )
@@ -314,3 +341,55 @@ class CdcOutboxMixin:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id} {self.aggregate_type}/{self.aggregate_id} {self.event_type}>"
+
+
+class ScheduleMixin:
+    """Columns, constraints and index of a schedules table: one row per cron schedule.
+
+    ``class Schedules(ScheduleMixin, Base): __tablename__ = "schedules"``. Rows are written by
+    :func:`sa_outbox.sync_schedules` from :class:`sa_outbox.Schedule` values declared in code (or at run time),
+    and fired by :func:`sa_outbox.fire_due_schedules`: each slot becomes one job with the unique key
+    ``schedule:<name>:<slot>``, and ``next_run_at`` moves on in the same statement. ``paused`` is run-time
+    state (``sa-outbox schedules pause``): a sync never changes it.
+    """
+
+    sa_outbox_kind: ClassVar[str] = "schedules"
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
+
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    #: Five fields (minute hour day-of-month month day-of-week), or six with a leading seconds field.
+    cron: Mapped[str] = mapped_column(Text, nullable=False)
+    #: An IANA time zone: the cron expression is read in it, daylight saving included.
+    timezone: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'UTC'"))
+    task: Mapped[str] = mapped_column(Text, nullable=False)
+    payload: Mapped[Any] = mapped_column(
+        JSONB(none_as_null=True), nullable=False, server_default=text("'{}'::jsonb")
+    )
+    queue: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'default'"))
+    priority: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    #: NULL: the jobs table's default.
+    max_attempts: Mapped[int | None] = mapped_column(Integer)
+    #: What a firing does with slots missed while nothing fired: latest, all (bounded) or none.
+    catch_up: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'latest'"))
+    paused: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    #: The next slot to fire (UTC instant); the firing step compares and sets it.
+    next_run_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    #: The newest slot fired so far.
+    last_run_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, server_default=_NOW)
+
+    @declared_attr.directive
+    @classmethod
+    def __table_args__(cls) -> tuple[Any, ...]:
+        t: str = cls.__tablename__  # type: ignore[attr-defined]
+        return (
+            PrimaryKeyConstraint("name", name=conv(f"pk_{t}")),
+            CheckConstraint(_status_check("catch_up", CATCH_UP_POLICIES), name=conv(f"ck_{t}_catch_up")),
+            # The firing step: active schedules by their next slot.
+            Index(conv(f"ix_{t}_due"), "next_run_at", postgresql_where=text("NOT paused")),
+            {"info": {"sa_outbox_kind": "schedules"}},
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.cron!r} next={self.next_run_at}>"

@@ -180,7 +180,12 @@ def claim_returning(spec: QueueSpec) -> list[Any]:
 
 @cache
 def claim_statement(
-    spec: QueueSpec, *, ordered: bool = False, ordered_types: bool = False, limit: int | None = None
+    spec: QueueSpec,
+    *,
+    ordered: bool = False,
+    ordered_types: bool = False,
+    limit: int | None = None,
+    unique_running: bool = False,
 ) -> Update:
     """Claim up to ``:batch`` ready rows that are due — or up to ``limit``, written into the statement: one
     statement, committed before any publish.
@@ -197,7 +202,14 @@ def claim_statement(
     * A loop claims its configured batch with ``limit`` written in: the plan's estimates then match the
       real batch and PostgreSQL keeps the prepared statement's generic plan instead of planning every claim
       (planning was half of the server's CPU per claim at batch 1).
+    * ``unique_running`` (jobs): a job with a unique key is eligible only while no job of its key is running
+      and no older job of its key is still queued — the ordered claim's rule, per key. Both halves are
+      needed: "none running" alone lets two claimers that see two queued jobs of one key in their snapshots
+      take one each; the older queued job blocks the younger in every snapshot until it has run. Read
+      through ``ix_<jobs>_unique_active``. Every worker of those queues must claim this way.
     """
+    if unique_running and spec.kind != "jobs":
+        raise ValueError("unique_running is a jobs claim option (the outbox has ordered=True)")
     t, c = spec.table, spec.c
     conditions: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
     if spec.kind == "jobs":
@@ -224,6 +236,30 @@ def claim_statement(
             conditions.append(or_(not_(in_scope), not_(blocked)))
         else:
             conditions.append(not_(blocked))
+    if unique_running:
+        # Two lookups of ix_<jobs>_unique_active (unique_key, status, id), each answered by its index
+        # condition alone: a job of the key running, or an older one queued. One EXISTS with "running OR
+        # older" let the planner OR in ix_<jobs>_running and read every running job of every key for each
+        # candidate (0.18× the plain claim with 40 jobs running), and a key's blocked candidates each walked all
+        # of the key's jobs.
+        def same_key(other: Any, *where: ColumnElement[bool]) -> Any:
+            return exists(
+                select(literal(1))
+                .select_from(other)
+                .where(
+                    other.c.unique_key == c.unique_key,
+                    other.c.unique_key.is_not(None),
+                    other.c.status.in_([const(spec.ready), const(spec.active)]),
+                    *where,
+                )
+            )
+
+        mine, older = t.alias("running_same_key"), t.alias("older_same_key")
+        # ("another job": a per-candidate lookup; without it the planner may read every running job once and
+        # hash their keys, a claim whose cost grows with the number of jobs running)
+        running = same_key(mine, mine.c.status == const(spec.active), mine.c.id != c.id)
+        waiting = same_key(older, older.c.status == const(spec.ready), older.c.id < c.id)
+        conditions.append(or_(c.unique_key.is_(None), and_(not_(running), not_(waiting))))
     picked: Select[Any] = (
         select(c.id)
         .where(*conditions)
@@ -529,7 +565,12 @@ def purge_statement(spec: QueueSpec) -> Any:
 
 @cache
 def finalize_and_claim_statement(
-    spec: QueueSpec, *, ordered: bool = False, ordered_types: bool = False, limit: int | None = None
+    spec: QueueSpec,
+    *,
+    ordered: bool = False,
+    ordered_types: bool = False,
+    limit: int | None = None,
+    unique_running: bool = False,
 ) -> Any:
     """The previous batch's fenced finalize and the next batch's claim, as one statement (one round trip).
 
@@ -542,7 +583,9 @@ def finalize_and_claim_statement(
     from sqlalchemy import null, union_all
 
     finalized = finalize_statement(spec).cte("finalized")
-    claimed = claim_statement(spec, ordered=ordered, ordered_types=ordered_types, limit=limit).cte("claimed")
+    claimed = claim_statement(
+        spec, ordered=ordered, ordered_types=ordered_types, limit=limit, unique_running=unique_running
+    ).cte("claimed")
     cols = claim_returning(spec)
     applied = select(
         literal_column("'f'", Text).label("k"),

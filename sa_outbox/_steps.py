@@ -175,13 +175,18 @@ def _claim_params(
 
 
 def _claim_shape(
-    batch: int, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool
+    batch: int,
+    ordered: bool,
+    ordered_types: Sequence[str] | None,
+    fixed_batch: bool,
+    unique_running: bool = False,
 ) -> dict[str, Any]:
     """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
     return {
         "ordered": ordered,
         "ordered_types": ordered_types is not None,
         "limit": batch if fixed_batch else None,
+        "unique_running": unique_running,
     }
 
 
@@ -211,11 +216,13 @@ def claim(
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
+    unique_running: bool = False,
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
-    :func:`_sql.claim_statement`); other sizes are a parameter."""
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch)
+    :func:`_sql.claim_statement`); other sizes are a parameter. ``unique_running``: at most one running job
+    per unique key (jobs)."""
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
     rows = run(
         conn,
         _sql.claim_statement(spec, **shape),
@@ -277,9 +284,11 @@ def finalize_and_claim(
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
+    unique_running: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
-    stmt = _sql.finalize_and_claim_statement(spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch))
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
+    stmt = _sql.finalize_and_claim_statement(spec, **shape)
     params = {
         **_claim_params(spec, owner, batch, lease, queue, ordered_types),
         **_outcome_params(spec, outcomes),

@@ -1,4 +1,5 @@
-"""Reference models: ``OutboxEvent`` on table ``outbox`` and ``Job`` on table ``jobs``.
+"""Reference models: ``OutboxEvent`` on table ``outbox``, ``Job`` on table ``jobs``, ``Inbox`` on ``inbox`` and
+``JobSchedule`` (cron schedules) on ``schedules``.
 
 The project's alembic environment, the demo and the tests use them; applications usually declare their own
 classes with the mixins on their own ``Base`` (see docs/getting-started.md).
@@ -11,11 +12,11 @@ from typing import Any
 from sqlalchemy import MetaData
 from sqlalchemy.orm import DeclarativeBase
 
-from ._schema import JobMixin, OutboxMixin
+from ._schema import JobMixin, OutboxMixin, ScheduleMixin
 from .errors import ConfigurationError
 from .inbox import InboxMixin
 
-__all__ = ["Base", "Inbox", "Job", "OutboxEvent", "model_for"]
+__all__ = ["Base", "Inbox", "Job", "JobSchedule", "OutboxEvent", "model_for"]
 
 
 class Base(DeclarativeBase):
@@ -34,6 +35,10 @@ class Inbox(InboxMixin, Base):
     __tablename__ = "inbox"
 
 
+class JobSchedule(ScheduleMixin, Base):
+    __tablename__ = "schedules"
+
+
 _DYNAMIC: dict[tuple[str, str, str | None], type[Any]] = {}
 _BASES: dict[str | None, type[DeclarativeBase]] = {}
 
@@ -49,21 +54,20 @@ def _base_for(schema: str | None) -> type[DeclarativeBase]:
 
 
 def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
-    """A mapped class for an existing outbox/jobs table known only by name (the CLI's ``--outbox-table``,
-    ``schema.table`` split into ``schema`` and ``table``).
+    """A mapped class for an existing outbox/jobs/schedules table known only by name (the CLI's
+    ``--outbox-table``, ``schema.table`` split into ``schema`` and ``table``).
 
     The reference models are returned for the default names; other names get a class of their own on a
     private metadata (cached), never touching the application's metadata.
     """
-    if kind not in ("outbox", "jobs"):
-        raise ConfigurationError(f"kind must be 'outbox' or 'jobs', got {kind!r}")
-    if schema is None and (kind, table) == ("outbox", OutboxEvent.__tablename__):
-        return OutboxEvent
-    if schema is None and (kind, table) == ("jobs", Job.__tablename__):
-        return Job
+    if kind not in ("outbox", "jobs", "schedules"):
+        raise ConfigurationError(f"kind must be 'outbox', 'jobs' or 'schedules', got {kind!r}")
+    for reference in (OutboxEvent, Job, JobSchedule):
+        if schema is None and (kind, table) == (reference.sa_outbox_kind, reference.__tablename__):
+            return reference
     key = (kind, table, schema)
     if key not in _DYNAMIC:
-        mixin: type[Any] = OutboxMixin if kind == "outbox" else JobMixin
+        mixin: type[Any] = {"outbox": OutboxMixin, "jobs": JobMixin, "schedules": ScheduleMixin}[kind]
         name = "".join(part.capitalize() for part in f"{schema or ''}_{kind}_{table}".split("_") if part)
         _DYNAMIC[key] = type(name, (mixin, _base_for(schema)), {"__tablename__": table})
     return _DYNAMIC[key]

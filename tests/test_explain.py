@@ -97,3 +97,34 @@ def test_jobs_reaper_uses_the_running_index(big: Engine) -> None:
     p = plan(big, _sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)})
     assert "ix_jobs_running" in {s[2] for s in scans(p)}
     assert ("Seq Scan", "jobs", None) not in scans(p)
+
+
+def test_unique_running_claim_uses_the_dequeue_and_unique_active_indexes(big: Engine) -> None:
+    """Every unfinished job keyed (500 keys, as retries so that a key may have many queued jobs): the claim
+    still walks the dequeue index under LockRows, and each candidate's key is looked up twice in
+    ix_jobs_unique_active (running? an older one queued?) — never a scan of the table or of every running
+    job."""
+    from sqlalchemy import text
+
+    def keyed(sql: str) -> None:
+        with big.begin() as conn:
+            conn.execute(text(sql))
+        with big.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("VACUUM ANALYZE jobs"))
+
+    keyed(
+        "UPDATE jobs SET unique_key = 'k' || (id % 500), lease_version = lease_version + 1 WHERE status <> 'done'"
+    )
+    try:
+        p = plan(
+            big,
+            _sql.claim_statement(JOBS, unique_running=True),
+            {"owner": "w", "batch": 50, "queue_name": "default"},
+        )
+        assert_locking_index_scan(p, "ix_jobs_dequeue")
+        names = [s[2] for s in scans(p)]
+        assert names.count("ix_jobs_unique_active") == 2 and "ix_jobs_running" not in names, scans(p)
+    finally:
+        keyed(
+            "UPDATE jobs SET unique_key = NULL, lease_version = lease_version - 1 WHERE unique_key IS NOT NULL"
+        )

@@ -9,6 +9,7 @@ makes throughput matter.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,8 +21,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import Executable
 
-from sa_outbox import _sql
-from sa_outbox.models import Job, OutboxEvent
+from sa_outbox import _enqueue, _schedules, _sql
+from sa_outbox.models import Job, JobSchedule, OutboxEvent
 
 from .helpers import QUEUE_SHAPES, queue_tables_shaped
 from .test_explain import scans
@@ -96,6 +97,65 @@ STATEMENTS = {
 }
 
 
+def _enqueue_case(items: list[Any]) -> tuple[Executable, dict[str, Any]]:
+    """The statement and parameters ``enqueue_many`` sends for ``items`` (with its NOTIFY arrays)."""
+    batch = _enqueue.prepare(Job, items, context={})
+    parts, optional = _enqueue._shape(batch)
+    params = {**_enqueue._params(batch, parts, optional), "channels": [], "payloads": []}
+    return _enqueue.statement(Job.__table__, parts, optional), params
+
+
+def _fire_case() -> tuple[Executable, dict[str, Any]]:
+    now = dt.datetime(2024, 6, 1, tzinfo=dt.UTC)
+    return _schedules._fire_statement(JobSchedule.__table__, Job.__table__), {
+        "names": ["s"], "expected": [now], "nexts": [now], "lasts": [now], "slot_names": ["s"], "slots": [now],
+        "slot_keys": ["schedule:s:x"], "slot_headers": [None], "default_max_attempts": 10, "channels": [],
+        "payloads": [],
+    }  # fmt: skip
+
+
+UNIQUE_JOBS = {"task": "t", "payload": {}, "unique_key": "k"}
+STATEMENTS.update(
+    {
+        # Worker(…, unique_running=True): the claim that keeps one running job per key
+        "jobs claim, unique_running": (_sql.claim_statement(JOBS, unique_running=True), JOBS_CLAIM),
+        "jobs finalize+claim, unique_running, batch 10 written in": (
+            _sql.finalize_and_claim_statement(JOBS, limit=10, unique_running=True),
+            {**JOBS_CLAIM, **OUTCOMES},
+        ),
+        # the producer's statements: enqueue_many, enqueue(…, unique_key=…) with each rule
+        "enqueue_many, plain": _enqueue_case([("t", {}), ("t", {})]),
+        "enqueue, one plain job (the flush's)": (
+            _enqueue.one_statement(Job.__table__, frozenset({"priority", "run_at", "headers"})),
+            {
+                "j_task": "t",
+                "j_queue": "q",
+                "j_payload": "{}",
+                "j_priority": 0,
+                "j_run_at": None,
+                "j_delay": 5.0,
+                "j_headers": None,
+                "channel": "c",
+                "payload": "q",
+            },
+        ),
+        "enqueue, unique skip": _enqueue_case([UNIQUE_JOBS]),
+        "enqueue, unique replace": _enqueue_case([{**UNIQUE_JOBS, "on_conflict": "replace"}]),
+        "enqueue, unique debounce": _enqueue_case(
+            [{**UNIQUE_JOBS, "on_conflict": "debounce", "debounce": 1}]
+        ),
+        "enqueue_many, every rule": _enqueue_case(
+            [
+                ("t", {}),
+                UNIQUE_JOBS,
+                {**UNIQUE_JOBS, "unique_key": "r", "on_conflict": "replace"},
+                {**UNIQUE_JOBS, "unique_key": "d", "on_conflict": "debounce", "debounce": 1},
+            ]
+        ),
+        # the scheduler's firing step (inserts into the jobs table)
+        "schedules fire": _fire_case(),
+    }
+)
 LIMITED = {"queue_name": "default", "batch": 50, "n": 2}
 LIMITED_CLAIM = {"queue_name": "default", "owner": "w", "n": 2, "ids": [1, 2, 3], "keys": ["", "", ""],
                  "rate_count": 10, "rate_window": 60.0}  # fmt: skip
@@ -179,6 +239,20 @@ def test_running_workers_keep_the_generic_plan(shared_engine: Engine) -> None:
     assert len(plans) == 3, plans
     # PostgreSQL's five trial custom plans, then the generic plan only
     assert all(custom == 5 and generic >= 140 for generic, custom in plans), plans
+
+
+def test_a_unique_skip_reads_the_waiting_job_through_the_unique_index(table_shape: Engine) -> None:
+    found = scans(generic_plan(table_shape, *STATEMENTS["enqueue, unique skip"]))
+    assert "ux_jobs_unique" in {s[2] for s in found}, found
+
+
+def test_the_unique_running_claim_looks_up_keys_through_their_index(table_shape: Engine) -> None:
+    """Per candidate, one index lookup for each half of the rule — never every running job (ix_jobs_running:
+    an OR of "running or older" made the planner read them all for each candidate)."""
+    found = scans(generic_plan(table_shape, *STATEMENTS["jobs claim, unique_running"]))
+    names = [s[2] for s in found]
+    assert names.count("ix_jobs_unique_active") == 2 and "ix_jobs_dequeue" in names, found
+    assert "ix_jobs_running" not in names, found
 
 
 @pytest.mark.parametrize(

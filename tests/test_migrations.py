@@ -45,11 +45,11 @@ def _tables(url: URL) -> set[str]:
 
 def test_upgrade_downgrade_upgrade_round_trip(scratch_url: URL) -> None:
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox", "schedules"}
     migrate(scratch_url, "base", down=True)
     assert _tables(scratch_url) == set()
     migrate(scratch_url, "head")
-    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox"}
+    assert _tables(scratch_url) == {"outbox", "jobs", "jobs_queues", "jobs_starts", "inbox", "schedules"}
 
 
 def _autogenerate_diff(url: URL) -> list[Any]:
@@ -75,7 +75,7 @@ def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: UR
             """
             from sqlalchemy import MetaData
             from sqlalchemy.orm import DeclarativeBase
-            from sa_outbox import JobMixin, OutboxMixin
+            from sa_outbox import JobMixin, OutboxMixin, ScheduleMixin
 
             class Base(DeclarativeBase):
                 metadata = MetaData(naming_convention={
@@ -90,6 +90,9 @@ def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: UR
 
             class Event2(OutboxMixin, Base):
                 __tablename__ = "shipping_outbox"
+
+            class Cron(ScheduleMixin, Base):
+                __tablename__ = "billing_schedules"
             """
         )
     )
@@ -126,7 +129,9 @@ def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: UR
     engine = create_engine(scratch_url)
     try:
         insp = inspect(engine)
-        assert {"billing_outbox", "billing_jobs", "shipping_outbox"} <= set(insp.get_table_names())
+        assert {"billing_outbox", "billing_jobs", "shipping_outbox", "billing_schedules"} <= set(
+            insp.get_table_names()
+        )
         names = {i["name"] for t in ("billing_outbox", "shipping_outbox") for i in insp.get_indexes(t)}
         # Index names carry the table name, so two outbox tables do not collide.
         assert {"ix_billing_outbox_ready", "ix_shipping_outbox_ready", "ix_billing_outbox_aggregate"} <= names
@@ -137,6 +142,19 @@ def test_users_own_alembic_project_autogenerates_the_full_tables(scratch_url: UR
         )
         checks = {c["name"] for c in insp.get_check_constraints("billing_jobs")}
         assert "ck_billing_jobs_status" in checks
+        # the unique key's two partial indexes, and the schedules table's own
+        assert job_idx["ux_billing_jobs_unique"]["unique"]
+        assert job_idx["ux_billing_jobs_unique"]["dialect_options"]["postgresql_where"] == (
+            "((status = 'queued'::text) AND (lease_version = 0) AND (unique_key IS NOT NULL))"
+        )
+        assert job_idx["ix_billing_jobs_unique_active"]["column_names"] == ["unique_key", "status", "id"]
+        schedule_idx = {i["name"]: i for i in insp.get_indexes("billing_schedules")}
+        assert (
+            schedule_idx["ix_billing_schedules_due"]["dialect_options"]["postgresql_where"] == "(NOT paused)"
+        )
+        assert "ck_billing_schedules_catch_up" in {
+            c["name"] for c in insp.get_check_constraints("billing_schedules")
+        }
         for table in ("billing_outbox", "billing_jobs", "shipping_outbox"):  # the headers column too
             headers = {c["name"]: c for c in insp.get_columns(table)}["headers"]
             assert headers["nullable"] and type(headers["type"]).__name__ == "JSONB"
@@ -184,16 +202,49 @@ def test_headers_revision_adds_a_nullable_jsonb_column_to_existing_rows_and_drop
 
 
 def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> None:
-    """A database migrated before the headers, jobs-control and limits revisions: autogenerate proposes exactly
-    the new columns, tables and index (a CHECK's or a partial index's new text it cannot see: the revisions
-    carry those)."""
+    """A database migrated before the headers column, the jobs-control, unique/schedules and limits revisions:
+    autogenerate proposes exactly the new columns, indexes and tables (a CHECK's or a partial index's new text
+    it cannot see: the revisions carry those)."""
     migrate(scratch_url, "0002")
     diff = _autogenerate_diff(scratch_url)
     added = sorted((d[2], d[3].name) for d in diff if d[0] == "add_column")
-    tables = [d[1].name for d in diff if d[0] == "add_table"]
-    assert added == [("jobs", "cancel_requested_at"), ("jobs", "concurrency_key"), ("jobs", "headers"),
-                     ("jobs", "result"), ("outbox", "headers")]  # fmt: skip
-    indexes = [d[1].name for d in diff if d[0] == "add_index"]
-    assert sorted(tables) == ["jobs_queues", "jobs_starts"], diff
-    assert sorted(indexes) == ["ix_jobs_limited", "ix_jobs_starts_window"], diff
-    assert len(diff) == 9, diff
+    tables = sorted(d[1].name for d in diff if d[0] == "add_table")
+    indexes = sorted(d[1].name for d in diff if d[0] == "add_index")
+    assert added == [
+        ("jobs", "cancel_requested_at"),
+        ("jobs", "concurrency_key"),
+        ("jobs", "headers"),
+        ("jobs", "result"),
+        ("jobs", "unique_key"),
+        ("outbox", "headers"),
+    ]
+    assert tables == ["jobs_queues", "jobs_starts", "schedules"]
+    assert indexes == [
+        "ix_jobs_limited", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_schedules_due", "ux_jobs_unique",
+    ]  # fmt: skip
+    assert len(diff) == 14, diff
+
+
+def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch_url: URL) -> None:
+    """0005 on a jobs table with rows: they hold no key (NULL), the two partial indexes and the schedules table
+    appear; the downgrade removes exactly those and keeps the rows."""
+    migrate(scratch_url, "0004")
+    engine = create_engine(scratch_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO jobs (task, payload) VALUES ('t', '{}'), ('t', '{}')"))
+        migrate(scratch_url, "0005")
+        assert _columns(scratch_url, "jobs")["unique_key"]["nullable"]
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM jobs WHERE unique_key IS NULL")).scalar_one() == 2
+            names = set(
+                conn.execute(text("SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'")).scalars()
+            )
+        assert {"ux_jobs_unique", "ix_jobs_unique_active"} <= names
+        assert "schedules" in _tables(scratch_url)
+        migrate(scratch_url, "0004", down=True)
+        assert "unique_key" not in _columns(scratch_url, "jobs") and "schedules" not in _tables(scratch_url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 2
+    finally:
+        engine.dispose()

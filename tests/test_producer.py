@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Engine, event, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from sa_outbox import PayloadError, emit, enqueue
@@ -312,6 +313,54 @@ def test_enqueue_delay_is_counted_from_the_database_clock(engine: Engine) -> Non
     with engine.connect() as conn:
         delta = conn.execute(text("SELECT extract(epoch FROM run_at - created_at) FROM jobs")).scalar_one()
     assert 299 <= float(delta) <= 301
+
+
+def test_enqueued_jobs_are_one_statement_that_also_sends_their_notifies(engine: Engine) -> None:
+    """Jobs with only enqueue's columns set are written by the flush's own INSERT … SELECT FROM unnest, which
+    carries the NOTIFYs (the ORM's INSERT and a separate NOTIFY statement made a job per transaction cost
+    0.4× a Core INSERT); afterwards they are ordinary persistent objects."""
+    at = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    with statement_log(engine) as seen, Session(engine, expire_on_commit=False) as s, s.begin():
+        jobs = [enqueue(s, Job, "t", {"n": n}, queue=q) for n, q in enumerate(["a", "b", "a"])]
+        later = enqueue(s, Job, "t", {}, run_at=dt.timedelta(minutes=5), priority=2, max_attempts=4)
+        fixed = enqueue(s, Job, "t", {}, run_at=at, headers={"x-a": "1"})
+        s.flush()
+        assert len(seen) == 1 and "pg_notify" in seen[0] and "unnest" in seen[0]
+        assert [j.id for j in jobs] == [1, 2, 3] and (later.id, fixed.id) == (4, 5)
+        assert jobs[0].status == "queued" and later.run_at > later.created_at  # loaded from the database
+        assert (later.priority, later.max_attempts, fixed.run_at, fixed.headers) == (2, 4, at, {"x-a": "1"})
+        assert s.get(Job, 2) is jobs[1]
+    assert jobs[2].unique_key is None and jobs[2].locked_by is None  # known NULL, as after the ORM's INSERT
+    with Session(engine) as s:  # a rolled-back flush takes them out of the session again
+        gone = enqueue(s, Job, "t", {})
+        s.flush()
+        s.rollback()
+        assert gone not in s
+    assert count_rows(engine, "jobs") == 5
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"run_at": dt.datetime(2030, 1, 1, tzinfo=dt.UTC)}, {"run_at": 30}, {"priority": 3, "headers": {"x-a": "1"}},
+     {"max_attempts": 2}],
+)  # fmt: skip
+def test_one_enqueued_job_alone_in_its_flush(engine: Engine, options: dict[str, Any]) -> None:
+    """The one-job statement (scalar parameters; NULL ones must still have their types)."""
+    with Session(engine) as s, s.begin():
+        job = enqueue(s, Job, "t", {"n": 1}, **options)
+        s.flush()
+        assert job.id == 1 and job.status == "queued" and job.payload == {"n": 1}
+    assert count_rows(engine, "jobs") == 1
+
+
+def test_a_job_with_other_columns_set_keeps_the_orm_insert(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        s.add(Job(task="t", payload={}, unique_key="k"))
+    with pytest.raises(IntegrityError, match="ux_jobs_unique"), Session(engine) as s, s.begin():
+        s.add(Job(task="t", payload={}, unique_key="k"))  # the ORM's own INSERT: a plain unique violation
+    with Session(engine) as s, s.begin():
+        s.add(Job(task="t", payload={}, status="failed", attempts=3))
+    assert count_rows(engine, "jobs", "status = 'failed' AND attempts = 3") == 1
 
 
 def test_literal_backslash_u_text_is_stored_as_written(engine: Engine) -> None:

@@ -60,6 +60,13 @@ def test_the_loops_do_not_import_the_producer() -> None:
         assert "sa_outbox._producer" not in loaded and "sa_outbox._schema" not in loaded, (name, loaded)
 
 
+def test_the_scheduler_step_does_not_import_the_producer_either() -> None:
+    """The worker's maintenance step will call ``_schedules.fire_due_schedules``: importing it must keep the
+    loops free of the producer and the mixins (the test above)."""
+    loaded = _modules_after("import sa_outbox._schedules")
+    assert "sa_outbox._producer" not in loaded and "sa_outbox._schema" not in loaded, loaded
+
+
 def test_errors_is_a_leaf_module() -> None:
     assert _modules_after("import sa_outbox.errors") == {
         "sa_outbox",

@@ -95,6 +95,7 @@ def test_jobs_columns_match_the_document_plus_task_and_fencing(engine: Engine) -
         "cancel_requested_at": ("timestamp with time zone", "YES", None),
         "result": ("jsonb", "YES", None),
         "concurrency_key": ("text", "NO", "''::text"),
+        "unique_key": ("text", "YES", None),
     }
 
 
@@ -107,6 +108,37 @@ def test_jobs_status_check_and_partial_indexes(engine: Engine) -> None:
         "(queue, priority DESC, run_at, id) WHERE (status = 'queued'::text)"
     )
     assert idx["ix_jobs_running"].endswith("(locked_at) WHERE (status = 'running'::text)")
+    assert idx["ux_jobs_unique"].startswith("CREATE UNIQUE INDEX")
+    assert idx["ux_jobs_unique"].endswith(
+        "(unique_key) WHERE ((status = 'queued'::text) AND (lease_version = 0) AND (unique_key IS NOT NULL))"
+    )
+    assert idx["ix_jobs_unique_active"].endswith(
+        "(unique_key, status, id) WHERE ((status = ANY (ARRAY['queued'::text, 'running'::text])) AND (unique_key IS NOT NULL))"
+    )
+
+
+def test_schedules_columns_check_and_due_index(engine: Engine) -> None:
+    assert _columns(engine, "schedules") == {
+        "name": ("text", "NO", None),
+        "cron": ("text", "NO", None),
+        "timezone": ("text", "NO", "'UTC'::text"),
+        "task": ("text", "NO", None),
+        "payload": ("jsonb", "NO", "'{}'::jsonb"),
+        "queue": ("text", "NO", "'default'::text"),
+        "priority": ("integer", "NO", "0"),
+        "max_attempts": ("integer", "YES", None),
+        "catch_up": ("text", "NO", "'latest'::text"),
+        "paused": ("boolean", "NO", "false"),
+        "next_run_at": ("timestamp with time zone", "NO", None),
+        "last_run_at": ("timestamp with time zone", "YES", None),
+        "created_at": ("timestamp with time zone", "NO", "now()"),
+        "updated_at": ("timestamp with time zone", "NO", "now()"),
+    }
+    assert _checks(engine, "schedules") == {
+        "ck_schedules_catch_up": "CHECK ((catch_up = ANY (ARRAY['latest'::text, 'all'::text, 'none'::text])))"
+    }
+    idx = _indexes(engine, "schedules")
+    assert idx["ix_schedules_due"].endswith("(next_run_at) WHERE (NOT paused)") and "pk_schedules" in idx
 
 
 def test_status_check_rejects_unknown_status(engine: Engine) -> None:

@@ -2,7 +2,7 @@
 rate-limited queues (sa_outbox reference models)
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,507 @@
+"""Unique, idempotent and debounced enqueue; at most one running job per key (``unique_running``).
+
+A unique key is held by the key's job that has not started yet (queued, never claimed): the partial unique
+index ``ux_<jobs>_unique`` makes that race-free across processes, and ``INSERT … ON CONFLICT`` decides what
+a second enqueue does — skip (nothing written), replace, or debounce (``run_at`` pushed, never past
+``created_at + max_delay``). Running and retried jobs hold no key, so a job going back to ``queued`` never
+meets a conflict; ``unique_running`` is the claim's own rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import itertools
+import multiprocessing
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import ClaimedJob, Enqueued, PayloadError, Worker, enqueue, enqueue_many
+from sa_outbox import _steps as eng
+from sa_outbox._names import channel_for
+from sa_outbox.models import Job
+
+from .conftest import count_rows
+from .helpers import JOBS
+from .test_producer import statement_log
+
+
+def jobs(engine: Engine, where: str = "true") -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT id, task, queue, payload, priority, status, run_at, created_at, unique_key, xmin::text "
+                    f"AS xmin, headers FROM jobs WHERE {where} ORDER BY id"
+                )
+            )
+        )
+
+
+def db_now(engine: Engine) -> dt.datetime:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT now()")).scalar_one()  # type: ignore[no-any-return]
+
+
+def claim(
+    engine: Engine, *, batch: int = 10, unique_running: bool = False, queue: str = "default"
+) -> list[int]:
+    with engine.begin() as conn:
+        rows = eng.claim(conn, JOBS, owner="t", batch=batch, queue=queue, unique_running=unique_running)
+    return [r[0] for r in rows]
+
+
+def finish(engine: Engine, job_id: int, status: str = "done", delay: float | None = None) -> None:
+    with engine.connect() as conn:
+        version = conn.execute(
+            text("SELECT lease_version FROM jobs WHERE id = :i"), {"i": job_id}
+        ).scalar_one()
+    with engine.begin() as conn:
+        assert eng.finalize(conn, JOBS, [eng.Outcome(job_id, version, status, delay=delay)]) == {job_id}
+
+
+# --- skip --------------------------------------------------------------------------------------------------
+
+
+def test_skip_returns_the_queued_jobs_id_and_writes_nothing(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        first = enqueue(s, Job, "report", {"v": 1}, unique_key="report:7")
+    assert first == Enqueued(id=1, inserted=True) and not first.found
+    [before] = jobs(engine)
+    with statement_log(engine) as seen, Session(engine) as s, s.begin():
+        again = enqueue(s, Job, "report", {"v": 2}, unique_key="report:7", priority=9)
+    assert again == Enqueued(id=1, inserted=False) and again.found
+    assert len(seen) == 1  # one statement: the conflicting insert and the lookup of the queued job
+    [after] = jobs(engine)
+    assert after == before  # same payload, priority — and the same row version (xmin): nothing written
+    assert after.payload == {"v": 1} and after.unique_key == "report:7"
+
+
+def test_skip_is_the_default_when_a_key_is_given_and_sees_its_own_transactions_job(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        a = enqueue(s, Job, "t", {}, unique_key="k")
+        b = enqueue(s, Job, "t", {"other": True}, unique_key="k")
+        c = enqueue(s, Job, "t", {}, unique_key="another")
+    assert (a.id, a.inserted, b.id, b.inserted, c.inserted) == (1, True, 1, False, True)
+    assert count_rows(engine, "jobs") == 2
+
+
+def test_keys_are_per_table_and_a_rolled_back_key_is_free_again(engine: Engine) -> None:
+    with Session(engine) as s:
+        enqueue(s, Job, "t", {}, unique_key="k")
+        s.rollback()
+    with Session(engine) as s, s.begin():
+        again = enqueue(s, Job, "t", {}, unique_key="k")
+    assert again.inserted and count_rows(engine, "jobs") == 1
+
+
+def test_the_non_unique_path_still_returns_the_orm_object_written_at_flush(engine: Engine) -> None:
+    with statement_log(engine) as seen, Session(engine, expire_on_commit=False) as s, s.begin():
+        job = enqueue(s, Job, "t", {"n": 1})
+        assert isinstance(job, Job) and seen == []  # no I/O until the flush
+        s.flush()
+    assert job.id == 1 and job.unique_key is None
+
+
+# --- replace and debounce ------------------------------------------------------------------------------
+
+
+def test_replace_updates_payload_run_at_and_priority_of_the_queued_job(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "sync", {"v": 1}, unique_key="sync:a", on_conflict="replace")
+    later = db_now(engine) + dt.timedelta(hours=1)
+    with Session(engine) as s, s.begin():
+        got = enqueue(s, Job, "sync", {"v": 2}, unique_key="sync:a", on_conflict="replace", priority=5,
+                      run_at=later, headers={"x-why": "again"})  # fmt: skip
+    assert got == Enqueued(id=1, inserted=False)
+    [row] = jobs(engine)
+    assert (row.payload, row.priority, row.run_at, row.headers) == ({"v": 2}, 5, later, {"x-why": "again"})
+
+
+def test_debounce_pushes_run_at_but_never_past_created_at_plus_max_delay(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, unique_key="other", on_conflict="debounce", debounce=60, max_delay=60)
+    with Session(engine) as s, s.begin():
+        first = enqueue(
+            s, Job, "t", {"v": 1}, unique_key="d", on_conflict="debounce", debounce=10, max_delay=30
+        )
+    [row] = jobs(engine, "unique_key = 'd'")
+    assert first.inserted and row.run_at - row.created_at == dt.timedelta(seconds=10)
+    # 25 seconds later (the row's clock moved back instead of waiting): the next push would pass the cap
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE jobs SET created_at = created_at - interval '25 seconds' WHERE unique_key = 'd'")
+        )
+    with Session(engine) as s, s.begin():
+        again = enqueue(
+            s, Job, "t", {"v": 2}, unique_key="d", on_conflict="debounce", debounce=10, max_delay=30
+        )
+        now = s.execute(text("SELECT now()")).scalar_one()
+    [row] = jobs(engine, "unique_key = 'd'")
+    assert again == Enqueued(id=first.id, inserted=False)
+    assert row.run_at == row.created_at + dt.timedelta(seconds=30) < now + dt.timedelta(seconds=10)
+    assert row.payload == {"v": 2}  # the latest call's payload
+    # well within the cap, a push moves run_at to now + debounce
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET created_at = now(), run_at = now() WHERE unique_key = 'd'"))
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {"v": 3}, unique_key="d", on_conflict="debounce", debounce=10, max_delay=30)
+        now = s.execute(text("SELECT now()")).scalar_one()
+    assert jobs(engine, "unique_key = 'd'")[0].run_at == now + dt.timedelta(seconds=10)
+
+
+def test_an_overdue_debounced_job_is_not_pushed_back(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, unique_key="d", on_conflict="debounce", debounce=1, max_delay=3)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET created_at = now() - interval '1 minute'"))
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, unique_key="d", on_conflict="debounce", debounce=1, max_delay=3)
+    assert count_rows(engine, "jobs", "run_at <= now()") == 1  # due: traffic cannot postpone it
+
+
+def test_debounce_without_max_delay_is_capped_at_ten_debounces(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, unique_key="d", on_conflict="debounce", debounce=2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET created_at = created_at - interval '19 seconds'"))
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {}, unique_key="d", on_conflict="debounce", debounce=2)
+    [row] = jobs(engine)
+    assert row.run_at == row.created_at + dt.timedelta(seconds=20)
+
+
+# --- the key belongs to the job that has not started --------------------------------------------------
+
+
+def test_a_claimed_job_releases_its_key_and_its_retry_never_conflicts(engine: Engine) -> None:
+    with Session(engine) as s, s.begin():
+        first = enqueue(s, Job, "t", {"n": 1}, unique_key="k")
+    assert claim(engine) == [first.id]
+    with Session(engine) as s, s.begin():
+        second = enqueue(s, Job, "t", {"n": 2}, unique_key="k")
+    assert second.inserted and second.id != first.id
+    finish(engine, first.id, "queued", delay=3600)  # the running job is retried: queued again, same key
+    finish_at = jobs(engine, f"id = {first.id}")[0]
+    assert finish_at.status == "queued"
+    with Session(engine) as s, s.begin():  # the key is the new job's, not the retried one's
+        third = enqueue(s, Job, "t", {"n": 3}, unique_key="k")
+    assert third == Enqueued(id=second.id, inserted=False)
+    assert count_rows(engine, "jobs", "status = 'queued' AND unique_key = 'k'") == 2
+
+
+# --- validation and wake-ups ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"unique_key": ""}, "unique_key must be a non-empty string"),
+        ({"unique_key": "   "}, "unique_key must be a non-empty string"),
+        ({"unique_key": "k", "on_conflict": "merge"}, "on_conflict must be one of"),
+        ({"on_conflict": "replace"}, "on_conflict='replace' needs a unique_key"),
+        ({"debounce": 1}, "debounce= needs a unique_key"),
+        ({"unique_key": "k", "on_conflict": "debounce"}, "needs debounce="),
+        ({"unique_key": "k", "debounce": 1}, "debounce= is for on_conflict='debounce'"),
+        (
+            {"unique_key": "k", "on_conflict": "debounce", "debounce": 5, "max_delay": 2},
+            "max_delay .* at least",
+        ),
+        ({"unique_key": "k", "on_conflict": "debounce", "debounce": 0}, "debounce"),
+        ({"unique_key": "k", "on_conflict": "debounce", "debounce": 1, "run_at": 5}, "run_at"),
+        ({"unique_key": "k", "max_delay": 5}, "max_delay= is for on_conflict='debounce'"),
+        ({"unique_key": "k", "priority": 2**31}, "priority must be between"),
+        ({"unique_key": "k", "run_at": dt.datetime(2030, 1, 1)}, "timezone-aware"),
+        ({"unique_key": "x" * 3000}, r"unique_key is 3000 bytes.*_jobs_unique"),
+    ],
+)
+def test_bad_unique_options_are_refused_before_any_sql(
+    engine: Engine, options: dict[str, Any], message: str
+) -> None:
+    with statement_log(engine) as seen, Session(engine) as s:
+        with pytest.raises(PayloadError, match=message):
+            enqueue(s, Job, "t", {}, **options)
+        with pytest.raises(PayloadError, match="payload"):
+            enqueue(s, Job, "t", {"x": object()}, unique_key="k")
+    assert seen == []
+    assert count_rows(engine, "jobs") == 0
+
+
+def test_unique_enqueue_wakes_its_queue_once_per_committed_transaction(engine: Engine) -> None:
+    import psycopg
+
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel_for("jobs"))))
+        with Session(engine) as s, s.begin():
+            enqueue(s, Job, "t", {}, unique_key="a", queue="mail")
+            enqueue(s, Job, "t", {}, unique_key="b", queue="mail")
+            enqueue(s, Job, "t", {}, queue="mail")
+            enqueue(s, Job, "t", {}, unique_key="c")
+        got = sorted((n.channel, n.payload) for n in listener.notifies(timeout=0.5))
+        assert got == [("sa_outbox.jobs", "default"), ("sa_outbox.jobs", "mail")]
+        with Session(engine) as s:
+            enqueue(s, Job, "t", {}, unique_key="d", queue="mail")
+            s.rollback()
+        assert [n for n in listener.notifies(timeout=0.3)] == []
+    assert count_rows(engine, "jobs", "unique_key = 'd'") == 0
+
+
+def test_async_session_awaits_a_unique_enqueue(engine: Engine, async_url: URL) -> None:
+    async def main() -> tuple[Enqueued, Enqueued, int]:
+        aengine = create_async_engine(async_url)
+        try:
+            async with AsyncSession(aengine) as s, s.begin():
+                a = await enqueue(s, Job, "t", {"n": 1}, unique_key="k", on_conflict="replace")
+                b = await enqueue(s, Job, "t", {"n": 2}, unique_key="k", on_conflict="replace")
+                plain = enqueue(s, Job, "t", {})  # the ORM path: no await, written at flush
+                await s.flush()
+                return a, b, plain.id
+        finally:
+            await aengine.dispose()
+
+    a, b, plain_id = asyncio.run(main())
+    assert a == Enqueued(1, True) and b == Enqueued(1, False) and plain_id > 1  # (a conflict spends an id)
+    assert jobs(engine, "id = 1")[0].payload == {"n": 2}
+
+
+# --- concurrency: real processes ----------------------------------------------------------------------
+
+KEYS = [f"key-{i}" for i in range(40)]
+
+
+def _enqueue_keys(url: str, seed: int, rounds: int, out: Any) -> None:  # pragma: no cover - child process
+    """Enqueue every key ``rounds`` times in a random order, one key per transaction or a whole batch at
+    once, with every conflict rule; report (key, id, inserted) of each call."""
+    rng = random.Random(seed)
+    engine = create_engine(url, pool_size=1)
+    seen: list[tuple[str, int, bool]] = []
+    error = None
+    try:
+        for r in range(rounds):
+            keys = KEYS[:]
+            rng.shuffle(keys)
+            mode = ("skip", "replace", "debounce")[(seed + r) % 3]
+            extra: dict[str, Any] = {"debounce": 60, "max_delay": 600} if mode == "debounce" else {}
+            if r % 2:
+                with Session(engine) as s, s.begin():
+                    ids = enqueue_many(
+                        s, Job, [{"task": "t", "payload": {"p": seed}, "unique_key": k, "on_conflict": mode,
+                                  **extra} for k in keys],
+                    )  # fmt: skip
+                seen += [(k, i, False) for k, i in zip(keys, ids, strict=True)]
+            else:
+                for k in keys:
+                    with Session(engine) as s, s.begin():
+                        got = enqueue(s, Job, "t", {"p": seed}, unique_key=k, on_conflict=mode, **extra)
+                    seen.append((k, got.id, got.inserted))
+    except Exception as exc:
+        error = repr(exc)
+    finally:
+        engine.dispose()
+        out.put((error, seen))
+
+
+def test_eight_processes_enqueueing_the_same_keys_leave_exactly_one_queued_job_per_key(
+    engine: Engine, db_url: URL
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    url = db_url.render_as_string(hide_password=False)
+    procs = [ctx.Process(target=_enqueue_keys, args=(url, seed, 4, out)) for seed in range(8)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=240) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert [error for error, _ in results if error] == []
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text("SELECT unique_key, id FROM jobs WHERE status = 'queued'")).all())  # type: ignore[arg-type]
+    assert sorted(rows) == sorted(KEYS) and count_rows(engine, "jobs") == len(KEYS)
+    calls = [c for _, seen in results for c in seen]
+    assert len(calls) == 8 * 4 * len(KEYS)
+    assert all(rows[k] == i for k, i, _ in calls)  # every call was given the key's one job
+    assert sum(1 for _, _, inserted in calls if inserted) <= len(KEYS)
+
+
+def _debounced_producer(url: str, seconds: float, out: Any) -> None:  # pragma: no cover - child process
+    engine = create_engine(url, pool_size=1)
+    calls: int | str = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            with Session(engine) as s, s.begin():
+                enqueue(s, Job, "rebuild", {}, unique_key="rebuild", on_conflict="debounce", debounce=1,
+                        max_delay=3)  # fmt: skip
+            calls = int(calls) + 1
+            time.sleep(0.1)
+    except Exception as exc:
+        calls = repr(exc)
+    finally:
+        engine.dispose()
+        out.put(calls)
+
+
+def test_a_key_debounced_under_constant_traffic_still_runs_at_least_every_max_delay(
+    engine: Engine, db_url: URL
+) -> None:
+    """A producer process enqueues the key every 100 ms for 8 s, debounce 1 s, max delay 3 s; a real worker
+    runs the jobs. Debounce alone would never let it run; the cap makes it run every 3 s."""
+    ran: list[int] = []
+    worker = Worker(engine, Job, {"rebuild": lambda job: ran.append(job.id)}, poll_interval=0.05)
+    loop = threading.Thread(target=worker.run, kwargs={"install_signal_handlers": False})
+    loop.start()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    producer = ctx.Process(
+        target=_debounced_producer, args=(db_url.render_as_string(hide_password=False), 8, out)
+    )
+    try:
+        producer.start()
+        calls = out.get(timeout=60)
+        producer.join(30)
+        deadline = time.monotonic() + 10
+        while count_rows(engine, "jobs", "status <> 'done'") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        loop.join(30)
+        worker.close()
+    assert isinstance(calls, int) and calls >= 40, calls
+    done = jobs(engine, "status = 'done'")
+    assert len(done) == len(ran) == count_rows(engine, "jobs") and len(done) >= 3
+    # every job but the last was capped: due exactly max_delay after it was first enqueued
+    assert all(j.run_at == j.created_at + dt.timedelta(seconds=3) for j in done[:-1]), done
+    # … and ran then: started (database clock) within a second of its due time
+    with engine.connect() as conn:
+        late = conn.execute(text("SELECT max(finished_at - run_at) FROM jobs")).scalar_one()
+    assert late < dt.timedelta(seconds=1.5)
+    # one job per window: each window opens when the previous job was claimed
+    starts = [j.created_at for j in done]
+    assert all(b - a <= dt.timedelta(seconds=4) for a, b in itertools.pairwise(starts))
+
+
+# --- unique_running: one running job per key --------------------------------------------------------------
+
+
+def _seed_keyed(engine: Engine, *rows: tuple[str, int]) -> None:
+    """Queued jobs (key, lease_version): lease_version ≥ 1 is a job that ran before (a retry), which holds no
+    key, so several may be queued with one key."""
+    with engine.begin() as conn:
+        for key, version in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (task, payload, unique_key, lease_version) VALUES ('t', '{}', :k, :v)"
+                ),
+                {"k": key, "v": version},
+            )
+
+
+def test_unique_running_never_claims_a_key_that_is_running(engine: Engine) -> None:
+    _seed_keyed(engine, ("a", 1), ("a", 0), ("b", 0))
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (task, payload) VALUES ('t', '{}')"))  # no key: never blocked
+    assert claim(engine, batch=1, unique_running=True) == [1]  # a's oldest
+    assert claim(engine, unique_running=True) == [3, 4]  # a is running: its second job waits
+    assert claim(engine, unique_running=True) == []
+    finish(engine, 1)
+    assert claim(engine, unique_running=True) == [2]
+    # the plain claim does not look
+    _seed_keyed(engine, ("b", 1))
+    assert claim(engine) == [5]
+
+
+def test_unique_running_takes_one_job_per_key_per_claim_oldest_first(engine: Engine) -> None:
+    _seed_keyed(engine, ("a", 2), ("a", 1), ("a", 0), ("b", 1), ("b", 0))
+    assert claim(engine, unique_running=True) == [1, 4]
+    finish(engine, 1)
+    finish(engine, 4)
+    assert claim(engine, unique_running=True) == [2, 5]
+
+
+def test_unique_running_across_two_open_claims(engine: Engine) -> None:
+    """Two claimers at once (the first has not committed): the second skips the first's row and does not take
+    the key's next job either, since an older job of the key is still queued in its snapshot."""
+    _seed_keyed(engine, ("a", 1), ("a", 0))
+    with engine.connect() as first:
+        first.begin()
+        got = eng.claim(first, JOBS, owner="1", batch=1, queue="default", unique_running=True)
+        assert [r[0] for r in got] == [1]
+        assert claim(engine, unique_running=True) == []
+        first.commit()
+    assert claim(engine, unique_running=True) == []
+
+
+def test_unique_running_refuses_the_outbox() -> None:
+    from sa_outbox import _sql
+    from sa_outbox.models import OutboxEvent
+
+    with pytest.raises(ValueError, match="jobs"):
+        _sql.claim_statement(_sql.spec_for(OutboxEvent), unique_running=True)
+
+
+def _claim_and_probe(url: str, seconds: float, out: Any) -> None:  # pragma: no cover - child process
+    """Claim with unique_running, batch 4; for each job hold its key in a probe table (primary key: a second
+    holder fails) for a few ms, then finish it. Reports (jobs run, probe conflicts)."""
+    engine = create_engine(url, pool_size=2)
+    ran = conflicts = 0
+    deadline = time.monotonic() + seconds
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        while time.monotonic() < deadline:
+            rows = eng.claim(
+                conn, JOBS, owner=str(os.getpid()), batch=4, queue="default", unique_running=True
+            )
+            if not rows:
+                time.sleep(0.005)
+                continue
+            jobs_ = [ClaimedJob.from_row(r) for r in rows]
+            keys = dict(
+                conn.execute(
+                    text("SELECT id, unique_key FROM jobs WHERE id = ANY(:i)"), {"i": [j.id for j in jobs_]}
+                ).all()  # type: ignore[arg-type]
+            )
+            for j in jobs_:
+                try:
+                    conn.execute(text("INSERT INTO running_keys (k) VALUES (:k)"), {"k": keys[j.id]})
+                except Exception:
+                    conflicts += 1
+                    continue
+                time.sleep(0.002)
+                conn.execute(text("DELETE FROM running_keys WHERE k = :k"), {"k": keys[j.id]})
+            eng.finalize(conn, JOBS, [eng.Outcome(j.id, j.lease_version, "done") for j in jobs_])
+            ran += len(jobs_)
+    engine.dispose()
+    out.put((ran, conflicts))
+
+
+def test_unique_running_four_processes_never_run_one_key_twice_at_once(engine: Engine, db_url: URL) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS running_keys (k text PRIMARY KEY)"))
+        conn.execute(text("TRUNCATE running_keys"))
+        # 10 keys × 30 jobs, as retries (lease_version 1) so that a key may have many queued jobs
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, payload, unique_key, lease_version) "
+                "SELECT 't', '{}', 'k' || (g % 10), 1 FROM generate_series(1, 300) g"
+            )
+        )
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    url = db_url.render_as_string(hide_password=False)
+    procs = [ctx.Process(target=_claim_and_probe, args=(url, 6.0, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sum(c for _, c in results) == 0
+    assert sum(r for r, _ in results) == count_rows(engine, "jobs", "status = 'done'") > 30
