@@ -59,6 +59,7 @@ from sqlalchemy import (
     column,
     func,
     literal_column,
+    null,
     select,
     text,
     union_all,
@@ -440,6 +441,11 @@ def _insert(
     return pg_insert(table).from_select(targets, source)
 
 
+#: The key column of a plain row's RETURNING (it has none): selecting the column itself would need
+#: ``SELECT (unique_key)`` of a producer that never uses unique keys (docs/production.md, least privilege).
+_NO_KEY = null().cast(Text)
+
+
 @functools.cache
 def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> Any:
     """The insert for one shape: which rules the rows use (``plain``, ``skip``, ``replace``, ``debounce``) and
@@ -453,8 +459,9 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
     c = table.c
     u = _source(parts, optional)
     if parts == {"plain"}:
+        # NULL, not the column: plain rows have no key, and a producer granted only SELECT (id) can run it
         return _insert(table, u, optional, [], [u.c.ord]).returning(
-            c.id, c.unique_key, literal_column("true", Boolean)
+            c.id, _NO_KEY, literal_column("true", Boolean)
         )
     target = {"index_elements": [c.unique_key], "index_where": unique_waiting(table)}
     branches: list[Any] = []
@@ -512,7 +519,7 @@ def one_statement(table: Table, optional: frozenset[str]) -> Any:
     """:func:`statement` for one plain row, with scalar parameters and at most one NOTIFY."""
     c = table.c
     return _insert(table, _one_row(optional), optional, [], [], notify=NOTIFY_ONE_SQL).returning(
-        c.id, c.unique_key, literal_column("true", Boolean)
+        c.id, _NO_KEY, literal_column("true", Boolean)
     )
 
 
