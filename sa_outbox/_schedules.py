@@ -208,6 +208,11 @@ def _check_model(model: Any, kind: str) -> Table:
     return table
 
 
+def check_schedules_model(model: Any) -> None:
+    """ConfigurationError unless ``model`` is a mapped class with :class:`~sa_outbox.ScheduleMixin`."""
+    _check_model(model, "schedules")
+
+
 _CLOCK = func.coalesce(bindparam("now", type_=DateTime(timezone=True)), func.now())
 
 

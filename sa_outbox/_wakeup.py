@@ -117,6 +117,11 @@ class Waker:
                     conn.close()
             self._listen.failed(exc, "LISTEN connection failed")
             return None
+        except BaseException:
+            if conn is not None:  # e.g. interrupted during the probe: no connection left open behind
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            raise
         if not heard:
             conn.close()
             self._listen.deaf()
@@ -241,6 +246,11 @@ class AsyncWaker:
                     await conn.close()
             self._listen.failed(exc, "LISTEN connection failed")
             return None
+        except BaseException:
+            if conn is not None:  # e.g. cancelled during the probe: no connection left open behind
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
+            raise
         if not heard:
             await conn.close()
             self._listen.deaf()

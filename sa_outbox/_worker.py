@@ -54,6 +54,7 @@ from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
 from ._messages import CancelToken, ClaimedJob
 from ._payload import encode_payload
+from ._schedules import check_schedules_model, fire_due_schedules
 from ._sql import QueueSpec, queue_table
 from ._steps import Outcome
 from ._threads import CallThreads
@@ -224,7 +225,11 @@ class WorkerBase(LoopBase):
     ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``;
     ``queues`` may map each queue to its share — ``{"mail": 4, "reports": 1}``: at most that many of its
     jobs in hand at once (the shares add up to ``concurrency`` unless it is given), and the queues take turns
-    being claimed first. ``limits`` maps a queue to a :class:`~sa_outbox.Limit` — fleet-wide
+    being claimed first. ``unique_running``: a job with a ``unique_key`` is claimed only while no job of its
+    key runs and no older one waits (every worker of those queues must set it; not with ``limits``).
+    ``schedules``: a :class:`~sa_outbox.ScheduleMixin` model whose due cron schedules this worker fires in its
+    once-a-second maintenance (each slot exactly once, however many workers fire). ``limits`` maps a queue
+    to a :class:`~sa_outbox.Limit` — fleet-wide
     concurrency (per queue or per ``concurrency_key``) and rate, enforced from the rows at claim time;
     ``unknown_task_grace`` (default 1 h): a job whose task this worker has no handler for — producers often
     deploy before workers — is deferred (attempt refunded, 30 s at a time, so workers that know the task take
@@ -258,6 +263,8 @@ class WorkerBase(LoopBase):
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
         limits: Mapping[str, Limit] | None = None,
+        unique_running: bool = False,
+        schedules: type[Any] | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -281,6 +288,17 @@ class WorkerBase(LoopBase):
                 raise ConfigurationError(
                     f"the limit of queue {name!r} must be a sa_outbox.Limit, got {limit!r}"
                 )
+        self.unique_running = bool(unique_running)
+        if self.unique_running and self.limits:
+            raise ConfigurationError(
+                f"unique_running cannot be combined with limits (queues {sorted(self.limits)!r}): a limited "
+                "queue gets the same guarantee from Limit(1, per_key=True) with the unique key as the job's "
+                "concurrency_key"
+            )
+        #: A ScheduleMixin model whose due schedules this worker fires in its once-a-second maintenance.
+        self.schedules = schedules
+        if schedules is not None:
+            check_schedules_model(schedules)
         self._turn_of = 0
         self.handlers: TaskRegistry = TaskRegistry()
         for name, fn in (handlers or {}).items():
@@ -354,6 +372,8 @@ class WorkerBase(LoopBase):
             p: dict[str, Any] = {"queue": q}
             if q in self.limits:
                 p["limit"] = self.limits[q]
+            elif self.unique_running:
+                p["unique_running"] = True
             if self.shares is not None:
                 p["room"] = self.shares[q] - in_hand.get(q, 0)
                 if p["room"] <= 0:
@@ -369,12 +389,24 @@ class WorkerBase(LoopBase):
         return {"stale_after": self.stale_after, "limit": self.rescue_limit}
 
     def _rescue_on(self, conn: Connection) -> None:
-        """The once-a-second maintenance: rescue expired leases, forget starts older than each rate window, and
-        learn which of our queues are paused."""
+        """The once-a-second maintenance: rescue expired leases, forget starts older than each rate window, fire
+        the due cron schedules, and learn which of our queues are paused."""
         super()._rescue_on(conn)
         for name, limit in self.limits.items():
             if limit.rate_window is not None:
                 _steps.forget_starts(conn, self.spec, name, limit.rate_window)
+        if self.schedules is not None:
+            try:
+                fired = fire_due_schedules(conn, self.schedules, self.model, limit=100)
+            except ProgrammingError as exc:  # no schedules table (yet): this worker cannot fire them
+                log.warning(
+                    "schedules table of %s is missing (%s): not firing schedules until it is created "
+                    "(run the migration)", self.schedules.__name__, getattr(exc, "orig", exc),
+                )  # fmt: skip
+                self.schedules = None
+            else:
+                if fired:
+                    log.info("fired %d scheduled job(s)", fired, extra={"jobs": fired})
         table = self._pause_table
         if table is None:
             return
@@ -595,12 +627,15 @@ class Worker(WorkerBase):
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
         limits: Mapping[str, Limit] | None = None,
+        unique_running: bool = False,
+        schedules: type[Any] | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
+            unique_running=unique_running, schedules=schedules,
         )  # fmt: skip
         self.engine: Engine = engine
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
@@ -878,12 +913,15 @@ class AsyncWorker(WorkerBase):
         handler_timeout: Duration | None = None,
         unknown_task_grace: Duration = 3600.0,
         limits: Mapping[str, Limit] | None = None,
+        unique_running: bool = False,
+        schedules: type[Any] | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
+            unique_running=unique_running, schedules=schedules,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)

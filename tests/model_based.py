@@ -15,8 +15,11 @@ database, real threads with their own connections, real backend terminations. Ru
 * an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
 * an operator cancels a job (``cancel_jobs``), pauses a queue or resumes it;
 * jobs of queue ``q3`` carry a concurrency key and every worker serves q3 under the scenario's
-  :class:`~sa_outbox.Limit` (per key or per queue, sometimes with a rate); some workers serve the queues
-  with fair shares (``queues={...}``) instead of a list;
+  :class:`~sa_outbox.Limit` (per key or per queue, sometimes with a rate) — or, in a quarter of the
+  scenarios, a unique key, and every worker claims with ``unique_running`` instead; some workers serve the
+  queues with fair shares (``queues={...}``) instead of a list;
+* enqueue jobs in bulk (``enqueue_many``), and with a unique key (``on_conflict="skip"``: a key whose job
+  has not started yet gets no second one);
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -37,7 +40,8 @@ After every step
         recorded, the loop gave up on it and retried — documented at-least-once behaviour);
     I5  no job of a paused queue starts once the workers had time to learn of the pause (a few seconds);
     I6  the limited queue never has more running jobs per key (per queue) than its limit, nor more starts in
-        a rate window than its rate — sampled from the rows every 20 ms by a thread of its own;
+        a rate window than its rate; with ``unique_running``, no unique key ever has two running jobs —
+        sampled from the rows every 20 ms by a thread of its own;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered, except poison ones and those behind a poison
         event of an ordered aggregate that no one skipped; every committed job is done, poison ones failed;
@@ -85,6 +89,7 @@ from sa_outbox import (
     cancel_jobs,
     emit,
     enqueue,
+    enqueue_many,
     skip_dead,
 )
 from sa_outbox.admin import pause_queue, resume_queue
@@ -104,6 +109,7 @@ EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
 KEYS = ("k1", "k2", "k3")
+UNIQUE_KEYS = ("u1", "u2", "u3")
 #: The scenario picks one; every worker serves q3 with it (a limit is the fleet's, so all agree).
 LIMITS = (Limit(1, per_key=True), Limit(2, per_key=True), Limit(2), Limit(1, per_key=True, rate="40/s"))
 #: A worker learns of a pause with its once-a-second maintenance: starts later than this after a pause are
@@ -248,7 +254,7 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 class LimitSampler:
     """I6: reads the limited queue's rows every 20 ms on a connection of its own and keeps what broke the limit."""
 
-    def __init__(self, engine: Engine, limit: Limit) -> None:
+    def __init__(self, engine: Engine, limit: Limit | None) -> None:
         self.engine, self.limit = engine, limit
         self.violations: list[str] = []
         self.samples = 0
@@ -256,6 +262,9 @@ class LimitSampler:
         self._thread = threading.Thread(target=self._main, name="limit-sampler", daemon=True)
 
     def _main(self) -> None:
+        if self.limit is None:  # unique_running: no key twice at once, in any queue
+            self._unique()
+            return
         key = "concurrency_key" if self.limit.per_key else "''"
         running = text(
             f"SELECT {key} AS k, count(*) AS n FROM jobs WHERE queue = :q AND status = 'running' GROUP BY 1"
@@ -271,6 +280,16 @@ class LimitSampler:
                     for k, n in conn.execute(starts, {"q": LIMITED, "w": self.limit.rate_window}):
                         if n > self.limit.rate_count:
                             self.violations.append(f"{n} starts of key {k!r} in one window ({self.limit})")
+                conn.rollback()
+                self.samples += 1
+
+    def _unique(self) -> None:
+        twice = text("SELECT unique_key, count(*) FROM jobs WHERE status = 'running' AND unique_key IS NOT NULL "
+                     "GROUP BY 1 HAVING count(*) > 1")  # fmt: skip
+        with self.engine.connect() as conn:
+            while not self._stop.wait(0.02):
+                for k, n in conn.execute(twice):
+                    self.violations.append(f"{n} running jobs of unique key {k!r} (unique_running)")
                 conn.rollback()
                 self.samples += 1
 
@@ -408,7 +427,8 @@ class Scenario:
         self.orders: list[int] = []
         self.log: list[str] = []
         self.names = itertools.count(1)
-        self.limit = self.rng.choice(LIMITS)
+        #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
+        self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
 
     # -- rules: producers ----------------------------------------------------------------------------------
@@ -539,7 +559,7 @@ class Scenario:
             for p in planned:
                 task = "model_tx" if p.seq in tx else "model"
                 queue = self.rng.choice(QUEUES)
-                key = self.rng.choice(KEYS) if queue == LIMITED else None
+                key = self.rng.choice(KEYS) if queue == LIMITED and self.limit is not None else None
                 enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=10, concurrency_key=key)
             s.flush()
             s.commit() if commit else s.rollback()
@@ -550,6 +570,50 @@ class Scenario:
                     self.model.in_transaction.add(p.seq)
             else:
                 self.model.rolled_back_jobs.add(p.seq)
+
+    def rule_enqueue_many(self) -> None:
+        """Bulk: one statement for the whole list, in a transaction that commits or rolls back."""
+        planned = [
+            Planned(next(self.seq), [self.rng.choice(JOB_ACTIONS) for _ in range(self.rng.randint(0, 2))],
+                    self.rng.random() < 0.05)
+            for _ in range(self.rng.randint(2, 12))
+        ]  # fmt: skip
+        commit = self._commit_or_not()
+        items = []
+        for p in planned:
+            queue = self.rng.choice(QUEUES)
+            item: dict[str, Any] = {"task": "model", "payload": self._payload(p), "queue": queue,
+                                    "max_attempts": 10}  # fmt: skip
+            if queue == LIMITED and self.limit is not None:
+                item["concurrency_key"] = self.rng.choice(KEYS)
+            items.append(item)
+        with Session(self.engine) as s:
+            s.begin()
+            ids = enqueue_many(s, Job, items)
+            assert len(ids) == len(planned)
+            s.commit() if commit else s.rollback()
+        for p in planned:
+            if commit:
+                self.model.jobs[p.seq] = p
+            else:
+                self.model.rolled_back_jobs.add(p.seq)
+
+    def rule_enqueue_unique(self) -> None:
+        """A job with a unique key (skip): written only when the key has no job that has not started yet."""
+        p = Planned(next(self.seq), [self.rng.choice(JOB_ACTIONS) for _ in range(self.rng.randint(0, 2))],
+                    False)  # fmt: skip
+        commit = self._commit_or_not()
+        with Session(self.engine) as s:
+            s.begin()
+            got = enqueue(s, Job, "model", self._payload(p), queue=LIMITED if self.limit is None else "q1",
+                          max_attempts=10, unique_key=self.rng.choice(UNIQUE_KEYS))  # fmt: skip
+            s.commit() if commit else s.rollback()
+        self.log.append(f"unique enqueue seq {p.seq}: {got} commit={commit}")
+        if got.inserted and commit:
+            self.model.jobs[p.seq] = p
+        elif got.inserted:
+            self.model.rolled_back_jobs.add(p.seq)
+        # else: the key's waiting job stays as it was, and this seq never exists
 
     # -- rules: loops and faults ------------------------------------------------------------------------------
 
@@ -584,7 +648,10 @@ class Scenario:
         queues: Any = QUEUES
         if self.rng.random() < 0.3:  # fair shares; the concurrency stays the one chosen above
             queues = {q: self.rng.randint(1, 2) for q in QUEUES}
-        options["limits"] = {LIMITED: self.limit}
+        if self.limit is not None:
+            options["limits"] = {LIMITED: self.limit}
+        else:
+            options["unique_running"] = True
         cls: Any = AsyncWorker if is_async else Worker
         name = f"worker-{next(self.names)}"
         self.log.append(
@@ -689,7 +756,7 @@ class Scenario:
         ("rule_produce_for_aggregate", 3), ("rule_produce_async", 2), ("rule_enqueue", 5),
         ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
-        ("rule_cancel", 1), ("rule_pause_queue", 1),
+        ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------
@@ -698,7 +765,7 @@ class Scenario:
         names = [n for n, _ in self.RULES]
         weights = [w for _, w in self.RULES]
         counter = StatementCounter()
-        self.log.append(f"limit of {LIMITED}: {self.limit}")
+        self.log.append(f"limit of {LIMITED}: {self.limit or 'none: unique keys and unique_running'}")
         self.sampler.start()
         with counter.installed():
             try:

@@ -293,6 +293,53 @@ def test_fired_jobs_run_on_a_worker(db: Engine) -> None:
     assert payload == {"n": 1} and headers["x-schedule"] == "s"
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_worker_given_the_schedules_fires_them_in_its_maintenance(
+    db: Engine, async_url: URL, flavour: str
+) -> None:
+    """``Worker(…, schedules=JobSchedule)``: the once-a-second maintenance step fires the due slots on the
+    loop's own connection, and the same turn claims and runs the job."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncWorker
+
+    sync_schedules(db, JobSchedule, [Schedule("s", "* * * * *", task="tick", payload={"n": 1})],
+                   now=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=2))  # fmt: skip
+    seen: list[Any] = []
+    if flavour == "sync":
+        w = Worker(
+            db, Job, {"tick": lambda job: seen.append(job.payload)}, schedules=JobSchedule, listen=False
+        )
+        assert w.run_once() == 1
+        assert w.run_once() == 0  # the next slot is in the future: nothing fires twice
+        w.close()
+    else:
+
+        async def tick(job: Any) -> None:
+            seen.append(job.payload)
+
+        async def main() -> None:
+            aengine = create_async_engine(async_url)
+            aw = AsyncWorker(aengine, Job, {"tick": tick}, schedules=JobSchedule, listen=False)
+            try:
+                assert await aw.run_once() == 1
+                assert await aw.run_once() == 0
+            finally:
+                await aw.close()
+                await aengine.dispose()
+
+        asyncio.run(main())
+    assert seen == [{"n": 1}]
+    assert schedule_row(db, "s").next_run_at > dt.datetime.now(dt.UTC)
+
+
+def test_a_worker_refuses_a_model_that_is_not_a_schedules_table(db: Engine) -> None:
+    with pytest.raises(ConfigurationError, match="ScheduleMixin"):
+        Worker(db, Job, {}, schedules=Job)
+
+
 # --- any number of processes, and kill -9 ------------------------------------------------------------
 
 N_SCHEDULES = 12

@@ -505,3 +505,28 @@ def test_unique_running_four_processes_never_run_one_key_twice_at_once(engine: E
         p.join(30)
     assert sum(c for _, c in results) == 0
     assert sum(r for r, _ in results) == count_rows(engine, "jobs", "status = 'done'") > 30
+
+
+def test_a_worker_with_unique_running_waits_for_a_keys_running_job(engine: Engine) -> None:
+    """``Worker(…, unique_running=True)``: while one job of key a runs (another worker holds it), the worker
+    runs b's job and leaves a's second job queued; once a's job is done it runs that one too. Without the
+    option the worker runs both of a's jobs at once. Combined with ``limits`` it is refused."""
+    from sa_outbox import ConfigurationError, Limit, Worker
+
+    _seed_keyed(engine, ("a", 1), ("a", 1), ("b", 0))
+    assert claim(engine, batch=1) == [1]  # a's first job: running elsewhere
+    ran: list[int] = []
+    w = Worker(engine, Job, {"t": lambda j: ran.append(j.id)}, unique_running=True, listen=False)
+    try:
+        assert w.run_once() == 1 and ran == [3]
+        finish(engine, 1)
+        assert w.run_once() == 1 and ran == [3, 2]
+    finally:
+        w.close()
+    _seed_keyed(engine, ("a", 1), ("a", 1))
+    assert claim(engine, batch=1) == [4]
+    plain = Worker(engine, Job, {"t": lambda j: ran.append(j.id)}, listen=False)
+    assert plain.run_once() == 1 and ran[-1] == 5  # a's second job, while its first still runs
+    plain.close()
+    with pytest.raises(ConfigurationError, match="Limit\\(1, per_key=True\\)"):
+        Worker(engine, Job, {}, unique_running=True, limits={"default": Limit(2)})
