@@ -220,6 +220,9 @@ class KafkaPublisher:
         self._producer: Any = None  # confluent_kafka.Producer; Any: the extra admits releases without stubs
         self._up = False  # a broker answered since the last time all of them were down
         self._last_error = ""  # the latest connection-level error, for the failure's text
+        # A broker connection was lost (_TRANSPORT) and no broker has answered since: librdkafka reports that
+        # before it concludes _ALL_BROKERS_DOWN (which, on a loaded machine, can come after the deadline).
+        self._dropped = False
         self._current()  # a bad setting fails here, as a ConfigurationError
 
     def _settings(self, user: dict[str, Any]) -> dict[str, Any]:
@@ -296,6 +299,8 @@ class KafkaPublisher:
             self._last_error = f"{err.name()}: {err.str()}"
         if code in _NO_BROKER:
             self._up = False
+        if code == KafkaError._TRANSPORT:
+            self._dropped = True
 
     # --- the record ---------------------------------------------------------------------------------------
 
@@ -422,11 +427,11 @@ class KafkaPublisher:
 
     def _delivered(self, batch: _Batch, index: int, topic: str, err: Any, _msg: Any) -> None:
         if err is None:
-            self._up = True
+            self._up, self._dropped = True, False
             batch.settle(index, None)
             return
         if err.code() >= 0 or err.code() in _UNKNOWN_TOPIC:  # a broker answered (metadata, for a topic)
-            self._up = True
+            self._up, self._dropped = True, False
         batch.settle(index, self._failure(err, topic))
 
     def _failure(self, err: Any, topic: str) -> BaseException:
@@ -446,7 +451,7 @@ class KafkaPublisher:
 
     def _unreported(self) -> BaseException:
         """A message with no delivery report by the deadline (or timed out inside librdkafka)."""
-        if not self._up:
+        if not self._up or self._dropped:
             last = f" (last error: {self._last_error})" if self._last_error else ""
             return DestinationUnavailable(
                 f"no Kafka broker reachable at {self.bootstrap_servers} within {self.timeout:g}s{last}"
