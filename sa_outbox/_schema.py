@@ -128,8 +128,11 @@ class OutboxMixin:
                 "id",
                 postgresql_where=text("status IN ('pending', 'processing', 'dead')"),
             ),
-            # Retention (purge of done rows) and `dead list`.
+            # Retention (purge of done rows).
             Index(conv(f"ix_{t}_done"), "done_at", postgresql_where=text("status = 'done'")),
+            # Dead letters: `dead list`/`retry`, the dashboard's dead page and `status` find them without
+            # reading the done rows (a backlog of 1M rows made the dead page 150–190 ms without it).
+            Index(conv(f"ix_{t}_dead"), "id", postgresql_where=text("status = 'dead'")),
             {"info": {"sa_outbox_kind": "outbox"}},
         )
 

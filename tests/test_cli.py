@@ -229,7 +229,7 @@ def test_every_operations_command_works_on_schema_qualified_tables(
     findings = json.loads(out)["findings"]
     indexes = [f for f in findings if f["check"] == "indexes"]
     assert [(f["table"], f["status"]) for f in indexes] == [("app.outbox", "ok"), ("app.jobs", "ok")]
-    assert "all 4 partial indexes" in indexes[0]["message"]
+    assert "all 5 partial indexes" in indexes[0]["message"]
     assert code == 0 and not [f for f in findings if f["status"] == "fail"]
     code, out, _ = run(capsys, db_url, "locks", "--json", *tables)
     assert code == 0 and json.loads(out) == []

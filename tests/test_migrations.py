@@ -220,9 +220,10 @@ def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> No
     ]
     assert tables == ["jobs_queues", "jobs_starts", "schedules"]
     assert indexes == [
-        "ix_jobs_limited", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_schedules_due", "ux_jobs_unique",
+        "ix_jobs_limited", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_outbox_dead", "ix_schedules_due",
+        "ux_jobs_unique",
     ]  # fmt: skip
-    assert len(diff) == 14, diff
+    assert len(diff) == 15, diff
 
 
 def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch_url: URL) -> None:
