@@ -389,7 +389,10 @@ def test_blocked_aggregates_are_read_through_the_aggregate_index_not_the_history
     seq = [n for n in nodes(plan) if n["Node Type"] == "Seq Scan"]
     indexes = {n["Index Name"] for n in nodes(plan) if "Index Name" in n}
     # the aggregate index, and at most the dead rows' own index to find the dead heads: never the history
-    assert not seq and "ix_outbox_aggregate" in indexes <= {"ix_outbox_aggregate", "ix_outbox_dead"}, (seq, indexes)
+    assert not seq and "ix_outbox_aggregate" in indexes <= {"ix_outbox_aggregate", "ix_outbox_dead"}, (
+        seq,
+        indexes,
+    )
     assert report.blocked_aggregates_total > 0 and len(report.blocked_aggregates) == 10
 
 
