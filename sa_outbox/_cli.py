@@ -122,6 +122,7 @@ def _tables(
     """(kind, model) for each requested table that exists; schema-qualified names (``app.outbox``) work."""
     from sqlalchemy import inspect, text
 
+    from ._partitions import table_period
     from .models import model_for
 
     found, absent = [], []
@@ -130,7 +131,9 @@ def _tables(
         option = f"--{kind}-table"
         schema, table = _split_table(option, args.outbox_table if kind == "outbox" else args.jobs_table)
         if insp.has_table(table, schema=schema):
-            found.append((kind, model_for(kind, table, schema)))
+            with engine.connect() as conn:
+                period = table_period(conn, table, schema)
+            found.append((kind, model_for(kind, table, schema, partitioned=period)))
         else:
             absent.append((option, schema, table))
     if found:

@@ -197,6 +197,17 @@ def infer_period(parts: list[PartitionInfo]) -> str | None:
     return None
 
 
+def table_period(conn: Connection, table: str, schema: str | None = None) -> str | None:
+    """The partition period of an existing table known by name (None: not partitioned), from its partitions'
+    bounds ("day" when it has no bounded partition yet)."""
+    from sqlalchemy import MetaData
+
+    bare = Table(table, MetaData(), schema=schema)
+    if not is_partitioned(conn, bare):
+        return None
+    return infer_period(_partitions(conn, bare, counts=False)) or "day"
+
+
 def held_partitions(conn: Connection, model: type[Any]) -> list[PartitionInfo]:
     """Partitions whose period has ended and that unfinished or dead rows keep alive (``status``)."""
     _, table = _table_of(model)
@@ -285,15 +296,16 @@ def maintain_partitions(
 
 
 def create_partitions(
-    bind: Connection, table: Table, period: str, *, ahead: int = DEFAULT_AHEAD
+    bind: Connection, table: Table, period: str, *, ahead: int = DEFAULT_AHEAD, since: datetime | None = None
 ) -> list[str]:
-    """Create the current period's partition and ``ahead`` more (idempotent); the names created. Used by the
+    """Create the current period's partition and ``ahead`` more (idempotent) — from the period of ``since``
+    on when it is given (converting a table whose unfinished rows are older); the names created. Used by the
     migration helper and the ``create_all`` hook (in the caller's transaction)."""
     if period not in PARTITION_PERIODS:
         raise ConfigurationError(f"period must be one of {', '.join(PARTITION_PERIODS)}, got {period!r}")
     report = PartitionReport(table.fullname)
     parts = _partitions(bind, table, counts=False) if is_partitioned(bind, table) else []
-    _create_ahead(bind, table, parts, period, ahead, report, in_transaction=True)
+    _create_ahead(bind, table, parts, period, ahead, report, in_transaction=True, since=since)
     if report.errors:
         raise SchemaError("; ".join(report.errors))
     return report.created
@@ -324,13 +336,17 @@ def _create_ahead(
     report: PartitionReport,
     *,
     in_transaction: bool = False,
+    since: datetime | None = None,
 ) -> None:
     from .migration import storage_parameters_sql
 
     prep = conn.dialect.identifier_preparer
     now = conn.execute(text("SELECT now()")).scalar_one()
-    start = period_start(now, period)
-    for _ in range(ahead + 1):
+    start = period_start(min(now, since) if since is not None else now, period)
+    last = period_start(now, period)
+    for _ in range(ahead):
+        last = next_start(last, period)
+    while start <= last:
         end = next_start(start, period)
         overlaps = any(
             p.lower is not None and p.upper is not None and p.lower < end and start < p.upper for p in parts

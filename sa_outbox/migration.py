@@ -27,6 +27,7 @@ that creates the first partitions (each with the storage parameters — a partit
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import MetaData, Table, event, text
@@ -81,11 +82,18 @@ def reset_queue_storage_parameters(op: Any, table: str, *, schema: str | None = 
 
 
 def create_partitions(
-    op: Any, table: str, *, period: str, schema: str | None = None, ahead: int | None = None
+    op: Any,
+    table: str,
+    *,
+    period: str,
+    schema: str | None = None,
+    ahead: int | None = None,
+    since: datetime | None = None,
 ) -> list[str]:
     """Create the partitions of a partitioned outbox/jobs table for the current ``period`` (``"day"``,
     ``"week"``, ``"month"``; UTC) and ``ahead`` more (default 3), each with the queue's storage parameters;
-    idempotent. ``op`` is alembic's ``op`` or a SQLAlchemy ``Connection``. Returns the names created. Later
+    idempotent. ``since``: also every period from the one that contains it (converting an existing table
+    whose unfinished rows are older: docs/partitioning.md). ``op`` is alembic's ``op`` or a SQLAlchemy ``Connection``. Returns the names created. Later
     partitions come from :func:`sa_outbox.maintain_partitions` (``sa-outbox partitions maintain``, or a loop's
     ``maintain_partitions=`` option)."""
     from . import _partitions
@@ -93,7 +101,7 @@ def create_partitions(
     bind = op.get_bind() if hasattr(op, "get_bind") else op
     parent = Table(table, MetaData(), schema=schema)
     more = _partitions.DEFAULT_AHEAD if ahead is None else ahead
-    return _partitions.create_partitions(bind, parent, period, ahead=more)
+    return _partitions.create_partitions(bind, parent, period, ahead=more, since=since)
 
 
 def _apply_storage_parameters(target: Table, connection: Connection, **_: Any) -> None:

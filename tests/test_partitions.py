@@ -469,6 +469,22 @@ def test_a_dispatchers_first_run_once_creates_missing_partitions(pengine: Engine
     assert not d.partitions.busy()
 
 
+def test_a_workers_partition_step_creates_them_too_and_claims_go_on(pengine: Engine) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PJob)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+    with Session(pengine) as s, s.begin():
+        enqueue_many(s, PJob, [("t", {"n": i}) for i in range(3)])
+    ran: list[int] = []
+    w = Worker(
+        pengine, PJob, {"t": lambda j: ran.append(j.id)}, batch=5, listen=False, maintain_partitions=60
+    )
+    assert w.run_once() == 3 and sorted(ran) == [1, 2, 3]
+    assert w.partitions is not None
+    w.partitions.wait(60)
+    assert len(names(pengine, PJob)) == 4
+
+
 def test_an_async_loops_partition_step_runs_as_a_task(pengine: Engine, async_url: URL) -> None:
     with pengine.begin() as conn:
         for name in names(pengine, PEvent)[1:]:
