@@ -211,11 +211,19 @@ def _storage_finding(conn: Connection, model: type[Any], have: dict[str, str]) -
             "autovacuum settings", t.fullname, "ok",
             "per-table autovacuum settings present: " + ", ".join(f"{k}={v}" for k, v in have.items()),
         )  # fmt: skip
+    target = regclass_name(conn, t)
+    if _partitions.is_partitioned(conn, t):  # a partitioned parent takes none: set them on each partition
+        prep = conn.dialect.identifier_preparer
+        target = ", ".join(
+            f"{prep.quote_schema(p.schema)}.{prep.quote(p.name)}"
+            for p in _partitions.list_partitions(conn, model, counts=False)
+        )
+    fixes = "\n".join(f"ALTER TABLE {name} SET ({storage_parameters_sql()})" for name in target.split(", "))
     return Finding(
         "autovacuum settings", t.fullname, "warn",
         f"missing {', '.join(missing)}: with the server default (vacuum at 20 % dead) dead queue rows pile up "
         "in the claim's index between vacuums",
-        f"ALTER TABLE {regclass_name(conn, t)} SET ({storage_parameters_sql()})",
+        fixes,
     )  # fmt: skip
 
 

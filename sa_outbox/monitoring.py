@@ -165,9 +165,23 @@ def _age(conn: Connection, expr: Any) -> float | None:
     return None if value is None else float(value)
 
 
+#: The partitioned layout: the parent holds nothing; its leaf partitions' figures, summed (times: the latest).
+_PARTITIONED_HEALTH = text(
+    "SELECT sum(s.n_live_tup) AS n_live_tup, sum(s.n_dead_tup) AS n_dead_tup, max(s.last_vacuum) AS last_vacuum, "
+    "max(s.last_autovacuum) AS last_autovacuum, max(s.last_analyze) AS last_analyze, "
+    "max(s.last_autoanalyze) AS last_autoanalyze, sum(s.autovacuum_count) AS autovacuum_count, "
+    "sum(pg_total_relation_size(s.relid)) AS total_bytes "
+    "FROM pg_partition_tree(CAST(:t AS regclass)) p JOIN pg_stat_user_tables s ON s.relid = p.relid "
+    "WHERE p.isleaf HAVING count(*) > 0"
+)
+
+
 def _health(conn: Connection, spec: QueueSpec) -> TableHealth | None:
+    partitioned = _partitions.is_partitioned(conn, spec.table)
     row = conn.execute(
-        text(
+        _PARTITIONED_HEALTH
+        if partitioned
+        else text(
             "SELECT n_live_tup, n_dead_tup, last_vacuum, last_autovacuum, last_analyze, last_autoanalyze, "
             "autovacuum_count, pg_total_relation_size(relid) AS total_bytes "
             "FROM pg_stat_user_tables WHERE relid = CAST(:t AS regclass)"
