@@ -51,6 +51,7 @@ MODES = {
     "memory": "memory:scenario_memory",
     "profile": "profiling:scenario_profile",
     "dashboard": "dashboard:scenario_dashboard",  # every page over HTTP on 1M rows per table (bench/dashboard.py)
+    "partitions": "partitions:scenario_partitions",  # partitioned vs plain table, retention (bench/partitions.py)
 }
 
 
@@ -70,6 +71,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-rows", type=int, default=1_000_000)
     p.add_argument(
         "--dashboard-rows", type=int, default=1_000_000, help="rows per table for --scenarios dashboard"
+    )
+    p.add_argument(
+        "--partition-rows", type=int, default=1_000_000, help="rows per table for --scenarios partitions"
     )
     p.add_argument("--profile", action="store_true", help="only the profile mode (batch 1 and the 5 ms case)")
     p.add_argument("--with-pgqueuer", action="store_true", help="add PgQueuer to the jobs drain at batch 50")
@@ -92,6 +96,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             cfg.memory_rows = 20_000
         if cfg.dashboard_rows == 1_000_000:
             cfg.dashboard_rows = 50_000
+        if cfg.partition_rows == 1_000_000:
+            cfg.partition_rows = 50_000
     names = cfg.scenarios.split(",") if cfg.scenarios else []
     if cfg.memory:
         names.append("memory")

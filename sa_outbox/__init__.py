@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from ._messages import ClaimedJob as ClaimedJob
     from ._messages import Message as Message
     from ._messages import Publisher as Publisher
+    from ._partitions import PartitionInfo as PartitionInfo
+    from ._partitions import PartitionReport as PartitionReport
+    from ._partitions import list_partitions as list_partitions
+    from ._partitions import maintain_partitions as maintain_partitions
     from ._pgbouncer import pgbouncer_async_engine as pgbouncer_async_engine
     from ._pgbouncer import pgbouncer_engine as pgbouncer_engine
     from ._producer import emit as emit
@@ -95,6 +99,8 @@ _EXPORTS: dict[str, str] = {
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",
     "OutboxMixin": "_schema",
+    "PartitionInfo": "_partitions",
+    "PartitionReport": "_partitions",
     "PayloadError": "errors",
     "PermanentError": "errors",
     "Publisher": "_messages",
@@ -112,7 +118,9 @@ _EXPORTS: dict[str, str] = {
     "fire_due_schedules": "_schedules",
     "job_result": "admin",
     "list_dead": "admin",
+    "list_partitions": "_partitions",
     "lock_aggregate": "_producer",
+    "maintain_partitions": "_partitions",
     "pause_schedule": "_schedules",
     "pgbouncer_async_engine": "_pgbouncer",
     "pgbouncer_engine": "_pgbouncer",

@@ -35,6 +35,7 @@ from ._backoff import DATABASE_OUTAGE, STATEMENT_RETRY, Backoff
 from ._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
 from ._durations import Duration, positive_int, to_seconds
 from ._names import channel_for
+from ._partitions import PartitionMaintainer
 from ._services import Completer, Held, Rescuer
 from ._sql import QueueSpec, spec_for
 from ._steps import Outcome
@@ -143,6 +144,7 @@ class LoopBase:
         stop_on_unclassified: bool,
         rescue_limit: int,
         backoff: Backoff,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         if not isinstance(engine, self._engine_types):
             wanted = " or ".join(t.__name__ for t in self._engine_types)
@@ -175,6 +177,12 @@ class LoopBase:
         self._rescuer = Rescuer()
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
+        #: The partition step (``maintain_partitions=``), or None.
+        self.partitions: PartitionMaintainer | None = (
+            None
+            if maintain_partitions is None
+            else PartitionMaintainer(model, maintain_partitions, self.owner)
+        )
 
     # -- stopping ----------------------------------------------------------------------------------------
 
@@ -286,6 +294,18 @@ class LoopBase:
 
     def _finalize_on(self, conn: Connection, outcomes: Sequence[Outcome]) -> set[int]:
         return _steps.finalize(conn, self.spec, outcomes)
+
+    def _partition_step(self, now: float) -> None:
+        """Start the partition maintenance when it is due: on a daemon thread with a pooled connection of
+        the engine (sync) or a task on the event loop (async); never on the loop's claim connection, and never
+        waited for."""
+        step = self.partitions
+        if step is None or not step.due(now):
+            return
+        if self._flavour() == "async":
+            step.start_task(self.engine)
+        else:
+            step.start_thread(self.engine)
 
     def _rescue_on(self, conn: Connection) -> None:
         """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages)."""

@@ -122,6 +122,7 @@ def _tables(
     """(kind, model) for each requested table that exists; schema-qualified names (``app.outbox``) work."""
     from sqlalchemy import inspect, text
 
+    from ._partitions import table_period
     from .models import model_for
 
     found, absent = [], []
@@ -130,7 +131,9 @@ def _tables(
         option = f"--{kind}-table"
         schema, table = _split_table(option, args.outbox_table if kind == "outbox" else args.jobs_table)
         if insp.has_table(table, schema=schema):
-            found.append((kind, model_for(kind, table, schema)))
+            with engine.connect() as conn:
+                period = table_period(conn, table, schema)
+            found.append((kind, model_for(kind, table, schema, partitioned=period)))
         else:
             absent.append((option, schema, table))
     if found:
@@ -224,6 +227,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"  queue {q:<17} PAUSED since {r.paused_queues[q]}")
         for key, by in r.concurrency_keys.items():
             print(f"  concurrency key {key!r:<7} " + "  ".join(f"{k} {v}" for k, v in by.items()))
+        if r.partitions:
+            print(
+                f"  partitions              {r.partitions:>9}    ({len(r.held_partitions)} past one(s) held by rows)"
+            )
         if r.health:
             h = r.health
             print(
@@ -572,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     _job_commands(sub)
     _schedule_commands(sub)
     _cdc_commands(sub)
+    _partition_commands(sub)
     _dashboard_commands(sub)
     return parser
 
@@ -758,6 +766,82 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
 
 
 # --- cdc: the Debezium connector of a CdcOutboxMixin table -------------------------------------------------
+
+
+# --- partitions: the partitioned layout's upkeep (docs/partitioning.md) ---------------------------------------
+
+
+def _partition_commands(sub: Any) -> None:
+    parts = sub.add_parser(
+        "partitions", help="partitioned tables: maintain (create ahead, retire finished), list"
+    )
+    psub = parts.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    psub.required = True
+    for action in ("maintain", "list"):
+        p = psub.add_parser(action)
+        _common(p)
+        p.add_argument("--json", action="store_true")
+        if action == "maintain":
+            p.add_argument("--ahead", type=_int_at_least(0), default=3,
+                           help="periods to create beyond the current one (default 3)")  # fmt: skip
+            p.add_argument("--archive", action="store_true",
+                           help="detach finished partitions and keep them as tables instead of dropping them")  # fmt: skip
+            p.add_argument("--retire-dead", action="store_true",
+                           help="retire partitions whose only unfinished rows are dead/failed (default: keep them)")  # fmt: skip
+            p.add_argument("--period", choices=["day", "week", "month"],
+                           help="the partition period (default: that of the existing partitions)")  # fmt: skip
+        p.set_defaults(handler=_cmd_partitions)
+
+
+def _cmd_partitions(args: argparse.Namespace) -> int:
+    from ._partitions import is_partitioned, list_partitions, maintain_partitions
+
+    engine = _engine(args)
+    found = []
+    with engine.connect() as conn:
+        for _, model in _tables(args, engine):
+            if is_partitioned(conn, model.__table__):
+                found.append(model)
+    if not found:
+        raise ConfigurationError(
+            "no partitioned table among "
+            f"{args.outbox_table}, {args.jobs_table}: see docs/partitioning.md to create or convert one"
+        )
+    if args.action == "list":
+        listed = {m.__table__.fullname: [p.as_dict() for p in list_partitions(engine, m)] for m in found}
+        if args.json:
+            _print_json(listed)
+            return 0
+        for table, items in listed.items():
+            print(table)
+            for p in items:
+                span = "DEFAULT" if p["is_default"] else f"{p['lower']} .. {p['upper']}"
+                flags = "  (detach pending)" if p["detach_pending"] else ""
+                print(
+                    f"  {p['name']:<28} {span:<54} unfinished {p['unfinished']:>6}  dead {p['dead']:>5}{flags}"
+                )
+            print()
+        return 0
+    reports = [
+        maintain_partitions(engine, m, ahead=args.ahead, archive=args.archive, keep_dead=not args.retire_dead,
+                            period=args.period)
+        for m in found
+    ]  # fmt: skip
+    if args.json:
+        _print_json({r.table: r.as_dict() for r in reports})
+    else:
+        for r in reports:
+            print(r.table)
+            print(f"  created   {', '.join(r.created) or '-'}")
+            print(f"  retired   {', '.join(r.retired) or '-'}")
+            if r.archived:
+                print(f"  archived  {', '.join(r.archived)} (detached, kept as tables)")
+            for name, counts in r.kept.items():
+                print(f"  kept      {name}: {counts['unfinished']} unfinished, {counts['dead']} dead row(s)")
+            for line in r.errors:
+                print(f"  ! {line}")
+            print()
+    return 1 if any(r.errors for r in reports) else 0
 
 
 def _cdc_commands(sub: Any) -> None:

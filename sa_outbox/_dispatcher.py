@@ -106,7 +106,10 @@ class DispatcherBase(LoopBase):
       a helper thread and treat one that outlives ``publish_timeout`` as retryable);
     * ``give_up_after`` — a message written longer ago than this (database clock) that still cannot be
       delivered goes to ``dead`` at its next failure, whatever the reason — outages and deferrals included
-      (default: never).
+      (default: never);
+    * ``maintain_partitions`` — for a partitioned table (docs/partitioning.md): run
+      :func:`~sa_outbox.maintain_partitions` at start and then every this often (e.g. ``3600``), off the loop
+      on a connection of its own (default: never).
     """
 
     _kind = "outbox"
@@ -135,11 +138,12 @@ class DispatcherBase(LoopBase):
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
         give_up_after: Duration | None = None,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            backoff=backoff or OUTBOX_BACKOFF,
+            backoff=backoff or OUTBOX_BACKOFF, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         if not callable(getattr(publisher, "publish", None)):
             raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
@@ -371,13 +375,14 @@ class Dispatcher(DispatcherBase):
         rescue_limit: int = 1000,
         enforce_publish_timeout: bool = False,
         give_up_after: Duration | None = None,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
             max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
-            give_up_after=give_up_after,
+            give_up_after=give_up_after, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         self.engine: Engine = engine
         self._db = LoopConnection(engine, self.spec.table.name)
@@ -516,6 +521,7 @@ class Dispatcher(DispatcherBase):
 
     def _rescue(self, *, force: bool = False) -> None:
         now = time.monotonic()
+        self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             self._db.run(self._rescue_on)
@@ -561,13 +567,14 @@ class AsyncDispatcher(DispatcherBase):
         enforce_publish_timeout: bool = False,
         give_up_after: Duration | None = None,
         publish_concurrency: int = 16,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
             max_attempts=max_attempts, ordered=ordered, backoff=backoff, poll_interval=poll_interval,
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
-            give_up_after=give_up_after,
+            give_up_after=give_up_after, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")
@@ -714,6 +721,7 @@ class AsyncDispatcher(DispatcherBase):
 
     async def _rescue(self, *, force: bool = False) -> None:
         now = time.monotonic()
+        self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             await self._db.run(self._rescue_on)

@@ -346,6 +346,12 @@ def prepare(
                 f"got {item!r:.120}"
             )
         _add(batch, table, model, index, values, context, registry, by_key)
+    if by_key and table.info.get("sa_outbox_partitioned") is not None:
+        raise ConfigurationError(
+            f"{table.fullname} is partitioned by created_at: PostgreSQL cannot keep a unique index across "
+            "partitions, so unique_key (and cron schedules, whose slots are unique keys) cannot be enforced on it; "
+            "enqueue without unique_key, or keep a plain jobs table for unique jobs (docs/partitioning.md)"
+        )
     return batch
 
 

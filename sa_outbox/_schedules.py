@@ -205,6 +205,12 @@ def _check_model(model: Any, kind: str) -> Table:
     if not isinstance(table, Table) or table.info.get("sa_outbox_kind") != kind:
         mixin = {"schedules": "ScheduleMixin", "jobs": "JobMixin"}[kind]
         raise ConfigurationError(f"{getattr(model, '__name__', model)!r} is not a mapped class with {mixin}")
+    if kind == "jobs" and table.info.get("sa_outbox_partitioned") is not None:
+        raise ConfigurationError(
+            f"{table.fullname} is partitioned by created_at: cron schedules fire each slot once through a unique "
+            "key, which a partitioned jobs table cannot enforce; fire schedules into a plain jobs table "
+            "(docs/partitioning.md)"
+        )
     return table
 
 

@@ -42,6 +42,7 @@ from sqlalchemy.sql.elements import conv
 
 from . import _producer, migration
 from ._enqueue import UNIQUE_ACTIVE, UNIQUE_WAITING
+from ._partitions import partition_period
 from ._sql import queue_table, starts_table
 
 __all__ = [
@@ -67,8 +68,44 @@ def _status_check(column: str, statuses: tuple[str, ...]) -> str:
     return f"{column} IN ({quoted})"
 
 
+def _primary_key(t: str, period: str | None) -> PrimaryKeyConstraint:
+    """``(id)``, or ``(id, created_at)`` for the partitioned layout: a partitioned table's primary key must
+    contain its partition key. ``id`` stays unique (an identity), and the ORM keeps it as the identity."""
+    if period is None:
+        return PrimaryKeyConstraint("id", name=conv(f"pk_{t}"))
+    return PrimaryKeyConstraint("id", "created_at", name=conv(f"pk_{t}"))
+
+
+def _table_options(kind: str, period: str | None) -> dict[str, Any]:
+    if period is None:
+        return {"info": {"sa_outbox_kind": kind}}
+    # Native declarative range partitioning on created_at (no pg_partman): metadata.create_all() and
+    # alembic autogenerate render PARTITION BY; the partitions are created by sa_outbox.migration /
+    # maintain_partitions (docs/partitioning.md).
+    return {
+        "info": {"sa_outbox_kind": kind, "sa_outbox_partitioned": period},
+        "postgresql_partition_by": "RANGE (created_at)",
+    }
+
+
+def _partitioned_layout(cls: Any) -> None:
+    """``sa_outbox_partitioned = "day" | "week" | "month"`` on a model: ``created_at`` joins the primary key
+    (declared on the class itself, so the mixin's column flags and the table's primary key agree), and the
+    mapper keeps ``id`` alone as the identity (``session.get(Model, id)`` works as on the plain layout)."""
+    if "__tablename__" not in cls.__dict__ or partition_period(cls) is None:
+        return
+    if "created_at" not in cls.__dict__:
+        cls.created_at = mapped_column(
+            DateTime(timezone=True), nullable=False, server_default=_NOW, primary_key=True
+        )
+    cls.__mapper_args__ = {**getattr(cls, "__mapper_args__", {}), "primary_key": ["id"]}
+
+
 class OutboxMixin:
     """Columns, constraints and partial indexes of an outbox table (docs/design.md "The tables").
+
+    ``sa_outbox_partitioned = "day" | "week" | "month"`` on the model selects the partitioned layout:
+    ``PARTITION BY RANGE (created_at)``, primary key ``(id, created_at)`` (docs/partitioning.md).
 
     Subclasses may set ``sa_outbox_max_payload_bytes`` (default 1 MiB of encoded JSON) to change the size
     limit the producer enforces at flush, and ``sa_outbox_max_headers_bytes`` (default 8 KiB of header names
@@ -76,6 +113,8 @@ class OutboxMixin:
     """
 
     sa_outbox_kind: ClassVar[str] = "outbox"
+    #: ``None`` (a plain table) or the partition period: ``"day"``, ``"week"`` or ``"month"``.
+    sa_outbox_partitioned: ClassVar[str | None] = None
     #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
@@ -112,8 +151,9 @@ class OutboxMixin:
     @classmethod
     def __table_args__(cls) -> tuple[Any, ...]:
         t: str = cls.__tablename__  # type: ignore[attr-defined]
+        period = partition_period(cls)
         return (
-            PrimaryKeyConstraint("id", name=conv(f"pk_{t}")),
+            _primary_key(t, period),
             CheckConstraint(_status_check("status", OUTBOX_STATUSES), name=conv(f"ck_{t}_status")),
             CheckConstraint("attempts >= 0", name=conv(f"ck_{t}_attempts")),
             # The plain claim: ready rows in (available_at, id) order — the claim orders by exactly these
@@ -133,7 +173,7 @@ class OutboxMixin:
             # Dead letters: `dead list`/`retry`, the dashboard's dead page and `status` find them without
             # reading the done rows (a backlog of 1M rows made the dead page 150–190 ms without it).
             Index(conv(f"ix_{t}_dead"), "id", postgresql_where=text("status = 'dead'")),
-            {"info": {"sa_outbox_kind": "outbox"}},
+            _table_options("outbox", period),
         )
 
     @classmethod
@@ -148,6 +188,7 @@ class OutboxMixin:
         # A model that uses this mixin needs the producer's flush hook and the storage-parameter hook.
         _producer.install()
         migration.install()
+        _partitioned_layout(cls)
         super().__init_subclass__(**kwargs)
 
     def __repr__(self) -> str:
@@ -158,9 +199,16 @@ class OutboxMixin:
 
 
 class JobMixin:
-    """Columns, constraints and partial indexes of a jobs table (docs/design.md "The tables": the queue columns, task, fencing)."""
+    """Columns, constraints and partial indexes of a jobs table (docs/design.md "The tables": the queue columns, task, fencing).
+
+    ``sa_outbox_partitioned = "day" | "week" | "month"`` selects the partitioned layout, as for
+    :class:`OutboxMixin`; a partitioned jobs table has no unique-key index (``enqueue(…, unique_key=…)`` and
+    cron schedules are refused on it: docs/partitioning.md).
+    """
 
     sa_outbox_kind: ClassVar[str] = "jobs"
+    #: ``None`` (a plain table) or the partition period: ``"day"``, ``"week"`` or ``"month"``.
+    sa_outbox_partitioned: ClassVar[str | None] = None
     #: Server defaults are not fetched back after INSERT (RETURNING only the id): a producer role needs
     #: nothing beyond ``INSERT, SELECT (id)``; the other columns load on first access.
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
@@ -207,8 +255,21 @@ class JobMixin:
     @classmethod
     def __table_args__(cls) -> tuple[Any, ...]:
         t: str = cls.__tablename__  # type: ignore[attr-defined]
+        period = partition_period(cls)
+        # A unique index of a partitioned table must contain the partition key (created_at): one per key
+        # across the whole table cannot exist, so a partitioned jobs table has no ux_<t>_unique and refuses
+        # unique_key enqueues (and cron schedules, whose slots are unique keys): docs/partitioning.md.
+        unique: tuple[Any, ...] = (
+            ()
+            if period is not None
+            else (
+                Index(
+                    conv(f"ux_{t}_unique"), "unique_key", unique=True, postgresql_where=text(UNIQUE_WAITING)
+                ),
+            )
+        )
         return (
-            PrimaryKeyConstraint("id", name=conv(f"pk_{t}")),
+            _primary_key(t, period),
             CheckConstraint(_status_check("status", JOB_STATUSES), name=conv(f"ck_{t}_status")),
             CheckConstraint("attempts >= 0", name=conv(f"ck_{t}_attempts")),
             CheckConstraint("max_attempts >= 1", name=conv(f"ck_{t}_max_attempts")),
@@ -241,12 +302,7 @@ class JobMixin:
             # A unique key belongs to the key's job that has not started yet: queued and never claimed
             # (lease_version 0). The arbiter of enqueue's INSERT … ON CONFLICT; a claimed job leaves it, so a
             # retried job going back to queued never conflicts with the key's next job.
-            Index(
-                conv(f"ux_{t}_unique"),
-                "unique_key",
-                unique=True,
-                postgresql_where=text(UNIQUE_WAITING),
-            ),
+            *unique,
             # unique_running's claim: is a job of this key running, or an older one still queued? (each one
             # index condition: key and status, key and status and id below the candidate's)
             Index(
@@ -256,7 +312,7 @@ class JobMixin:
                 "id",
                 postgresql_where=text(UNIQUE_ACTIVE),
             ),
-            {"info": {"sa_outbox_kind": "jobs"}},
+            _table_options("jobs", period),
         )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -264,6 +320,7 @@ class JobMixin:
         # (once mapped) its queue table.
         _producer.install()
         migration.install()
+        _partitioned_layout(cls)
         super().__init_subclass__(**kwargs)
         _add_queue_table(cls)
 

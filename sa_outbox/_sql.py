@@ -8,7 +8,7 @@ parameters. Each statement carries a comment naming the guarantee it gives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -38,6 +38,7 @@ from sqlalchemy import (
     not_,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy import cast as sa_cast
@@ -73,6 +74,8 @@ class QueueSpec:
     finish_on_dead: bool  # jobs stamp finished_at on failed; the outbox leaves done_at for done rows only
     clear_error_on_done: bool  # the outbox clears last_error on done; jobs keep the history
     key_share: bool  # FOR NO KEY UPDATE (jobs: child tables may reference jobs) vs FOR UPDATE (outbox)
+    #: The partitioned layout's period (``"day" | "week" | "month"``), or None for a plain table.
+    period: str | None = None
 
     @property
     def c(self) -> Any:
@@ -155,6 +158,9 @@ def spec_for(model: type[Any]) -> QueueSpec:
         )  # fmt: skip
     else:
         raise SchemaError(f"{getattr(model, '__name__', model)!r} does not use OutboxMixin or JobMixin")
+    period = table.info.get("sa_outbox_partitioned")
+    if period is not None:
+        spec = replace(spec, period=str(period))
     _SPECS[table] = spec
     return spec
 
@@ -260,8 +266,12 @@ def claim_statement(
         running = same_key(mine, mine.c.status == const(spec.active), mine.c.id != c.id)
         waiting = same_key(older, older.c.status == const(spec.ready), older.c.id < c.id)
         conditions.append(or_(c.unique_key.is_(None), and_(not_(running), not_(waiting))))
+    # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time, to
+    # the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans Removed"),
+    # instead of probing the primary key of every partition for every id.
+    partitioned = spec.period is not None
     picked: Select[Any] = (
-        select(c.id)
+        select(c.id, *([c.created_at] if partitioned else []))
         .where(*conditions)
         .order_by(*spec.claim_order())
         .limit(
@@ -280,12 +290,15 @@ def claim_statement(
     # id = ANY(ARRAY(SELECT id FROM picked)): an InitPlan run once, then primary-key lookups. Joining the CTE
     # instead (UPDATE … FROM picked) lets a generic plan — the prepared statement's, after five runs — hash
     # the whole table when it cannot see :batch (tests/test_generic_plans.py).
-    return (
-        update(t)
-        .where(c.id == any_(func.array(select(cte.c.id).scalar_subquery())))
-        .values(values)
-        .returning(*claim_returning(spec))
-    )
+    where = [c.id == any_(func.array(select(cte.c.id).scalar_subquery()))]
+    if partitioned:
+        # The picked rows' created_at range, two InitPlans: PostgreSQL prunes partitions at run time on a
+        # comparison with a parameter (not on "= ANY(array)"). Only a bound: id picks the rows.
+        where += [
+            c.created_at >= select(func.min(cte.c.created_at)).scalar_subquery(),
+            c.created_at <= select(func.max(cte.c.created_at)).scalar_subquery(),
+        ]
+    return update(t).where(*where).values(values).returning(*claim_returning(spec))
 
 
 # --- rescue (reap) --------------------------------------------------------------------------------------
@@ -874,3 +887,93 @@ def forget_starts_statement(spec: QueueSpec) -> Any:
         starts.c.at
         < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
     )
+
+
+# --- partitions (the partitioned layout: docs/partitioning.md) ------------------------------------------------
+#
+# Catalog reads bind the parent's name as a regclass; DDL names are quoted by the dialect's preparer and the
+# bounds are timestamps computed by sa_outbox (never user text).
+
+#: Every partition of ``:t`` with its bounds (NULL for DEFAULT and MINVALUE/MAXVALUE bounds, which are never
+#: retired) and whether a ``DETACH … CONCURRENTLY`` of it was interrupted (PostgreSQL 14+).
+PARTITIONS = text(
+    r"""
+    SELECT c.relname AS name, n.nspname AS schema,
+           CAST(b.m[1] AS timestamptz) AS lower, CAST(b.m[2] AS timestamptz) AS upper,
+           pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT' AS is_default,
+           i.inhdetachpending AS detach_pending
+      FROM pg_inherits i
+      JOIN pg_class c ON c.oid = i.inhrelid
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+      LEFT JOIN LATERAL (
+           SELECT regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']+)''\) TO \(''([^'']+)''\)') AS m
+      ) b ON true
+     WHERE i.inhparent = CAST(:t AS regclass)
+     ORDER BY 3 NULLS LAST, 1
+    """
+)
+
+#: Whether ``:t`` is a partitioned table (``r`` for range), NULL when it is not (or does not exist).
+PARTITION_STRATEGY = text(
+    "SELECT p.partstrat FROM pg_partitioned_table p WHERE p.partrelid = to_regclass(:t)"
+)
+
+
+def partition_table(name: str, schema: str | None) -> Table:
+    """A partition (or a detached one) as a bare table with the one column its checks read."""
+    from sqlalchemy import MetaData
+
+    return Table(name, MetaData(), Column("status", Text), schema=schema)
+
+
+def partition_counts(spec: QueueSpec, part: Table) -> Select[Any, Any, Any]:
+    """Unfinished (ready, leased) and dead rows of one partition: an OR of single states, each read through
+    its partial index (ready, leased/running, aggregate/failed) — never the partition's done rows."""
+    st = part.c.status
+    states = [const(spec.ready), const(spec.active), const(spec.dead)]
+    return select(
+        func.count().filter(st == states[0]),
+        func.count().filter(st == states[1]),
+        func.count().filter(st == states[2]),
+    ).where(or_(*(st == s for s in states)))
+
+
+def create_partition_ddl(
+    preparer: Any, parent: Table, name: str, lower: Any, upper: Any, storage: str
+) -> str:
+    """``CREATE TABLE IF NOT EXISTS <name> PARTITION OF <parent> FOR VALUES FROM … TO … WITH (…)``: the
+    partition inherits the parent's columns, constraints and partial indexes; the queue's autovacuum settings
+    are set on it (a partitioned parent takes none)."""
+    return (
+        f"CREATE TABLE IF NOT EXISTS {qualified_name(preparer, name, parent.schema)} PARTITION OF "
+        f"{preparer.format_table(parent)} FOR VALUES FROM ('{lower.isoformat()}') TO ('{upper.isoformat()}')"
+        f" WITH ({storage})"
+    )
+
+
+def qualified_name(preparer: Any, name: str, schema: str | None) -> str:
+    quoted: str = preparer.quote(name)
+    return f"{preparer.quote_schema(schema)}.{quoted}" if schema else quoted
+
+
+def detach_partition_ddl(preparer: Any, parent: Table, name: str, *, mode: str) -> str:
+    """``DETACH PARTITION … CONCURRENTLY`` (mode ``concurrently``: outside any transaction; it waits for
+    every transaction that uses the parent, so no write to the partition is in flight once it returns) or
+    ``… FINALIZE`` (mode ``finalize``: completes a detach that was interrupted)."""
+    suffix = {"concurrently": "CONCURRENTLY", "finalize": "FINALIZE"}[mode]
+    return (
+        f"ALTER TABLE {preparer.format_table(parent)} DETACH PARTITION "
+        f"{qualified_name(preparer, name, parent.schema)} {suffix}"
+    )
+
+
+def attach_partition_ddl(preparer: Any, parent: Table, name: str, lower: Any, upper: Any) -> str:
+    return (
+        f"ALTER TABLE {preparer.format_table(parent)} ATTACH PARTITION "
+        f"{qualified_name(preparer, name, parent.schema)} "
+        f"FOR VALUES FROM ('{lower.isoformat()}') TO ('{upper.isoformat()}')"
+    )
+
+
+def drop_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
+    return f"DROP TABLE {qualified_name(preparer, name, schema)}"

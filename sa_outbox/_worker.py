@@ -234,6 +234,8 @@ class WorkerBase(LoopBase):
     ``unknown_task_grace`` (default 1 h): a job whose task this worker has no handler for — producers often
     deploy before workers — is deferred (attempt refunded, 30 s at a time, so workers that know the task take
     it meanwhile) until it is that old (database clock), then fails with a clear error.
+    ``maintain_partitions``: for a partitioned table (docs/partitioning.md), run
+    :func:`~sa_outbox.maintain_partitions` at start and then every this often, off the loop (default: never).
     """
 
     _kind = "jobs"
@@ -265,11 +267,12 @@ class WorkerBase(LoopBase):
         limits: Mapping[str, Limit] | None = None,
         unique_running: bool = False,
         schedules: type[Any] | None = None,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
-            backoff=backoff or JOBS_BACKOFF,
+            backoff=backoff or JOBS_BACKOFF, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         if isinstance(queues, str):
             raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
@@ -299,6 +302,11 @@ class WorkerBase(LoopBase):
         self.schedules = schedules
         if schedules is not None:
             check_schedules_model(schedules)
+            if self.spec.period is not None:
+                raise ConfigurationError(
+                    f"schedules cannot fire into {self.spec.table.fullname}: it is partitioned, and a schedule's "
+                    "slots are unique keys, which a partitioned jobs table cannot enforce (docs/partitioning.md)"
+                )
         self._turn_of = 0
         self.handlers: TaskRegistry = TaskRegistry()
         for name, fn in (handlers or {}).items():
@@ -629,13 +637,14 @@ class Worker(WorkerBase):
         limits: Mapping[str, Limit] | None = None,
         unique_running: bool = False,
         schedules: type[Any] | None = None,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
-            unique_running=unique_running, schedules=schedules,
+            unique_running=unique_running, schedules=schedules, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         self.engine: Engine = engine
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
@@ -789,6 +798,7 @@ class Worker(WorkerBase):
 
     def _rescue(self, *, force: bool = False) -> None:
         now = time.monotonic()
+        self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             self._db.run(self._rescue_on)
@@ -915,13 +925,14 @@ class AsyncWorker(WorkerBase):
         limits: Mapping[str, Limit] | None = None,
         unique_running: bool = False,
         schedules: type[Any] | None = None,
+        maintain_partitions: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
-            unique_running=unique_running, schedules=schedules,
+            unique_running=unique_running, schedules=schedules, maintain_partitions=maintain_partitions,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
@@ -1069,6 +1080,7 @@ class AsyncWorker(WorkerBase):
 
     async def _rescue(self, *, force: bool = False) -> None:
         now = time.monotonic()
+        self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             await self._db.run(self._rescue_on)

@@ -16,13 +16,14 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.schema import CreateIndex
 
-from . import _sql
+from . import _partitions, _sql
 from ._durations import Duration, to_seconds, to_timedelta
 from .errors import ConfigurationError
 from .migration import QUEUE_STORAGE_PARAMETERS, storage_parameters_sql
 from .monitoring import (
     HorizonHolder,
     dead_list_command,
+    describe_held_partition,
     describe_holder,
     describe_outage,
     essentials,
@@ -77,16 +78,64 @@ def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: The partitions' copies of a partitioned index (``:i``, a regclass name).
+_PARTITION_INDEXES = text(
+    "SELECT c.relname FROM pg_partition_tree(CAST(:i AS regclass)) p JOIN pg_class c ON c.oid = p.relid"
+)
+
+
+def _qualified_index(conn: Connection, table: Any, index: str) -> str:
+    prep = conn.dialect.identifier_preparer
+    return (f"{prep.quote_schema(table.schema)}." if table.schema else "") + prep.quote(index)
+
+
+def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
+    """The partitioned layout: a partition for the current and the next period, and no past partition kept
+    alive by unfinished rows. Nothing for a plain table."""
+    spec = _sql.spec_for(model)
+    name = spec.table.fullname
+    if not _partitions.is_partitioned(conn, spec.table):
+        return []
+    command = "sa-outbox partitions maintain" + (
+        "" if name in ("outbox", "jobs") else f" --{spec.kind}-table {name}"
+    )
+    missing = _partitions.missing_periods(conn, model, ahead=1)
+    out: list[Finding] = []
+    if missing:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+        current = missing[0] <= now
+        out.append(Finding(
+            "partitions", name, "fail" if current else "warn",
+            f"no partition for the period starting {missing[0].isoformat()}: "
+            + ("every insert fails now" if current else "inserts will fail when it starts"),
+            f"{command} (and run it regularly: a Dispatcher/Worker's maintain_partitions=3600, or cron)",
+        ))  # fmt: skip
+    for p in _partitions.held_partitions(conn, model):
+        out.append(Finding("partitions", name, "warn", describe_held_partition(p, spec),
+                           f"finish or retry its rows ({dead_list_command(spec)}); the next maintain retires it"))  # fmt: skip
+    if not out:
+        out.append(Finding("partitions", name, "ok",
+                           "partitions exist for this period and the next; no past partition is held by rows"))  # fmt: skip
+    return out
+
+
 def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     spec = _sql.spec_for(model)
     t, name = spec.table.name, spec.table.fullname
     index = f"ix_{t}_ready" if spec.kind == "outbox" else f"ix_{t}_dequeue"
     plan = explain_claim(conn, model)
     nodes = _nodes(plan)
-    seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == t]
+    # The partitioned layout: each partition's copy of the index (named by PostgreSQL) and each partition.
+    indexes, tables = {index}, {t}
+    if _partitions.is_partitioned(conn, spec.table):
+        indexes |= set(
+            conn.execute(_PARTITION_INDEXES, {"i": _qualified_index(conn, spec.table, index)}).scalars()
+        )
+        tables |= {p.name for p in _partitions.list_partitions(conn, model, counts=False)}
+    seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in tables]
     limits = [n for n in nodes if n["Node Type"] == "Limit"]
     lock_rows = limits[0]["Plans"][0] if limits and limits[0].get("Plans") else {}
-    uses_index = any(n.get("Index Name") == index for n in _nodes(lock_rows)) if lock_rows else False
+    uses_index = any(n.get("Index Name") in indexes for n in _nodes(lock_rows)) if lock_rows else False
     if lock_rows.get("Node Type") == "LockRows" and uses_index and not seq:
         return Finding("claim plan", name, "ok", f"claim: LockRows under Limit on an index scan of {index}")
     shape = ", ".join(f"{n['Node Type']}{' on ' + n['Relation Name'] if n.get('Relation Name') else ''}"
@@ -137,10 +186,19 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
 
 
 def _reloptions(conn: Connection, model: type[Any]) -> dict[str, str]:
+    """The table's storage parameters; for the partitioned layout, those of its newest partition (a
+    partitioned parent takes none: each partition is created with them)."""
     t = _sql.spec_for(model).table
+    name = regclass_name(conn, t)
+    if _partitions.is_partitioned(conn, t):
+        parts = _partitions.list_partitions(conn, model, counts=False)
+        if not parts:
+            return dict.fromkeys(QUEUE_STORAGE_PARAMETERS, "(no partition)")  # the partitions finding says it
+        prep = conn.dialect.identifier_preparer
+        newest = parts[-1]
+        name = f"{prep.quote_schema(newest.schema)}.{prep.quote(newest.name)}"
     options = conn.execute(
-        text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = CAST(:t AS regclass)"),
-        {"t": regclass_name(conn, t)},
+        text("SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = CAST(:t AS regclass)"), {"t": name}
     ).scalar_one()
     return dict(o.split("=", 1) for o in options)
 
@@ -153,11 +211,19 @@ def _storage_finding(conn: Connection, model: type[Any], have: dict[str, str]) -
             "autovacuum settings", t.fullname, "ok",
             "per-table autovacuum settings present: " + ", ".join(f"{k}={v}" for k, v in have.items()),
         )  # fmt: skip
+    target = regclass_name(conn, t)
+    if _partitions.is_partitioned(conn, t):  # a partitioned parent takes none: set them on each partition
+        prep = conn.dialect.identifier_preparer
+        target = ", ".join(
+            f"{prep.quote_schema(p.schema)}.{prep.quote(p.name)}"
+            for p in _partitions.list_partitions(conn, model, counts=False)
+        )
+    fixes = "\n".join(f"ALTER TABLE {name} SET ({storage_parameters_sql()})" for name in target.split(", "))
     return Finding(
         "autovacuum settings", t.fullname, "warn",
         f"missing {', '.join(missing)}: with the server default (vacuum at 20 % dead) dead queue rows pile up "
         "in the claim's index between vacuums",
-        f"ALTER TABLE {regclass_name(conn, t)} SET ({storage_parameters_sql()})",
+        fixes,
     )  # fmt: skip
 
 
@@ -358,6 +424,7 @@ def doctor(
             name = _sql.spec_for(model).table.fullname
             findings.append(_claim_plan_finding(conn, model))
             findings += _index_findings(conn, model)
+            findings += _partition_findings(conn, model)
             have = _reloptions(conn, model)
             storage = _storage_finding(conn, model, have)
             findings.append(storage)

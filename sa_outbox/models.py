@@ -39,23 +39,29 @@ class JobSchedule(ScheduleMixin, Base):
     __tablename__ = "schedules"
 
 
-_DYNAMIC: dict[tuple[str, str, str | None], type[Any]] = {}
-_BASES: dict[str | None, type[DeclarativeBase]] = {}
+_DYNAMIC: dict[tuple[str, str, str | None, str | None], type[Any]] = {}
+_BASES: dict[tuple[str | None, str | None], type[DeclarativeBase]] = {}
 
 
-def _base_for(schema: str | None) -> type[DeclarativeBase]:
-    """A private declarative base per schema whose metadata puts its tables in that schema (the mixins'
-    own ``__table_args__`` — constraints and partial indexes — stay intact)."""
-    if schema not in _BASES:
-        _BASES[schema] = type(
-            f"_DynamicBase_{schema or 'default'}", (DeclarativeBase,), {"metadata": MetaData(schema=schema)}
+def _base_for(schema: str | None, partitioned: str | None = None) -> type[DeclarativeBase]:
+    """A private declarative base per schema (and layout: a plain and a partitioned model of one table name
+    need two metadatas) whose metadata puts its tables in that schema (the mixins' own ``__table_args__`` —
+    constraints and partial indexes — stay intact)."""
+    key = (schema, partitioned)
+    if key not in _BASES:
+        suffix = f"{schema or 'default'}{'_' + partitioned if partitioned else ''}"
+        _BASES[key] = type(
+            f"_DynamicBase_{suffix}", (DeclarativeBase,), {"metadata": MetaData(schema=schema)}
         )
-    return _BASES[schema]
+    return _BASES[key]
 
 
-def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
+def model_for(
+    kind: str, table: str, schema: str | None = None, *, partitioned: str | None = None
+) -> type[Any]:
     """A mapped class for an existing outbox/jobs/schedules table known only by name (the CLI's
-    ``--outbox-table``, ``schema.table`` split into ``schema`` and ``table``).
+    ``--outbox-table``, ``schema.table`` split into ``schema`` and ``table``); ``partitioned``: the table's
+    partition period (docs/partitioning.md).
 
     The reference models are returned for the default names; other names get a class of their own on a
     private metadata (cached), never touching the application's metadata.
@@ -63,11 +69,18 @@ def model_for(kind: str, table: str, schema: str | None = None) -> type[Any]:
     if kind not in ("outbox", "jobs", "schedules"):
         raise ConfigurationError(f"kind must be 'outbox', 'jobs' or 'schedules', got {kind!r}")
     for reference in (OutboxEvent, Job, JobSchedule):
-        if schema is None and (kind, table) == (reference.sa_outbox_kind, reference.__tablename__):
+        if (
+            schema is None
+            and partitioned is None
+            and (kind, table) == (reference.sa_outbox_kind, reference.__tablename__)
+        ):
             return reference
-    key = (kind, table, schema)
+    key = (kind, table, schema, partitioned)
     if key not in _DYNAMIC:
         mixin: type[Any] = {"outbox": OutboxMixin, "jobs": JobMixin, "schedules": ScheduleMixin}[kind]
         name = "".join(part.capitalize() for part in f"{schema or ''}_{kind}_{table}".split("_") if part)
-        _DYNAMIC[key] = type(name, (mixin, _base_for(schema)), {"__tablename__": table})
+        attrs: dict[str, Any] = {"__tablename__": table}
+        if partitioned is not None:
+            attrs["sa_outbox_partitioned"] = partitioned
+        _DYNAMIC[key] = type(name, (mixin, _base_for(schema, partitioned)), attrs)
     return _DYNAMIC[key]

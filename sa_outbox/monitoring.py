@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql import Select
 
-from . import _steps
+from . import _partitions, _steps
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._sql import QueueSpec, const, queue_table, spec_for
 from .errors import ConfigurationError
@@ -139,6 +139,11 @@ class QueueStatus:
     paused_queues: dict[str, str] = field(default_factory=dict)
     #: Jobs: the concurrency keys with the most unfinished jobs (at most ``keys_limit``), queued/running each.
     concurrency_keys: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The partitioned layout: partitions whose period has ended that unfinished or dead rows keep alive
+    #: (``maintain_partitions`` retires a partition only once every row in it is finished).
+    held_partitions: list[_partitions.PartitionInfo] = field(default_factory=list)
+    #: The partitioned layout: how many partitions the table has (0 for a plain table).
+    partitions: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -146,6 +151,7 @@ class QueueStatus:
             if data["health"] and data["health"][key] is not None:
                 data["health"][key] = data["health"][key].isoformat()
         data["attempts"] = {str(k): v for k, v in self.attempts.items()}
+        data["held_partitions"] = [p.as_dict() for p in self.held_partitions]
         return data
 
 
@@ -159,9 +165,23 @@ def _age(conn: Connection, expr: Any) -> float | None:
     return None if value is None else float(value)
 
 
+#: The partitioned layout: the parent holds nothing; its leaf partitions' figures, summed (times: the latest).
+_PARTITIONED_HEALTH = text(
+    "SELECT sum(s.n_live_tup) AS n_live_tup, sum(s.n_dead_tup) AS n_dead_tup, max(s.last_vacuum) AS last_vacuum, "
+    "max(s.last_autovacuum) AS last_autovacuum, max(s.last_analyze) AS last_analyze, "
+    "max(s.last_autoanalyze) AS last_autoanalyze, sum(s.autovacuum_count) AS autovacuum_count, "
+    "sum(pg_total_relation_size(s.relid)) AS total_bytes "
+    "FROM pg_partition_tree(CAST(:t AS regclass)) p JOIN pg_stat_user_tables s ON s.relid = p.relid "
+    "WHERE p.isleaf HAVING count(*) > 0"
+)
+
+
 def _health(conn: Connection, spec: QueueSpec) -> TableHealth | None:
+    partitioned = _partitions.is_partitioned(conn, spec.table)
     row = conn.execute(
-        text(
+        _PARTITIONED_HEALTH
+        if partitioned
+        else text(
             "SELECT n_live_tup, n_dead_tup, last_vacuum, last_autovacuum, last_analyze, last_autoanalyze, "
             "autovacuum_count, pg_total_relation_size(relid) AS total_bytes "
             "FROM pg_stat_user_tables WHERE relid = CAST(:t AS regclass)"
@@ -350,12 +370,38 @@ def describe_outage(
     )
 
 
+def describe_held_partition(p: _partitions.PartitionInfo, spec: QueueSpec) -> str:
+    """One line for status and doctor: a past partition that rows keep alive."""
+    until = p.upper.isoformat() if p.upper is not None else "?"
+    what = []
+    if p.unfinished:
+        what.append(f"{p.unfinished} unfinished ({spec.ready}/{spec.active}) row(s)")
+    if p.dead:
+        what.append(f"{p.dead} {spec.dead} row(s) ({dead_list_command(spec)})")
+    return (
+        f"partition {p.name} (ended {until}) is kept alive by {' and '.join(what)}: it is retired once every row "
+        "in it is finished"
+    )
+
+
 def dead_list_command(spec: QueueSpec) -> str:
     """The command that lists this table's dead letters (``--jobs`` and the table option when needed)."""
     name = spec.table.fullname
     if spec.kind == "jobs":
         return "sa-outbox dead list --jobs" + ("" if name == "jobs" else f" --jobs-table {name}")
     return "sa-outbox dead list" + ("" if name == "outbox" else f" --outbox-table {name}")
+
+
+_LIVE_TUPLES = text(
+    "SELECT coalesce(s.n_live_tup, c.reltuples::bigint) FROM pg_class c "
+    "LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.oid = CAST(:t AS regclass)"
+)
+#: The partitioned layout: the parent holds no rows, its leaf partitions do.
+_LIVE_TUPLES_PARTITIONED = text(
+    "SELECT coalesce(sum(coalesce(s.n_live_tup, greatest(c.reltuples, 0)::bigint)), 0) "
+    "FROM pg_partition_tree(CAST(:t AS regclass)) p JOIN pg_class c ON c.oid = p.relid "
+    "LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE p.isleaf"
+)
 
 
 def _done_count(conn: Connection, spec: QueueSpec, others: int, cap: int) -> tuple[int, bool]:
@@ -370,10 +416,7 @@ def _done_count(conn: Connection, spec: QueueSpec, others: int, cap: int) -> tup
     if done <= cap:
         return done, False
     live = conn.execute(
-        text(
-            "SELECT coalesce(s.n_live_tup, c.reltuples::bigint) FROM pg_class c "
-            "LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.oid = CAST(:t AS regclass)"
-        ),
+        _LIVE_TUPLES_PARTITIONED if _partitions.is_partitioned(conn, t) else _LIVE_TUPLES,
         {"t": regclass_name(conn, t)},
     ).scalar_one()
     return max(int(live) - others, cap + 1), True
@@ -510,6 +553,10 @@ def queue_status(
             f"{first.aggregate_type}/{first.aggregate_id}, {first.waiting} waiting behind dead {first.dead_id}): "
             "an ordered dispatcher delivers none of them until the dead message is retried or skipped"
         )
+    parts = _partitions.list_partitions(conn, model, counts=False)
+    held = _partitions.held_partitions(conn, model) if parts else []
+    for p in held:
+        warnings.append(describe_held_partition(p, spec))
     if outage is not None:
         warnings.append(
             describe_outage(outage, oldest_pending, last_done_age) + ": the broker is down or unreachable and "
@@ -520,7 +567,7 @@ def queue_status(
         t.fullname, spec.kind, counts, estimate, oldest_pending, oldest_unfinished, expired,
         stale.total_seconds() if spec.kind == "jobs" else None, attempts, counts[spec.dead], queues, health,
         blocked, blocked_total, horizon, warnings, [describe_holder(h) for h in horizon], outage, last_done_age,
-        paused, keys,
+        paused, keys, held, len(parts),
     )  # fmt: skip
 
 

@@ -1,0 +1,520 @@
+"""The partitioned layout's upkeep: partitions created ahead, finished partitions retired (docs/partitioning.md).
+
+A model opts in with ``sa_outbox_partitioned = "day" | "week" | "month"``: its table is ``PARTITION BY RANGE
+(created_at)`` with one partition per period (UTC), named ``<table>_p<YYYYMMDD>`` after the period's first day.
+
+* There is **no default partition**: a row whose ``created_at`` has no partition is refused by PostgreSQL
+  (the producer's transaction fails loudly) instead of landing in a catch-all that is never retired.
+  :func:`maintain_partitions` keeps ``ahead`` periods created beyond the current one, and ``doctor`` fails
+  when the current period has no partition and warns when the next one has none.
+* A partition is **retired** (``DETACH PARTITION … CONCURRENTLY``, then ``DROP TABLE``, or kept detached with
+  ``archive=True``) once its period has ended and no row in it is unfinished (ready or leased) — nor dead,
+  unless ``keep_dead=False``: a dead row is an operator's to-do. Otherwise it is kept, and reported with its
+  counts (``status`` shows such partitions too).
+
+Why a retired partition cannot lose a row: ``created_at`` defaults to ``now()``, the *transaction's* start on
+the database clock (no client clock, so no skew between hosts), so only a transaction that began before the
+period ended can still write into it. ``DETACH … CONCURRENTLY`` waits for every transaction that uses the
+parent table, so once it returns nothing can write into the partition any more (a later insert of such an
+old ``created_at`` finds no partition and fails loudly). The unfinished rows are then counted again on the
+detached table: if a late producer or an operator's retry left one there, the partition is attached again
+and kept. Only then is it dropped.
+
+:class:`PartitionMaintainer` runs this from the loops (``maintain_partitions=`` on a Dispatcher/Worker): due at
+start, then every interval, on a thread (sync) or a task (async) with its own connection — never the loop's
+claim connection — and never waited for when the loop stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy.exc import DBAPIError, ProgrammingError
+
+from . import _sql
+from ._durations import Duration, to_seconds
+from .errors import ConfigurationError, SchemaError
+
+__all__ = [
+    "PARTITION_PERIODS",
+    "PartitionInfo",
+    "PartitionMaintainer",
+    "PartitionReport",
+    "list_partitions",
+    "maintain_partitions",
+    "partition_period",
+]
+
+log = logging.getLogger("sa_outbox.partitions")
+
+#: The periods of the partitioned layout (UTC; a week starts on Monday).
+PARTITION_PERIODS: tuple[str, ...] = ("day", "week", "month")
+#: Periods created beyond the current one by default.
+DEFAULT_AHEAD = 3
+
+
+def partition_period(model: Any) -> str | None:
+    """The model's ``sa_outbox_partitioned`` setting, checked: ``None`` or one of :data:`PARTITION_PERIODS`."""
+    value = getattr(model, "sa_outbox_partitioned", None)
+    if value is None:
+        return None
+    if value not in PARTITION_PERIODS:
+        name = getattr(model, "__name__", model)
+        raise ConfigurationError(
+            f"{name}.sa_outbox_partitioned = {value!r}: use one of {', '.join(map(repr, PARTITION_PERIODS))} "
+            "(or None for a plain table)"
+        )
+    return str(value)
+
+
+def period_start(moment: datetime, period: str) -> datetime:
+    """The start (UTC midnight) of the period that contains ``moment``."""
+    day = moment.astimezone(UTC).date()
+    if period == "week":
+        day -= timedelta(days=day.weekday())
+    elif period == "month":
+        day = day.replace(day=1)
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def next_start(start: datetime, period: str) -> datetime:
+    if period == "day":
+        return start + timedelta(days=1)
+    if period == "week":
+        return start + timedelta(days=7)
+    first = date(start.year + start.month // 12, start.month % 12 + 1, 1)
+    return datetime(first.year, first.month, 1, tzinfo=UTC)
+
+
+def partition_name(table: str, start: datetime) -> str:
+    name = f"{table}_p{start:%Y%m%d}"
+    if len(name.encode()) > 63:
+        raise ConfigurationError(
+            f"partition name {name!r} is longer than PostgreSQL's 63 bytes: use a shorter table name"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """One partition of a partitioned outbox/jobs table. ``lower``/``upper`` are ``None`` for a DEFAULT
+    partition (or unbounded ones), which sa_outbox never creates nor retires."""
+
+    name: str
+    schema: str
+    lower: datetime | None
+    upper: datetime | None
+    is_default: bool
+    detach_pending: bool
+    #: Rows not finished yet (ready or leased), and dead/failed rows: what keeps a past partition alive.
+    unfinished: int
+    dead: int
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("lower", "upper"):
+            if data[key] is not None:
+                data[key] = data[key].isoformat()
+        return data
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    """What one :func:`maintain_partitions` did: partitions created, retired (dropped) or archived (detached
+    and kept as plain tables), kept because rows in them are unfinished (name → ``{"unfinished": n,
+    "dead": n}``), and errors (one line each; maintenance goes on with the next partition)."""
+
+    table: str
+    created: list[str] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+    archived: list[str] = field(default_factory=list)
+    kept: dict[str, dict[str, int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _table_of(model: Any) -> tuple[_sql.QueueSpec, Table]:
+    spec = _sql.spec_for(model)
+    return spec, spec.table
+
+
+def _regclass(conn: Connection, table: Table) -> str:
+    return str(conn.dialect.identifier_preparer.format_table(table))
+
+
+def is_partitioned(conn: Connection, table: Table) -> bool:
+    """Whether the database's table is range-partitioned (whatever the model says)."""
+    return conn.execute(_sql.PARTITION_STRATEGY, {"t": _regclass(conn, table)}).scalar() == "r"
+
+
+def _partitions(
+    conn: Connection, table: Table, spec: _sql.QueueSpec | None = None, *, counts: bool
+) -> list[PartitionInfo]:
+    out = []
+    for r in conn.execute(_sql.PARTITIONS, {"t": _regclass(conn, table)}):
+        ready = active = dead = 0
+        if counts and spec is not None and not r.detach_pending:
+            part = _sql.partition_table(r.name, r.schema)
+            ready, active, dead = conn.execute(_sql.partition_counts(spec, part)).one()
+        out.append(
+            PartitionInfo(
+                r.name, r.schema, r.lower, r.upper, bool(r.is_default), bool(r.detach_pending),
+                int(ready) + int(active), int(dead),
+            )
+        )  # fmt: skip
+    return out
+
+
+def list_partitions(
+    bind: Engine | Connection, model: type[Any], *, counts: bool = True
+) -> list[PartitionInfo]:
+    """The partitions of ``model``'s table, oldest first, with their unfinished and dead rows (each counted
+    through the partition's partial indexes; ``counts=False`` skips them). Empty for a plain table."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return list_partitions(conn, model, counts=counts)
+    _, table = _table_of(model)
+    if not is_partitioned(bind, table):
+        return []
+    return _partitions(bind, table, _sql.spec_for(model), counts=counts)
+
+
+def infer_period(parts: list[PartitionInfo]) -> str | None:
+    """The period of existing partitions (for a table known only by name, as the CLI's)."""
+    for p in reversed(parts):
+        if p.lower is not None and p.upper is not None:
+            days = (p.upper - p.lower).days
+            return "day" if days == 1 else "week" if days == 7 else "month" if 28 <= days <= 31 else None
+    return None
+
+
+def table_period(conn: Connection, table: str, schema: str | None = None) -> str | None:
+    """The partition period of an existing table known by name (None: not partitioned), from its partitions'
+    bounds ("day" when it has no bounded partition yet)."""
+    from sqlalchemy import MetaData
+
+    bare = Table(table, MetaData(), schema=schema)
+    if not is_partitioned(conn, bare):
+        return None
+    return infer_period(_partitions(conn, bare, counts=False)) or "day"
+
+
+def held_partitions(conn: Connection, model: type[Any]) -> list[PartitionInfo]:
+    """Partitions whose period has ended and that unfinished or dead rows keep alive (``status``)."""
+    _, table = _table_of(model)
+    if not is_partitioned(conn, table):
+        return []
+    now = conn.execute(text("SELECT now()")).scalar_one()
+    return [
+        p
+        for p in _partitions(conn, table, _sql.spec_for(model), counts=True)
+        if p.upper is not None and p.upper <= now and (p.unfinished or p.dead)
+    ]
+
+
+def missing_periods(conn: Connection, model: type[Any], *, ahead: int = 1) -> list[datetime]:
+    """Starts of the current and the next ``ahead`` periods that have no partition (``doctor``)."""
+    spec, table = _table_of(model)
+    if not is_partitioned(conn, table):
+        return []
+    parts = _partitions(conn, table, counts=False)
+    period = spec.period or infer_period(parts) or "day"
+    now = conn.execute(text("SELECT now()")).scalar_one()
+    start, missing = period_start(now, period), []
+    for _ in range(ahead + 1):
+        end = next_start(start, period)
+        covered = any(
+            p.is_default
+            or (p.lower is not None and p.upper is not None and p.lower <= start and end <= p.upper)
+            for p in parts
+        )
+        if not covered:
+            missing.append(start)
+        start = end
+    return missing
+
+
+def maintain_partitions(
+    bind: Engine | Connection,
+    model: type[Any],
+    *,
+    ahead: int = DEFAULT_AHEAD,
+    archive: bool = False,
+    keep_dead: bool = True,
+    period: str | None = None,
+) -> PartitionReport:
+    """Create the partitions of the current period and ``ahead`` more, and retire every past partition in
+    which no row is unfinished (nor dead, with ``keep_dead``): ``DETACH … CONCURRENTLY``, a second count on
+    the detached table, then ``DROP TABLE`` (``archive=True``: keep it detached, as a plain table).
+
+    ``bind`` is an Engine (a connection of its pool is used in autocommit) or a Connection that is not in a
+    transaction (switched to autocommit: ``DETACH … CONCURRENTLY`` cannot run inside one). ``period``
+    defaults to the model's ``sa_outbox_partitioned``, then to that of the existing partitions. Raises
+    :class:`SchemaError` when the table is not partitioned; per-partition failures go to ``errors``."""
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        raise ConfigurationError(f"ahead must be an integer >= 0, got {ahead!r}")
+    if period is not None and period not in PARTITION_PERIODS:
+        raise ConfigurationError(f"period must be one of {', '.join(PARTITION_PERIODS)}, got {period!r}")
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return maintain_partitions(
+                conn, model, ahead=ahead, archive=archive, keep_dead=keep_dead, period=period
+            )
+    conn = bind
+    if conn.in_transaction():
+        raise ConfigurationError(
+            "maintain_partitions needs a connection outside any transaction (DETACH … CONCURRENTLY cannot "
+            "run inside one): pass the Engine, or a Connection before its first statement"
+        )
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    spec, table = _table_of(model)
+    if not is_partitioned(conn, table):
+        raise SchemaError(
+            f"{table.fullname} is not a partitioned table: create it with sa_outbox_partitioned set on the model "
+            "(docs/partitioning.md)"
+        )
+    report = PartitionReport(table.fullname)
+    parts = _partitions(conn, table, counts=False)
+    period = period or spec.period or infer_period(parts)
+    if period is None:
+        raise SchemaError(
+            f"{table.fullname}: cannot tell its partition period (no bounded partition): pass period="
+        )
+    _finalize_interrupted(conn, table, parts, report)
+    _create_ahead(conn, table, parts, period, ahead, report)
+    _retire(conn, spec, parts, archive=archive, keep_dead=keep_dead, report=report)
+    return report
+
+
+def create_partitions(
+    bind: Connection, table: Table, period: str, *, ahead: int = DEFAULT_AHEAD, since: datetime | None = None
+) -> list[str]:
+    """Create the current period's partition and ``ahead`` more (idempotent) — from the period of ``since``
+    on when it is given (converting a table whose unfinished rows are older); the names created. Used by the
+    migration helper and the ``create_all`` hook (in the caller's transaction)."""
+    if period not in PARTITION_PERIODS:
+        raise ConfigurationError(f"period must be one of {', '.join(PARTITION_PERIODS)}, got {period!r}")
+    report = PartitionReport(table.fullname)
+    parts = _partitions(bind, table, counts=False) if is_partitioned(bind, table) else []
+    _create_ahead(bind, table, parts, period, ahead, report, in_transaction=True, since=since)
+    if report.errors:
+        raise SchemaError("; ".join(report.errors))
+    return report.created
+
+
+def _finalize_interrupted(
+    conn: Connection, table: Table, parts: list[PartitionInfo], report: PartitionReport
+) -> None:
+    """A ``DETACH … CONCURRENTLY`` that was interrupted (the process died) leaves the partition "detach
+    pending": finish it, then the partition is retired like any other on the next run."""
+    prep = conn.dialect.identifier_preparer
+    for p in parts:
+        if p.detach_pending:
+            try:
+                conn.execute(text(_sql.detach_partition_ddl(prep, table, p.name, mode="finalize")))
+                if p.lower is not None and p.upper is not None:  # attach again: the retire step decides
+                    conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
+            except DBAPIError as exc:
+                report.errors.append(f"{p.name}: could not finish an interrupted detach: {_one_line(exc)}")
+
+
+def _create_ahead(
+    conn: Connection,
+    table: Table,
+    parts: list[PartitionInfo],
+    period: str,
+    ahead: int,
+    report: PartitionReport,
+    *,
+    in_transaction: bool = False,
+    since: datetime | None = None,
+) -> None:
+    from .migration import storage_parameters_sql
+
+    prep = conn.dialect.identifier_preparer
+    now = conn.execute(text("SELECT now()")).scalar_one()
+    start = period_start(min(now, since) if since is not None else now, period)
+    last = period_start(now, period)
+    for _ in range(ahead):
+        last = next_start(last, period)
+    while start <= last:
+        end = next_start(start, period)
+        overlaps = any(
+            p.lower is not None and p.upper is not None and p.lower < end and start < p.upper for p in parts
+        )
+        if not overlaps:
+            name = partition_name(table.name, start)
+            ddl = _sql.create_partition_ddl(prep, table, name, start, end, storage_parameters_sql())
+            try:
+                if in_transaction:
+                    conn.execute(text(ddl))
+                else:
+                    _with_lock_timeout(conn, ddl)
+                report.created.append(name)
+                log.info("created partition %s of %s", name, table.fullname,
+                         extra={"table": table.fullname, "partition": name})  # fmt: skip
+            except DBAPIError as exc:
+                if in_transaction:
+                    raise
+                report.errors.append(f"{name}: could not create it: {_one_line(exc)}")
+        start = end
+
+
+def _with_lock_timeout(conn: Connection, ddl: str) -> None:
+    """Run ``ddl`` in a transaction block of its own with a short lock wait, on an autocommit connection:
+    creating a partition takes an ACCESS EXCLUSIVE lock on the parent, and a statement queued behind a long
+    transaction would stall every claim and insert behind it. (An explicit BEGIN: SQLAlchemy's ``begin()``
+    sends none in autocommit, and ``SET LOCAL`` needs one.)"""
+    conn.exec_driver_sql("BEGIN")
+    try:
+        conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+        conn.execute(text(ddl))
+    except BaseException:
+        conn.exec_driver_sql("ROLLBACK")
+        raise
+    conn.exec_driver_sql("COMMIT")
+
+
+def _retire(
+    conn: Connection,
+    spec: _sql.QueueSpec,
+    parts: list[PartitionInfo],
+    *,
+    archive: bool,
+    keep_dead: bool,
+    report: PartitionReport,
+) -> None:
+    table = spec.table
+    prep = conn.dialect.identifier_preparer
+    now = conn.execute(text("SELECT now()")).scalar_one()
+    for p in parts:
+        if p.is_default or p.detach_pending or p.lower is None or p.upper is None or p.upper > now:
+            continue  # only ended periods, bounded, attached
+        part = _sql.partition_table(p.name, p.schema)
+        try:
+            counts = _held(conn, spec, part, keep_dead)
+            if counts is not None:
+                report.kept[p.name] = counts
+                continue
+            conn.execute(text(_sql.detach_partition_ddl(prep, table, p.name, mode="concurrently")))
+            # Detached: every transaction that could still write into it has ended. Count again.
+            counts = _held(conn, spec, part, keep_dead)
+            if counts is not None:
+                conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
+                report.kept[p.name] = counts
+                log.warning(
+                    "partition %s of %s got unfinished rows while it was being retired: attached again",
+                    p.name, table.fullname, extra={"table": table.fullname, "partition": p.name, **counts},
+                )  # fmt: skip
+                continue
+            if archive:
+                report.archived.append(p.name)
+                log.info("archived partition %s of %s (detached, kept as a table)", p.name, table.fullname,
+                         extra={"table": table.fullname, "partition": p.name})  # fmt: skip
+            else:
+                conn.execute(text(_sql.drop_partition_ddl(prep, p.name, p.schema)))
+                report.retired.append(p.name)
+                log.info("retired partition %s of %s", p.name, table.fullname,
+                         extra={"table": table.fullname, "partition": p.name})  # fmt: skip
+        except DBAPIError as exc:
+            report.errors.append(f"{p.name}: could not retire it: {_one_line(exc)}")
+
+
+def _held(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool) -> dict[str, int] | None:
+    """The counts that keep a partition alive, or None when it may go."""
+    ready, active, dead = conn.execute(_sql.partition_counts(spec, part)).one()
+    if ready or active or (dead and keep_dead):
+        return {"unfinished": int(ready) + int(active), "dead": int(dead)}
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+
+
+class PartitionMaintainer:
+    """The loops' partition step (``maintain_partitions=INTERVAL`` on a Dispatcher/Worker): due at the first
+    turn, then every ``interval``; runs :func:`maintain_partitions` off the loop — a daemon thread with a
+    pooled connection of the loop's engine (sync) or a task on an ``AsyncConnection`` (async) — so a claim
+    never waits for it and stopping never waits for it. A table that is not partitioned (or missing:
+    SchemaError/ProgrammingError) is reported at WARNING once and the step turns itself off; other errors are
+    logged at WARNING and tried again at the next interval; created/retired partitions are logged at INFO."""
+
+    def __init__(self, model: type[Any], interval: Duration, owner: str) -> None:
+        self.model = model
+        self.interval = to_seconds(interval, name="maintain_partitions", allow_zero=False)
+        self.owner = owner
+        self.enabled = True
+        self.next_at = 0.0  # due at once
+        self.thread: threading.Thread | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.last: PartitionReport | None = None
+
+    def due(self, now: float) -> bool:
+        return self.enabled and now >= self.next_at and not self.busy()
+
+    def busy(self) -> bool:
+        return (self.thread is not None and self.thread.is_alive()) or (
+            self.task is not None and not self.task.done()
+        )
+
+    def start_thread(self, engine: Engine) -> None:
+        self.next_at = time.monotonic() + self.interval
+        self.thread = threading.Thread(
+            target=self._run, args=(engine,), name="sa_outbox-partitions", daemon=True
+        )
+        self.thread.start()
+
+    def start_task(self, engine: Any) -> None:
+        """``engine`` is an AsyncEngine: the step runs on one of its connections through ``run_sync``."""
+        self.next_at = time.monotonic() + self.interval
+
+        async def run() -> None:
+            try:
+                async with engine.connect() as conn:
+                    report = await conn.run_sync(lambda c: maintain_partitions(c, self.model))
+                self._done(report)
+            except Exception as exc:
+                self._failed(exc)
+
+        self.task = asyncio.get_running_loop().create_task(run(), name="sa_outbox-partitions")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the running sync step (tests)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def _run(self, engine: Engine) -> None:
+        try:
+            report = maintain_partitions(engine, self.model)
+        except Exception as exc:
+            self._failed(exc)
+        else:
+            self._done(report)
+
+    def _done(self, report: PartitionReport) -> None:
+        self.last = report
+        for line in report.errors:
+            log.warning("partition maintenance of %s: %s", report.table, line,
+                        extra={"owner": self.owner, "table": report.table})  # fmt: skip
+        if report.kept:
+            log.info("partitions of %s kept by unfinished rows: %s", report.table, report.kept,
+                     extra={"owner": self.owner, "table": report.table})  # fmt: skip
+
+    def _failed(self, exc: Exception) -> None:
+        if isinstance(exc, SchemaError | ProgrammingError):
+            self.enabled = False
+            log.warning("partition maintenance turned off: %s", _one_line(exc), extra={"owner": self.owner})
+        else:
+            log.warning("partition maintenance failed (tried again in %gs): %s", self.interval,
+                        _one_line(exc), extra={"owner": self.owner})  # fmt: skip

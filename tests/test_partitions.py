@@ -1,0 +1,590 @@
+"""The partitioned layout (``sa_outbox_partitioned``): schema, claims, rescue, dead letters, purge, status,
+doctor and plans on a table partitioned by created_at; partitions created ahead and retired only once every
+row in them is finished; a producer writing while partitions are retired loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, MetaData, insert, inspect, select, text, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.schema import CreateTable
+
+from sa_outbox import (
+    AsyncDispatcher,
+    ConfigurationError,
+    Dispatcher,
+    JobMixin,
+    OutboxMixin,
+    SchemaError,
+    Worker,
+    _sql,
+    enqueue,
+    enqueue_many,
+    list_partitions,
+    maintain_partitions,
+    purge,
+    queue_status,
+    retry_dead,
+)
+from sa_outbox._partitions import partition_name, period_start
+from sa_outbox.doctor import doctor
+from sa_outbox.migration import create_partitions, storage_parameters_sql
+from sa_outbox.models import JobSchedule
+from sa_outbox.testing import RecordingPublisher
+
+from .test_explain import nodes, scans
+from .test_generic_plans import generic_plan
+
+SCHEMA = "sa_outbox_parts"
+
+
+class PBase(DeclarativeBase):
+    metadata = MetaData(schema=SCHEMA)
+
+
+class PEvent(OutboxMixin, PBase):
+    __tablename__ = "pev"
+    sa_outbox_partitioned = "day"
+
+
+class PJob(JobMixin, PBase):
+    __tablename__ = "pjobs"
+    sa_outbox_partitioned = "day"
+
+
+@pytest.fixture
+def pengine(shared_engine: Engine) -> Iterator[Engine]:
+    """Fresh partitioned outbox and jobs tables (create_all: today's partition and three ahead)."""
+    with shared_engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
+        PBase.metadata.create_all(conn)
+    yield shared_engine
+    with shared_engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+
+
+def day_start(engine: Engine, days_ago: int) -> datetime:
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT now()")).scalar_one()
+    return period_start(now, "day") - timedelta(days=days_ago)
+
+
+def add_past_partition(engine: Engine, model: Any, days_ago: int) -> tuple[str, datetime]:
+    """A partition for the day ``days_ago`` days before today (maintain never creates past ones)."""
+    table = model.__table__
+    start = day_start(engine, days_ago)
+    name = partition_name(table.name, start)
+    with engine.begin() as conn:
+        prep = conn.dialect.identifier_preparer
+        ddl = _sql.create_partition_ddl(
+            prep, table, name, start, start + timedelta(days=1), storage_parameters_sql()
+        )
+        conn.execute(text(ddl))
+    return name, start
+
+
+def add_events(engine: Engine, n: int, *, created_at: datetime | None = None, status: str = "pending",
+               aggregate: str | None = None) -> list[int]:  # fmt: skip
+    rows = [
+        {"aggregate_type": "order", "aggregate_id": aggregate or f"a{i}", "event_type": "E", "payload": {"i": i},
+         "status": status, **({"created_at": created_at} if created_at else {}),
+         **({"done_at": created_at or datetime.now().astimezone()} if status == "done" else {})}
+        for i in range(n)
+    ]  # fmt: skip
+    with engine.begin() as conn:
+        return list(conn.execute(insert(PEvent).returning(PEvent.id), rows).scalars())
+
+
+def names(engine: Engine, model: Any) -> list[str]:
+    return [p.name for p in list_partitions(engine, model, counts=False)]
+
+
+# --- schema --------------------------------------------------------------------------------------------------
+
+
+def test_partitioned_layout_is_range_partitioned_on_created_at_with_id_and_created_at_as_key(
+    pengine: Engine,
+) -> None:
+    ddl = str(CreateTable(PEvent.__table__).compile(dialect=pengine.dialect))
+    assert "PARTITION BY RANGE (created_at)" in ddl
+    assert list(PEvent.__table__.primary_key.columns.keys()) == ["id", "created_at"]
+    assert [c.name for c in inspect(PEvent).primary_key] == ["id"]  # the ORM identity stays the id
+    assert "ux_pjobs_unique" not in {i.name for i in PJob.__table__.indexes}
+    with Session(pengine) as s:
+        s.add(PEvent(aggregate_type="order", aggregate_id="1", event_type="E", payload={}))
+        s.commit()
+        assert s.get(PEvent, 1) is not None
+
+
+def test_a_bad_period_is_refused_naming_the_value() -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    with pytest.raises(ConfigurationError, match=r"sa_outbox_partitioned = 'hour'.*'day', 'week', 'month'"):
+
+        class Hourly(OutboxMixin, Base):
+            __tablename__ = "hourly"
+            sa_outbox_partitioned = "hour"
+
+
+def test_create_all_creates_todays_partition_and_three_ahead_with_the_storage_parameters(
+    pengine: Engine,
+) -> None:
+    today = day_start(pengine, 0)
+    expected = [partition_name("pev", today + timedelta(days=d)) for d in range(4)]
+    assert names(pengine, PEvent) == expected
+    with pengine.connect() as conn:
+        options = conn.execute(
+            text("SELECT reloptions FROM pg_class WHERE oid = CAST(:t AS regclass)"),
+            {"t": f"{SCHEMA}.{expected[0]}"},
+        ).scalar_one()
+    assert "autovacuum_vacuum_scale_factor=0.01" in options
+
+
+def test_the_migration_helper_creates_partitions_idempotently(pengine: Engine) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PEvent)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+        created = create_partitions(conn, "pev", period="day", schema=SCHEMA, ahead=2)
+        again = create_partitions(conn, "pev", period="day", schema=SCHEMA, ahead=2)
+    assert len(created) == 2 and again == []
+    assert len(names(pengine, PEvent)) == 3
+
+
+def test_a_row_without_a_partition_is_refused_not_swallowed(pengine: Engine) -> None:
+    with pytest.raises(DBAPIError, match="no partition of relation"):
+        add_events(pengine, 1, created_at=day_start(pengine, 30))
+
+
+def test_unique_key_enqueue_and_schedules_are_refused_on_a_partitioned_jobs_table(pengine: Engine) -> None:
+    with Session(pengine) as s:
+        with pytest.raises(ConfigurationError, match=r"partitioned by created_at.*unique_key"):
+            enqueue(s, PJob, "t", {}, unique_key="k")
+        with pytest.raises(ConfigurationError, match="partitioned"):
+            enqueue_many(s, PJob, [{"task": "t", "payload": {}, "unique_key": "k"}])
+        job = enqueue(s, PJob, "t", {})  # a plain enqueue works
+        s.commit()
+        assert job.id is not None
+    with pytest.raises(ConfigurationError, match="schedules cannot fire into"):
+        Worker(pengine, PJob, {"t": lambda j: None}, schedules=JobSchedule)
+
+
+# --- the loops on the partitioned layout -----------------------------------------------------------------------
+
+
+def test_claim_and_ordered_claim_across_partitions(pengine: Engine) -> None:
+    _, yesterday = add_past_partition(pengine, PEvent, 1)
+    old = add_events(pengine, 2, created_at=yesterday + timedelta(hours=1), aggregate="X")
+    new = add_events(pengine, 2, aggregate="X")
+    pub = RecordingPublisher()
+    d = Dispatcher(pengine, PEvent, pub, ordered=True, listen=False)
+    for _ in range(4):
+        assert d.run_once() == 1  # one head at a time, across the two partitions
+    assert pub.ids == old + new
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.status).distinct()).scalars().all() == ["done"]
+    plain = RecordingPublisher()
+    add_events(pengine, 5)
+    assert Dispatcher(pengine, PEvent, plain, batch=10, listen=False).run_once() == 5
+
+
+def test_rescue_and_dead_retry_on_the_partitioned_layout(pengine: Engine) -> None:
+    add_past_partition(pengine, PJob, 2)
+    with pengine.begin() as conn:
+        conn.execute(insert(PJob), [{"task": "t", "payload": {}, "created_at": day_start(pengine, 2),
+                                     "status": "running", "locked_at": datetime.now().astimezone() - timedelta(hours=1),
+                                     "locked_by": "crashed", "lease_version": 1, "attempts": 1}])  # fmt: skip
+    seen: list[int] = []
+    w = Worker(pengine, PJob, {"t": lambda j: seen.append(j.lease_version)}, stale_after=60, listen=False)
+    w.run_once()  # rescues the stale job, then claims it again
+    assert seen == [2]
+    add_events(pengine, 1)
+    d = Dispatcher(pengine, PEvent, RecordingPublisher(fail=lambda m: _permanent()), listen=False)
+    assert d.run_once() == 1
+    assert retry_dead(pengine, PEvent, all=True) == [1]
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.status)).scalar_one() == "pending"
+
+
+def _permanent() -> BaseException:
+    from sa_outbox import PermanentError
+
+    return PermanentError("nope")
+
+
+def test_purge_deletes_done_rows_of_every_partition(pengine: Engine) -> None:
+    _, yesterday = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 3, created_at=yesterday, status="done")
+    add_events(pengine, 2, status="done")
+    add_events(pengine, 1)
+    assert purge(pengine, PEvent, older_than=0) == 5
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.status)).scalars().all() == ["pending"]
+
+
+# --- plans ------------------------------------------------------------------------------------------------------
+
+
+def test_the_claims_update_prunes_to_the_partitions_of_the_picked_rows(pengine: Engine) -> None:
+    for days in (1, 2, 3):
+        _, start = add_past_partition(pengine, PEvent, days)
+        add_events(pengine, 20, created_at=start, status="done")
+    add_events(pengine, 5)  # today's partition only
+    stmt = _sql.claim_statement(_sql.spec_for(PEvent), limit=50)
+    with pengine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        params = compiled.construct_params({"owner": "explain", "lease": timedelta(seconds=60)})
+        raw = conn.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + str(compiled), params).scalar_one()
+        conn.rollback()
+    plan = raw[0]["Plan"]
+    assert plan["Node Type"] == "ModifyTable" and plan["Actual Rows"] == 5
+    [append] = [n for n in plan["Plans"] if n["Node Type"] == "Append"]
+    # 7 partitions (3 past, today, 3 ahead): pruned at run time on the picked rows' created_at range, the
+    # UPDATE reads today's partition only (the others: "never executed").
+    read = [s[1] for s in scans(append) if s[0] != "Append"]
+    executed = [
+        n.get("Relation Name") for n in nodes(append) if "Scan" in n["Node Type"] and n["Actual Loops"]
+    ]
+    assert len(read) == 7 and executed == [names(pengine, PEvent)[3]], (read, executed)
+
+
+def test_the_generic_plan_of_the_claim_reads_the_ready_index_of_each_partition(pengine: Engine) -> None:
+    big, start = add_past_partition(pengine, PEvent, 1)
+    for _ in range(5):
+        add_events(pengine, 1000, created_at=start, status="done")
+    add_events(pengine, 50)
+    with pengine.begin() as conn:
+        conn.execute(text(f"ANALYZE {SCHEMA}.pev"))
+    stmt = _sql.claim_statement(_sql.spec_for(PEvent), limit=50)
+    p = generic_plan(pengine, stmt, {"owner": "w", "lease": timedelta(seconds=60)})
+    assert not [n for n in nodes(p) if n["Node Type"] in ("Hash Join", "Nested Loop", "Merge Join")], scans(p)
+    assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] == big], scans(p)
+    limits = [n for n in nodes(p) if n["Node Type"] == "Limit"]
+    lock_rows = limits[0]["Plans"][0]
+    assert lock_rows["Node Type"] == "LockRows"
+    # The partition full of history is read through its copy of the ready index (tiny partitions may be
+    # read whole: the planner's right choice at their size).
+    assert ("Index Scan", big, f"{big}_available_at_id_idx") in scans(lock_rows), scans(lock_rows)
+
+
+@pytest.mark.parametrize("which", ["outbox rescue", "jobs rescue", "outbox finalize", "jobs finalize",
+                                   "outbox extend", "ordered claim"])  # fmt: skip
+def test_generic_plans_of_the_other_statements_never_read_a_partition_whole(
+    pengine: Engine, which: str
+) -> None:
+    big, start = add_past_partition(pengine, PEvent, 1)
+    jbig, jstart = add_past_partition(pengine, PJob, 1)
+    for _ in range(5):
+        add_events(pengine, 1000, created_at=start, status="done")
+    with pengine.begin() as conn:
+        conn.execute(
+            text(f"INSERT INTO {SCHEMA}.pjobs (task, payload, status, created_at) "
+                 "SELECT 't', '{}', 'done', :c FROM generate_series(1, 5000)"), {"c": jstart},
+        )  # fmt: skip
+        conn.execute(text(f"ANALYZE {SCHEMA}.pev"))
+        conn.execute(text(f"ANALYZE {SCHEMA}.pjobs"))
+    ev, jobs = _sql.spec_for(PEvent), _sql.spec_for(PJob)
+    outcomes = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
+                "errors": [None, None], "refunds": [0, 0], "results": [None, None]}  # fmt: skip
+    stmt, params = {
+        "outbox rescue": (_sql.rescue_statement(ev), {"limit": 1000, "max_attempts": 12}),
+        "jobs rescue": (_sql.rescue_statement(jobs), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
+        "outbox finalize": (_sql.finalize_statement(ev), outcomes),
+        "jobs finalize": (_sql.finalize_statement(jobs), outcomes),
+        "outbox extend": (_sql.extend_statement(ev), {"lease": timedelta(seconds=60), "ids": [1], "versions": [1]}),
+        "ordered claim": (_sql.claim_statement(ev, ordered=True), {"owner": "w", "batch": 50,
+                                                                    "lease": timedelta(seconds=60)}),
+    }[which]  # fmt: skip
+    p = generic_plan(pengine, stmt, params)
+    # The partition holding 5,000 rows is read through an index (the empty ones may be read whole: the
+    # planner's right choice at their size, and a hash join over what the index scans return is fine).
+    assert [s for s in scans(p) if s[1] in (big, jbig)], scans(p)
+    whole = [s for s in scans(p) if s[0] == "Seq Scan" and s[1] in (big, jbig)]
+    assert not whole, scans(p)
+
+
+# --- maintenance ------------------------------------------------------------------------------------------------
+
+
+def test_maintain_retires_finished_partitions_and_keeps_those_with_unfinished_or_dead_rows(
+    pengine: Engine,
+) -> None:
+    finished, f_start = add_past_partition(pengine, PEvent, 3)
+    pending, p_start = add_past_partition(pengine, PEvent, 2)
+    dead, d_start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 10, created_at=f_start, status="done")
+    add_events(pengine, 9, created_at=p_start, status="done")
+    kept_id = add_events(pengine, 1, created_at=p_start)[0]
+    add_events(pengine, 1, created_at=d_start, status="dead")
+    report = maintain_partitions(pengine, PEvent)
+    assert report.retired == [finished] and report.errors == []
+    assert report.kept == {pending: {"unfinished": 1, "dead": 0}, dead: {"unfinished": 0, "dead": 1}}
+    assert finished not in names(pengine, PEvent)
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.id).where(PEvent.status == "pending")).scalars().all() == [kept_id]
+    # Once its row is finished the partition goes; dead rows go only with keep_dead=False.
+    with pengine.begin() as conn:
+        conn.execute(update(PEvent).where(PEvent.id == kept_id).values(status="done", done_at=p_start))
+    assert maintain_partitions(pengine, PEvent).retired == [pending]
+    assert maintain_partitions(pengine, PEvent, keep_dead=False).retired == [dead]
+
+
+def test_maintain_can_archive_instead_of_dropping(pengine: Engine) -> None:
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 3, created_at=start, status="done")
+    report = maintain_partitions(pengine, PEvent, archive=True)
+    assert report.archived == [name] and report.retired == []
+    assert name not in names(pengine, PEvent)
+    with pengine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.{name}")).scalar_one() == 3
+
+
+def test_maintain_creates_the_partitions_ahead_and_refuses_a_plain_table(pengine: Engine) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PEvent)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+    report = maintain_partitions(pengine, PEvent, ahead=5)
+    assert len(report.created) == 5 and len(names(pengine, PEvent)) == 6
+    from sa_outbox.models import OutboxEvent
+
+    with pytest.raises(SchemaError, match="not a partitioned table"):
+        maintain_partitions(pengine, OutboxEvent)
+
+
+def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Engine) -> None:
+    """The unfinished count before the detach cannot see an uncommitted row; DETACH … CONCURRENTLY waits for
+    that producer, and the count on the detached table finds the row: the partition is attached again."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 3, created_at=start, status="done")
+    producer = pengine.connect()
+    tx = producer.begin()
+    row_id = producer.execute(
+        insert(PEvent).values(aggregate_type="o", aggregate_id="1", event_type="E", payload={}, created_at=start)
+        .returning(PEvent.id)
+    ).scalar_one()  # fmt: skip
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        with pengine.connect() as watcher:
+            while time.monotonic() < deadline:
+                waiting = watcher.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
+                        "AND wait_event_type = 'Lock'"
+                    )
+                ).scalar_one()
+                watcher.rollback()
+                if waiting:
+                    break
+                time.sleep(0.05)
+    finally:
+        tx.commit()
+        producer.close()
+        t.join(60)
+    assert not t.is_alive()
+    assert result["report"].kept == {name: {"unfinished": 1, "dead": 0}}
+    assert name in names(pengine, PEvent)
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.status).where(PEvent.id == row_id)).scalar_one() == "pending"
+
+
+def test_concurrent_producers_lose_nothing_while_maintain_retires(pengine: Engine) -> None:
+    """Producers write into yesterday's partition (explicit created_at) and today's while maintain runs again
+    and again: every insert that committed is still in the table (an insert that met a detached partition
+    failed loudly instead)."""
+    _, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 5, created_at=start, status="done")
+    committed: list[int] = []
+    refused: list[str] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set() and i < 400:
+            i += 1
+            values: dict[str, Any] = {
+                "aggregate_type": "o",
+                "aggregate_id": str(i),
+                "event_type": "E",
+                "payload": {},
+            }
+            if i % 2:
+                values["created_at"] = start + timedelta(minutes=1)
+            try:
+                with pengine.begin() as conn:
+                    committed.append(
+                        conn.execute(insert(PEvent).values(values).returning(PEvent.id)).scalar_one()
+                    )
+            except DBAPIError as exc:
+                refused.append(str(exc.orig))
+
+    t = threading.Thread(target=produce)
+    t.start()
+    try:
+        reports = [maintain_partitions(pengine, PEvent) for _ in range(6)]
+    finally:
+        stop.set()
+        t.join(60)
+    assert committed
+    assert all("no partition" in r for r in refused), refused[:3]
+    with pengine.connect() as conn:
+        present = set(conn.execute(select(PEvent.id)).scalars())
+    assert set(committed) <= present, sorted(set(committed) - present)[:10]
+    assert all(not r.errors for r in reports), [r.errors for r in reports]
+
+
+# --- status and doctor -------------------------------------------------------------------------------------------
+
+
+def test_status_shows_unfinished_rows_held_in_old_partitions(pengine: Engine) -> None:
+    name, start = add_past_partition(pengine, PEvent, 2)
+    add_events(pengine, 2, created_at=start)
+    add_events(pengine, 1, created_at=start, status="dead")
+    add_events(pengine, 4)
+    st = queue_status(pengine, PEvent)
+    assert st.counts["pending"] == 6 and st.partitions == 5
+    [held] = st.held_partitions
+    assert (held.name, held.unfinished, held.dead) == (name, 2, 1)
+    assert any(name in w and "2 unfinished" in w for w in st.warnings), st.warnings
+    assert json.loads(json.dumps(st.as_dict()))["held_partitions"][0]["name"] == name
+    assert (
+        st.health is not None and st.health.total_bytes > 0
+    )  # the partitions' figures, not the empty parent's
+
+
+def test_doctors_autovacuum_fix_names_the_partitions(pengine: Engine) -> None:
+    first = names(pengine, PEvent)[-1]
+    with pengine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {SCHEMA}.{first} RESET (autovacuum_vacuum_scale_factor)"))
+    [f] = [f for f in doctor(pengine, [PEvent]) if f.check == "autovacuum settings"]
+    assert f.status == "warn" and f.fix is not None
+    assert f.fix.splitlines()[-1].startswith(
+        f"ALTER TABLE {SCHEMA}.{first} SET (autovacuum_vacuum_scale_factor"
+    )
+    for line in f.fix.splitlines():  # each line runs as printed
+        with pengine.begin() as conn:
+            conn.execute(text(line))
+    assert [g.status for g in doctor(pengine, [PEvent]) if g.check == "autovacuum settings"] == ["ok"]
+
+
+def test_doctor_flags_missing_partitions_and_held_ones(pengine: Engine) -> None:
+    def partition_findings() -> list[Any]:
+        return [f for f in doctor(pengine, [PEvent]) if f.check == "partitions"]
+
+    assert [f.status for f in partition_findings()] == ["ok"]
+    claim = [f for f in doctor(pengine, [PEvent]) if f.check in ("claim plan", "autovacuum settings")]
+    assert [f.status for f in claim] == ["ok", "ok"], claim
+    with pengine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {SCHEMA}.{names(pengine, PEvent)[1]}"))  # tomorrow's
+    [f] = partition_findings()
+    assert (
+        f.status == "warn"
+        and "inserts will fail when it starts" in f.message
+        and "partitions maintain" in (f.fix or "")
+    )
+    with pengine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {SCHEMA}.{names(pengine, PEvent)[0]}"))  # today's
+    assert partition_findings()[0].status == "fail"
+    maintain_partitions(pengine, PEvent)
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 1, created_at=start)
+    [f] = partition_findings()
+    assert f.status == "warn" and name in f.message
+
+
+# --- the loops' maintenance step and the CLI ----------------------------------------------------------------------
+
+
+def test_a_dispatchers_first_run_once_creates_missing_partitions(pengine: Engine) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PEvent)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+    d = Dispatcher(pengine, PEvent, RecordingPublisher(), listen=False, maintain_partitions=3600)
+    d.run_once()
+    assert d.partitions is not None
+    d.partitions.wait(60)
+    assert len(names(pengine, PEvent)) == 4
+    assert d.partitions.last is not None and len(d.partitions.last.created) == 3
+    d.run_once()  # not due again for an hour: nothing started
+    assert not d.partitions.busy()
+
+
+def test_a_workers_partition_step_creates_them_too_and_claims_go_on(pengine: Engine) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PJob)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+    with Session(pengine) as s, s.begin():
+        enqueue_many(s, PJob, [("t", {"n": i}) for i in range(3)])
+    ran: list[int] = []
+    w = Worker(
+        pengine, PJob, {"t": lambda j: ran.append(j.id)}, batch=5, listen=False, maintain_partitions=60
+    )
+    assert w.run_once() == 3 and sorted(ran) == [1, 2, 3]
+    assert w.partitions is not None
+    w.partitions.wait(60)
+    assert len(names(pengine, PJob)) == 4
+
+
+def test_an_async_loops_partition_step_runs_as_a_task(pengine: Engine, async_url: URL) -> None:
+    with pengine.begin() as conn:
+        for name in names(pengine, PEvent)[1:]:
+            conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        try:
+            d = AsyncDispatcher(aengine, PEvent, RecordingPublisher(), listen=False, maintain_partitions=3600)
+            await d.run_once()
+            assert d.partitions is not None and d.partitions.task is not None
+            await d.partitions.task
+        finally:
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert len(names(pengine, PEvent)) == 4
+
+
+def test_a_plain_table_turns_the_step_off_with_one_warning(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sa_outbox.models import OutboxEvent
+
+    d = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False, maintain_partitions=1)
+    d.run_once()
+    assert d.partitions is not None
+    d.partitions.wait(30)
+    assert not d.partitions.enabled
+    assert [r.message for r in caplog.records if "partition maintenance turned off" in r.message]
+
+
+def test_cli_partitions_list_and_maintain(
+    pengine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sa_outbox._cli import main
+
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 2, created_at=start, status="done")
+    url = ["--url", db_url.render_as_string(hide_password=False), "--outbox-table", f"{SCHEMA}.pev",
+           "--jobs-table", f"{SCHEMA}.pjobs"]  # fmt: skip
+    assert main(["partitions", "list", "--json", *url]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed[f"{SCHEMA}.pev"][0]["name"] == name
+    assert main(["partitions", "maintain", "--json", *url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report[f"{SCHEMA}.pev"]["retired"] == [name]
+    assert main(["partitions", "maintain", *url, "--outbox-table", "outbox", "--jobs-table", "jobs"]) == 2
+    assert "no partitioned table" in capsys.readouterr().err
