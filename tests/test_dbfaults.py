@@ -65,14 +65,21 @@ def test_refused_logins_are_permanent(server_url: URL, locked_database: tuple[UR
         assert connection_error_cause(exc).startswith(cause), connection_error_cause(exc)
 
 
+def over_tcp(url: URL, host: str, port: int | None = None) -> URL:
+    """``url`` to ``host`` over TCP: without the ``?host=`` of a unix socket (the embedded server's), which
+    libpq would prefer to the URL's host."""
+    query = {k: v for k, v in url.query.items() if k != "host"}
+    return url.set(host=host, port=port if port is not None else url.port, query=query)
+
+
 def test_a_host_that_does_not_exist_is_permanent(server_url: URL) -> None:
-    exc = connect_error(server_url.set(host="no-such-host.invalid"))
+    exc = connect_error(over_tcp(server_url, "no-such-host.invalid"))
     assert is_permanent_connection_error(exc)
     assert "no-such-host.invalid" in connection_error_cause(exc)
 
 
 def test_a_server_that_refuses_the_connection_is_an_outage_not_permanent(server_url: URL) -> None:
-    exc = connect_error(server_url.set(port=1))
+    exc = connect_error(over_tcp(server_url, "127.0.0.1", 1))
     assert is_connection_error(exc) and not is_permanent_connection_error(exc)
     assert connection_error_cause(exc).endswith("failed: Connection refused")
 
