@@ -20,6 +20,9 @@ database, real threads with their own connections, real backend terminations. Ru
   queues with fair shares (``queues={...}``) instead of a list;
 * enqueue jobs in bulk (``enqueue_many``), and with a unique key (``on_conflict="skip"``: a key whose job
   has not started yet gets no second one);
+* in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
+  events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
+  the loops claim, once every row in it is finished; a write into it afterwards is refused whole;
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -43,7 +46,8 @@ After every step
         a rate window than its rate; with ``unique_running``, no unique key ever has two running jobs —
         sampled from the rows every 20 ms by a thread of its own;
 At the end (faults off, loops drained)
-    F1  nothing lost: every committed event is delivered, except poison ones and those behind a poison
+    F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
+        retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
         event of an ordered aggregate that no one skipped; every committed job is done, poison ones failed;
     F2  only poison rows are ``dead``/``failed`` (outages, crashes, timeouts and retries never kill a row);
     F3  no aggregate is blocked except behind a dead row;
@@ -65,10 +69,12 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, select, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -90,10 +96,12 @@ from sa_outbox import (
     emit,
     enqueue,
     enqueue_many,
+    maintain_partitions,
     skip_dead,
 )
 from sa_outbox.admin import pause_queue, resume_queue
-from sa_outbox.models import Job, OutboxEvent
+from sa_outbox.migration import create_partitions
+from sa_outbox.models import Job, OutboxEvent, model_for
 
 from .models import Order
 
@@ -102,6 +110,7 @@ EVENT_TYPES = (*ORDERED, "Noted")
 STRING_AGGREGATES = [f"a{i}" for i in range(8)]
 POISON_AGGREGATES = {"a0", "a1"}  # the only ones that may get a poison event
 FAST = Backoff(0.01, 0.05, jitter=True)
+PARTITIONED_TABLE = "model_outbox_p"
 #: The loops' connections (and their LISTEN connections) are the ones the fault rule terminates.
 LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
@@ -402,6 +411,7 @@ class Model:
     cancelled_queued: dict[int, int] = field(default_factory=dict)  # seq -> record position when cancelled
     cancel_requested: set[int] = field(default_factory=set)  # running when cancelled: cancelled or done
     pauses: dict[str, list[list[float]]] = field(default_factory=lambda: defaultdict(list))  # [start, end]
+    yesterday: set[int] = field(default_factory=set)  # committed events written into yesterday's partition
 
 
 class Scenario:
@@ -430,6 +440,21 @@ class Scenario:
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
+        #: A quarter of the scenarios run on a day-partitioned outbox with a partition for yesterday too: some
+        #: events are written into it, and maintain_partitions (a rule, and the dispatchers' own step) retires
+        #: it while the loops claim from the table, once none of its rows is unfinished or dead.
+        self.partitioned = self.rng.random() < 0.25
+        self.Outbox: Any = OutboxEvent
+        self.yesterday_open = self.partitioned  # producers still write into yesterday's partition
+        if self.partitioned:
+            self.Outbox = model_for("outbox", PARTITIONED_TABLE, partitioned="day")
+            with self.engine.begin() as conn:
+                conn.execute(text(f"DROP TABLE IF EXISTS {PARTITIONED_TABLE} CASCADE"))
+            self.Outbox.__table__.create(self.engine)
+            with self.engine.begin() as conn:
+                create_partitions(
+                    conn, PARTITIONED_TABLE, period="day", since=datetime.now(UTC) - timedelta(days=1)
+                )
 
     # -- rules: producers ----------------------------------------------------------------------------------
 
@@ -458,15 +483,37 @@ class Scenario:
             self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 4))
         ]
         commit = self._commit_or_not()
+        # On the partitioned outbox, some events are yesterday's (their created_at picks the partition).
+        yesterday = self.yesterday_open and self.rng.random() < 0.4
+        extra = {"created_at": datetime.now(UTC) - timedelta(days=1)} if yesterday else {}
         with Session(self.engine) as s:
             s.begin()
             for p in planned:
                 assert p.aggregate is not None
-                s.add(OutboxEvent(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1],
-                                  event_type=p.event_type, payload=self._payload(p)))  # fmt: skip
-            s.flush()
+                s.add(self.Outbox(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1],
+                                  event_type=p.event_type, payload=self._payload(p), **extra))  # fmt: skip
+            try:
+                s.flush()
+            except DBAPIError as exc:
+                # maintain_partitions retired yesterday's partition (every row in it was finished): a row for
+                # it is refused, the whole transaction with it — nothing half-written
+                assert yesterday and "no partition of relation" in str(exc), exc
+                s.rollback()
+                self.yesterday_open = False
+                self.log.append(f"yesterday's partition is gone: {[p.seq for p in planned]} rolled back")
+                self._remember(planned, False)
+                return
             s.commit() if commit else s.rollback()
+        if yesterday and commit:
+            self.model.yesterday.update(p.seq for p in planned)
         self._remember(planned, commit)
+
+    def rule_maintain_partitions(self) -> None:
+        if not self.partitioned:
+            return
+        report = maintain_partitions(self.engine, self.Outbox, ahead=self.rng.randint(1, 3))
+        assert not report.errors, report.errors
+        self.log.append(f"maintain_partitions: retired {report.retired} kept {report.kept}")
 
     def rule_produce_emit(self) -> None:
         planned = [
@@ -475,7 +522,7 @@ class Scenario:
         commit = self._commit_or_not()
         with Session(self.engine) as s:
             s.begin()
-            emit(s, OutboxEvent, [(p.aggregate[0], p.aggregate[1], p.event_type, self._payload(p))
+            emit(s, self.Outbox, [(p.aggregate[0], p.aggregate[1], p.event_type, self._payload(p))
                                   for p in planned if p.aggregate])  # fmt: skip
             s.commit() if commit else s.rollback()
         self._remember(planned, commit)
@@ -489,11 +536,11 @@ class Scenario:
             self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 2))
         ]
         with Session(self.engine) as s, s.begin():
-            s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
+            s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
                                   payload=self._payload(p)) for p in outer if p.aggregate)  # fmt: skip
             s.flush()
             nested = s.begin_nested()
-            s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
+            s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
                                   payload=self._payload(p)) for p in inner if p.aggregate)  # fmt: skip
             s.flush()
             nested.rollback()
@@ -512,7 +559,7 @@ class Scenario:
             assert order is not None
             planned = [self._event(("order", str(order.id))) for _ in range(self.rng.randint(1, 3))]
             for p in planned:
-                s.add(OutboxEvent.for_aggregate(order, p.event_type, self._payload(p)))
+                s.add(self.Outbox.for_aggregate(order, p.event_type, self._payload(p)))
             order.status = f"v{planned[-1].seq}"
             s.flush()
             commit = self._commit_or_not()
@@ -535,7 +582,7 @@ class Scenario:
             try:
                 async with AsyncSession(aengine) as s:
                     await s.begin()
-                    s.add_all(OutboxEvent(aggregate_type="acct", aggregate_id=p.aggregate[1],
+                    s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1],
                                           event_type=p.event_type, payload=self._payload(p))
                               for p in planned if p.aggregate)  # fmt: skip
                     await s.flush()
@@ -623,13 +670,15 @@ class Scenario:
             batch=self.rng.choice((1, 3, 10)), ordered=set(ORDERED), lease=3.0, publish_timeout=0.4,
             enforce_publish_timeout=True, backoff=FAST, poll_interval=0.3, listen=self.rng.random() < 0.5,
         )  # fmt: skip
+        if self.partitioned and self.rng.random() < 0.5:
+            options["maintain_partitions"] = 0.5
         sync_publisher = not is_async or self.rng.random() < 0.3
         publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(self.record, self.outage)
         cls: Any = AsyncDispatcher if is_async else Dispatcher
         name = f"dispatcher-{next(self.names)}"
         self.log.append(f"start {name} async={is_async} sync_publisher={sync_publisher} {options}")
         self.dispatchers.append(
-            LoopThread(name, lambda e: cls(e, OutboxEvent, publisher, **options), is_async=is_async,
+            LoopThread(name, lambda e: cls(e, self.Outbox, publisher, **options), is_async=is_async,
                        engine=self.loop_engine, async_url=self.async_url).start()
         )  # fmt: skip
 
@@ -708,12 +757,12 @@ class Scenario:
     def rule_skip_dead(self) -> None:
         with self.engine.connect() as conn:
             dead = conn.execute(
-                select(OutboxEvent.id, OutboxEvent.payload).where(OutboxEvent.status == "dead")
+                select(self.Outbox.id, self.Outbox.payload).where(self.Outbox.status == "dead")
             ).all()
         if dead:
             row_id, payload = self.rng.choice(dead)
             position = len(self.record.snapshot())
-            if skip_dead(self.engine, OutboxEvent, ids=[row_id]):
+            if skip_dead(self.engine, self.Outbox, ids=[row_id]):
                 self.model.skipped[payload["seq"]] = position
                 self.log.append(f"skipped dead event seq {payload['seq']}")
 
@@ -757,6 +806,7 @@ class Scenario:
         ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
+        ("rule_maintain_partitions", 1),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------
@@ -787,6 +837,8 @@ class Scenario:
         finally:
             with self.engine.begin() as conn:
                 conn.execute(text("DROP TABLE model_effects"))
+                if self.partitioned:
+                    conn.execute(text(f"DROP TABLE {PARTITIONED_TABLE} CASCADE"))
             self.engine.dispose()
             self.loop_engine.dispose()
 
@@ -828,8 +880,8 @@ class Scenario:
         """Rows not finished, except ordered ones behind a dead row of their aggregate (F3)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(OutboxEvent.id, OutboxEvent.aggregate_type, OutboxEvent.aggregate_id, OutboxEvent.status,
-                       OutboxEvent.event_type).order_by(OutboxEvent.id)
+                select(self.Outbox.id, self.Outbox.aggregate_type, self.Outbox.aggregate_id, self.Outbox.status,
+                       self.Outbox.event_type).order_by(self.Outbox.id)
             ).all()  # fmt: skip
             jobs = conn.execute(select(Job.id, Job.status).where(Job.status.in_(("queued", "running")))).all()
         out = [f"job {j.id} {j.status}" for j in jobs]
@@ -847,8 +899,13 @@ class Scenario:
     def _aggregate_dump(self, aggregate: tuple[str, str], events: dict[int, Any]) -> str:
         return "; ".join(
             f"seq {s} {self.model.events[s].event_type} poison={self.model.events[s].poison} "
-            f"plan={self.model.events[s].plan} id={events[s].id} {events[s].status} att={events[s].attempts} "
-            f"err={(events[s].last_error or '')[-80:]!r}"
+            f"plan={self.model.events[s].plan} "
+            + (
+                f"id={events[s].id} {events[s].status} att={events[s].attempts} "
+                f"err={(events[s].last_error or '')[-80:]!r}"
+                if s in events
+                else "retired with its partition"
+            )
             for s in self.model.order[aggregate]
         )
 
@@ -922,17 +979,26 @@ class Scenario:
         delivered = {seq for kind, seq, _, action in rec if kind == "publish" and action == "ok"}
         handled_ok = {seq for kind, seq, _, action in rec if kind == "handle" and action == "ok"}
         with self.engine.connect() as conn:
-            events = {r.payload["seq"]: r for r in conn.execute(select(OutboxEvent))}
+            events = {r.payload["seq"]: r for r in conn.execute(select(self.Outbox))}
             jobs = {r.payload["seq"]: r for r in conn.execute(select(Job))}
         # F4
         assert not set(events) & self.model.rolled_back_events and not set(jobs) & self.model.rolled_back_jobs
-        assert set(events) == set(self.model.events) and set(jobs) == set(self.model.jobs)
+        assert set(jobs) == set(self.model.jobs)
+        # a committed event's row is missing only when its (yesterday's) partition was retired, and then it was
+        # finished: delivered, or skipped by the operator
+        retired = set(self.model.events) - set(events)
+        assert set(events) <= set(self.model.events) and retired <= self.model.yesterday, retired
+        assert not retired - delivered - set(self.model.skipped), (
+            retired - delivered - set(self.model.skipped)
+        )
         # F1, F2, F3
         for aggregate, seqs in self.model.order.items():
             blocked_by: int | None = None
             for seq in seqs:
-                p, row = self.model.events[seq], events[seq]
+                p, row = self.model.events[seq], events.get(seq)
                 in_scope = p.event_type in ORDERED
+                if row is None:  # retired with its partition: finished (checked above)
+                    continue
                 dump = self._aggregate_dump(aggregate, events)
                 if in_scope and blocked_by is not None:
                     assert row.status == "pending", f"{seq} should wait behind dead {blocked_by}: {dump}"
