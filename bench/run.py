@@ -44,6 +44,7 @@ SCENARIOS = {
     "steady": "latency:scenario_steady",
     "bulk": "unique_bulk:scenario_bulk",
     "unique": "unique_bulk:scenario_unique",
+    "limits": "limits:scenario_limits",
     "pgbouncer": "pgbouncer:scenario_pgbouncer",
 }
 #: Modes run only when asked for (``--memory``, ``--profile``, or by name in ``--scenarios``).

@@ -742,6 +742,22 @@ def _limit_key(spec: QueueSpec, per_key: bool, table: Any = None) -> Any:
     return c.concurrency_key if per_key else literal("", Text)
 
 
+def _limit_lock(key: Any) -> Any:
+    """The advisory lock id of a limited queue's key (``''`` for a limit on the whole queue)."""
+    return func.hashtextextended(
+        func.concat("sa_outbox.limit:", bindparam("queue_name", type_=Text), ":", key), 0
+    )
+
+
+@cache
+def queue_limit_lock_statement() -> Any:
+    """Wait for the lock of a queue limited as a whole (its one key, ``''``), before the pick: claimers of
+    such a queue take turns — each holds it for a two-statement transaction — instead of finding it taken,
+    claiming nothing and sleeping a poll interval (which made a never-binding ``Limit(1000)`` drain at 0.21×
+    the unlimited rate with four workers). Re-entrant: the pick's ``pg_try_advisory_xact_lock`` then gets it."""
+    return select(func.pg_advisory_xact_lock(_limit_lock(literal("", Text))))
+
+
 @cache
 def limited_pick_statement(spec: QueueSpec, *, per_key: bool) -> Select[Any]:
     """First statement of a limited queue's claim transaction: up to ``:batch`` due jobs of ``:queue_name`` in
@@ -781,13 +797,7 @@ def limited_pick_statement(spec: QueueSpec, *, per_key: bool) -> Select[Any]:
         .prefix_with("MATERIALIZED")
     )
     keys = select(picked.c.key).distinct().order_by(picked.c.key).subquery("keys")
-    locked = select(keys.c.key).where(
-        func.pg_try_advisory_xact_lock(
-            func.hashtextextended(
-                func.concat("sa_outbox.limit:", bindparam("queue_name", type_=Text), ":", keys.c.key), 0
-            )
-        )
-    )
+    locked = select(keys.c.key).where(func.pg_try_advisory_xact_lock(_limit_lock(keys.c.key)))
     return (
         select(picked.c.id, picked.c.key)
         .where(picked.c.key == any_(func.array(locked.scalar_subquery())))
@@ -826,8 +836,9 @@ def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> An
     room: Any = case((n.is_(None), big), else_=n - busy)
     if rate:
         starts = starts_table(t)
-        recent = (
-            select(func.count())
+        # At most rate_count index entries are read: past that the key has no room, however many there are.
+        in_window = (
+            select(literal(1, Integer).label("one"))
             .select_from(starts)
             .where(
                 starts.c.queue == bindparam("queue_name", type_=Text),
@@ -835,8 +846,10 @@ def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> An
                 starts.c.at
                 > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
             )
-            .scalar_subquery()
+            .limit(bindparam("rate_count", type_=Integer))
+            .subquery("in_window")
         )
+        recent = select(func.count()).select_from(in_window).scalar_subquery()
         room = func.least(room, bindparam("rate_count", type_=Integer) - recent)
     allow = select(distinct_keys.c.key, room.label("room")).cte("allow")
     ranked = select(
