@@ -290,6 +290,7 @@ def maintain_partitions(
             f"{table.fullname}: cannot tell its partition period (no bounded partition): pass period="
         )
     _finalize_interrupted(conn, table, parts, report)
+    _resume_retiring(conn, spec, keep_dead=keep_dead, report=report)
     _create_ahead(conn, table, parts, period, ahead, report)
     _retire(conn, spec, parts, archive=archive, keep_dead=keep_dead, report=report)
     return report
@@ -405,28 +406,72 @@ def _retire(
             if counts is not None:
                 report.kept[p.name] = counts
                 continue
+            # Marked first: should this process die once the detach has completed on the server, the next
+            # run finds the detached table by its comment, counts again and attaches or finishes it.
+            mode = "archive" if archive else "drop"
+            marker = f"{_sql.RETIRING}{mode}|{p.lower.isoformat()}|{p.upper.isoformat()}|{table.fullname}"
+            conn.execute(text(_sql.comment_table_ddl(prep, p.name, p.schema, marker)))
             conn.execute(text(_sql.detach_partition_ddl(prep, table, p.name, mode="concurrently")))
             # Detached: every transaction that could still write into it has ended. Count again.
-            counts = _held(conn, spec, part, keep_dead)
-            if counts is not None:
-                conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
-                report.kept[p.name] = counts
-                log.warning(
-                    "partition %s of %s got unfinished rows while it was being retired: attached again",
-                    p.name, table.fullname, extra={"table": table.fullname, "partition": p.name, **counts},
-                )  # fmt: skip
-                continue
-            if archive:
-                report.archived.append(p.name)
-                log.info("archived partition %s of %s (detached, kept as a table)", p.name, table.fullname,
-                         extra={"table": table.fullname, "partition": p.name})  # fmt: skip
-            else:
-                conn.execute(text(_sql.drop_partition_ddl(prep, p.name, p.schema)))
-                report.retired.append(p.name)
-                log.info("retired partition %s of %s", p.name, table.fullname,
-                         extra={"table": table.fullname, "partition": p.name})  # fmt: skip
+            _settle_detached(conn, spec, p.name, p.lower, p.upper, archive=archive, keep_dead=keep_dead,
+                             report=report)  # fmt: skip
         except DBAPIError as exc:
             report.errors.append(f"{p.name}: could not retire it: {_one_line(exc)}")
+
+
+def _settle_detached(
+    conn: Connection, spec: _sql.QueueSpec, name: str, lower: datetime, upper: datetime, *, archive: bool,
+    keep_dead: bool, report: PartitionReport,
+) -> None:  # fmt: skip
+    """The second half of a retire, on a partition detached from ``spec``'s table: attach it again if rows in it
+    are unfinished (or dead, with ``keep_dead``), else drop it (or keep it as a table, ``archive``)."""
+    table = spec.table
+    prep = conn.dialect.identifier_preparer
+    counts = _held(conn, spec, _sql.partition_table(name, table.schema), keep_dead)
+    if counts is not None:
+        conn.execute(text(_sql.attach_partition_ddl(prep, table, name, lower, upper)))
+        conn.execute(text(_sql.comment_table_ddl(prep, name, table.schema, None)))
+        report.kept[name] = counts
+        log.warning(
+            "partition %s of %s got unfinished rows while it was being retired: attached again",
+            name, table.fullname, extra={"table": table.fullname, "partition": name, **counts},
+        )  # fmt: skip
+        return
+    if archive:
+        conn.execute(
+            text(_sql.comment_table_ddl(prep, name, table.schema, f"sa_outbox:archived:{table.fullname}"))
+        )
+        report.archived.append(name)
+        log.info("archived partition %s of %s (detached, kept as a table)", name, table.fullname,
+                 extra={"table": table.fullname, "partition": name})  # fmt: skip
+    else:
+        conn.execute(text(_sql.drop_partition_ddl(prep, name, table.schema)))
+        report.retired.append(name)
+        log.info("retired partition %s of %s", name, table.fullname,
+                 extra={"table": table.fullname, "partition": name})  # fmt: skip
+
+
+def _resume_retiring(
+    conn: Connection, spec: _sql.QueueSpec, *, keep_dead: bool, report: PartitionReport
+) -> None:
+    """Finish the retires a process left half done: a partition detached (``DETACH … CONCURRENTLY`` completes
+    on the server even when its client is gone) but neither counted again nor dropped. Its rows may include a
+    late producer's unfinished ones, which only an attached partition lets the loops see."""
+    table = spec.table
+    prefix = f"{_sql.RETIRING}"
+    rows = conn.execute(_sql.RETIRING_TABLES, {"schema": table.schema or "public", "prefix": prefix}).all()
+    for name, comment in rows:
+        fields = comment[len(prefix) :].split("|", 3)
+        if len(fields) != 4 or fields[3] != table.fullname:
+            continue  # another table's
+        mode, lower_text, upper_text, _ = fields
+        try:
+            _settle_detached(
+                conn, spec, name, datetime.fromisoformat(lower_text), datetime.fromisoformat(upper_text),
+                archive=mode == "archive", keep_dead=keep_dead, report=report,
+            )  # fmt: skip
+        except (DBAPIError, ValueError) as exc:
+            report.errors.append(f"{name}: could not finish its interrupted retire: {_one_line(exc)}")
 
 
 def _held(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool) -> dict[str, int] | None:

@@ -990,3 +990,34 @@ def attach_partition_ddl(preparer: Any, parent: Table, name: str, lower: Any, up
 
 def drop_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
     return f"DROP TABLE {qualified_name(preparer, name, schema)}"
+
+
+#: The comment a partition carries while it is being retired (``sa_outbox:retiring:<mode>|<lower>|<upper>|<parent>``):
+#: should the retiring process die after ``DETACH … CONCURRENTLY`` completed on the server (a SIGTERM'd loop
+#: does not wait for its maintenance thread), the next run finds the detached table by it and finishes the job.
+RETIRING = "sa_outbox:retiring:"
+
+
+def comment_table_ddl(preparer: Any, name: str, schema: str | None, comment: str | None) -> str:
+    """``COMMENT ON TABLE`` (the comment rendered as a string literal by the dialect; None removes it)."""
+    if comment is None:
+        value = "NULL"
+    else:
+        value = str(
+            literal(comment, Text).compile(dialect=preparer.dialect, compile_kwargs={"literal_binds": True})
+        )
+    return f"COMMENT ON TABLE {qualified_name(preparer, name, schema)} IS {value}"
+
+
+#: Detached tables (not partitions of anything) whose comment says they were being retired from ``:parent``.
+RETIRING_TABLES = text(
+    """
+    SELECT c.relname, d.description
+      FROM pg_class c
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+      JOIN pg_description d ON d.objoid = c.oid AND d.classoid = 'pg_class'::regclass AND d.objsubid = 0
+     WHERE c.relkind = 'r' AND NOT c.relispartition AND n.nspname = :schema
+       AND starts_with(d.description, :prefix)
+     ORDER BY c.relname
+    """
+)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +46,7 @@ from sa_outbox.migration import create_partitions, storage_parameters_sql
 from sa_outbox.models import JobSchedule
 from sa_outbox.testing import RecordingPublisher
 
+from .conftest import ROOT
 from .test_explain import nodes, scans
 from .test_generic_plans import generic_plan
 
@@ -400,6 +404,63 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     assert name in names(pengine, PEvent)
     with pengine.connect() as conn:
         assert conn.execute(select(PEvent.status).where(PEvent.id == row_id)).scalar_one() == "pending"
+
+
+def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
+    pengine: Engine, db_url: URL
+) -> None:
+    """The maintaining process is killed (-9) while its DETACH … CONCURRENTLY waits for a late producer; the
+    server completes the detach once the producer commits, so the producer's pending row sits in a table that
+    is no partition any more. The next run finds it by its mark, counts again and attaches it back: the row is
+    delivered. (Before the mark, the row was orphaned: no later run, status or doctor saw it.)"""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 2, created_at=start, status="done")
+    producer = pengine.connect()
+    tx = producer.begin()
+    producer.execute(
+        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
+                              created_at=start)
+    )  # fmt: skip
+    code = (
+        "from sqlalchemy import create_engine\n"
+        "from sa_outbox import maintain_partitions\n"
+        "from tests.test_partitions import PEvent\n"
+        f"maintain_partitions(create_engine({db_url.render_as_string(hide_password=False)!r}), PEvent)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    maintainer = subprocess.Popen([sys.executable, "-c", code], env=env)
+    detached = False
+    try:
+        deadline = time.monotonic() + 30
+        with pengine.connect() as watcher:
+            while time.monotonic() < deadline:
+                waiting = watcher.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
+                        "AND wait_event_type = 'Lock'"
+                    )
+                ).scalar_one()
+                watcher.rollback()
+                if waiting:
+                    break
+                time.sleep(0.05)
+        assert waiting, "the maintainer never reached its DETACH"
+        maintainer.kill()
+        maintainer.wait(10)
+    finally:
+        tx.commit()
+        producer.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not detached:  # the server finishes the detach on its own
+        detached = name not in names(pengine, PEvent)
+        time.sleep(0.05)
+    assert detached, "the detach did not complete on the server"
+    report = maintain_partitions(pengine, PEvent)
+    assert report.kept == {name: {"unfinished": 1, "dead": 0}} and not report.errors, report
+    assert name in names(pengine, PEvent)
+    pub = RecordingPublisher()
+    Dispatcher(pengine, PEvent, pub, listen=False).run_once()
+    assert [m.event_type for m in pub.messages] == ["Late"]
 
 
 def test_concurrent_producers_lose_nothing_while_maintain_retires(pengine: Engine) -> None:
