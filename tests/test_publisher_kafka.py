@@ -33,6 +33,7 @@ from sa_outbox import DestinationUnavailable, Dispatcher, Message, PermanentErro
 from sa_outbox.errors import ConfigurationError
 from sa_outbox.inbox import message_id_from_kafka
 from sa_outbox.models import OutboxEvent
+from sa_outbox.publishers import kafka as kafka_publisher
 from sa_outbox.publishers.kafka import KafkaPublisher, KafkaRecord
 from sa_outbox.testing import drain
 
@@ -77,6 +78,7 @@ def _librdkafka() -> ctypes.CDLL:
         "rd_kafka_mock_broker_set_down": (ctypes.c_int, [vp, i32]),
         "rd_kafka_mock_broker_set_up": (ctypes.c_int, [vp, i32]),
         "rd_kafka_mock_broker_set_rtt": (ctypes.c_int, [vp, i32, ctypes.c_int]),
+        "rd_kafka_mock_partition_set_leader": (ctypes.c_int, [vp, ctypes.c_char_p, i32, i32]),
         "rd_kafka_mock_topic_create": (ctypes.c_int, [vp, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]),
         "rd_kafka_mock_topic_set_error": (None, [vp, ctypes.c_char_p, ctypes.c_int]),
         "rd_kafka_mock_push_request_errors_array": (None, [vp, i16, ctypes.c_size_t, ctypes.POINTER(ctypes.c_int)]),
@@ -111,6 +113,14 @@ class MockKafka:
         """Every broker disconnects its clients and refuses new connections."""
         for b in range(1, self.brokers + 1):
             assert self.lib.rd_kafka_mock_broker_set_down(self._cluster, b) == 0
+
+    def leader(self, topic: str, partition: int, broker: int) -> None:
+        assert (
+            self.lib.rd_kafka_mock_partition_set_leader(self._cluster, topic.encode(), partition, broker) == 0
+        )
+
+    def broker_down(self, broker: int) -> None:
+        assert self.lib.rd_kafka_mock_broker_set_down(self._cluster, broker) == 0
 
     def all_up(self) -> None:
         for b in range(1, self.brokers + 1):
@@ -455,6 +465,41 @@ def test_an_outage_longer_than_the_retry_budget_kills_nothing_and_keeps_order(
         if int(r.value["message_id"]) not in ids:  # a timed-out publish may have gone out twice
             ids.append(int(r.value["message_id"]))
     assert by_aggregate == {a: [k + 1, k + 5, k + 9] for k, a in enumerate(aggregates)}
+
+
+def test_one_unreachable_partition_leader_spends_attempts_once_the_grace_is_over(
+    kafka: MockKafka, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost broker connection counts as an outage (attempt refunded) only for a grace period: a partition
+    whose leader stays unreachable while the other brokers answer is this message's failure, which must spend
+    attempts and end dead, not be refunded forever with the circuit held open (hostile review)."""
+    monkeypatch.setattr(kafka_publisher, "_DROP_GRACE", 1.0)
+    kafka.create_topic("one-leader", 1)
+    kafka.leader("one-leader", 0, 1)
+    pub = KafkaPublisher(kafka.bootstraps, topic="one-leader", timeout=0.5)
+    connected(pub, message(1))
+    kafka.broker_down(1)  # the partition's leader; brokers 2 and 3 stay up
+    first = pub.publish_many([message(2)])[0]  # within the grace: refunded, or a plain retry
+    time.sleep(1.5)
+    later = [pub.publish_many([message(i)])[0] for i in (3, 4)]
+    pub.close()
+    assert isinstance(first, RetryableError), first
+    assert [type(r) for r in later] == [RetryableError, RetryableError], later
+
+
+def test_a_lost_connection_counts_as_an_outage_only_for_the_grace(
+    kafka: MockKafka, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The classification itself, on librdkafka's own error values: after a _TRANSPORT error with no broker
+    answering since, an unreported message is an outage for _DROP_GRACE, then this message's failure."""
+    monkeypatch.setattr(kafka_publisher, "_DROP_GRACE", 0.3)
+    pub = KafkaPublisher(kafka.bootstraps, topic="grace", timeout=0.5)
+    connected(pub, message(1))  # a broker answered: up
+    pub._on_error(KafkaError(KafkaError._TRANSPORT))
+    assert type(pub._unreported()) is DestinationUnavailable
+    time.sleep(0.4)
+    assert type(pub._unreported()) is RetryableError  # it was sticky: refunded forever
+    pub.close()
 
 
 def test_slow_cluster_is_retryable_and_bounded_by_one_deadline_for_the_batch(kafka: MockKafka) -> None:

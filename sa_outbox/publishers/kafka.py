@@ -103,6 +103,10 @@ _NO_BROKER = frozenset(
     {KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE, KafkaError._SSL, KafkaError._AUTHENTICATION}
 )
 _NO_ANSWER = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError._TIMED_OUT})
+#: How long after a lost broker connection (with no answer from any broker since) an unreported message still
+#: counts as an outage: long enough for librdkafka to conclude that every broker is down, short enough that a
+#: single unreachable partition leader does not refund a message's attempts forever.
+_DROP_GRACE = 30.0
 _UNKNOWN_TOPIC = frozenset({KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC})
 
 # Settings the publisher owns: its guarantees rest on them.
@@ -220,9 +224,11 @@ class KafkaPublisher:
         self._producer: Any = None  # confluent_kafka.Producer; Any: the extra admits releases without stubs
         self._up = False  # a broker answered since the last time all of them were down
         self._last_error = ""  # the latest connection-level error, for the failure's text
-        # A broker connection was lost (_TRANSPORT) and no broker has answered since: librdkafka reports that
-        # before it concludes _ALL_BROKERS_DOWN (which, on a loaded machine, can come after the deadline).
-        self._dropped = False
+        # When a broker connection was lost (_TRANSPORT) with no broker answering since: librdkafka reports
+        # that before it concludes _ALL_BROKERS_DOWN (which, on a loaded machine, can come after the deadline).
+        # It counts as an outage only for _DROP_GRACE: one broker that stays unreachable while the others are
+        # up (a partition whose leader is gone) must spend attempts, not be refunded forever.
+        self._dropped_at: float | None = None
         self._current()  # a bad setting fails here, as a ConfigurationError
 
     def _settings(self, user: dict[str, Any]) -> dict[str, Any]:
@@ -299,8 +305,8 @@ class KafkaPublisher:
             self._last_error = f"{err.name()}: {err.str()}"
         if code in _NO_BROKER:
             self._up = False
-        if code == KafkaError._TRANSPORT:
-            self._dropped = True
+        if code == KafkaError._TRANSPORT and self._dropped_at is None:
+            self._dropped_at = time.monotonic()
 
     # --- the record ---------------------------------------------------------------------------------------
 
@@ -427,11 +433,11 @@ class KafkaPublisher:
 
     def _delivered(self, batch: _Batch, index: int, topic: str, err: Any, _msg: Any) -> None:
         if err is None:
-            self._up, self._dropped = True, False
+            self._up, self._dropped_at = True, None
             batch.settle(index, None)
             return
         if err.code() >= 0 or err.code() in _UNKNOWN_TOPIC:  # a broker answered (metadata, for a topic)
-            self._up, self._dropped = True, False
+            self._up, self._dropped_at = True, None
         batch.settle(index, self._failure(err, topic))
 
     def _failure(self, err: Any, topic: str) -> BaseException:
@@ -451,7 +457,8 @@ class KafkaPublisher:
 
     def _unreported(self) -> BaseException:
         """A message with no delivery report by the deadline (or timed out inside librdkafka)."""
-        if not self._up or self._dropped:
+        dropped = self._dropped_at is not None and time.monotonic() - self._dropped_at < _DROP_GRACE
+        if not self._up or dropped:
             last = f" (last error: {self._last_error})" if self._last_error else ""
             return DestinationUnavailable(
                 f"no Kafka broker reachable at {self.bootstrap_servers} within {self.timeout:g}s{last}"
