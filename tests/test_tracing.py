@@ -347,7 +347,9 @@ def test_without_a_tracer_provider_a_job_still_passes_its_trace_context_on(
 ) -> None:
     """OpenTelemetry installed, no provider configured (a process of its own: this module sets a global one).
     The loops then skip the spans of jobs without trace headers (they would record nothing), while a job that
-    carries a traceparent still runs inside that context, so what its handler sends stays in the trace."""
+    carries a traceparent still runs inside that context, so what its handler sends stays in the trace; and a
+    message's traceparent goes out unchanged, also on a retry (whose non-recording span used to make inject()
+    drop it: hostile review)."""
     code = f"""
 import json
 from opentelemetry import trace
@@ -366,12 +368,26 @@ def handler(job):
     seen[job.payload["n"]] = format(trace.get_current_span().get_span_context().trace_id, "032x")
 worker = Worker(engine, Job, {{"seen": handler}}, queues=["noprovider"], listen=False)
 worker.run(install_signal_handlers=False, until_idle=True)
+# a retried message (its span links to the producer instead of continuing the trace) keeps its traceparent
+from datetime import UTC, datetime
+from sa_outbox import Message, _tracing
+tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+for attempt in (1, 3):
+    m = Message(1, "1", "o", "1", "E", {{}}, attempt, 1, datetime.now(UTC), headers={{"traceparent": tp}})
+    with _tracing.publish_span(m, system="s", destination="d"):
+        seen[f"publish {{attempt}}"] = _tracing.inject(dict(m.headers), m).get("traceparent")
+    with _tracing.publish_spans([m], system="s", destination="d"):
+        seen[f"publish_many {{attempt}}"] = _tracing.inject(dict(m.headers), m).get("traceparent")
 print(json.dumps(seen))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout) == {"1": "0" * 32, "2": "0af7651916cd43dd8448eb211c80319c"}
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert json.loads(out.stdout) == {
+        "1": "0" * 32, "2": "0af7651916cd43dd8448eb211c80319c",
+        "publish 1": tp, "publish_many 1": tp, "publish 3": tp, "publish_many 3": tp,
+    }  # fmt: skip
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM jobs WHERE queue = 'noprovider'"))
 
