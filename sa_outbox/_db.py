@@ -28,6 +28,11 @@ T = TypeVar("T")
 _SCHEMA_SQLSTATES = frozenset({"42P01", "42703"})
 
 
+def is_schema_error(exc: ProgrammingError) -> bool:
+    """Whether ``exc`` says a table or column is missing (not, say, that permission was denied)."""
+    return getattr(exc.orig, "sqlstate", None) in _SCHEMA_SQLSTATES
+
+
 def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
     if getattr(exc.orig, "sqlstate", None) in _SCHEMA_SQLSTATES:
         return SchemaError(

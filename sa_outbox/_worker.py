@@ -49,7 +49,7 @@ from tenacity import AsyncRetrying, Retrying
 from . import _steps, _tracing
 from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
-from ._db import AsyncLoopConnection, LoopConnection
+from ._db import AsyncLoopConnection, LoopConnection, is_schema_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
 from ._messages import CancelToken, ClaimedJob
@@ -339,6 +339,7 @@ class WorkerBase(LoopBase):
         self._session_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
         self._paused: set[str] = set()
+        self._warned: dict[str, str] = {}  # maintenance step -> the last failure logged (_warn_once)
         self._pause_table: Table | None = queue_table(self.spec.table)
         self._threads = CallThreads("sa_outbox-handler")
         #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
@@ -406,12 +407,16 @@ class WorkerBase(LoopBase):
         if self.schedules is not None:
             try:
                 fired = fire_due_schedules(conn, self.schedules, self.model, limit=100)
-            except ProgrammingError as exc:  # no schedules table (yet): this worker cannot fire them
-                log.warning(
-                    "schedules table of %s is missing (%s): not firing schedules until it is created "
-                    "(run the migration)", self.schedules.__name__, getattr(exc, "orig", exc),
-                )  # fmt: skip
-                self.schedules = None
+            except ProgrammingError as exc:
+                if is_schema_error(exc):  # no schedules table (yet): this worker cannot fire them
+                    log.warning(
+                        "schedules table of %s is missing (%s): not firing schedules until it is created "
+                        "(run the migration)", self.schedules.__name__, getattr(exc, "orig", exc),
+                    )  # fmt: skip
+                    self.schedules = None
+                else:  # e.g. permission denied: named, and tried again at the next step
+                    self._warn_once("schedules", f"cannot fire the schedules of {self.schedules.__name__}: "
+                                    f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
             else:
                 if fired:
                     log.info("fired %d scheduled job(s)", fired, extra={"jobs": fired})
@@ -426,18 +431,28 @@ class WorkerBase(LoopBase):
                     )
                 ).scalars()
             )
-        except ProgrammingError as exc:  # no <jobs>_queues table: this database cannot pause queues
-            log.warning(
-                "queue table %s is missing (%s): pausing queues is unavailable until it is created "
-                "(run the migration)", table.fullname, getattr(exc, "orig", exc),
-            )  # fmt: skip
-            self._pause_table = None
+        except ProgrammingError as exc:
+            if is_schema_error(exc):  # no <jobs>_queues table: this database cannot pause queues
+                log.warning(
+                    "queue table %s is missing (%s): pausing queues is unavailable until it is created "
+                    "(run the migration)", table.fullname, getattr(exc, "orig", exc),
+                )  # fmt: skip
+                self._pause_table = None
+            else:  # e.g. permission denied: named, and tried again at the next step
+                self._warn_once("queues", f"cannot read which queues are paused from {table.fullname}: "
+                                f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
             return
         for name in paused - self._paused:
             log.info("queue %r paused: not claiming it", name, extra={"queue": name})
         for name in self._paused - paused:
             log.info("queue %r resumed", name, extra={"queue": name})
         self._paused = paused
+
+    def _warn_once(self, what: str, message: str) -> None:
+        """A WARNING the first time ``what`` fails with ``message`` (the maintenance step runs every second)."""
+        if self._warned.get(what) != message:
+            self._warned[what] = message
+            log.warning("%s", message, extra={"step": what})
 
     def _finalize_window(self) -> float:
         return max(self.stale_after.total_seconds(), 1.0)
