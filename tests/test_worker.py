@@ -188,6 +188,35 @@ def test_heartbeat_keeps_a_long_job_from_being_reaped(engine: Engine) -> None:
     assert w.stats.lost_leases == 0
 
 
+def test_a_lost_lease_is_reported_by_the_second_beat_that_cannot_renew_it(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One beat that cannot renew a job may have raced the job's own finalize (committed, not yet released):
+    no warning. A second one in a row means the job was taken away: warned, once per two beats."""
+    seed_jobs(engine, 1, task="held")
+    inside, release = threading.Event(), threading.Event()
+
+    def held(job: ClaimedJob) -> None:
+        inside.set()
+        release.wait(10)
+
+    w = worker(engine, {"held": held})
+    t = threading.Thread(target=w.run_once)
+    t.start()
+    try:
+        assert inside.wait(10)
+        with engine.begin() as conn:  # another worker reaped and re-claimed it
+            conn.execute(text("UPDATE jobs SET lease_version = lease_version + 1 WHERE id = 1"))
+        w.beat_once()
+        assert not [r for r in caplog.records if "no longer ours" in r.getMessage()]
+        w.beat_once()
+        lost = [r for r in caplog.records if "no longer ours" in r.getMessage()]
+        assert len(lost) == 1 and "job 1 version 1" in lost[0].getMessage()
+    finally:
+        release.set()
+        t.join(10)
+
+
 def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
     seed_jobs(engine, 2, task="perm", queue="mail")
     seed_jobs(engine, 1, task="other")
