@@ -217,6 +217,40 @@ def test_a_lost_lease_is_reported_by_the_second_beat_that_cannot_renew_it(
         t.join(10)
 
 
+def test_a_beat_never_waits_for_a_row_lock_and_so_cannot_deadlock_with_a_finalize(engine: Engine) -> None:
+    """The heartbeat skips rows locked right now (SKIP LOCKED) instead of waiting: it used to wait, and the
+    worker's own finalize writing the same rows in another order deadlocked with it (the 1M-job memory run)."""
+    seed_jobs(engine, 2, task="held")
+    inside, release = threading.Event(), threading.Event()
+
+    def held(job: ClaimedJob) -> None:
+        inside.set()
+        release.wait(10)
+
+    w = worker(engine, {"held": held}, concurrency=2)
+    t = threading.Thread(target=w.run_once)
+    t.start()
+    locker = engine.connect()
+    try:
+        assert inside.wait(10)
+        locker.begin()
+        locker.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))  # as a finalize in flight would
+        with engine.connect() as conn:
+            before = dict(conn.execute(text("SELECT id, locked_at FROM jobs")).all())
+        beat = threading.Thread(target=w.beat_once)
+        beat.start()
+        beat.join(10)
+        assert not beat.is_alive(), "the beat waited for the row lock"
+        with engine.connect() as conn:
+            after = dict(conn.execute(text("SELECT id, locked_at FROM jobs")).all())
+        assert after[1] == before[1] and after[2] > before[2]  # the locked row is left for the next beat
+    finally:
+        locker.rollback()
+        locker.close()
+        release.set()
+        t.join(10)
+
+
 def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
     seed_jobs(engine, 2, task="perm", queue="mail")
     seed_jobs(engine, 1, task="other")
