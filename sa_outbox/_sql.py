@@ -763,15 +763,6 @@ def _limit_lock(key: Any) -> Any:
 
 
 @cache
-def queue_limit_lock_statement() -> Any:
-    """Wait for the lock of a queue limited as a whole (its one key, ``''``), before the pick: claimers of
-    such a queue take turns — each holds it for a two-statement transaction — instead of finding it taken,
-    claiming nothing and sleeping a poll interval (which made a never-binding ``Limit(1000)`` drain at 0.21×
-    the unlimited rate with four workers). Re-entrant: the pick's ``pg_try_advisory_xact_lock`` then gets it."""
-    return select(func.pg_advisory_xact_lock(_limit_lock(literal("", Text))))
-
-
-@cache
 def limited_pick_statement(spec: QueueSpec, *, per_key: bool) -> Select[Any]:
     """First statement of a limited queue's claim transaction: up to ``:batch`` due jobs of ``:queue_name`` in
     claim order, locked (``FOR NO KEY UPDATE SKIP LOCKED``), skipping keys whose running jobs already reach
@@ -810,7 +801,17 @@ def limited_pick_statement(spec: QueueSpec, *, per_key: bool) -> Select[Any]:
         .prefix_with("MATERIALIZED")
     )
     keys = select(picked.c.key).distinct().order_by(picked.c.key).subquery("keys")
-    locked = select(keys.c.key).where(func.pg_try_advisory_xact_lock(_limit_lock(keys.c.key)))
+    if per_key:
+        locked = select(keys.c.key).where(func.pg_try_advisory_xact_lock(_limit_lock(keys.c.key)))
+    else:
+        # A queue limited as a whole has one key: its claimers wait for its lock, taking turns for a moment,
+        # instead of finding it taken, claiming nothing and sleeping a poll interval (a never-binding
+        # Limit(1000) drained at 0.21x the unlimited rate with four workers). Only when there is something to
+        # claim: an idle poll takes no lock. The lock function is volatile, so the column is always evaluated.
+        waited = select(keys.c.key, func.pg_advisory_xact_lock(_limit_lock(keys.c.key)).label("w")).subquery(
+            "w"
+        )
+        locked = select(waited.c.key)
     return (
         select(picked.c.id, picked.c.key)
         .where(picked.c.key == any_(func.array(locked.scalar_subquery())))

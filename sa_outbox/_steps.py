@@ -241,8 +241,6 @@ def claim_limited(
     :func:`claim` returns them."""
     per_key, rate = limit.per_key, limit.rate_count is not None
     with transaction(conn):
-        if not per_key:
-            run(conn, _sql.queue_limit_lock_statement(), {"queue_name": queue})
         picked = run(
             conn,
             _sql.limited_pick_statement(spec, per_key=per_key),

@@ -671,7 +671,7 @@ class Scenario:
             enforce_publish_timeout=True, backoff=FAST, poll_interval=0.3, listen=self.rng.random() < 0.5,
         )  # fmt: skip
         if self.partitioned and self.rng.random() < 0.5:
-            options["maintain_partitions"] = 0.5
+            options["maintain_partitions"] = 1.5  # a few statements each time: F5 counts them
         sync_publisher = not is_async or self.rng.random() < 0.3
         publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(self.record, self.outage)
         cls: Any = AsyncDispatcher if is_async else Dispatcher
