@@ -703,11 +703,9 @@ def update_jobs_statement(spec: QueueSpec, statuses: list[str], values: dict[str
     )
 
 
-def queue_table(jobs: Table) -> Table:
-    """The table that holds the state of each queue of ``jobs`` (paused or not): ``<jobs>_queues``. It lives in
-    the database so that a pause survives restarts and reaches every worker on every host (behind PgBouncer
-    too); workers read it at most once a second."""
-    name = f"{jobs.name}_queues"
+def _sibling(jobs: Table, suffix: str, kind: str, *items: Any) -> Table:
+    """A table that belongs to ``jobs`` (``<jobs>_<suffix>``) on the same metadata, made once."""
+    name = f"{jobs.name}_{suffix}"
     key = f"{jobs.schema}.{name}" if jobs.schema else name
     existing = jobs.metadata.tables.get(key)
     if existing is not None:
@@ -715,13 +713,24 @@ def queue_table(jobs: Table) -> Table:
     return Table(
         name,
         jobs.metadata,
+        *items,
+        schema=jobs.schema,
+        info={"sa_outbox_kind": kind, "sa_outbox_jobs": jobs.name},
+    )
+
+
+def queue_table(jobs: Table) -> Table:
+    """The table that holds the state of each queue of ``jobs`` (paused or not): ``<jobs>_queues``. It lives in
+    the database so that a pause survives restarts and reaches every worker on every host (behind PgBouncer
+    too); workers read it at most once a second."""
+    name = f"{jobs.name}_queues"
+    return _sibling(
+        jobs, "queues", "queues",
         Column("queue", Text, nullable=False),
         Column("paused_at", DateTime(timezone=True)),
         Column("paused_by", Text),
         PrimaryKeyConstraint("queue", name=conv(f"pk_{name}")),
-        schema=jobs.schema,
-        info={"sa_outbox_kind": "queues", "sa_outbox_jobs": jobs.name},
-    )
+    )  # fmt: skip
 
 
 def starts_table(jobs: Table) -> Table:
@@ -729,22 +738,15 @@ def starts_table(jobs: Table) -> Table:
     when the limit is per key). The claim of a rate-limited queue counts the rows of its window and adds its
     own in the same transaction; the maintenance step deletes rows older than the window."""
     name = f"{jobs.name}_starts"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    existing = jobs.metadata.tables.get(key)
-    if existing is not None:
-        return existing
-    return Table(
-        name,
-        jobs.metadata,
+    return _sibling(
+        jobs, "starts", "starts",
         Column("id", BigInteger, Identity(always=True), nullable=False),
         Column("queue", Text, nullable=False),
         Column("key", Text, nullable=False),
         Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
         PrimaryKeyConstraint("id", name=conv(f"pk_{name}")),
         Index(conv(f"ix_{name}_window"), "queue", "key", "at"),
-        schema=jobs.schema,
-        info={"sa_outbox_kind": "starts", "sa_outbox_jobs": jobs.name},
-    )
+    )  # fmt: skip
 
 
 # --- limited queues: concurrency and rate limits enforced from the rows -------------------------------------
