@@ -385,6 +385,11 @@ def _outcome_rows(spec: QueueSpec) -> Any:
     return func.unnest(*arrays).table_valued(*columns).render_derived(name="outcome")
 
 
+def _ids_initplan() -> Any:
+    """``:ids`` through an InitPlan, a value the planner cannot see (why: :func:`_fenced`)."""
+    return sa_cast(select(bindparam("ids", type_=ARRAY(BigInteger))).scalar_subquery(), ARRAY(BigInteger))
+
+
 def _fenced(
     spec: QueueSpec, ids: ColumnElement[Any], versions: ColumnElement[Any]
 ) -> list[ColumnElement[bool]]:
@@ -402,11 +407,8 @@ def _fenced(
       planned again (half of the server's CPU per job).
     """
     c = spec.c
-    ids_param = sa_cast(
-        select(bindparam("ids", type_=ARRAY(BigInteger))).scalar_subquery(), ARRAY(BigInteger)
-    )
     return [
-        c.id == any_(ids_param),
+        c.id == any_(_ids_initplan()),
         c.id == ids,
         c.lease_version == versions,
         c.status == select(const(spec.active)).scalar_subquery(),
@@ -472,12 +474,9 @@ def extend_statement(spec: QueueSpec) -> Update:
     # writing the same rows in another order, and the two deadlocked (PostgreSQL aborted one of them; seen in
     # the 1M-job memory run). A row skipped twice in a row is reported as lost (WorkerBase._beat_result).
     mine = t.alias("mine")
-    ids_param = sa_cast(
-        select(bindparam("ids", type_=ARRAY(BigInteger))).scalar_subquery(), ARRAY(BigInteger)
-    )
     free = (
         select(mine.c.id)
-        .where(mine.c.id == any_(ids_param))
+        .where(mine.c.id == any_(_ids_initplan()))
         .with_for_update(skip_locked=True, key_share=True)
         .scalar_subquery()
     )
