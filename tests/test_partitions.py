@@ -111,6 +111,24 @@ def add_events(engine: Engine, n: int, *, created_at: datetime | None = None, st
         return list(conn.execute(insert(PEvent).returning(PEvent.id), rows).scalars())
 
 
+def detach_waits(engine: Engine, seconds: float = 30) -> bool:
+    """Wait (bounded) until a ``DETACH PARTITION`` waits for a lock; whether it did."""
+    deadline = time.monotonic() + seconds
+    with engine.connect() as watcher:
+        while time.monotonic() < deadline:
+            waiting = watcher.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
+                    "AND wait_event_type = 'Lock'"
+                )
+            ).scalar_one()
+            watcher.rollback()
+            if waiting:
+                return True
+            time.sleep(0.05)
+    return False
+
+
 def names(engine: Engine, model: Any) -> list[str]:
     return [p.name for p in list_partitions(engine, model, counts=False)]
 
@@ -382,19 +400,7 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
     t.start()
     try:
-        deadline = time.monotonic() + 20
-        with pengine.connect() as watcher:
-            while time.monotonic() < deadline:
-                waiting = watcher.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
-                        "AND wait_event_type = 'Lock'"
-                    )
-                ).scalar_one()
-                watcher.rollback()
-                if waiting:
-                    break
-                time.sleep(0.05)
+        detach_waits(pengine)
     finally:
         tx.commit()
         producer.close()
@@ -431,20 +437,7 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
     maintainer = subprocess.Popen([sys.executable, "-c", code], env=env)
     detached = False
     try:
-        deadline = time.monotonic() + 30
-        with pengine.connect() as watcher:
-            while time.monotonic() < deadline:
-                waiting = watcher.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
-                        "AND wait_event_type = 'Lock'"
-                    )
-                ).scalar_one()
-                watcher.rollback()
-                if waiting:
-                    break
-                time.sleep(0.05)
-        assert waiting, "the maintainer never reached its DETACH"
+        assert detach_waits(pengine), "the maintainer never reached its DETACH"
         maintainer.kill()
         maintainer.wait(10)
     finally:
