@@ -30,7 +30,7 @@ from . import db
 from .drains import rotated
 from .harness import Harness, Run, measured, summary, timed_processes
 from .library import _record_backends
-from .report import cpu_per_row, paired_ratio, row, rss_of
+from .report import compared, cpu_per_row, row, rss_of
 
 PROCESSES = 4
 BATCH = 10
@@ -111,9 +111,8 @@ def scenario_limits(url: str, engine: Engine, cfg: argparse.Namespace) -> list[d
     for shape, (_, label) in SHAPES.items():
         if shape == "none":
             continue
-        rows.append(row(
-            f"… {label} vs no limit", summary(rates[shape]), reference=summary(rates["none"]),
-            reference_name="no limit", ratio=paired_ratio(rates[shape], rates["none"]), target="(reported)",
+        rows.append(compared(
+            f"… {label} vs no limit", rates[shape], rates["none"], "no limit", "(reported)",
             rss=rss_of(runs[shape]), cpu=cpu_per_row(runs[shape]), reference_cpu=cpu_per_row(runs["none"]),
         ))  # fmt: skip
     return rows

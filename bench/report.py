@@ -56,6 +56,16 @@ def row(what: str, value: dict[str, Any], unit: str = "/s", **more: Any) -> dict
     return {"what": what, "value": value, "unit": unit, **more}
 
 
+def compared(
+    what: str, values: list[float], reference: list[float], reference_name: str, target: str, **more: Any
+) -> dict[str, Any]:
+    """A row of ``values`` beside ``reference`` measured in the same runs: both summaries and the paired ratio."""
+    from .harness import summary
+
+    return row(what, summary(values), reference=summary(reference), reference_name=reference_name,
+               ratio=paired_ratio(values, reference), target=target, **more)  # fmt: skip
+
+
 def _num(v: float, unit: str) -> str:
     return f"{v:,.0f}" if unit == "/s" else f"{v:,.2f}"
 

@@ -31,9 +31,9 @@ from sa_outbox.models import Job
 
 from . import db
 from .drains import rotated
-from .harness import Harness, Run, measured, summary, timed_processes
+from .harness import Harness, Run, measured, timed_processes
 from .library import _record_backends
-from .report import cpu_per_row, paired_ratio, row, rss_of
+from .report import compared, cpu_per_row, rss_of
 
 # --- bulk: enqueue_many vs unnest vs COPY ---------------------------------------------------------------
 
@@ -151,15 +151,13 @@ def scenario_bulk(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
             cfg.runs,
         )
         what = f"bulk enqueue, {n:,} jobs, {per_call:,} per call"
-        rows.append(row(
+        rows.append(compared(
             f"{what}: enqueue_many vs a plain INSERT … SELECT FROM unnest (psycopg, json.dumps, no RETURNING)",
-            summary(rates["enqueue_many"]), reference=summary(rates["unnest"]), reference_name="unnest INSERT",
-            ratio=paired_ratio(rates["enqueue_many"], rates["unnest"]), target="≥ 0.7× (≥ 100,000/s)",
+            rates["enqueue_many"], rates["unnest"], "unnest INSERT", "≥ 0.7× (≥ 100,000/s)",
         ))  # fmt: skip
-        rows.append(row(
+        rows.append(compared(
             f"… {per_call:,} per call: COPY of the same rows (no ids back) vs the unnest INSERT",
-            summary(rates["copy"]), reference=summary(rates["unnest"]), reference_name="unnest INSERT",
-            ratio=paired_ratio(rates["copy"], rates["unnest"]), target="(reported)",
+            rates["copy"], rates["unnest"], "unnest INSERT", "(reported)",
         ))  # fmt: skip
     n_single = 2_000 if cfg.quick else 10_000
     for per_tx in (1, 10):
@@ -171,15 +169,13 @@ def scenario_bulk(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
             cfg.runs,
         )
         what = f"enqueue per job, {per_tx} job(s) per transaction"
-        rows.append(row(
+        rows.append(compared(
             f"{what}: enqueue in a Session vs a Core single-row INSERT per job",
-            summary(rates["enqueue"]), reference=summary(rates["core"]), reference_name="Core INSERT",
-            ratio=paired_ratio(rates["enqueue"], rates["core"]), target="≥ 0.7×",
+            rates["enqueue"], rates["core"], "Core INSERT", "≥ 0.7×",
         ))  # fmt: skip
-        rows.append(row(
+        rows.append(compared(
             f"… {per_tx} per transaction: enqueue(…, unique_key=…) (written at once) vs the Core INSERT",
-            summary(rates["unique"]), reference=summary(rates["core"]), reference_name="Core INSERT",
-            ratio=paired_ratio(rates["unique"], rates["core"]), target="(reported)",
+            rates["unique"], rates["core"], "Core INSERT", "(reported)",
         ))  # fmt: skip
     return rows
 
@@ -259,11 +255,10 @@ def scenario_unique(url: str, engine: Engine, cfg: argparse.Namespace) -> list[d
                 runs[name].append(result)
         with_ = [jobs / r.seconds for r in runs["with"]]
         without = [jobs / r.seconds for r in runs["without"]]
-        rows.append(row(
+        rows.append(compared(
             f"claim + finalize, {jobs:,} keyed no-op jobs ({label}), {CLAIM_PROCESSES} processes, batch "
             f"{CLAIM_BATCH}: unique_running=True vs the same claim without it",
-            summary(with_), reference=summary(without), reference_name="without unique_running",
-            ratio=paired_ratio(with_, without), target="(reported)", rss=rss_of(runs["with"]),
+            with_, without, "without unique_running", "(reported)", rss=rss_of(runs["with"]),
             cpu=cpu_per_row(runs["with"]), reference_cpu=cpu_per_row(runs["without"]),
             short_claims={name: [sum(rep.get("short_claims", 0) for rep in r.reports) for r in rs]
                           for name, rs in runs.items()},
