@@ -165,7 +165,20 @@ def _child(spec: _ChildSpec) -> None:  # pragma: no cover - runs in a child proc
     except OutboxError as exc:
         sys.stderr.write(f"sa-outbox: error: {exc}\n")
         code = CONFIG_ERROR_EXIT
+    finally:
+        _ignore_stop_signals()
     raise SystemExit(code)
+
+
+def _ignore_stop_signals() -> None:
+    """Ignore SIGTERM/SIGINT from here to the process's exit: it has already stopped.
+
+    Interpreter shutdown puts Python-level handlers back to the default action, so a second signal landing
+    then (``systemctl stop`` repeated, a whole-group signal sent twice, Ctrl-C pressed again) would turn a
+    clean exit into "killed by SIGTERM"; an ignored signal stays ignored through shutdown."""
+    if threading.current_thread() is threading.main_thread():
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def _die_with_parent(supervisor_pid: int) -> bool:
@@ -482,7 +495,10 @@ def _run_processes(
     cleanly; raises :class:`~sa_outbox.errors.ConfigurationError` when the pool gives up (a configuration
     error in a child, a child that keeps dying at start) or the metrics port is taken. ``early_signals`` may
     keep growing while this starts (``python -m sa_outbox`` appends to it until its handlers are replaced)."""
-    if processes == 1:
-        return _run_target(target, kind, early_signals, metrics_port=metrics_port)
-    supervisor = _Supervisor(target, kind, processes, metrics_port, policy or RestartPolicy())
-    return supervisor.run(early_signals)
+    try:
+        if processes == 1:
+            return _run_target(target, kind, early_signals, metrics_port=metrics_port)
+        supervisor = _Supervisor(target, kind, processes, metrics_port, policy or RestartPolicy())
+        return supervisor.run(early_signals)
+    finally:
+        _ignore_stop_signals()
