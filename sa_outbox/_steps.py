@@ -197,12 +197,20 @@ def _outcome_params(spec: QueueSpec, outcomes: Sequence[Outcome]) -> dict[str, A
         "versions": [o.lease_version for o in outcomes],
         "statuses": [o.status for o in outcomes],
         "delays": [o.delay for o in outcomes],
-        "errors": [o.error for o in outcomes],
+        "errors": [_storable(o.error) for o in outcomes],
         "refunds": [o.refund for o in outcomes],
     }
     if spec.kind == "jobs":
         params["results"] = [o.result for o in outcomes]
     return params
+
+
+def _storable(error: str | None) -> str | None:
+    """An error text PostgreSQL can store: a NUL (which no text column holds, and which would fail the whole
+    finalize, the batch's other outcomes with it) written as the four characters ``\\x00``."""
+    if error is None or "\x00" not in error:
+        return error
+    return error.replace("\x00", "\\x00")
 
 
 def claim(

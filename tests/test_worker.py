@@ -117,6 +117,24 @@ def test_failure_classes_for_jobs(engine: Engine) -> None:
     assert "no handler registered for task 'unknown-task'" in rows["unknown-task"].last_error
 
 
+def test_an_error_text_with_nul_and_array_syntax_is_recorded_not_a_worker_crash(engine: Engine) -> None:
+    """PostgreSQL text cannot hold NUL: an exception message with one made every finalize of the batch fail,
+    so the worker died and the job, still leased, came back to kill the next one. The error is recorded with
+    the NUL written as ``\\x00``; quotes, backslashes and braces (array-literal syntax) arrive unchanged."""
+    seed_jobs(engine, 2, task="bad", max_attempts=1)
+    seed_jobs(engine, 1, task="noop")
+    message = 'bad\x00byte "q" \\ {a,b} NULL'
+
+    def bad(job: ClaimedJob) -> None:
+        raise ValueError(message)
+
+    w = worker(engine, {"bad": bad, "noop": lambda job: None}, backoff=FAST)
+    assert drain(w) == 3
+    assert statuses(engine, "jobs") == {"failed": 2, "done": 1}
+    expected = "retries exhausted (1/1): ValueError: " + message.replace("\x00", "\\x00")
+    assert {row(engine, "jobs", i).last_error for i in (1, 2)} == {expected}
+
+
 def test_decorator_registry(engine: Engine) -> None:
     tasks = TaskRegistry()
     seen: list[str] = []
