@@ -8,6 +8,8 @@ of the package but the leaf module ``errors`` (the producer is imported by ``sch
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,10 +34,14 @@ _LOST_PREPARED = frozenset(("26000", "42P05"))
 @dataclass(frozen=True, slots=True)
 class _Compiled:
     sql: str
-    static: dict[str, Any]  # values of the statement's own internal parameters
+    static: dict[str, Any]  # values of the statement's own internal parameters that could not be written in
+    arrays: frozenset[str]  # parameters the SQL casts to an array type: sent as one array literal
 
 
 _COMPILED: dict[tuple[int, str], _Compiled] = {}
+
+#: A placeholder with an explicit array cast, as SQLAlchemy's psycopg dialect renders an ARRAY bind parameter.
+_ARRAY_PLACEHOLDER = re.compile(r"%\((\w+)\)s::[A-Z][A-Z ]*(?:\(\d+(?:, ?\d+)?\))?\[\]")
 
 
 def _compiled(stmt: Any, conn: Connection) -> _Compiled:
@@ -43,9 +49,59 @@ def _compiled(stmt: Any, conn: Connection) -> _Compiled:
     found = _COMPILED.get(key)
     if found is None:
         c = stmt.compile(dialect=conn.dialect)
-        found = _Compiled(str(c), dict(c.construct_params(_check=False)))
+        sql, static = str(c), {}
+        for name, value in c.construct_params(_check=False).items():
+            bind = c.binds.get(name)
+            # a parameter the caller supplies (required: no value of its own) stays a placeholder
+            literal = None if bind is None or bind.required else _sql_literal(value)
+            if literal is None:
+                static[name] = value
+            else:  # a constant of the statement: written in, so it is not dumped again on every call
+                sql = sql.replace(f"%({name})s", literal.replace("%", "%%"))
+        found = _Compiled(sql, static, frozenset(_ARRAY_PLACEHOLDER.findall(sql)))
         _COMPILED[key] = found
     return found
+
+
+def _sql_literal(value: Any) -> str | None:
+    """A statement's constant as SQL text, for the values that need no quoting rules of the server (NULL,
+    booleans, finite numbers, strings without quote or backslash); None for anything else."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, int | float) and math.isfinite(value):
+        return f"({value!r})"
+    if isinstance(value, str) and "'" not in value and "\\" not in value and "\x00" not in value:
+        return f"'{value}'"
+    return None
+
+
+def _array_literal(values: Any) -> str | None:
+    """A list of ints, finite floats, strings and None as one PostgreSQL array literal (the statement casts it
+    to its array type); None when an element is of another kind (psycopg then dumps the list itself).
+
+    Sent as one text value, a list costs a join instead of psycopg's per-call element-type search and per-element
+    dump (with the constants written in at compile time: ~70–100 µs less client CPU per claim + finalize statement
+    at batch 1, a third of what it cost)."""
+    if type(values) is not list:
+        return None
+    parts = []
+    for v in values:
+        kind = type(v)
+        if kind is int:
+            parts.append(str(v))
+        elif v is None:
+            parts.append("NULL")
+        elif kind is str:
+            if "\x00" in v:
+                return None  # psycopg refuses it with its own clear error
+            parts.append('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"')
+        elif kind is float and math.isfinite(v):
+            parts.append(repr(v))
+        else:
+            return None
+    return "{" + ",".join(parts) + "}"
 
 
 def _observed(conn: Connection) -> bool:
@@ -79,6 +135,10 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection) and not _observed(conn):
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
+        for name in compiled.arrays:
+            literal = _array_literal(full.get(name))
+            if literal is not None:
+                full[name] = literal
         # Server-side prepared at once — unless prepared statements are switched off on the connection
         # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode). Results in
         # binary format: ~20 µs less client CPU per claim than parsing text (the statements return only
