@@ -53,6 +53,7 @@ __all__ = [
     "consumer_span",
     "extract",
     "inject",
+    "process_inert",
     "process_span",
     "publish_span",
     "publish_spans",
@@ -261,6 +262,11 @@ def _inert(headers: Any) -> bool:
     return not headers and _no_provider()
 
 
+def process_inert(job: ClaimedJob) -> bool:
+    """Whether :func:`process_span` would open no span for ``job`` (a caller may then skip it)."""
+    return not ENABLED or _inert(job.headers)
+
+
 @contextmanager
 def publish_span(
     message: Message, *, system: str | None = None, destination: str | None = None, publisher: Any = None
@@ -324,7 +330,7 @@ def publish_spans(
 def process_span(job: ClaimedJob) -> Iterator[_Handle]:
     """A ``CONSUMER`` span around one job's handler, current inside the block (the handler's own spans are
     its children); yields a handle whose ``outcome(error)`` records a failure returned as a value."""
-    if not ENABLED or _inert(job.headers):
+    if process_inert(job):
         yield _NULL
         return
     parent, links = _parent_and_links(job.headers, job.attempts)

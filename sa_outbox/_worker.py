@@ -153,6 +153,8 @@ def takes_session(handler: Any) -> bool:
 
 
 def _awaitable_returned(job: ClaimedJob, result: Any) -> TypeError | None:
+    if result is None:
+        return None
     if inspect.isawaitable(result):  # e.g. a lambda around an async function: never marked done
         if inspect.iscoroutine(result):
             result.close()
@@ -166,14 +168,21 @@ def _invoke(handler: Handler, job: ClaimedJob) -> _Ran:
     """Call a sync handler in its ``process`` span; its error (any BaseException) as a value, and how long it
     took."""
     started = time.perf_counter()
-    with _tracing.process_span(job) as span:
-        try:
-            value = handler(job)
-            error: BaseException | None = _awaitable_returned(job, value)
-        except BaseException as exc:
-            value, error = None, exc
-        span.outcome(error)
+    if _tracing.process_inert(job):  # no span to open: ~3 µs less per job than an empty context manager
+        value, error = _call_handler(handler, job)
+    else:
+        with _tracing.process_span(job) as span:
+            value, error = _call_handler(handler, job)
+            span.outcome(error)
     return _Ran(error, time.perf_counter() - started, value)
+
+
+def _call_handler(handler: Handler, job: ClaimedJob) -> tuple[Any, BaseException | None]:
+    try:
+        value = handler(job)
+    except BaseException as exc:
+        return None, exc
+    return value, _awaitable_returned(job, value)
 
 
 def _encode_result(job: ClaimedJob, value: Any, max_bytes: int) -> str | None:
