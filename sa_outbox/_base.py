@@ -239,15 +239,17 @@ class LoopBase:
         raise NotImplementedError
 
     def _claim_on(
-        self, conn: Connection, want: int, outcomes: Sequence[Outcome]
-    ) -> tuple[set[int], list[Any]]:
+        self, conn: Connection, want: int, outcomes: Sequence[Outcome],
+        claim_params: list[dict[str, Any]] | None = None,
+    ) -> tuple[set[int], list[Any]]:  # fmt: skip
         """Claim up to ``want`` rows, writing ``outcomes`` in the same statement (one round trip); returns
-        (ids whose outcome was applied, claimed rows by id)."""
+        (ids whose outcome was applied, claimed rows by id). ``claim_params``: :meth:`_claim_params` taken
+        beforehand (by the loop's thread, when the claim itself runs on another)."""
         started = time.perf_counter()
         applied: set[int] = set()
         rows: list[Any] = []
         pending = list(outcomes)
-        for params in self._claim_params():
+        for params in self._claim_params() if claim_params is None else claim_params:
             params = dict(params)
             room, limit = params.pop("room", None), params.pop("limit", None)
             left = want - len(rows) if room is None else min(want - len(rows), room)
