@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +71,7 @@ class FaultReport:
     jobs_handled_twice_unexplained: int = 0
     jobs_not_done: int = 0
     stuck_rows: int = 0
+    not_stopped: int = 0  # loops still running 30 s after the final SIGTERM (then killed)
     kills: int = 0
     terminations: int = 0
     broker_restarts: int = 0
@@ -143,6 +145,15 @@ def retry_budget() -> float:
     budget = sum(ceilings.delay(a) for a in range(1, d.max_attempts))
     d.close()
     return budget
+
+
+def _stacks(pid: int) -> str:
+    """The Python stacks of a process (py-spy, when installed: the bench extra), for a report."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return "(py-spy not installed: no stacks)"
+    done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+    return done.stdout[-6000:] + done.stderr[-1000:]
 
 
 def _spawn(kind: str, url: str, stream: str, index: int, redis_url: str) -> subprocess.Popen[bytes]:
@@ -261,11 +272,15 @@ def _run(engine: Engine, url: str, cfg: FaultConfig, broker: Any) -> FaultReport
         time.sleep(0.5)
     for proc in loops.values():
         proc.send_signal(signal.SIGTERM)
-    for proc in loops.values():
+    for name, proc in loops.items():
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
+            report.not_stopped += 1
+            report.log.append(f"{name} (pid {proc.pid}) still running 30 s after SIGTERM: killed")
+            report.log.append(_stacks(proc.pid))
             proc.kill()
+            proc.wait(10)
     _check(engine, stream, report, broker.url)
     meta.drop_all(engine)
     return report

@@ -22,3 +22,4 @@ def test_fault_run_loses_nothing_and_leaks_nothing(engine: Engine, db_url: URL) 
     assert report.order_violations == 0
     assert report.jobs_handled_twice_unexplained == 0 and report.jobs_not_done == 0
     assert report.stuck_rows == 0
+    assert report.not_stopped == 0, report.log
