@@ -858,8 +858,11 @@ def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> An
             .where(
                 starts.c.queue == bindparam("queue_name", type_=Text),
                 starts.c.key == distinct_keys.c.key,
+                # statement_timestamp(): this statement's start, after the pick took the keys' locks — not the
+                # transaction's now(), which precedes the lock waits and a first statement's planning
                 starts.c.at
-                > func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
+                > func.statement_timestamp()
+                - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
             )
             .limit(bindparam("rate_count", type_=Integer))
             .subquery("in_window")
@@ -893,8 +896,12 @@ def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> An
     logged = (
         insert(starts)
         .from_select(
-            ["queue", "key"],
-            select(claimed.c.queue, claimed.c.limit_key if per_key else literal("", Text)),
+            ["queue", "key", "at"],
+            # clock_timestamp(): when the row is written, after this statement's planning and claim — with
+            # the window counted from the statement's start, a start is never counted short in either direction
+            select(
+                claimed.c.queue, claimed.c.limit_key if per_key else literal("", Text), func.clock_timestamp()
+            ),
         )
         .returning(starts.c.id)
         .cte("logged")

@@ -17,7 +17,7 @@ from sqlalchemy import Connection
 
 from . import _sql
 from ._backoff import Backoff
-from ._execute import run, transaction
+from ._execute import compile_ahead, run, transaction
 from ._limits import Limit
 from ._sql import QueueSpec
 from .errors import Defer, PermanentError
@@ -248,12 +248,11 @@ def claim_limited(
     locks — claim per key only what the running jobs and the rate window leave room for. Rows as
     :func:`claim` returns them."""
     per_key, rate = limit.per_key, limit.rate_count is not None
+    pick = _sql.limited_pick_statement(spec, per_key=per_key)
+    claim_stmt = _sql.limited_claim_statement(spec, per_key=per_key, rate=rate)
+    compile_ahead(conn, pick, claim_stmt)  # the starts' now() and the key locks: not a first compile's time
     with transaction(conn):
-        picked = run(
-            conn,
-            _sql.limited_pick_statement(spec, per_key=per_key),
-            {"queue_name": queue, "batch": batch, "n": limit.concurrency},
-        )
+        picked = run(conn, pick, {"queue_name": queue, "batch": batch, "n": limit.concurrency})
         if not picked:
             return []
         params: dict[str, Any] = {
@@ -262,7 +261,7 @@ def claim_limited(
         }  # fmt: skip
         if rate:
             params.update(rate_count=limit.rate_count, rate_window=limit.rate_window)
-        rows = run(conn, _sql.limited_claim_statement(spec, per_key=per_key, rate=rate), params)
+        rows = run(conn, claim_stmt, params)
     rows.sort(key=lambda r: r[0])
     return rows
 
