@@ -820,11 +820,12 @@ class Worker(WorkerBase):
             claimed = self._claim(wanted) if wanted else 0
         if not wanted and self._done.due(time.monotonic()):
             self._flush()
-        self._rescue()
         if self._inline:
+            self._rescue()
             self._run_queued_inline()
         else:
-            self._start_jobs()
+            self._start_jobs()  # first: the once-a-second maintenance must not delay what was just claimed
+            self._rescue()
         return claimed, wanted
 
     def _wait(self, claimed: int, wanted: int) -> None:
