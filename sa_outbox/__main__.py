@@ -21,8 +21,12 @@ def run() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _remember)
     from sa_outbox._cli import main
+    from sa_outbox._supervisor import _ignore_stop_signals
 
-    return main(early_signals=_early)
+    try:
+        return main(early_signals=_early)
+    finally:
+        _ignore_stop_signals()  # stopped: a second signal during shutdown must not turn exit 0 into a kill
 
 
 if __name__ == "__main__":

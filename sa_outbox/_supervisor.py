@@ -71,6 +71,7 @@ def _run_target(
     *,
     report: Connection | None = None,
     report_status: bool = False,
+    restore_handlers: bool = True,
 ) -> int:
     """Load and run one loop in this process until SIGTERM/SIGINT, then return 0.
 
@@ -78,7 +79,25 @@ def _run_target(
     stop and 0. ``early_signals``: signals received before this was called (the stop happens at once).
     ``metrics_port`` serves this loop's metrics; ``report`` instead sends them to a supervisor (child 0 with
     ``report_status`` also sends the queue gauges). Raises :class:`~sa_outbox.errors.ConfigurationError` for a
-    bad target, a taken metrics port or a database never reached within ``startup_timeout``."""
+    bad target, a taken metrics port or a database never reached within ``startup_timeout``. The caller's
+    SIGTERM/SIGINT handlers are put back on the way out unless ``restore_handlers`` is False (a child that
+    exits right after)."""
+    previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    try:
+        return _load_and_serve(
+            target, kind, early_signals, startup_timeout, metrics_port, report, report_status
+        )
+    finally:
+        if restore_handlers:
+            for s, handler in previous.items():
+                if handler is not None:
+                    signal.signal(s, handler)
+
+
+def _load_and_serve(
+    target: str, kind: str, early_signals: Sequence[int], startup_timeout: float | None,
+    metrics_port: int | None, report: Connection | None, report_status: bool,
+) -> int:  # fmt: skip
     state: dict[str, Any] = {"loop": None, "stop": False}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -160,7 +179,7 @@ def _child(spec: _ChildSpec) -> None:  # pragma: no cover - runs in a child proc
     try:
         code = _run_target(
             spec.target, spec.kind, startup_timeout=spec.startup_timeout, report=spec.report,
-            report_status=spec.slot == 0,
+            report_status=spec.slot == 0, restore_handlers=False,
         )  # fmt: skip
     except OutboxError as exc:
         sys.stderr.write(f"sa-outbox: error: {exc}\n")
@@ -171,7 +190,9 @@ def _child(spec: _ChildSpec) -> None:  # pragma: no cover - runs in a child proc
 
 
 def _ignore_stop_signals() -> None:
-    """Ignore SIGTERM/SIGINT from here to the process's exit: it has already stopped.
+    """Ignore SIGTERM/SIGINT from here to the process's exit: it has already stopped. Only for a process
+    about to exit (a child; the CLI's entry point) — never in a caller's process, whose later children would
+    inherit the ignored signals.
 
     Interpreter shutdown puts Python-level handlers back to the default action, so a second signal landing
     then (``systemctl stop`` repeated, a whole-group signal sent twice, Ctrl-C pressed again) would turn a
@@ -495,10 +516,7 @@ def _run_processes(
     cleanly; raises :class:`~sa_outbox.errors.ConfigurationError` when the pool gives up (a configuration
     error in a child, a child that keeps dying at start) or the metrics port is taken. ``early_signals`` may
     keep growing while this starts (``python -m sa_outbox`` appends to it until its handlers are replaced)."""
-    try:
-        if processes == 1:
-            return _run_target(target, kind, early_signals, metrics_port=metrics_port)
-        supervisor = _Supervisor(target, kind, processes, metrics_port, policy or RestartPolicy())
-        return supervisor.run(early_signals)
-    finally:
-        _ignore_stop_signals()
+    if processes == 1:
+        return _run_target(target, kind, early_signals, metrics_port=metrics_port)
+    supervisor = _Supervisor(target, kind, processes, metrics_port, policy or RestartPolicy())
+    return supervisor.run(early_signals)

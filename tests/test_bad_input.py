@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -53,6 +54,17 @@ def test_cli_target_that_does_not_exist(capsys: pytest.CaptureFixture[str]) -> N
     assert "cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
     assert main(["worker", "tests.targets:not_a_loop"]) == 2
     assert "expected a Worker" in capsys.readouterr().err
+
+
+def test_the_cli_called_in_process_leaves_the_callers_signal_handlers_as_they_were() -> None:
+    """A stopped CLI process ignores SIGTERM/SIGINT until it exits (``python -m sa_outbox``), but ``main``
+    called in a caller's process must not: its later children would inherit the ignored SIGTERM (a test
+    suite's fault run could no longer stop its loops)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    assert main(["worker", "tests.targets:not_a_loop"]) == 2
+    assert main(["worker", "--processes", "2", "tests.targets:not_a_loop"]) == 2
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert signal.SIG_IGN not in before.values()
 
 
 def test_hanging_handler_times_out_as_retryable(engine: Engine) -> None:
