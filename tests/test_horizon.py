@@ -89,8 +89,10 @@ def test_an_idle_writer_with_no_snapshot_holds_back_vacuum_and_is_named(engine: 
         assert xid is not None and xmin is None  # the case the check used to miss
         make_dead_rows(engine)
         removed, kept = vacuum_verbose(engine)
-        assert (removed, kept) == (0, 300)  # VACUUM really is held back by this session
-        assert dead_tuples(engine, expect=300) == 300
+        # VACUUM really is held back by this session: its own report is the check. (pg_stat's n_dead_tup was
+        # seen reading 0 right after it on the embedded server when this file ran after test_worker — a
+        # statistics counter, flushed by backends on their own schedule; cause not pinned down.)
+        assert (removed, kept) == (0, 300)
         status = queue_status(engine, OutboxEvent, long_transaction=0)
         finding = horizon_finding(engine)
         writer.rollback()
