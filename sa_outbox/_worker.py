@@ -907,8 +907,9 @@ class Worker(WorkerBase):
     def _run_queued_inline(self) -> None:
         while (job := self._next_to_start()) is not None:
             if self._prefetch and not self._queue and self._inflight is None:
-                # the last job in hand: when jobs are short, the next ones are claimed (with the outcomes
-                # due) on the claim thread while it runs, instead of one round trip after it
+                # the last job in hand: when handlers take OVERLAP_MIN or more (and are short enough to claim
+                # ahead at all), the next jobs are claimed — with the outcomes due — on the claim thread while
+                # it runs, instead of one round trip after it
                 ahead = self._pace.ahead(1, self.batch)
                 if ahead and self._pace.overlaps():
                     self._send_claim(ahead)
