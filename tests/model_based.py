@@ -204,9 +204,11 @@ class AsyncModelPublisher(ModelPublisher):
             raise RetryableError("planned hang")
 
 
-def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False) -> Any:
+def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False, pace: float = 0.0) -> Any:
     """The model's handler: acts by the job's plan. ``in_transaction``: it takes a session and writes an effect
-    row first, which must commit exactly when the job's completion does (and roll back otherwise)."""
+    row first, which must commit exactly when the job's completion does (and roll back otherwise). ``pace``:
+    a sync handler also takes this long (2 ms makes a concurrency-1 Worker overlap its next claim with the
+    job, on the claim thread)."""
 
     def act(job: ClaimedJob) -> str:
         payload = job.payload
@@ -253,6 +255,8 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
         return handle_tx
 
     def handle(job: ClaimedJob) -> None:
+        if pace:
+            time.sleep(pace)
         if act(job) == "hang":
             time.sleep(HANG)
             raise RetryableError("planned hang")
@@ -691,7 +695,7 @@ class Scenario:
         )  # fmt: skip
         async_handler = is_async and self.rng.random() < 0.6
         handlers = {
-            "model": make_handler(self.record, is_async=async_handler),
+            "model": make_handler(self.record, is_async=async_handler, pace=self.rng.choice((0.0, 0.002))),
             "model_tx": make_handler(self.record, is_async=async_handler, in_transaction=True),
         }
         queues: Any = QUEUES
