@@ -474,6 +474,15 @@ class WorkerBase(LoopBase):
         for name in self._paused - paused:
             log.info("queue %r resumed", name, extra={"queue": name})
         self._paused = paused
+        if paused and any(job.queue in paused for job in self._queue):
+            # claimed before the pause was seen, not started: given back rather than started late
+            kept = [job for job in self._queue if job.queue not in paused]
+            given = [
+                self._not_started(job, "released: queue paused") for job in self._queue if job.queue in paused
+            ]
+            self._queue.clear()
+            self._queue.extend(kept)
+            self._done.add(given)
 
     def _warn_once(self, what: str, message: str) -> None:
         """A WARNING the first time ``what`` fails with ``message`` (the maintenance step runs every second)."""

@@ -349,6 +349,43 @@ def test_a_running_worker_learns_a_pause_within_about_a_second(runner: Runner, e
         thread.join(30)
 
 
+def test_jobs_in_hand_not_started_are_given_back_when_the_worker_learns_a_pause(
+    runner: Runner, engine: Engine
+) -> None:
+    """A worker whose slot is busy holds the jobs it claimed ahead; once it reads the pause (its once-a-second
+    step) those go back to the queue untouched instead of starting later, however long the busy handler runs."""
+    seed_jobs(engine, 5, task="t")
+    gate, started, seen = threading.Event(), threading.Event(), []
+
+    def handler(job: Any) -> None:
+        seen.append(job.id)
+        if job.id == 2:  # job 1 finished first: the worker knows jobs are short and claims ahead
+            started.set()
+            gate.wait(20)
+
+    def given_back(i: int) -> bool:
+        r = row(engine, "jobs", i)
+        return (r.status, r.attempts, r.last_error) == ("queued", 0, "released: queue paused")
+
+    w = runner.worker({"t": handler}, batch=4, handler_timeout=30, poll_interval=0.1)
+    thread = runner.run_in_thread(w)
+    try:
+        assert started.wait(10)
+        assert row(engine, "jobs", 5).status == "running", "the worker did not claim ahead (test premise)"
+        pause_queue(engine, Job, "default")
+        assert wait_until(lambda: all(given_back(i) for i in (3, 4, 5)), 10), "the jobs in hand were kept"
+        gate.set()
+        assert wait_until(lambda: row(engine, "jobs", 2).status == "done", 10)
+        time.sleep(0.3)
+        assert seen == [1, 2]
+        resume_queue(engine, Job, "default")
+        assert wait_until(lambda: sorted(seen) == [1, 2, 3, 4, 5], 10)
+    finally:
+        gate.set()
+        w.stop()
+        thread.join(30)
+
+
 # --- retrying and editing jobs -------------------------------------------------------------------------------
 
 
