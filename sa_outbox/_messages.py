@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -17,6 +18,11 @@ _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 def _no_headers() -> Mapping[str, str]:
     return _NO_HEADERS
+
+
+def _json(text: str | None) -> Any:
+    """A claim row's payload: the column's JSON text (``_sql.claim_returning`` casts it) decoded."""
+    return None if text is None else json.loads(text)
 
 
 def _read_only(headers: Any) -> Mapping[str, str]:
@@ -59,7 +65,8 @@ class Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, atype, aid, etype, payload, created, headers = row[:9]
-        return cls(id_, str(id_), atype, aid, etype, payload, attempts, version, created, _read_only(headers))
+        return cls(id_, str(id_), atype, aid, etype, _json(payload), attempts, version, created,
+                   _read_only(headers))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,7 @@ class ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row[:10]
-        return cls(id_, task, queue, payload, attempts, max_attempts, version, priority, created,
+        return cls(id_, task, queue, _json(payload), attempts, max_attempts, version, priority, created,
                    _read_only(headers), cancel or CancelToken())  # fmt: skip
 
     @property

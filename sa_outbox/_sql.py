@@ -181,7 +181,9 @@ def claim_returning(spec: QueueSpec) -> list[Any]:
         names = ["id", "lease_version", "attempts", "max_attempts", "task", "queue", "payload", "priority",
                  "created_at", "headers"]  # fmt: skip
     age = sa_cast(func.extract("epoch", func.now() - c.created_at), Float).label("age")
-    return [*(c[n] for n in names), age]
+    # the payload as its JSON text, decoded by ``from_row``: the driver's text decoding is C, its jsonb loader
+    # Python (~1 µs less client CPU per row); the same value either way
+    return [*(sa_cast(c[n], Text).label(n) if n == "payload" else c[n] for n in names), age]
 
 
 @cache

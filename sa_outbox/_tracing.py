@@ -55,6 +55,7 @@ __all__ = [
     "inject",
     "process_inert",
     "process_span",
+    "provider_unset",
     "publish_span",
     "publish_spans",
     "publisher_target",
@@ -262,9 +263,20 @@ def _inert(headers: Any) -> bool:
     return not headers and _no_provider()
 
 
-def process_inert(job: ClaimedJob) -> bool:
-    """Whether :func:`process_span` would open no span for ``job`` (a caller may then skip it)."""
-    return not ENABLED or _inert(job.headers)
+def process_inert(job: ClaimedJob, no_provider: bool | None = None) -> bool:
+    """Whether :func:`process_span` would open no span for ``job`` (a caller may then skip it).
+    ``no_provider``: :func:`provider_unset` as the caller read it for a whole batch (one lookup per batch
+    rather than per job; a provider set meanwhile is seen from the next batch)."""
+    if not ENABLED:
+        return True
+    if no_provider is None:
+        return _inert(job.headers)
+    return not job.headers and no_provider
+
+
+def provider_unset() -> bool:
+    """No tracer provider is configured now (see :func:`process_inert`)."""
+    return not ENABLED or _no_provider()
 
 
 @contextmanager

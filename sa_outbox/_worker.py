@@ -70,9 +70,12 @@ H = TypeVar("H", bound=Handler)
 
 #: A worker claims ahead of its free slots as many jobs as it expects to start within this many seconds.
 PREFETCH_WINDOW = 0.1
-#: Inline handlers (concurrency 1) at least this long on average overlap the next claim: a claim's round trip
-#: (a commit) is ~1-3 ms, the hand-off to the claim thread ~0.1-0.2 ms of CPU. Shorter ones claim in turn.
+#: Inline handlers (concurrency 1) at least this long on average overlap the next claim with the last job in
+#: hand: a claim's round trip (a commit) is ~1-5 ms, the hand-off to the claim thread ~0.1-0.2 ms of CPU.
+#: Shorter ones overlap it only with several jobs in hand (a batch), never one claim per job.
 OVERLAP_MIN = 0.001
+#: A claim's round trip assumed before one was measured.
+TRIP_GUESS = 0.002
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -99,23 +102,34 @@ class TaskRegistry(dict[str, Handler]):
 
 class _Pace:
     """How many jobs to claim ahead of the free slots: as many as the worker expects to start within
-    ``PREFETCH_WINDOW``, from a moving average of its handlers' durations — none before one has finished."""
+    ``PREFETCH_WINDOW``, from a moving average of its handlers' durations — none before one has finished; and,
+    from a moving average of its claims' round trips, when an inline worker sends the next claim."""
 
     def __init__(self) -> None:
         self.average: float | None = None
+        self.trip = TRIP_GUESS
 
     def observe(self, seconds: float) -> None:
         self.average = seconds if self.average is None else 0.8 * self.average + 0.2 * seconds
+
+    def observe_trip(self, seconds: float) -> None:
+        self.trip = 0.8 * self.trip + 0.2 * seconds
 
     def ahead(self, concurrency: int, cap: int) -> int:
         if self.average is None:
             return 0
         return min(cap, int(concurrency * PREFETCH_WINDOW / max(self.average, 1e-6)))
 
-    def overlaps(self) -> bool:
-        """Whether handlers take long enough (``OVERLAP_MIN``) for a claim sent beside one to pay for the
-        hand-off to the claim thread."""
-        return self.average is not None and self.average >= OVERLAP_MIN
+    def claim_beside(self, queued: int) -> bool:
+        """Whether an inline worker sends its next claim now, beside the job it is about to run with ``queued``
+        more in hand: once those will be done within about one claim's round trip, so the claim's jobs land as
+        the last one ends — at once for a batch of short jobs; with the last job in hand only when handlers take
+        ``OVERLAP_MIN`` or more (a claim per short job costs more in hand-off than the overlap saves)."""
+        if self.average is None:
+            return False
+        if queued:
+            return queued * self.average <= self.trip
+        return self.average >= OVERLAP_MIN
 
 
 @dataclass(slots=True)
@@ -181,11 +195,11 @@ def _awaitable_returned(job: ClaimedJob, result: Any) -> TypeError | None:
     return None
 
 
-def _invoke(handler: Handler, job: ClaimedJob) -> _Ran:
+def _invoke(handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
     """Call a sync handler in its ``process`` span; its error (any BaseException) as a value, and how long it
-    took."""
+    took. ``no_provider``: see :func:`_tracing.process_inert`."""
     started = time.perf_counter()
-    if _tracing.process_inert(job):  # no span to open: ~3 µs less per job than an empty context manager
+    if _tracing.process_inert(job, no_provider):  # no span: ~3 µs less per job than an empty context manager
         value, error = _call_handler(handler, job)
     else:
         with _tracing.process_span(job) as span:
@@ -558,6 +572,10 @@ class WorkerBase(LoopBase):
         """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
         self._pace.observe(ran.seconds)
         self._observe_handled(ran.seconds, job.created_at)
+        if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
+            result = None if ran.value is None else _encode_result(job, ran.value, self._max_result_bytes())
+            self._done.add((Outcome(job.id, job.lease_version, self.spec.done, result=result),))
+            return
         if ran.committed or ran.lost:  # a transactional handler: its completion is written (or rolled back)
             self._report(
                 [Outcome(job.id, job.lease_version, self.spec.done)], {job.id} if ran.committed else set()
@@ -869,9 +887,15 @@ class Worker(WorkerBase):
         """Send a claim (with the outcomes due) on the claim thread; :meth:`_landed` takes its result."""
         outcomes = self._done.take()
         params = self._claim_params()  # here: it reads the jobs in hand, which this thread changes
+        sent = time.monotonic()
         future = self._claimer.submit(self._db.run, lambda c: self._claim_on(c, want, outcomes, params))
         self._inflight = _Inflight(future, outcomes, want)
-        future.add_done_callback(lambda _f: self._waker.poke())
+
+        def landed(_f: Future[Any]) -> None:  # in the claim thread
+            self._pace.observe_trip(time.monotonic() - sent)
+            self._waker.poke()
+
+        future.add_done_callback(landed)
 
     def _landed(self) -> tuple[int, int]:
         """The finished claim's rows joined to the jobs in hand, its outcomes reported: (claimed, wanted).
@@ -907,26 +931,27 @@ class Worker(WorkerBase):
             self._rescuer.ran(now)
             self._db.run(self._rescue_on)
 
-    def _call(self, handler: Handler, job: ClaimedJob) -> _Ran:
+    def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
         """Run one handler in the calling thread — in its own transaction when it takes a session."""
         if self._in_transaction(handler):
             return _invoke_in_transaction(self.engine, self.spec, handler, job, self._max_result_bytes())
-        return _invoke(handler, job)
+        return _invoke(handler, job, no_provider)
 
     def _run_queued_inline(self) -> None:
+        no_provider = _tracing.provider_unset()  # once for the jobs in hand
         while (job := self._next_to_start()) is not None:
-            if self._prefetch and not self._queue and self._inflight is None:
-                # the last job in hand: when handlers take OVERLAP_MIN or more (and are short enough to claim
-                # ahead at all), the next jobs are claimed — with the outcomes due — on the claim thread while
-                # it runs, instead of one round trip after it
+            if self._prefetch and self._inflight is None and self._pace.claim_beside(len(self._queue)):
+                # the next jobs are claimed — with the outcomes due — on the claim thread while the jobs in
+                # hand run, instead of one round trip after them (when handlers are short enough to claim
+                # ahead at all)
                 ahead = self._pace.ahead(1, self.batch)
-                if ahead and self._pace.overlaps():
+                if ahead:
                     self._send_claim(ahead)
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
             else:
-                self._finish(job, self._call(handler, job))
+                self._finish(job, self._call(handler, job, no_provider))
 
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:

@@ -395,3 +395,28 @@ def test_invalid_worker_options(engine: Engine, kwargs: dict[str, Any], message:
 def test_worker_refuses_an_outbox_model(engine: Engine) -> None:
     with pytest.raises(ConfigurationError, match="needs a JobMixin model"):
         Worker(engine, OutboxEvent, {})
+
+
+def test_an_inline_worker_claims_the_next_batch_while_it_runs_the_jobs_in_hand(engine: Engine) -> None:
+    """Concurrency 1, short jobs: run() sends the next claim (with the outcomes due) on the claim thread at the
+    first job of a batch, so its round trip overlaps the batch. Every job still runs once and every outcome is
+    written — the last batch's by the end of run()."""
+    seed_jobs(engine, 40, task="t")
+    seen: list[int] = []
+    w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
+    in_hand_at_send: list[int] = []
+    submit = w._claimer.submit
+
+    def spy(*args: Any) -> Any:
+        in_hand_at_send.append(len(w._queue))
+        return submit(*args)
+
+    w._claimer.submit = spy  # type: ignore[method-assign]
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+    assert sorted(seen) == list(range(1, 41))
+    assert statuses(engine, "jobs") == {"done": 40}
+    assert w.stats.done == 40
+    assert max(in_hand_at_send, default=0) == 4, in_hand_at_send  # sent beside the first job of a batch
