@@ -1081,6 +1081,9 @@ class AsyncWorker(WorkerBase):
         self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
         self._waker = AsyncWaker(self.listen_url, self.channels)
         self._running: dict[asyncio.Task[_Ran], _Running] = {}
+        #: concurrency 1 without a timeout: each handler is awaited by the loop itself, in turn (no task and
+        #: no wake-up of the loop per job)
+        self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._beat_task: asyncio.Task[None] | None = None
         self._sync: Engine | None = None
 
@@ -1178,12 +1181,15 @@ class AsyncWorker(WorkerBase):
 
     async def _turn(self) -> tuple[int, int]:
         self._collect()
-        wanted = self._want(len(self._running), inline=False) if self._may_start() else 0
+        wanted = self._want(len(self._running), inline=self._inline) if self._may_start() else 0
         claimed = await self._claim(wanted) if wanted else 0
         if not wanted and self._done.due(time.monotonic()):
             await self._flush()
         await self._rescue()
-        self._start_jobs()
+        if self._inline:
+            await self._run_queued_inline()
+        else:
+            self._start_jobs()
         return claimed, wanted
 
     async def _wait(self, claimed: int, wanted: int) -> None:
@@ -1227,6 +1233,70 @@ class AsyncWorker(WorkerBase):
             self._rescuer.ran(now)
             await self._db.run(self._rescue_on)
 
+    async def _run_queued_inline(self) -> None:
+        while (job := self._next_to_start()) is not None:
+            handler = self._handler_for(job)
+            if isinstance(handler, PermanentError | Defer):
+                self._finish(job, _Ran(handler, 0.0))
+            elif is_async_callable(handler) or self._in_transaction(handler):
+                self._finish(job, await self._execute(handler, job))
+            else:
+                await self._run_sync_in_turn(job, handler)
+
+    def _plain_sync(self, job: ClaimedJob) -> Handler | None:
+        handler = self.handlers.get(job.task)
+        if handler is None or is_async_callable(handler) or self._in_transaction(handler):
+            return None
+        return handler
+
+    def _halts(self, error: BaseException | None) -> bool:
+        """Whether recording ``error`` stops the loop (see ``LoopBase._outcome``): no further job may start."""
+        if error is None or isinstance(error, RetryableError | PermanentError | Defer):
+            return False
+        return not isinstance(error, Exception) or self.stop_on_unclassified
+
+    async def _run_sync_in_turn(self, first: ClaimedJob, handler: Handler) -> None:
+        """Sync handlers of an inline AsyncWorker: ``first`` and the plain sync jobs in hand right behind it run
+        on one thread call, in order — one hand-off for all of them rather than one per job, and never on the
+        event loop. Between jobs the thread checks for a stop, a fatal result and a cancellation request, as
+        the loop itself would; jobs it did not start go back to the front of the jobs in hand."""
+        pairs = [(first, handler)]
+        while self._queue and (plain := self._plain_sync(self._queue[0])) is not None:
+            pairs.append((self._queue.popleft(), plain))
+        halt = threading.Event()
+        no_provider = _tracing.provider_unset()
+
+        def run_in_turn() -> list[_Ran | None]:  # on a handler thread
+            results: list[_Ran | None] = []
+            for job, fn in pairs:
+                if results and (halt.is_set() or not self._may_start()):
+                    break
+                if results and job.cancel_requested:
+                    results.append(None)  # recorded cancelled, never started
+                    continue
+                ran = _invoke(fn, job, no_provider)
+                results.append(ran)
+                if self._halts(ran.error):
+                    break
+            return results
+
+        future = self._threads.submit(run_in_turn)
+        try:
+            results = await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            halt.set()  # the job in progress cannot be interrupted: its result is recorded, the rest go back
+            self._record_in_turn(pairs, await asyncio.wrap_future(future))
+            raise
+        self._record_in_turn(pairs, results)
+
+    def _record_in_turn(self, pairs: list[tuple[ClaimedJob, Handler]], results: list[_Ran | None]) -> None:
+        for (job, _), ran in zip(pairs, results, strict=False):
+            if ran is None:
+                self._done.add([self._not_started(job, "")])
+            else:
+                self._finish(job, ran)
+        self._queue.extendleft(job for job, _ in reversed(pairs[len(results) :]))
+
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
@@ -1245,9 +1315,9 @@ class AsyncWorker(WorkerBase):
         future: Future[Any] | None = None
         inner: asyncio.Future[_Ran] | None = None
         token = self._tokens.get(job.id)
-        timer = asyncio.timeout(self.handler_timeout)
+        timer = None if self.handler_timeout is None else asyncio.timeout(self.handler_timeout)
         try:
-            async with timer:
+            async with timer or contextlib.nullcontext():
                 if is_async_callable(handler):
                     inner = asyncio.ensure_future(self._await_handler(handler, job))
                     if token is not None:
@@ -1263,7 +1333,7 @@ class AsyncWorker(WorkerBase):
                         future = self._threads.submit(_invoke, handler, job)
                     ran = await asyncio.wrap_future(future)
         except TimeoutError as exc:
-            if not timer.expired():
+            if timer is None or not timer.expired():
                 return _Ran(exc, time.perf_counter() - started)
             if future is not None:
                 self._threads.abandon(future)
@@ -1287,6 +1357,8 @@ class AsyncWorker(WorkerBase):
         """Await an ``async def`` handler — in an ``AsyncSession`` transaction that also writes the job's fenced
         completion when it takes a session (both commit, or both roll back)."""
         if not self._in_transaction(handler):
+            if _tracing.process_inert(job):
+                return _Ran(None, 0.0, await handler(job))
             with _tracing.process_span(job):
                 return _Ran(None, 0.0, await handler(job))
         try:
@@ -1335,6 +1407,9 @@ class AsyncWorker(WorkerBase):
         while self._queue or self._running:
             if not self._may_start():
                 self._release_unstarted()
+            if self._inline:
+                await self._run_queued_inline()
+                continue
             self._start_jobs()
             if self._running:
                 await asyncio.wait(list(self._running), return_when=asyncio.FIRST_COMPLETED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from datetime import timedelta
@@ -9,9 +10,11 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 from sa_outbox import (
+    AsyncWorker,
     ClaimedJob,
     ConfigurationError,
     Defer,
@@ -19,6 +22,7 @@ from sa_outbox import (
     RetryableError,
     TaskRegistry,
     Worker,
+    cancel_jobs,
     enqueue,
 )
 from sa_outbox import _steps as eng
@@ -420,3 +424,104 @@ def test_an_inline_worker_claims_the_next_batch_while_it_runs_the_jobs_in_hand(e
     assert statuses(engine, "jobs") == {"done": 40}
     assert w.stats.done == 40
     assert max(in_hand_at_send, default=0) == 4, in_hand_at_send  # sent beside the first job of a batch
+
+
+def _drain_async(async_url: Any, handlers: dict[str, Any], **kw: Any) -> AsyncWorker:
+    async def go() -> AsyncWorker:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, handlers, listen=False, **kw)
+        try:
+            await w.run(install_signal_handlers=False, until_idle=True)
+        finally:
+            await w.close()
+            await aengine.dispose()
+        return w
+
+    return asyncio.run(go())
+
+
+def test_an_inline_async_worker_runs_sync_handlers_in_turn_on_one_thread_call_never_on_the_loop(
+    engine: Engine, async_url: Any
+) -> None:
+    """AsyncWorker, concurrency 1, sync handlers: the jobs in hand run in order on a handler thread (one hand-off
+    for the batch), none on the event loop's thread; async def handlers in between are awaited in turn."""
+    seed_jobs(engine, 12, task="sync")
+    seed_jobs(engine, 2, task="async")
+    seed_jobs(engine, 6, task="sync")
+    order: list[int] = []
+    threads: set[int] = set()
+    loop_threads: set[int] = set()
+
+    def sync_handler(job: ClaimedJob) -> None:
+        threads.add(threading.get_ident())
+        order.append(job.id)
+
+    async def async_handler(job: ClaimedJob) -> None:
+        loop_threads.add(threading.get_ident())
+        order.append(job.id)
+
+    w = _drain_async(async_url, {"sync": sync_handler, "async": async_handler}, batch=5)
+    assert order == list(range(1, 21))
+    assert statuses(engine, "jobs") == {"done": 20}
+    assert w.stats.done == 20
+    assert threads and not threads & loop_threads
+
+
+def test_an_inline_async_worker_stopped_mid_batch_gives_back_the_sync_jobs_it_did_not_start(
+    engine: Engine, async_url: Any
+) -> None:
+    seed_jobs(engine, 6, task="t")
+    ran: list[int] = []
+    holder: list[AsyncWorker] = []
+
+    def handler(job: ClaimedJob) -> None:
+        ran.append(job.id)
+        if job.id == 2:
+            holder[0].stop()
+
+    async def go() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"t": handler}, listen=False, batch=6)
+        holder.append(w)
+        try:
+            await w.run(install_signal_handlers=False)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(go())
+    assert ran == [1, 2]
+    assert statuses(engine, "jobs") == {"done": 2, "queued": 4}
+    for i in range(3, 7):
+        r = row(engine, "jobs", i)
+        assert (r.attempts, r.locked_by) == (0, None), r
+
+
+def test_an_inline_async_worker_skips_a_sync_job_cancelled_while_it_waited_in_hand(
+    engine: Engine, async_url: Any
+) -> None:
+    """The batch's thread checks each job's cancellation (learned by the heartbeat on the event loop) before
+    starting it."""
+    seed_jobs(engine, 3, task="t")
+    ran: list[int] = []
+
+    def handler(job: ClaimedJob) -> None:
+        ran.append(job.id)
+        if job.id == 1:
+            cancel_jobs(engine, Job, ids=[3])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not _cancel_seen(engine):
+                time.sleep(0.05)
+            time.sleep(0.5)  # several heartbeats: the worker has set job 3's token
+
+    _drain_async(async_url, {"t": handler}, batch=3, heartbeat=0.1)
+    assert ran == [1, 2]
+    assert row(engine, "jobs", 3).status == "cancelled"
+    assert statuses(engine, "jobs") == {"done": 2, "cancelled": 1}
+
+
+def _cancel_seen(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(text("SELECT cancel_requested_at IS NOT NULL FROM jobs WHERE id = 3")).scalar_one()
+        )
