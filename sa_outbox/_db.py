@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ._execute import forget_cursor, keep_cursor
 from .errors import SchemaError
 
 __all__ = ["AsyncLoopConnection", "LoopConnection"]
@@ -54,6 +55,7 @@ class LoopConnection:
         conn = self._conn
         if conn is None or conn.closed or conn.invalidated:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            keep_cursor(conn)
             self._conn = conn
         try:
             yield conn
@@ -74,6 +76,7 @@ class LoopConnection:
     def drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
+            forget_cursor(conn)
             with contextlib.suppress(Exception):
                 conn.close()
 
@@ -92,6 +95,8 @@ class AsyncLoopConnection:
         if conn is None or conn.closed or conn.invalidated:
             conn = await self.engine.connect()
             await conn.execution_options(isolation_level="AUTOCOMMIT")
+            assert conn.sync_connection is not None
+            keep_cursor(conn.sync_connection)
             self._conn = conn
         try:
             return await conn.run_sync(fn)
@@ -108,5 +113,7 @@ class AsyncLoopConnection:
     async def drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
+            if conn.sync_connection is not None:
+                forget_cursor(conn.sync_connection)
             with contextlib.suppress(Exception):
                 await conn.close()

@@ -22,7 +22,7 @@ from sqlalchemy.util import await_only
 
 from .errors import ConfigurationError
 
-__all__ = ["compile_ahead", "run", "transaction"]
+__all__ = ["compile_ahead", "forget_cursor", "keep_cursor", "run", "transaction"]
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 
@@ -153,7 +153,11 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
         # built-in types).
         prepare = None if driver.prepare_threshold is None else True
         try:
-            cur = _cursor(pooled.info, driver)
+            cur = pooled.info.get(_CURSOR)  # a loop's connection keeps one (keep_cursor)
+            if cur is None:
+                cur = driver.cursor()
+            elif cur.connection is not driver or cur.closed:  # the kept one outlived its driver connection
+                cur = pooled.info[_CURSOR] = driver.cursor()
             if isinstance(cur, psycopg.AsyncCursor):
                 # Called through AsyncConnection.run_sync: SQLAlchemy's greenlet bridge awaits the driver.
                 await_only(cur.execute(compiled.sql, full, prepare=prepare, binary=True))
@@ -182,17 +186,24 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
 _CURSOR = "sa_outbox.cursor"
 
 
-def _cursor(
-    info: dict[Any, Any], driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
-) -> psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]:
-    """The cursor the library's statements use on this driver connection, made once and kept in the pooled
-    connection's ``info``: ``driver.execute`` makes a cursor (and its adapters map) per call, ~15–20 µs of
-    client CPU per statement. It is only ever used by the thread that holds the connection, one statement at a
-    time, and holds the last statement's rows until the next one (a claim's batch at most)."""
-    cur = info.get(_CURSOR)
-    if cur is None or cur.connection is not driver or cur.closed:
-        cur = info[_CURSOR] = driver.cursor()
-    return cur
+def keep_cursor(conn: Connection) -> None:
+    """Let the library's statements on ``conn`` — a loop's own connection — reuse one cursor, kept in the pooled
+    connection's ``info`` until :func:`forget_cursor`: ``driver.execute`` makes a cursor (and its adapters map)
+    per call, ~15–20 µs of client CPU per statement. The kept cursor holds the last statement's parameters and
+    rows (a claim's batch), so it is for the loops' connections only, never for a connection the pool hands to
+    application code afterwards."""
+    driver = getattr(conn.connection, "driver_connection", None)
+    if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+        conn.connection.info[_CURSOR] = driver.cursor()
+
+
+def forget_cursor(conn: Connection) -> None:
+    """Drop the cursor :func:`keep_cursor` kept (before the connection goes back to the pool). An invalidated
+    connection's ``info`` is cleared by the pool when it connects again."""
+    if conn.closed or conn.invalidated:
+        return  # (``conn.connection`` would connect again)
+    with contextlib.suppress(Exception):
+        conn.connection.info.pop(_CURSOR, None)
 
 
 def _wrapped(

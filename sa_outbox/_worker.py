@@ -891,8 +891,15 @@ class Worker(WorkerBase):
         future = self._claimer.submit(self._db.run, lambda c: self._claim_on(c, want, outcomes, params))
         self._inflight = _Inflight(future, outcomes, want)
 
-        def landed(_f: Future[Any]) -> None:  # in the claim thread
+        def landed(f: Future[tuple[set[int], list[Any]]]) -> None:  # in the claim thread
             self._pace.observe_trip(time.monotonic() - sent)
+            if f.exception() is None:
+                # The heartbeat renews the claimed rows, and no longer the finished ones, from now on, not
+                # when the loop's thread takes the result: an inline loop may first run jobs in hand for
+                # longer than stale_after (its own rescue would then take the rows it holds).
+                _applied, rows = f.result()
+                self._held.drop(o.id for o in outcomes)
+                self._held.hold((row[0], row[1]) for row in rows)
             self._waker.poke()
 
         future.add_done_callback(landed)

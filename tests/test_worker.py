@@ -525,3 +525,52 @@ def _cancel_seen(engine: Engine) -> bool:
         return bool(
             conn.execute(text("SELECT cancel_requested_at IS NOT NULL FROM jobs WHERE id = 3")).scalar_one()
         )
+
+
+def test_jobs_claimed_beside_a_long_inline_job_are_renewed_by_the_heartbeat_at_once(engine: Engine) -> None:
+    """The claim sent beside the first job of a batch lands while a job of the batch runs longer than
+    stale_after: its rows must be in hand for the heartbeat from the moment it lands, or the worker's own
+    rescue takes them back and they run twice (found by a hostile review)."""
+    seed_jobs(engine, 12, task="t")
+    runs: dict[int, int] = {}
+
+    def handler(job: ClaimedJob) -> None:
+        runs[job.id] = runs.get(job.id, 0) + 1
+        if job.id == 3:
+            time.sleep(2.5)
+
+    w = Worker(engine, Job, {"t": handler}, listen=False, stale_after=1.0, heartbeat=0.2, batch=4)
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+    assert {i: n for i, n in runs.items() if n > 1} == {}
+    assert sorted(runs) == list(range(1, 13))
+    assert statuses(engine, "jobs") == {"done": 12}
+    assert w.stats.lost_leases == 0
+
+
+def test_a_loop_keeps_its_cursor_only_on_its_own_connection_never_on_one_the_pool_hands_out_again(
+    engine: Engine,
+) -> None:
+    """The loops reuse one cursor per connection (it holds the last statement's parameters and rows); an
+    application connection — an enqueue's — never keeps one, and a loop's is dropped when it lets go."""
+    from sa_outbox._execute import _CURSOR
+
+    with Session(engine) as session:
+        enqueue(session, Job, "t", {"big": "x" * 100_000})
+        session.commit()
+        assert _CURSOR not in session.connection().connection.info
+    seen: list[dict[Any, Any]] = []
+
+    def handler(job: ClaimedJob) -> None:  # inline: the loop holds its connection meanwhile
+        conn = w._db._conn
+        assert conn is not None
+        seen.append(conn.connection.info)
+        assert _CURSOR in conn.connection.info
+
+    w = Worker(engine, Job, {"t": handler}, listen=False)
+    w.run_once()
+    w.close()
+    assert len(seen) == 1 and _CURSOR not in seen[0]
+    assert statuses(engine, "jobs") == {"done": 1}
