@@ -34,6 +34,7 @@ from . import _steps
 from ._backoff import DATABASE_OUTAGE, STATEMENT_RETRY, Backoff
 from ._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
 from ._durations import Duration, positive_int, to_seconds
+from ._messages import json_loads_of
 from ._names import channel_for
 from ._partitions import PartitionMaintainer
 from ._services import Completer, Held, Rescuer
@@ -153,6 +154,8 @@ class LoopBase:
                 f"{type(self).__name__} needs a sqlalchemy {wanted}, got {type(engine).__name__}{hint}"
             )
         self.engine = engine
+        #: decodes claimed payloads as the engine decodes JSON (its ``json_deserializer``, if any)
+        self._loads = json_loads_of(engine)
         self.model = model
         self.spec: QueueSpec = spec_for(model)
         if self.spec.kind != self._kind:

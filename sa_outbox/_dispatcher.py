@@ -225,7 +225,7 @@ class DispatcherBase(LoopBase):
     def _messages(self, rows: Sequence[Any]) -> list[Message]:
         """Claimed rows as messages; each one's age at the claim is kept for ``give_up_after``."""
         self._ages = {r[0]: r[-1] for r in rows}
-        return [Message.from_row(r) for r in rows]
+        return [Message.from_row(r, self._loads) for r in rows]
 
     def _given_up(self, msg: Message) -> bool:
         age = self._ages.get(msg.id)

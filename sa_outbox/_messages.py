@@ -20,9 +20,16 @@ def _no_headers() -> Mapping[str, str]:
     return _NO_HEADERS
 
 
-def _json(text: str | None) -> Any:
+def _json(text: str | None, loads: Callable[[str], Any]) -> Any:
     """A claim row's payload: the column's JSON text (``_sql.claim_returning`` casts it) decoded."""
-    return None if text is None else json.loads(text)
+    return None if text is None else loads(text)
+
+
+def json_loads_of(engine: Any) -> Callable[[str], Any]:
+    """What decodes JSON read through ``engine``: its ``json_deserializer`` when one was given to
+    ``create_engine`` (SQLAlchemy installs it as psycopg's JSON loader too), else :func:`json.loads` — so a
+    claimed payload decodes as the same value an ORM query on that engine returns."""
+    return getattr(getattr(engine, "dialect", None), "_json_deserializer", None) or json.loads
 
 
 def _read_only(headers: Any) -> Mapping[str, str]:
@@ -61,11 +68,11 @@ class Message:
         _freeze_headers(self)
 
     @classmethod
-    def from_row(cls, row: Any) -> Message:
+    def from_row(cls, row: Any, loads: Callable[[str], Any] = json.loads) -> Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, atype, aid, etype, payload, created, headers = row[:9]
-        return cls(id_, str(id_), atype, aid, etype, _json(payload), attempts, version, created,
+        return cls(id_, str(id_), atype, aid, etype, _json(payload, loads), attempts, version, created,
                    _read_only(headers))  # fmt: skip
 
 
@@ -96,11 +103,13 @@ class ClaimedJob:
         _freeze_headers(self)
 
     @classmethod
-    def from_row(cls, row: Any, cancel: CancelToken | None = None) -> ClaimedJob:
+    def from_row(
+        cls, row: Any, cancel: CancelToken | None = None, loads: Callable[[str], Any] = json.loads
+    ) -> ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row[:10]
-        return cls(id_, task, queue, _json(payload), attempts, max_attempts, version, priority, created,
+        return cls(id_, task, queue, _json(payload, loads), attempts, max_attempts, version, priority, created,
                    _read_only(headers), cancel or CancelToken())  # fmt: skip
 
     @property

@@ -522,7 +522,7 @@ class WorkerBase(LoopBase):
         for row in rows:
             token = self._tokens[row[0]] = CancelToken()
             self._ages[row[0]] = row[-1]
-            jobs.append(ClaimedJob.from_row(row, token))
+            jobs.append(ClaimedJob.from_row(row, token, self._loads))
         self._held.hold((j.id, j.lease_version) for j in jobs)
         self._queue.extend(jobs)
         return len(jobs)
@@ -774,9 +774,10 @@ class Worker(WorkerBase):
         batches = 0
         self._begin()
         self._lifecycle("started")
-        self._prefetch = True
         try:
             while not self._stop.is_set() and self._fatal is None:
+                # no claim ahead of the last batch max_batches allows
+                self._prefetch = max_batches is None or batches + 1 < max_batches
                 try:
                     claimed, wanted = self._turn()
                     policy.succeeded()
@@ -1241,14 +1242,76 @@ class AsyncWorker(WorkerBase):
             await self._db.run(self._rescue_on)
 
     async def _run_queued_inline(self) -> None:
+        if self._running:  # left by a turn that failed while its handler ran: concurrency stays 1
+            await asyncio.wait(list(self._running))
+            self._collect()
         while (job := self._next_to_start()) is not None:
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
+            elif is_async_callable(handler) and not self._in_transaction(handler):
+                self._finish(job, await self._await_in_turn(handler, job))
             elif is_async_callable(handler) or self._in_transaction(handler):
-                self._finish(job, await self._execute(handler, job))
+                task = asyncio.ensure_future(self._execute(handler, job))
+                try:
+                    await self._wait_writing_outcomes(task)
+                except BaseException:  # cancelled, or the outcomes' statement failed: the handler goes on
+                    self._running[task] = _Running(job, time.monotonic(), None)  # recorded when it ends
+                    raise
+                self._finish(job, task.result())
             else:
                 await self._run_sync_in_turn(job, handler)
+
+    async def _await_in_turn(self, handler: Handler, job: ClaimedJob) -> _Ran:
+        """An ``async def`` handler of an inline AsyncWorker: its task (a cancellation request cancels it) is
+        awaited by the loop itself — what :meth:`_execute` does, less the task around it and the timeout."""
+        started = time.perf_counter()
+        inner = asyncio.ensure_future(self._await_handler(handler, job))
+        token = self._tokens.get(job.id)
+        if token is not None:
+            token.on_set(_canceller(inner))
+        try:
+            await self._wait_writing_outcomes(inner)
+        except BaseException:  # cancelled, or the outcomes' statement failed: the handler goes on
+            task = asyncio.ensure_future(self._settle(inner, job, started))
+            self._running[task] = _Running(job, time.monotonic(), None)  # recorded when it ends
+            raise
+        finally:
+            if token is not None:
+                token.on_set(None)
+        return self._settled(inner, job, started)
+
+    async def _settle(self, inner: asyncio.Future[_Ran], job: ClaimedJob, started: float) -> _Ran:
+        await asyncio.wait({inner})
+        return self._settled(inner, job, started)
+
+    def _settled(self, inner: asyncio.Future[_Ran], job: ClaimedJob, started: float) -> _Ran:
+        seconds = time.perf_counter() - started
+        if inner.cancelled():  # only a cancellation request cancels it
+            return _Ran(JobCancelled(f"job {job.id} ({job.task}) was cancelled"), seconds)
+        error = inner.exception()
+        if error is not None:
+            return _Ran(error, seconds)
+        ran = inner.result()
+        ran.seconds = seconds
+        return ran
+
+    async def _wait_writing_outcomes(
+        self, future: asyncio.Future[Any], progress: Callable[[], None] | None = None
+    ) -> None:
+        """Wait for a handler (or a thread's group of them) without cancelling it when the wait is cancelled,
+        writing the outcomes of finished jobs when they fall due meanwhile (a long job must not hold them
+        back: until written, a crash would run them again). ``progress`` records what the group finished so
+        far; it is called at least every ``flush_after``."""
+        while not future.done():
+            due = self._done.next_due()
+            if due is None and progress is not None:
+                due = time.monotonic() + self._done.flush_after
+            await asyncio.wait({future}, timeout=None if due is None else max(0.0, due - time.monotonic()))
+            if progress is not None:
+                progress()
+            if not future.done() and self._done.due(time.monotonic()):
+                await self._flush()
 
     def _plain_sync(self, job: ClaimedJob) -> Handler | None:
         handler = self.handlers.get(job.task)
@@ -1266,15 +1329,17 @@ class AsyncWorker(WorkerBase):
         """Sync handlers of an inline AsyncWorker: ``first`` and the plain sync jobs in hand right behind it run
         on one thread call, in order — one hand-off for all of them rather than one per job, and never on the
         event loop. Between jobs the thread checks for a stop, a fatal result and a cancellation request, as
-        the loop itself would; jobs it did not start go back to the front of the jobs in hand."""
+        the loop itself would; the loop records each result as it comes (and writes the outcomes when due);
+        jobs the thread did not start go back to the front of the jobs in hand."""
         pairs = [(first, handler)]
         while self._queue and (plain := self._plain_sync(self._queue[0])) is not None:
             pairs.append((self._queue.popleft(), plain))
         halt = threading.Event()
         no_provider = _tracing.provider_unset()
+        results: list[_Ran | None] = []  # appended by the thread, read by the loop
+        recorded = 0
 
-        def run_in_turn() -> list[_Ran | None]:  # on a handler thread
-            results: list[_Ran | None] = []
+        def run_in_turn() -> None:  # on a handler thread
             for job, fn in pairs:
                 if results and (halt.is_set() or not self._may_start()):
                     break
@@ -1285,24 +1350,27 @@ class AsyncWorker(WorkerBase):
                 results.append(ran)
                 if self._halts(ran.error):
                     break
-            return results
 
-        future = self._threads.submit(run_in_turn)
+        def record() -> None:  # on the loop
+            nonlocal recorded
+            upto = len(results)
+            for (job, _), ran in zip(pairs[recorded:upto], results[recorded:upto], strict=True):
+                if ran is None:
+                    self._done.add([self._not_started(job, "")])
+                else:
+                    self._finish(job, ran)
+            recorded = upto
+
+        wrapped = asyncio.wrap_future(self._threads.submit(run_in_turn))
         try:
-            results = await asyncio.shield(asyncio.wrap_future(future))
-        except asyncio.CancelledError:
+            await self._wait_writing_outcomes(wrapped, record)
+        except BaseException:
             halt.set()  # the job in progress cannot be interrupted: its result is recorded, the rest go back
-            self._record_in_turn(pairs, await asyncio.wrap_future(future))
+            await wrapped
             raise
-        self._record_in_turn(pairs, results)
-
-    def _record_in_turn(self, pairs: list[tuple[ClaimedJob, Handler]], results: list[_Ran | None]) -> None:
-        for (job, _), ran in zip(pairs, results, strict=False):
-            if ran is None:
-                self._done.add([self._not_started(job, "")])
-            else:
-                self._finish(job, ran)
-        self._queue.extendleft(job for job, _ in reversed(pairs[len(results) :]))
+        finally:
+            record()
+            self._queue.extendleft(job for job, _ in reversed(pairs[len(results) :]))
 
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:

@@ -28,7 +28,7 @@ from sa_outbox import (
 from sa_outbox import _steps as eng
 from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
-from sa_outbox.testing import drain
+from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases
 from .helpers import JOBS, claim_jobs, row, seed_jobs, statuses
@@ -574,3 +574,110 @@ def test_a_loop_keeps_its_cursor_only_on_its_own_connection_never_on_one_the_poo
     w.close()
     assert len(seen) == 1 and _CURSOR not in seen[0]
     assert statuses(engine, "jobs") == {"done": 1}
+
+
+def test_claimed_payloads_decode_with_the_engines_json_deserializer(engine: Engine) -> None:
+    """A claim returns the payload's JSON text; it is decoded as the engine decodes JSON (``json_deserializer``
+    given to create_engine, e.g. floats as Decimal) — for jobs and for outbox events alike."""
+    import json
+    from decimal import Decimal
+
+    from sqlalchemy import create_engine
+
+    from sa_outbox import Dispatcher
+
+    decimal_engine = create_engine(engine.url, json_deserializer=lambda s: json.loads(s, parse_float=Decimal))
+    try:
+        seed_jobs(engine, 1, task="t")
+        with engine.begin() as conn:
+            conn.execute(text("""UPDATE jobs SET payload = '{"price": 0.1, "n": [1, "x"]}'"""))
+            conn.execute(
+                text(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                    """VALUES ('order', '1', 'E', '{"price": 0.1}')"""
+                )
+            )
+        got: list[Any] = []
+        drain(Worker(decimal_engine, Job, {"t": lambda j: got.append(j.payload)}))
+        publisher = RecordingPublisher()
+        drain(Dispatcher(decimal_engine, OutboxEvent, publisher))
+        assert got == [{"price": Decimal("0.1"), "n": [1, "x"]}]
+        assert isinstance(got[0]["price"], Decimal)
+        assert [m.payload for m in publisher.messages] == [{"price": Decimal("0.1")}]
+        plain: list[Any] = []
+        seed_jobs(engine, 1, task="t")
+        drain(Worker(engine, Job, {"t": lambda j: plain.append(j.payload)}))
+        assert plain == [{"n": 0}] and isinstance(plain[0]["n"], int)
+    finally:
+        decimal_engine.dispose()
+
+
+def test_run_with_max_batches_claims_no_batch_beyond_the_last_one(engine: Engine) -> None:
+    seed_jobs(engine, 30, task="t")
+    seen: list[int] = []
+    w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
+    w.run_once()  # a first batch: the worker now knows its jobs are short and claims ahead
+    w.run(install_signal_handlers=False, max_batches=2)
+    w.close()
+    assert len(seen) == 15
+    with engine.connect() as conn:
+        versions = dict(conn.execute(text("SELECT id, lease_version FROM jobs")).all())
+    assert sorted(i for i, v in versions.items() if v > 0) == sorted(seen), "a claim beyond max_batches"
+
+
+def test_cancelling_an_inline_async_workers_run_lets_the_handler_in_progress_finish(
+    engine: Engine, async_url: Any
+) -> None:
+    seed_jobs(engine, 3, task="t")
+    finished: list[int] = []
+
+    async def handler(job: ClaimedJob) -> None:
+        await asyncio.sleep(0.6)
+        finished.append(job.id)
+
+    async def go() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"t": handler}, listen=False, batch=3)
+        task = asyncio.ensure_future(w.run(install_signal_handlers=False))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await w.close()
+        await aengine.dispose()
+
+    asyncio.run(go())
+    assert finished == [1]
+    assert row(engine, "jobs", 1).status == "done"
+    for i in (2, 3):
+        r = row(engine, "jobs", i)
+        assert (r.status, r.attempts) == ("queued", 0), r
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async def"])
+def test_an_inline_async_worker_writes_finished_outcomes_while_a_long_job_runs(
+    engine: Engine, async_url: Any, flavour: str
+) -> None:
+    seed_jobs(engine, 5, task="t")
+    seen_done: list[int] = []
+
+    def check() -> None:
+        with engine.connect() as conn:
+            seen_done.append(
+                conn.execute(text("SELECT count(*) FROM jobs WHERE status = 'done' AND id < 5")).scalar_one()
+            )
+
+    def sync_handler(job: ClaimedJob) -> None:
+        if job.id == 5:
+            time.sleep(0.5)
+            check()
+
+    async def async_handler(job: ClaimedJob) -> None:
+        if job.id == 5:
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(check)
+
+    handler = sync_handler if flavour == "sync" else async_handler
+    _drain_async(async_url, {"t": handler}, batch=5)
+    assert seen_done == [4], "outcomes of finished jobs waited for the long one"
+    assert statuses(engine, "jobs") == {"done": 5}
