@@ -345,6 +345,13 @@ class LoopBase:
 
     # -- results -> outcomes -> counters and log lines --------------------------------------------------
 
+    def _stops_loop(self, error: BaseException | None) -> bool:
+        """Whether a callable's ``error`` stops the loop once what finished is recorded: SystemExit and
+        KeyboardInterrupt, and with ``stop_on_unclassified`` an exception none of the failure classes."""
+        if error is None or isinstance(error, RetryableError | PermanentError | Defer):
+            return False
+        return not isinstance(error, Exception) or self.stop_on_unclassified
+
     def _outcome(
         self, *, id: int, lease_version: int, attempts: int, max_attempts: int, error: BaseException | None,
         label: str,
@@ -352,7 +359,7 @@ class LoopBase:
         """Classify one result; an unclassified exception is logged with its traceback and counted. Returns the
         outcome and, when the loop must stop on it, the exception (``stop_on_unclassified``, or a
         SystemExit/KeyboardInterrupt raised by the callable — what finished before it is still recorded)."""
-        fatal: BaseException | None = None
+        fatal = error if self._stops_loop(error) else None
         if error is not None and not isinstance(error, RetryableError | PermanentError | Defer):
             if isinstance(error, Exception):
                 self.stats.unclassified += 1
@@ -360,13 +367,11 @@ class LoopBase:
                     "%s raised an unclassified exception (treated as retryable)", label, exc_info=error,
                     extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
                 )  # fmt: skip
-                fatal = error if self.stop_on_unclassified else None
             else:
                 self._log.error(
                     "%s raised %s: recording what finished, then leaving", label, type(error).__name__,
                     extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
                 )  # fmt: skip
-                fatal = error
         if isinstance(error, DestinationUnavailable):  # an outage: never this message's fault, never dead
             return _steps.unavailable(self.spec, id, lease_version, error), fatal
         outcome = _steps.decide(

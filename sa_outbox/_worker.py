@@ -488,15 +488,8 @@ class WorkerBase(LoopBase):
         for name in self._paused - paused:
             log.info("queue %r resumed", name, extra={"queue": name})
         self._paused = paused
-        if paused and any(job.queue in paused for job in self._queue):
-            # claimed before the pause was seen, not started: given back rather than started late
-            kept = [job for job in self._queue if job.queue not in paused]
-            given = [
-                self._not_started(job, "released: queue paused") for job in self._queue if job.queue in paused
-            ]
-            self._queue.clear()
-            self._queue.extend(kept)
-            self._done.add(given)
+        if paused:  # claimed before the pause was seen, not started: given back rather than started late
+            self._release_unstarted("released: queue paused", paused)
 
     def _warn_once(self, what: str, message: str) -> None:
         """A WARNING the first time ``what`` fails with ``message`` (the maintenance step runs every second)."""
@@ -603,10 +596,17 @@ class WorkerBase(LoopBase):
             return _steps.cancelled(self.spec, job.id, job.lease_version, "requested before it started")
         return self._release(job.id, job.lease_version, reason)
 
-    def _release_unstarted(self, reason: str = "released: worker stopping") -> None:
-        released = [self._not_started(j, reason) for j in self._queue]
+    def _release_unstarted(
+        self, reason: str = "released: worker stopping", queues: set[str] | None = None
+    ) -> None:
+        """Give back the claimed jobs not started — all of them, or those of ``queues``."""
+        given = [j for j in self._queue if queues is None or j.queue in queues]
+        if not given:
+            return
+        kept = [] if queues is None else [j for j in self._queue if j.queue not in queues]
         self._queue.clear()
-        self._done.add(released)
+        self._queue.extend(kept)
+        self._done.add([self._not_started(j, reason) for j in given])
 
     def _next_to_start(self) -> ClaimedJob | None:
         """The next claimed job to run; jobs cancelled while they waited are recorded and skipped."""
@@ -1249,8 +1249,6 @@ class AsyncWorker(WorkerBase):
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
-            elif is_async_callable(handler) and not self._in_transaction(handler):
-                self._finish(job, await self._await_in_turn(handler, job))
             elif is_async_callable(handler) or self._in_transaction(handler):
                 task = asyncio.ensure_future(self._execute(handler, job))
                 try:
@@ -1261,40 +1259,6 @@ class AsyncWorker(WorkerBase):
                 self._finish(job, task.result())
             else:
                 await self._run_sync_in_turn(job, handler)
-
-    async def _await_in_turn(self, handler: Handler, job: ClaimedJob) -> _Ran:
-        """An ``async def`` handler of an inline AsyncWorker: its task (a cancellation request cancels it) is
-        awaited by the loop itself — what :meth:`_execute` does, less the task around it and the timeout."""
-        started = time.perf_counter()
-        inner = asyncio.ensure_future(self._await_handler(handler, job))
-        token = self._tokens.get(job.id)
-        if token is not None:
-            token.on_set(_canceller(inner))
-        try:
-            await self._wait_writing_outcomes(inner)
-        except BaseException:  # cancelled, or the outcomes' statement failed: the handler goes on
-            task = asyncio.ensure_future(self._settle(inner, job, started))
-            self._running[task] = _Running(job, time.monotonic(), None)  # recorded when it ends
-            raise
-        finally:
-            if token is not None:
-                token.on_set(None)
-        return self._settled(inner, job, started)
-
-    async def _settle(self, inner: asyncio.Future[_Ran], job: ClaimedJob, started: float) -> _Ran:
-        await asyncio.wait({inner})
-        return self._settled(inner, job, started)
-
-    def _settled(self, inner: asyncio.Future[_Ran], job: ClaimedJob, started: float) -> _Ran:
-        seconds = time.perf_counter() - started
-        if inner.cancelled():  # only a cancellation request cancels it
-            return _Ran(JobCancelled(f"job {job.id} ({job.task}) was cancelled"), seconds)
-        error = inner.exception()
-        if error is not None:
-            return _Ran(error, seconds)
-        ran = inner.result()
-        ran.seconds = seconds
-        return ran
 
     async def _wait_writing_outcomes(
         self, future: asyncio.Future[Any], progress: Callable[[], None] | None = None
@@ -1319,12 +1283,6 @@ class AsyncWorker(WorkerBase):
             return None
         return handler
 
-    def _halts(self, error: BaseException | None) -> bool:
-        """Whether recording ``error`` stops the loop (see ``LoopBase._outcome``): no further job may start."""
-        if error is None or isinstance(error, RetryableError | PermanentError | Defer):
-            return False
-        return not isinstance(error, Exception) or self.stop_on_unclassified
-
     async def _run_sync_in_turn(self, first: ClaimedJob, handler: Handler) -> None:
         """Sync handlers of an inline AsyncWorker: ``first`` and the plain sync jobs in hand right behind it run
         on one thread call, in order — one hand-off for all of them rather than one per job, and never on the
@@ -1348,7 +1306,7 @@ class AsyncWorker(WorkerBase):
                     continue
                 ran = _invoke(fn, job, no_provider)
                 results.append(ran)
-                if self._halts(ran.error):
+                if self._stops_loop(ran.error):
                     break
 
         def record() -> None:  # on the loop
