@@ -332,6 +332,25 @@ def test_a_paused_queue_is_not_claimed_until_resumed_and_the_pause_survives_a_re
     assert ran == ["default", "default", "mail", "mail"]
 
 
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_worker_started_during_a_pause_never_claims_the_paused_queue(
+    runner: Runner, engine: Engine, concurrency: int
+) -> None:
+    """A fresh worker reads the pauses before its first claim. Its first claim used to skip that read: with
+    handler threads the paused queue's jobs started at once (the model suite saw one start 3.1 s into a pause);
+    inline, they were claimed and given back."""
+    seed_jobs(engine, 3, task="t", queue="mail")
+    seed_jobs(engine, 1, task="t", queue="default")
+    pause_queue(engine, Job, "mail")
+    ran: list[int] = []
+    w = runner.worker({"t": lambda j: ran.append(j.id)}, queues=["mail", "default"], concurrency=concurrency)
+    runner.run(w, until_idle=True)
+    assert ran == [4]
+    assert [(row(engine, "jobs", i).status, row(engine, "jobs", i).lease_version) for i in (1, 2, 3)] == [
+        ("queued", 0)
+    ] * 3, "a paused queue's job was claimed"
+
+
 def test_a_running_worker_learns_a_pause_within_about_a_second(runner: Runner, engine: Engine) -> None:
     seen: list[int] = []
     w = runner.worker({"t": lambda j: seen.append(j.id)}, poll_interval=0.1)
