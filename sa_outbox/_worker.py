@@ -379,8 +379,8 @@ class WorkerBase(LoopBase):
         self._session_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
         self._paused: set[str] = set()
-        #: Whether this run's maintenance step has read the pauses yet: a loop's first claim waits for it.
-        self._maintained = False
+        #: Whether this run has read the pauses yet: its first claim waits for that.
+        self._pauses_read = False
         self._warned: dict[str, str] = {}  # maintenance step -> the last failure logged (_warn_once)
         self._missed: set[tuple[int, int]] = set()  # (id, version) the last heartbeat could not renew
         self._pause_table: Table | None = queue_table(self.spec.table)
@@ -463,13 +463,15 @@ class WorkerBase(LoopBase):
             else:
                 if fired:
                     log.info("fired %d scheduled job(s)", fired, extra={"jobs": fired})
-        table = self._pause_table
-        if table is not None:
-            self._read_pauses(conn, table)
-        self._maintained = True
+        self._read_pauses(conn)
 
-    def _read_pauses(self, conn: Connection, table: Table) -> None:
-        """Learn which of our queues are paused; give back the unstarted jobs in hand of the paused ones."""
+    def _read_pauses(self, conn: Connection) -> None:
+        """Learn which of our queues are paused; give back the unstarted jobs in hand of the paused ones. A run
+        does this before its first claim, then with every maintenance step."""
+        table = self._pause_table
+        if table is None:
+            self._pauses_read = True
+            return
         try:
             paused = set(
                 conn.execute(
@@ -488,7 +490,9 @@ class WorkerBase(LoopBase):
             else:  # e.g. permission denied: named, and tried again at the next step
                 self._warn_once("queues", f"cannot read which queues are paused from {table.fullname}: "
                                 f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
+            self._pauses_read = True  # (what can be known: claiming goes on, as before the table existed)
             return
+        self._pauses_read = True
         for name in paused - self._paused:
             log.info("queue %r paused: not claiming it", name, extra={"queue": name})
         for name in self._paused - paused:
@@ -839,8 +843,8 @@ class Worker(WorkerBase):
         when due, start jobs. Returns (jobs claimed, jobs asked for) — for a claim sent on the claim thread,
         in the turn where it lands ((0, 0) before)."""
         self._collect()
-        if not self._maintained:  # a fresh run learns which queues are paused before it claims any
-            self._rescue(force=True)
+        if not self._pauses_read:  # a fresh run learns which queues are paused before it claims any
+            self._db.run(self._read_pauses)
         if self._inflight is not None:
             if not self._inflight.future.done():
                 if not self._inline:
@@ -1025,7 +1029,7 @@ class Worker(WorkerBase):
     # -- start and end ---------------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        self._maintained = False
+        self._pauses_read = False
         if self._beat is not None:
             self._beat.start()
 
@@ -1198,8 +1202,8 @@ class AsyncWorker(WorkerBase):
 
     async def _turn(self) -> tuple[int, int]:
         self._collect()
-        if not self._maintained:  # a fresh run learns which queues are paused before it claims any
-            await self._rescue(force=True)
+        if not self._pauses_read:  # a fresh run learns which queues are paused before it claims any
+            await self._db.run(self._read_pauses)
         wanted = self._want(len(self._running), inline=self._inline) if self._may_start() else 0
         claimed = await self._claim(wanted) if wanted else 0
         if not wanted and self._done.due(time.monotonic()):
@@ -1462,7 +1466,7 @@ class AsyncWorker(WorkerBase):
     # -- start and end ---------------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        self._maintained = False
+        self._pauses_read = False
         if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
             self._beat_task = asyncio.ensure_future(self._heartbeat(self.heartbeat))
 
