@@ -490,7 +490,7 @@ class WorkerBase(LoopBase):
             else:  # e.g. permission denied: named, and tried again at the next step
                 self._warn_once("queues", f"cannot read which queues are paused from {table.fullname}: "
                                 f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
-            self._pauses_read = True  # (what can be known: claiming goes on, as before the table existed)
+            self._pauses_read = True  # claiming goes on with the pauses last read (none on a fresh worker)
             return
         self._pauses_read = True
         for name in paused - self._paused:

@@ -92,6 +92,11 @@ assert event.contains(Session, "before_flush", _producer._before_flush)
 #: Private members of other libraries the package uses on purpose, each pinned by a test of its behaviour.
 FOREIGN_PRIVATE_OK = {
     "conn._echo",  # SQLAlchemy: whether SQL logging is on for this connection (the fast path must yield to it)
+    # SQLAlchemy fires connection/engine/dialect events only when one of these is set: the fast path reads
+    # the same three flags to know nobody listens
+    "conn._has_events",
+    "conn.engine._has_events",
+    "conn.dialect._has_events",
     "session._flushing",  # SQLAlchemy: an event added by a listener during a flush is written in that flush
     "session._register_persistent",  # SQLAlchemy: rows inserted by the one-statement path become persistent
     "session._remove_newly_deleted",  # SQLAlchemy: CDC rows deleted again at once become deleted objects
