@@ -57,6 +57,9 @@ class _Listen:
         self.channels = list(channels)
         self.next_try = 0.0
         self.notifications = 0
+        #: A notification on our channels arrived while a new connection waited for its probe: the poke that
+        #: carries it is reported as "notify".
+        self.heard_in_probe = False
 
     def may_connect(self) -> bool:
         return self.url is not None and time.monotonic() >= self.next_try
@@ -74,6 +77,17 @@ class _Listen:
         channel = f"sa_outbox_probe_{uuid.uuid4().hex}"
         ident = psql.Identifier(channel)
         return channel, psql.SQL("LISTEN {}").format(ident), psql.SQL("NOTIFY {}").format(ident)
+
+    def heard_during_probe(self) -> None:
+        self.heard_in_probe = True
+
+    def poked(self) -> Wake:
+        """What a poke means: a notification heard during the probe (counted as one), or a poke."""
+        if self.heard_in_probe:
+            self.heard_in_probe = False
+            self.notifications += 1
+            return "notify"
+        return "poke"
 
     def deaf(self) -> None:
         """The new LISTEN connection did not hear its own probe: poll, and say why and what to do."""
@@ -131,7 +145,7 @@ class Waker:
 
     def _probe(self, conn: psycopg.Connection[Any]) -> bool:
         """NOTIFY a private channel from a second connection; whether ``conn`` hears it. Notifications on the
-        table's channels that arrive meanwhile are not lost: they count as a wake-up (a poke)."""
+        table's channels that arrive meanwhile are not lost: they wake the next wait (as a "notify")."""
         assert self._listen.url is not None
         channel, listen, notify = self._listen.probe()
         conn.execute(listen)
@@ -142,7 +156,8 @@ class Waker:
             if n.channel == channel:
                 heard = True
                 break
-            self.poke()  # one of ours: do not swallow it
+            self._listen.heard_during_probe()  # one of ours: do not swallow it
+            self.poke()
         return heard
 
     def poke(self) -> None:
@@ -163,7 +178,7 @@ class Waker:
         deadline = time.monotonic() + timeout
         while True:
             if self._drain_pokes():
-                return "poke"
+                return self._listen.poked()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -275,7 +290,8 @@ class AsyncWaker:
             if n.channel == channel:
                 heard = True
                 break
-            self._poked.set()  # one of ours: do not swallow it
+            self._listen.heard_during_probe()  # one of ours: do not swallow it
+            self._poked.set()
         return heard
 
     async def wait(self, timeout: float) -> Wake:
@@ -283,7 +299,7 @@ class AsyncWaker:
         self._loop = asyncio.get_running_loop()
         if self._poked.is_set():
             self._poked.clear()
-            return "poke"
+            return self._listen.poked()
         conn = await self._connect()
         poked = asyncio.ensure_future(self._poked.wait())
         waiters: set[asyncio.Future[Any]] = {poked}
@@ -298,7 +314,7 @@ class AsyncWaker:
                 await task
         if poked in done:
             self._poked.clear()
-            return "poke"
+            return self._listen.poked()
         if listener is not None and listener in done:
             try:
                 if listener.result():

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+from psycopg import sql as psql
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from sa_outbox import ClaimedJob, Dispatcher, Message, Worker, enqueue
+from sa_outbox import ClaimedJob, Dispatcher, Message, Worker, _wakeup, enqueue
 from sa_outbox.models import Job, OutboxEvent
 
 
@@ -92,3 +95,54 @@ def test_with_notifications_lost_polling_still_picks_work_up(engine: Engine) -> 
     lat = _latencies(w, stamp, lambda: _add_job(engine), rounds=3)
     assert max(lat) < 5.0
     assert w.stats.wakeups == 0
+
+
+def _probe_after_a_table_notification(monkeypatch: pytest.MonkeyPatch, table_channel: str) -> None:
+    """The probe's NOTIFY also notifies the table's channel first, in the same transaction: the new LISTEN
+    connection hears a real notification while it waits for its probe (what a commit racing a loop's first
+    wait does)."""
+    real = _wakeup._Listen.probe
+
+    def probe(self: Any) -> tuple[str, Any, Any]:
+        channel, listen, _ = real(self)
+        both = psql.SQL("SELECT pg_notify({}, ''), pg_notify({}, '')").format(
+            psql.Literal(table_channel), psql.Literal(channel)
+        )
+        return channel, listen, both
+
+    monkeypatch.setattr(_wakeup._Listen, "probe", probe)
+
+
+def test_a_notification_heard_during_the_probe_wakes_the_loop_as_a_notification(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It used to be reported as a poke: the loop woke, but its wake-up counter missed it (a CI run of
+    test_idle_loops_wake_up_on_a_commit_through_pgbouncer failed on that)."""
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+    waker = _wakeup.Waker(engine.url, ["sa_outbox_probe_test"])
+    try:
+        assert waker.wait(5) == "notify"
+        assert waker.notifications == 1
+        waker.poke()
+        assert waker.wait(5) == "poke"  # a plain poke stays a poke
+        assert waker.notifications == 1
+    finally:
+        waker.close()
+
+
+def test_a_notification_heard_during_the_probe_wakes_an_async_loop_as_a_notification(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+
+    async def main() -> tuple[Any, Any, int]:
+        waker = _wakeup.AsyncWaker(engine.url, ["sa_outbox_probe_test"])
+        try:
+            first = await waker.wait(5)
+            waker.poke()
+            second = await waker.wait(5)
+            return first, second, waker.notifications
+        finally:
+            await waker.close()
+
+    assert asyncio.run(main()) == ("notify", "poke", 1)
