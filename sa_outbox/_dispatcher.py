@@ -756,7 +756,9 @@ class AsyncDispatcher(DispatcherBase):
                         errors = check_batch(await publisher.publish_many(messages), n)
                 except TimeoutError:
                     errors = [self._over_budget()] * n
-                except Exception as exc:
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # SystemExit/KeyboardInterrupt too: recorded, then raised
                     errors = [exc] * n
                 spans.outcomes(errors)
             seconds = time.perf_counter() - started
@@ -783,7 +785,9 @@ class AsyncDispatcher(DispatcherBase):
                             error = check_result(await publisher.publish(msg))
                     except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
                         error = self._timed_out() if timer.expired() else exc
-                    except Exception as exc:
+                    except asyncio.CancelledError:
+                        raise
+                    except BaseException as exc:  # SystemExit too: out of a task it would stop the event loop
                         error = exc
                     span.outcome(error)
                 self._observe_handled(time.perf_counter() - started, msg.created_at)

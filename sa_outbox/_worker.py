@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -166,6 +166,16 @@ def _canceller(task: asyncio.Future[Any]) -> Callable[[], None]:
         task.cancel()
 
     return cancel
+
+
+async def _contained(handled: Awaitable[_Ran]) -> _Ran:
+    """A handler's task: its SystemExit/KeyboardInterrupt comes back as the result's error. Raised out of a
+    task, asyncio re-raises them through the event loop, which stops mid-batch with every other job cut short
+    (jobs that had run were released and run again)."""
+    try:
+        return await handled
+    except (SystemExit, KeyboardInterrupt) as exc:
+        return _Ran(exc, 0.0)
 
 
 class _LeaseLost(Exception):
@@ -1367,7 +1377,7 @@ class AsyncWorker(WorkerBase):
         try:
             async with timer or contextlib.nullcontext():
                 if is_async_callable(handler):
-                    inner = asyncio.ensure_future(self._await_handler(handler, job))
+                    inner = asyncio.ensure_future(_contained(self._await_handler(handler, job)))
                     if token is not None:
                         token.on_set(_canceller(inner))
                     ran = await inner

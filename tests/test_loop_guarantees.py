@@ -5,6 +5,7 @@ Each test drives a real loop against the real database and waits with a bounded 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -13,8 +14,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.engine import URL
 
-from sa_outbox import ClaimedJob
+from sa_outbox import ClaimedJob, Message
 from sa_outbox.testing import RecordingPublisher
 
 from .factories import Runner
@@ -84,6 +86,68 @@ def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
     d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
     assert run_until(runner, d, lambda: len(pub.ids) == 10, timeout=20)
     assert pub.ids == list(range(1, 11))
+
+
+@pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_an_async_def_handler_raising_systemexit_does_not_tear_through_the_event_loop(
+    engine: Engine, async_url: URL, exit_exc: type[BaseException], concurrency: int
+) -> None:
+    """asyncio re-raises a task's SystemExit/KeyboardInterrupt out of the event loop. An ``async def`` handler
+    runs as a task, so one raising it used to stop the loop mid-batch: its batch mates' tasks were cut off and
+    (under ``asyncio.run``) cancelled and released — jobs that had already run were run again (the model
+    suite's long profile, seed 100). Now it is a result like any other: the batch mates finish and are
+    recorded, then the worker raises it."""
+    seed_jobs(engine, 3, task="ok")
+    seed_jobs(engine, 1, task="exit")
+    ran: list[int] = []
+
+    async def ok(job: ClaimedJob) -> None:
+        await asyncio.sleep(0.05)
+        ran.append(job.id)
+
+    async def leave(job: ClaimedJob) -> None:
+        raise exit_exc()
+
+    runner = Runner("async", engine, async_url)
+    try:
+        w = runner.worker({"ok": ok, "exit": leave}, batch=4, concurrency=concurrency)
+        with pytest.raises(exit_exc):
+            runner.run(w, until_idle=True)
+        assert sorted(ran) == [1, 2, 3]
+        assert [row(engine, "jobs", i).status for i in (1, 2, 3)] == ["done"] * 3
+        gone = row(engine, "jobs", 4)
+        assert gone.status == "queued" and gone.attempts == 1 and exit_exc.__name__ in gone.last_error
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
+def test_an_async_def_publisher_raising_systemexit_does_not_tear_through_the_event_loop(
+    engine: Engine, async_url: URL, exit_exc: type[BaseException]
+) -> None:
+    """The same for an AsyncDispatcher's ``async def`` publisher (each message is published by a task): what
+    was published before is recorded, then the dispatcher raises it."""
+    seed_events(engine, 4)
+    published: list[int] = []
+
+    class Leaving:
+        async def publish(self, message: Message) -> None:
+            if message.id == 4:
+                raise exit_exc()
+            await asyncio.sleep(0.05)
+            published.append(message.id)
+
+    runner = Runner("async", engine, async_url)
+    try:
+        d = runner.dispatcher(Leaving(), batch=4, publish_concurrency=4)
+        with pytest.raises(exit_exc):
+            runner.run(d, until_idle=True)
+        assert sorted(published) == [1, 2, 3]
+        assert [row(engine, "outbox", i).status for i in (1, 2, 3)] == ["done"] * 3
+        assert row(engine, "outbox", 4).status == "pending"
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
