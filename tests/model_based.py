@@ -8,8 +8,8 @@ database, real threads with their own connections, real backend terminations. Ru
 * produce events: ``session.add`` (string aggregates), ``for_aggregate`` (mapped ``Order`` rows), ``emit``,
   an ``AsyncSession``, inside a savepoint that is rolled back; each transaction commits or rolls back;
 * enqueue jobs;
-* start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off),
-  stop one gracefully;
+* start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off;
+  a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully;
 * terminate every backend of the loops (``pg_terminate_backend``);
 * a broker outage begins or ends (the publisher raises ``DestinationUnavailable``);
 * an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
@@ -320,14 +320,16 @@ class LoopThread:
     """One Dispatcher/Worker (sync, or async on its own event loop) running in a thread of its own."""
 
     def __init__(
-        self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL
-    ):
+        self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL,
+        run_kwargs: dict[str, Any] | None = None,
+    ):  # fmt: skip
         self.name = name
         self.build = build
         self.is_async = is_async
         self.engine = engine
         self.async_url = async_url
         self.loop: Any = None
+        self.run_kwargs = run_kwargs or {}
         self.exited: BaseException | None = None
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -340,7 +342,7 @@ class LoopThread:
                 self.loop = self.build(self.engine)
                 self.ready.set()
                 try:
-                    self.loop.run(install_signal_handlers=False)
+                    self.loop.run(install_signal_handlers=False, **self.run_kwargs)
                 finally:
                     self.loop.close()
         except BaseException as exc:  # SystemExit from a handler: the "process" leaves, as it would
@@ -354,7 +356,7 @@ class LoopThread:
             self.loop = self.build(aengine)
             self.ready.set()
             try:
-                await self.loop.run(install_signal_handlers=False)
+                await self.loop.run(install_signal_handlers=False, **self.run_kwargs)
             finally:
                 await self.loop.close()
         finally:
@@ -669,7 +671,14 @@ class Scenario:
 
     # -- rules: loops and faults ------------------------------------------------------------------------------
 
-    def start_dispatcher(self, is_async: bool | None = None) -> None:
+    def _run_kwargs(self, bounded: bool) -> dict[str, Any]:
+        """Some loops stop by themselves after a few claims (``run(max_batches=N)``): they leave with jobs or
+        events in hand, which must be given back or finished, never lost or run twice."""
+        if bounded and self.rng.random() < 0.2:
+            return {"max_batches": self.rng.choice((1, 3, 8))}
+        return {}
+
+    def start_dispatcher(self, is_async: bool | None = None, *, bounded: bool = True) -> None:
         is_async = self.rng.random() < 0.5 if is_async is None else is_async
         options = dict(
             batch=self.rng.choice((1, 3, 10)), ordered=set(ORDERED), lease=3.0, publish_timeout=0.4,
@@ -681,13 +690,16 @@ class Scenario:
         publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(self.record, self.outage)
         cls: Any = AsyncDispatcher if is_async else Dispatcher
         name = f"dispatcher-{next(self.names)}"
-        self.log.append(f"start {name} async={is_async} sync_publisher={sync_publisher} {options}")
+        run_kwargs = self._run_kwargs(bounded)
+        self.log.append(
+            f"start {name} async={is_async} sync_publisher={sync_publisher} {options} {run_kwargs}"
+        )
         self.dispatchers.append(
             LoopThread(name, lambda e: cls(e, self.Outbox, publisher, **options), is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url).start()
+                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs).start()
         )  # fmt: skip
 
-    def start_worker(self, is_async: bool | None = None) -> None:
+    def start_worker(self, is_async: bool | None = None, *, bounded: bool = True) -> None:
         is_async = self.rng.random() < 0.5 if is_async is None else is_async
         options = dict(
             batch=self.rng.choice((1, 4, 10)), concurrency=self.rng.choice((1, 2, 4)),
@@ -708,12 +720,13 @@ class Scenario:
             options["unique_running"] = True
         cls: Any = AsyncWorker if is_async else Worker
         name = f"worker-{next(self.names)}"
+        run_kwargs = self._run_kwargs(bounded)
         self.log.append(
-            f"start {name} async={is_async} async_handler={async_handler} queues={queues} {options}"
+            f"start {name} async={is_async} async_handler={async_handler} queues={queues} {options} {run_kwargs}"
         )
         self.workers.append(
             LoopThread(name, lambda e: cls(e, Job, handlers, queues=queues, **options), is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url).start()
+                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs).start()
         )  # fmt: skip
 
     def _reap_exited(self) -> None:
@@ -865,14 +878,16 @@ class Scenario:
                 resume_queue(self.engine, Job, queue)
                 windows[-1][1] = time.monotonic()
         if not self.dispatchers:
-            self.start_dispatcher(is_async=False)
+            self.start_dispatcher(is_async=False, bounded=False)
         if not self.workers:
-            self.start_worker(is_async=False)
+            self.start_worker(is_async=False, bounded=False)
         deadline = time.monotonic() + self.profile.drain_seconds
         while time.monotonic() < deadline:
             self._reap_exited()
+            if not self.dispatchers:  # one that stopped after max_batches
+                self.start_dispatcher(is_async=False, bounded=False)
             if not self.workers:
-                self.start_worker(is_async=False)
+                self.start_worker(is_async=False, bounded=False)
             if self._settled():
                 return
             time.sleep(0.2)
