@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
-from sqlalchemy.engine import URL
 
 from sa_outbox import ClaimedJob, Message
 from sa_outbox.testing import RecordingPublisher
@@ -88,10 +87,11 @@ def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
     assert pub.ids == list(range(1, 11))
 
 
+@pytest.mark.parametrize("runner", ["async"], indirect=True)
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_an_async_def_handler_raising_systemexit_does_not_tear_through_the_event_loop(
-    engine: Engine, async_url: URL, exit_exc: type[BaseException], concurrency: int
+    runner: Runner, engine: Engine, exit_exc: type[BaseException], concurrency: int
 ) -> None:
     """asyncio re-raises a task's SystemExit/KeyboardInterrupt out of the event loop. An ``async def`` handler
     runs as a task, so one raising it used to stop the loop mid-batch: its batch mates' tasks were cut off and
@@ -109,22 +109,19 @@ def test_an_async_def_handler_raising_systemexit_does_not_tear_through_the_event
     async def leave(job: ClaimedJob) -> None:
         raise exit_exc()
 
-    runner = Runner("async", engine, async_url)
-    try:
-        w = runner.worker({"ok": ok, "exit": leave}, batch=4, concurrency=concurrency)
-        with pytest.raises(exit_exc):
-            runner.run(w, until_idle=True)
-        assert sorted(ran) == [1, 2, 3]
-        assert [row(engine, "jobs", i).status for i in (1, 2, 3)] == ["done"] * 3
-        gone = row(engine, "jobs", 4)
-        assert gone.status == "queued" and gone.attempts == 1 and exit_exc.__name__ in gone.last_error
-    finally:
-        runner.close()
+    w = runner.worker({"ok": ok, "exit": leave}, batch=4, concurrency=concurrency)
+    with pytest.raises(exit_exc):
+        runner.run(w, until_idle=True)
+    assert sorted(ran) == [1, 2, 3]
+    assert [row(engine, "jobs", i).status for i in (1, 2, 3)] == ["done"] * 3
+    gone = row(engine, "jobs", 4)
+    assert gone.status == "queued" and gone.attempts == 1 and exit_exc.__name__ in gone.last_error
 
 
+@pytest.mark.parametrize("runner", ["async"], indirect=True)
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
 def test_an_async_def_publisher_raising_systemexit_does_not_tear_through_the_event_loop(
-    engine: Engine, async_url: URL, exit_exc: type[BaseException]
+    runner: Runner, engine: Engine, exit_exc: type[BaseException]
 ) -> None:
     """The same for an AsyncDispatcher's ``async def`` publisher (each message is published by a task): what
     was published before is recorded, then the dispatcher raises it."""
@@ -138,16 +135,12 @@ def test_an_async_def_publisher_raising_systemexit_does_not_tear_through_the_eve
             await asyncio.sleep(0.05)
             published.append(message.id)
 
-    runner = Runner("async", engine, async_url)
-    try:
-        d = runner.dispatcher(Leaving(), batch=4, publish_concurrency=4)
-        with pytest.raises(exit_exc):
-            runner.run(d, until_idle=True)
-        assert sorted(published) == [1, 2, 3]
-        assert [row(engine, "outbox", i).status for i in (1, 2, 3)] == ["done"] * 3
-        assert row(engine, "outbox", 4).status == "pending"
-    finally:
-        runner.close()
+    d = runner.dispatcher(Leaving(), batch=4, publish_concurrency=4)
+    with pytest.raises(exit_exc):
+        runner.run(d, until_idle=True)
+    assert sorted(published) == [1, 2, 3]
+    assert [row(engine, "outbox", i).status for i in (1, 2, 3)] == ["done"] * 3
+    assert row(engine, "outbox", 4).status == "pending"
 
 
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
