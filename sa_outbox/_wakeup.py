@@ -78,9 +78,6 @@ class _Listen:
         ident = psql.Identifier(channel)
         return channel, psql.SQL("LISTEN {}").format(ident), psql.SQL("NOTIFY {}").format(ident)
 
-    def heard_during_probe(self) -> None:
-        self.heard_in_probe = True
-
     def poked(self) -> Wake:
         """What a poke means: a notification heard during the probe (counted as one), or a poke."""
         if self.heard_in_probe:
@@ -156,7 +153,7 @@ class Waker:
             if n.channel == channel:
                 heard = True
                 break
-            self._listen.heard_during_probe()  # one of ours: do not swallow it
+            self._listen.heard_in_probe = True  # one of ours: do not swallow it
             self.poke()
         return heard
 
@@ -290,7 +287,7 @@ class AsyncWaker:
             if n.channel == channel:
                 heard = True
                 break
-            self._listen.heard_during_probe()  # one of ours: do not swallow it
+            self._listen.heard_in_probe = True  # one of ours: do not swallow it
             self._poked.set()
         return heard
 
