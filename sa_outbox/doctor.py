@@ -514,7 +514,11 @@ class LockInfo:
 
 def locks(conn: Connection | Engine, tables: list[str]) -> list[LockInfo]:
     """Sessions holding or waiting for locks on the queue tables (names as in SQL, schema-qualified if
-    needed), with who blocks whom."""
+    needed), with who blocks whom.
+
+    One read of live views that PostgreSQL does not snapshot together (``pg_stat_activity`` once per query,
+    ``pg_locks`` and ``pg_blocking_pids`` as each is evaluated), so a session that changes state during the
+    read can show its previous statement beside its new lock; read again for a settled picture."""
     if isinstance(conn, Engine):
         with conn.connect() as c:
             return locks(c, tables)

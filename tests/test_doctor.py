@@ -140,6 +140,15 @@ def test_missing_autovacuum_settings_warn_with_the_alter(engine: Engine) -> None
     assert by_check(run(engine), "autovacuum settings", "jobs")[0].status == "ok"
 
 
+def settled(lk: LockInfo, holder_pid: int) -> bool:
+    """The waiter as it stands once queued: blocked by the holder, waiting on a lock, holding the tuple lock."""
+    return (
+        holder_pid in lk.blocked_by
+        and lk.wait_event_type == "Lock"
+        and any(h.startswith("ExclusiveLock on row") for h in lk.holds)
+    )
+
+
 @contextmanager
 def update_blocked_by_a_row_lock(engine: Engine) -> Iterator[tuple[int, list[LockInfo]]]:
     """A session holding row 1 with FOR UPDATE (idle in transaction) and, in a thread with its own
@@ -162,7 +171,10 @@ def update_blocked_by_a_row_lock(engine: Engine) -> Iterator[tuple[int, list[Loc
         try:
             deadline = time.monotonic() + 10
             seen: list[LockInfo] = []
-            while time.monotonic() < deadline and not any(holder_pid in lk.blocked_by for lk in seen):
+            # pg_stat_activity is snapshotted once per query while pg_locks and pg_blocking_pids are read
+            # live, so one read can catch the waiter between its SET and its UPDATE, or before it queued for
+            # the tuple lock: poll until one read shows the whole picture (all three views agree)
+            while time.monotonic() < deadline and not any(settled(lk, holder_pid) for lk in seen):
                 seen = locks(engine, ["outbox", "jobs"])
                 time.sleep(0.05)
             yield holder_pid, seen
