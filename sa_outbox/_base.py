@@ -191,7 +191,10 @@ class LoopBase:
 
     def stop(self) -> None:
         """Ask the loop to finish: no new claims; what is in hand is finished and finalized, unstarted rows
-        are released (back to ready, attempt refunded). Safe from any thread and from signal handlers."""
+        are released (back to ready, attempt refunded). Safe from any thread and from signal handlers.
+
+        A stop is final for this loop object: one that lands before :meth:`run` begins (a signal during
+        start-up) makes that ``run()`` return without claiming anything. To run again, build a new loop."""
         self._stop.set()
         self._poke()
 

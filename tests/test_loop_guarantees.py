@@ -163,3 +163,20 @@ def test_a_handler_raising_systemexit_keeps_its_finished_batch_mates(
     assert gone.status == "queued" and gone.attempts == 1 and exit_exc.__name__ in gone.last_error
     unstarted = row(engine, "jobs", 4)
     assert unstarted.status == "queued" and unstarted.attempts == 0
+
+
+def test_a_stop_requested_before_run_starts_is_not_lost(runner: Runner, engine: Engine) -> None:
+    """A SIGTERM that lands between building a loop and its ``run()`` (stop() is sticky): run() returns
+    without claiming anything, and the rows stay ready for the next process."""
+    seed_jobs(engine, 3, task="t")
+    seed_events(engine, 3)
+    ran: list[int] = []
+    pub = RecordingPublisher()
+    w = runner.worker({"t": lambda j: ran.append(j.id)})
+    d = runner.dispatcher(pub)
+    for lp in (w, d):
+        lp.stop()
+        assert lp.stopping
+        runner.run(lp, until_idle=True)
+    assert ran == [] and pub.calls == 0
+    assert statuses(engine, "jobs") == {"queued": 3} and statuses(engine, "outbox") == {"pending": 3}
