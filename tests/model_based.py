@@ -45,6 +45,8 @@ After every step
     I6  the limited queue never has more running jobs per key (per queue) than its limit, nor more starts in
         a rate window than its rate; with ``unique_running``, no unique key ever has two running jobs —
         sampled from the rows every 20 ms by a thread of its own;
+    I7  a claimed payload decodes as the loops' engine decodes JSON: in half the scenarios that engine has a
+        ``json_deserializer`` reading floats as ``Decimal``, and every publisher and handler sees one;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import threading
 import time
@@ -71,6 +74,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, select, text
@@ -128,6 +132,11 @@ PAUSE_GRACE = 3.0
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit")
 
 
+def decimal_loads(text_: str) -> Any:
+    """A json_deserializer some scenarios give the loops' engines: floats as Decimal."""
+    return json.loads(text_, parse_float=Decimal)
+
+
 @dataclass
 class Profile:
     steps: int = 40
@@ -153,6 +162,16 @@ class Record:
         self.lock = threading.Lock()
         self.events: list[tuple[str, int, int, str]] = []  # (kind, seq, lease_version, action)
         self.starts: list[tuple[int, str, float]] = []  # (seq, queue, monotonic time)
+        #: What the loops' engine decodes a JSON float as (the scenario's json_deserializer), and each payload
+        #: a publisher or handler got that decoded otherwise.
+        self.float_type: type = float
+        self.bad_payloads: list[str] = []
+
+    def check_payload(self, payload: Any) -> None:
+        """I7: a claimed payload decodes as the loops' engine decodes JSON."""
+        if type(payload.get("price")) is not self.float_type:
+            with self.lock:
+                self.bad_payloads.append(f"seq {payload.get('seq')}: price {payload.get('price')!r}")
 
     def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> None:
         with self.lock:
@@ -180,6 +199,7 @@ class ModelPublisher:
         if self.outage.is_set():
             raise DestinationUnavailable("model broker is down")
         payload = message.payload
+        self.record.check_payload(payload)
         action = "permanent" if payload["poison"] else _action(payload["plan"], message.lease_version)
         self.record.add("publish", payload["seq"], message.lease_version, action)
         if action == "retry":
@@ -213,6 +233,7 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 
     def act(job: ClaimedJob) -> str:
         payload = job.payload
+        record.check_payload(payload)
         action = "permanent" if payload["poison"] else _action(payload["plan"], job.lease_version)
         record.add("handle", payload["seq"], job.lease_version, action, queue=job.queue)
         if action == "retry":
@@ -321,7 +342,7 @@ class LoopThread:
 
     def __init__(
         self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL,
-        run_kwargs: dict[str, Any] | None = None,
+        run_kwargs: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
     ):  # fmt: skip
         self.name = name
         self.build = build
@@ -330,6 +351,7 @@ class LoopThread:
         self.async_url = async_url
         self.loop: Any = None
         self.run_kwargs = run_kwargs or {}
+        self.engine_kwargs = engine_kwargs or {}
         self.exited: BaseException | None = None
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -351,7 +373,9 @@ class LoopThread:
             self.ready.set()
 
     async def _amain(self) -> None:
-        aengine = create_async_engine(self.async_url, pool_size=3, connect_args=LOOP_APP)
+        aengine = create_async_engine(
+            self.async_url, pool_size=3, connect_args=LOOP_APP, **self.engine_kwargs
+        )
         try:
             self.loop = self.build(aengine)
             self.ready.set()
@@ -431,11 +455,20 @@ class Scenario:
             conn.execute(text("CREATE TABLE IF NOT EXISTS model_effects (seq bigint)"))
             conn.execute(text("TRUNCATE model_effects"))
         # The sync loops' engine has no pre-ping: the loops must ride out terminated connections themselves.
-        self.loop_engine = create_engine(engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP)
+        #: I7's rule: half the scenarios give the loops' engines a json_deserializer that reads floats as
+        #: Decimal (drawn from its own stream, so a seed's other choices stay what they were).
+        self.loop_engine_kwargs: dict[str, Any] = {}
+        if random.Random(seed * 7919 + 1).random() < 0.5:
+            self.loop_engine_kwargs["json_deserializer"] = decimal_loads
+        self.loop_engine = create_engine(
+            engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP, **self.loop_engine_kwargs
+        )
         self.async_url = async_url
         self.profile = profile
         self.model = Model()
         self.record = Record()
+        if self.loop_engine_kwargs:
+            self.record.float_type = Decimal
         self.outage = threading.Event()
         self.seq = itertools.count(1)
         self.dispatchers: list[LoopThread] = []
@@ -471,7 +504,7 @@ class Scenario:
         return Planned(next(self.seq), plan, poison, aggregate, self.rng.choice(EVENT_TYPES))
 
     def _payload(self, p: Planned) -> dict[str, Any]:
-        return {"seq": p.seq, "plan": p.plan, "poison": p.poison}
+        return {"seq": p.seq, "plan": p.plan, "poison": p.poison, "price": 0.1}
 
     def _commit_or_not(self) -> bool:
         return self.rng.random() < 0.85
@@ -696,7 +729,8 @@ class Scenario:
         )
         self.dispatchers.append(
             LoopThread(name, lambda e: cls(e, self.Outbox, publisher, **options), is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs).start()
+                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
+                       engine_kwargs=self.loop_engine_kwargs).start()
         )  # fmt: skip
 
     def start_worker(self, is_async: bool | None = None, *, bounded: bool = True) -> None:
@@ -726,7 +760,8 @@ class Scenario:
         )
         self.workers.append(
             LoopThread(name, lambda e: cls(e, Job, handlers, queues=queues, **options), is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs).start()
+                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
+                       engine_kwargs=self.loop_engine_kwargs).start()
         )  # fmt: skip
 
     def _reap_exited(self) -> None:
@@ -968,6 +1003,8 @@ class Scenario:
                 assert not (begin + PAUSE_GRACE <= at < end), (
                     f"job {seq} of queue {queue} started {at - begin:.1f}s into a pause"
                 )
+        # I7
+        assert not self.record.bad_payloads, f"payloads decoded otherwise: {self.record.bad_payloads[:5]}"
         # I6
         assert not self.sampler.violations, f"the limit was broken: {self.sampler.violations[:5]}"
         # I4
