@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -161,21 +161,21 @@ class _Ran:
     lost: bool = False
 
 
-def _canceller(task: asyncio.Future[Any]) -> Callable[[], None]:
-    def cancel() -> None:
-        task.cancel()
+class _Canceller:
+    """A job's cancellation request, turned into a cancel of the task running its ``async def`` handler — the
+    task that also runs the rest of :meth:`AsyncWorker._execute`, so ``fired`` tells that cancel apart from
+    any other (one task per job, not a second one for the handler: a task costs its job two turns of the
+    event loop)."""
 
-    return cancel
+    __slots__ = ("fired", "task")
 
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.fired = False
 
-async def _contained(handled: Awaitable[_Ran]) -> _Ran:
-    """A handler's task: its SystemExit/KeyboardInterrupt comes back as the result's error. Raised out of a
-    task, asyncio re-raises them through the event loop, which stops mid-batch with every other job cut short
-    (jobs that had run were released and run again)."""
-    try:
-        return await handled
-    except (SystemExit, KeyboardInterrupt) as exc:
-        return _Ran(exc, 0.0)
+    def __call__(self) -> None:
+        self.fired = True
+        self.task.cancel()
 
 
 class _LeaseLost(Exception):
@@ -1371,16 +1371,19 @@ class AsyncWorker(WorkerBase):
         ``async def`` handler runs as a task of its own, cancelled when the job's cancellation is requested."""
         started = time.perf_counter()
         future: Future[Any] | None = None
-        inner: asyncio.Future[_Ran] | None = None
+        canceller: _Canceller | None = None
         token = self._tokens.get(job.id)
         timer = None if self.handler_timeout is None else asyncio.timeout(self.handler_timeout)
         try:
             async with timer or contextlib.nullcontext():
                 if is_async_callable(handler):
-                    inner = asyncio.ensure_future(_contained(self._await_handler(handler, job)))
-                    if token is not None:
-                        token.on_set(_canceller(inner))
-                    ran = await inner
+                    task = asyncio.current_task()
+                    if token is not None and task is not None:
+                        canceller = _Canceller(task)
+                        token.on_set(canceller)
+                    # awaited here, in this task: no await between its return and the token's reset below,
+                    # so a cancellation request can only interrupt the handler (or its transaction)
+                    ran = await self._await_handler(handler, job)
                 else:
                     if self._in_transaction(handler):
                         future = self._threads.submit(
@@ -1398,12 +1401,14 @@ class AsyncWorker(WorkerBase):
             self.stats.timed_out += 1
             return _Ran(self._timed_out(), time.perf_counter() - started)
         except asyncio.CancelledError:
-            if inner is not None and inner.cancelled() and job.cancel_requested:
+            if canceller is not None and canceller.fired:
+                canceller.task.uncancel()  # ours, answered here: the task goes on to return the outcome
                 return _Ran(
                     JobCancelled(f"job {job.id} ({job.task}) was cancelled"), time.perf_counter() - started
                 )
             raise
-        except BaseException as exc:
+        except BaseException as exc:  # SystemExit/KeyboardInterrupt too: raised out of a task, asyncio
+            # re-raises them through the event loop, which stops mid-batch with every other job cut short
             return _Ran(exc, time.perf_counter() - started)
         finally:
             if token is not None:

@@ -226,7 +226,14 @@ def test_a_running_sync_handler_learns_of_its_cancellation_at_the_next_heartbeat
     assert w.stats.cancelled == 1
 
 
-def test_an_async_handlers_task_is_cancelled(engine: Engine, async_url: URL) -> None:
+@pytest.mark.parametrize(
+    ("concurrency", "timeout"), [(1, None), (2, None), (1, 30.0)], ids=["inline", "tasks", "timeout"]
+)
+def test_an_async_handlers_task_is_cancelled(
+    engine: Engine, async_url: URL, concurrency: int, timeout: float | None
+) -> None:
+    """The request interrupts the handler's await (awaited inline, as a task, inside a handler_timeout);
+    the worker's own tasks are not hurt: the next job runs to done."""
     seed_jobs(engine, 1, task="slow")
     started = threading.Event()
     finished: list[int] = []
@@ -236,9 +243,14 @@ def test_an_async_handlers_task_is_cancelled(engine: Engine, async_url: URL) -> 
         await asyncio.sleep(20)
         finished.append(job.id)
 
+    async def quick(job: ClaimedJob) -> None:
+        await asyncio.sleep(0)
+        finished.append(job.id)
+
     async def main() -> None:
         aengine = create_async_engine(async_url)
-        w = AsyncWorker(aengine, Job, {"slow": slow}, heartbeat=0.1, listen=False)
+        w = AsyncWorker(aengine, Job, {"slow": slow, "quick": quick}, heartbeat=0.1, listen=False,
+                        concurrency=concurrency, handler_timeout=timeout)  # fmt: skip
         try:
             task = asyncio.ensure_future(w.run_once())
             while not started.is_set():
@@ -246,12 +258,15 @@ def test_an_async_handlers_task_is_cancelled(engine: Engine, async_url: URL) -> 
             await asyncio.to_thread(cancel_jobs, engine, Job, ids=[1])
             assert await asyncio.wait_for(task, 20) == 1
             assert w.stats.cancelled == 1
+            await asyncio.to_thread(seed_jobs, engine, 1, task="quick")
+            assert await asyncio.wait_for(w.run_once(), 20) == 1
         finally:
             await w.close()
             await aengine.dispose()
 
     asyncio.run(main())
-    assert finished == [] and row(engine, "jobs", 1).status == "cancelled"
+    assert finished == [2] and row(engine, "jobs", 1).status == "cancelled"
+    assert row(engine, "jobs", 2).status == "done" and row(engine, "jobs", 2).attempts == 1
 
 
 def test_a_claimed_job_cancelled_before_it_started_never_runs(runner: Runner, engine: Engine) -> None:
