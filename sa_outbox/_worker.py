@@ -1380,6 +1380,11 @@ class AsyncWorker(WorkerBase):
                     task = asyncio.current_task()
                     if token is not None and task is not None:
                         canceller = _Canceller(task)
+                        if token.is_set():  # requested after the job was picked, before its task ran: a
+                            # cancel now would land only at the handler's first await, or on a handler that
+                            # never awaits, as a cancelled task for a job that ran
+                            canceller.fired = True
+                            raise asyncio.CancelledError
                         token.on_set(canceller)
                     # awaited here, in this task: no await between its return and the token's reset below,
                     # so a cancellation request can only interrupt the handler (or its transaction)
@@ -1402,7 +1407,8 @@ class AsyncWorker(WorkerBase):
             return _Ran(self._timed_out(), time.perf_counter() - started)
         except asyncio.CancelledError:
             if canceller is not None and canceller.fired:
-                canceller.task.uncancel()  # ours, answered here: the task goes on to return the outcome
+                if canceller.task.cancelling():
+                    canceller.task.uncancel()  # ours, answered here: the task goes on to return the outcome
                 return _Ran(
                     JobCancelled(f"job {job.id} ({job.task}) was cancelled"), time.perf_counter() - started
                 )

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from sa_outbox import AsyncWorker, ClaimedJob, RetryableError, Worker, cancel_jobs, job_result
 from sa_outbox.admin import list_queues, pause_queue, resume_queue, retry_jobs, update_jobs
-from sa_outbox.errors import ConfigurationError
+from sa_outbox.errors import ConfigurationError, JobCancelled
 from sa_outbox.models import Job
 
 from .conftest import ROOT
@@ -267,6 +267,37 @@ def test_an_async_handlers_task_is_cancelled(
     asyncio.run(main())
     assert finished == [2] and row(engine, "jobs", 1).status == "cancelled"
     assert row(engine, "jobs", 2).status == "done" and row(engine, "jobs", 2).attempts == 1
+
+
+def test_an_async_handler_cancelled_between_its_pick_and_its_task_never_runs(async_url: URL) -> None:
+    """The request lands after the worker picked the job but before the job's task first ran (a heartbeat in
+    between): the handler is never called — one that never awaits too, which a cancel of the running task
+    would miss, leaving a cancelled task for a job that ran (white-box: the window is one event-loop turn)."""
+    from sa_outbox._messages import CancelToken
+
+    ran: list[int] = []
+
+    async def never_awaits(job: ClaimedJob) -> None:
+        ran.append(job.id)
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"t": never_awaits}, listen=False)
+        try:
+            token = CancelToken()
+            now = dt.datetime.now(dt.UTC)
+            job = ClaimedJob.from_row((7, 1, 1, 3, "t", "default", "{}", 0, now, None), token)
+            w._tokens[job.id] = token
+            task = asyncio.ensure_future(w._execute(never_awaits, job))
+            token.set()  # before the task's first step
+            outcome = await task
+            assert not task.cancelled() and isinstance(outcome.error, JobCancelled)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert ran == []
 
 
 def test_a_claimed_job_cancelled_before_it_started_never_runs(runner: Runner, engine: Engine) -> None:
