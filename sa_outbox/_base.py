@@ -42,7 +42,10 @@ from ._sql import QueueSpec, spec_for
 from ._steps import Outcome
 from .errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
 
-__all__ = ["LoopBase", "LoopStats", "RunPolicy", "install_async_signals", "is_async_callable", "positive_int"]
+__all__ = [
+    "LoopBase", "LoopStats", "RunPolicy", "install_async_signals", "is_async_callable", "positive_int",
+    "stray_cancellation",
+]  # fmt: skip
 
 
 def default_owner(prefix: str) -> str:
@@ -450,6 +453,19 @@ class LoopBase:
         if poll:
             limits.append(now + self.poll_interval)
         return max(0.0, min(limits) - now)
+
+
+def stray_cancellation(exc: asyncio.CancelledError) -> RuntimeError | None:
+    """A ``CancelledError`` that a handler or publisher raised itself (it awaited something another task
+    cancelled) while the current task is not being cancelled: the callable's error — unclassified, so retried
+    with backoff and counted against its attempts — as a RuntimeError naming it. None when the current task
+    is being cancelled: then the error is a real cancellation and must propagate."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return None
+    error = RuntimeError(f"raised CancelledError without being cancelled ({exc!r})")
+    error.__cause__ = exc
+    return error
 
 
 def install_async_signals(stop: Callable[[], None]) -> Callable[[], None] | None:

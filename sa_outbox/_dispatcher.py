@@ -46,7 +46,7 @@ from tenacity import AsyncRetrying, Retrying
 
 from . import _tracing
 from ._backoff import OUTBOX_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, stray_cancellation
 from ._db import AsyncLoopConnection, LoopConnection
 from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
@@ -311,13 +311,19 @@ class DispatcherBase(LoopBase):
             if isinstance(error, DestinationUnavailable):
                 rest = self._released(messages[i + 1 :], _UNAVAILABLE)
                 break
+            if error is not None and not isinstance(error, Exception):  # SystemExit/KeyboardInterrupt: the
+                # process is leaving — nothing more is published; the batch's outcomes are written, then it goes
+                rest = self._released(messages[i + 1 :], _STOPPING)
+                break
         return self._classify(results) + rest
 
     def _publish_many_blocking(self, messages: list[Message]) -> list[BaseException | None]:
         with _tracing.publish_spans(messages, publisher=self.publisher) as spans:
             try:
                 errors = check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
-            except Exception as exc:
+            except (
+                BaseException
+            ) as exc:  # SystemExit/KeyboardInterrupt too: recorded for the batch, then raised
                 errors = [exc] * len(messages)
             spans.outcomes(errors)
         return errors
@@ -340,7 +346,9 @@ class DispatcherBase(LoopBase):
             except FutureTimeout:
                 self._calls.abandon(future)  # its thread is stuck in the publisher: never used again
                 return self._timed_out()
-        except Exception as exc:
+        except (
+            BaseException
+        ) as exc:  # SystemExit/KeyboardInterrupt too: recorded with what finished, then raised
             return exc
 
     def _raise_fatal(self) -> None:
@@ -756,8 +764,10 @@ class AsyncDispatcher(DispatcherBase):
                         errors = check_batch(await publisher.publish_many(messages), n)
                 except TimeoutError:
                     errors = [self._over_budget()] * n
-                except asyncio.CancelledError:
-                    raise
+                except asyncio.CancelledError as exc:
+                    if (stray := stray_cancellation(exc)) is None:
+                        raise
+                    errors = [stray] * n
                 except BaseException as exc:  # SystemExit/KeyboardInterrupt too: recorded, then raised
                     errors = [exc] * n
                 spans.outcomes(errors)
@@ -785,8 +795,10 @@ class AsyncDispatcher(DispatcherBase):
                             error = check_result(await publisher.publish(msg))
                     except TimeoutError as exc:  # ours only when a timeout was set; else the publisher's own
                         error = self._timed_out() if timer.expired() else exc
-                    except asyncio.CancelledError:
-                        raise
+                    except asyncio.CancelledError as exc:
+                        if (stray := stray_cancellation(exc)) is None:
+                            raise
+                        error = stray
                     except BaseException as exc:  # SystemExit too: out of a task it would stop the event loop
                         error = exc
                     span.outcome(error)

@@ -48,7 +48,7 @@ from tenacity import AsyncRetrying, Retrying
 
 from . import _steps, _tracing
 from ._backoff import JOBS_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable
+from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, stray_cancellation
 from ._db import AsyncLoopConnection, LoopConnection, is_schema_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
@@ -159,6 +159,11 @@ class _Ran:
     value: Any = None
     committed: bool = False
     lost: bool = False
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class _Canceller:
@@ -387,6 +392,7 @@ class WorkerBase(LoopBase):
         #: The cancel flag of every job in hand (set when the heartbeat learns of a cancellation request).
         self._tokens: dict[int, CancelToken] = {}
         self._session_handlers: dict[Any, bool] = {}
+        self._async_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
         self._paused: set[str] = set()
         #: Whether this run has read the pauses yet: its first claim waits for that.
@@ -544,6 +550,12 @@ class WorkerBase(LoopBase):
         known = self._session_handlers.get(handler)
         if known is None:
             known = self._session_handlers[handler] = takes_session(handler)
+        return known
+
+    def _is_async(self, handler: Any) -> bool:
+        known = self._async_handlers.get(handler)
+        if known is None:
+            known = self._async_handlers[handler] = is_async_callable(handler)
         return known
 
     def _max_result_bytes(self) -> int:
@@ -1274,16 +1286,56 @@ class AsyncWorker(WorkerBase):
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
-            elif is_async_callable(handler) or self._in_transaction(handler):
-                task = asyncio.ensure_future(self._execute(handler, job))
-                try:
-                    await self._wait_writing_outcomes(task)
-                except BaseException:  # cancelled, or the outcomes' statement failed: the handler goes on
-                    self._running[task] = _Running(job, time.monotonic(), None)  # recorded when it ends
-                    raise
-                self._finish(job, task.result())
+            elif self._is_async(handler) or self._in_transaction(handler):
+                ran = await self._execute_inline(handler, job)
+                if ran is None:
+                    self._done.add([self._not_started(job, "released: cancelled")])
+                else:
+                    self._finish(job, ran)
             else:
                 await self._run_sync_in_turn(job, handler)
+
+    async def _execute_inline(self, handler: Handler, job: ClaimedJob) -> _Ran | None:
+        """Run one job's handler in a task of its own and wait for it without cancelling it when the wait is
+        cancelled (the handler goes on; its task is recorded in ``_running`` and its outcome collected when it
+        ends), writing the outcomes of finished jobs when they fall due meanwhile (a long job must not hold
+        them back: until written, a crash would run them again). None: the job's task was cancelled (not by
+        a cancellation request, which is a result).
+
+        The task wakes this wait itself as its last step, through a future of the wait's own: two turns of the
+        event loop per job (``asyncio.wait`` on the task took three: the task's done callback, then the
+        waiter's). A timer wakes it instead when outcomes fall due first."""
+        loop = asyncio.get_running_loop()
+        wake: list[asyncio.Future[None]] = [loop.create_future()]
+
+        async def execute() -> _Ran:
+            try:
+                return await self._execute(handler, job)
+            finally:  # in the task's last step: once the wait wakes, the task is done or still running
+                _resolve(wake[0])
+
+        task = asyncio.ensure_future(execute())
+        try:
+            while not task.done():
+                due = self._done.next_due()
+                timer = (
+                    None
+                    if due is None
+                    else loop.call_later(max(0.0, due - time.monotonic()), _resolve, wake[0])
+                )
+                try:
+                    await wake[0]
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                if not task.done():  # the timer: outcomes fell due while the handler runs
+                    wake[0] = loop.create_future()
+                    if self._done.due(time.monotonic()):
+                        await self._flush()
+        except BaseException:  # cancelled, or the outcomes' statement failed: the handler goes on
+            self._running[task] = _Running(job, time.monotonic(), None)  # recorded when it ends
+            raise
+        return None if task.cancelled() else task.result()
 
     async def _wait_writing_outcomes(
         self, future: asyncio.Future[Any], progress: Callable[[], None] | None = None
@@ -1304,7 +1356,7 @@ class AsyncWorker(WorkerBase):
 
     def _plain_sync(self, job: ClaimedJob) -> Handler | None:
         handler = self.handlers.get(job.task)
-        if handler is None or is_async_callable(handler) or self._in_transaction(handler):
+        if handler is None or self._is_async(handler) or self._in_transaction(handler):
             return None
         return handler
 
@@ -1376,7 +1428,7 @@ class AsyncWorker(WorkerBase):
         timer = None if self.handler_timeout is None else asyncio.timeout(self.handler_timeout)
         try:
             async with timer or contextlib.nullcontext():
-                if is_async_callable(handler):
+                if self._is_async(handler):
                     task = asyncio.current_task()
                     if token is not None and task is not None:
                         canceller = _Canceller(task)
@@ -1405,13 +1457,15 @@ class AsyncWorker(WorkerBase):
                 self._threads.abandon(future)
             self.stats.timed_out += 1
             return _Ran(self._timed_out(), time.perf_counter() - started)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if canceller is not None and canceller.fired:
                 if canceller.task.cancelling():
                     canceller.task.uncancel()  # ours, answered here: the task goes on to return the outcome
                 return _Ran(
                     JobCancelled(f"job {job.id} ({job.task}) was cancelled"), time.perf_counter() - started
                 )
+            if (stray := stray_cancellation(exc)) is not None:
+                return _Ran(stray, time.perf_counter() - started)
             raise
         except BaseException as exc:  # SystemExit/KeyboardInterrupt too: raised out of a task, asyncio
             # re-raises them through the event loop, which stops mid-batch with every other job cut short

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from sa_outbox import ClaimedJob, Message
+from sa_outbox import Backoff, ClaimedJob, Message
 from sa_outbox.testing import RecordingPublisher
 
 from .factories import Runner
@@ -180,3 +180,112 @@ def test_a_stop_requested_before_run_starts_is_not_lost(runner: Runner, engine: 
         runner.run(lp, until_idle=True)
     assert ran == [] and pub.calls == 0
     assert statuses(engine, "jobs") == {"queued": 3} and statuses(engine, "outbox") == {"pending": 3}
+
+
+@pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
+@pytest.mark.parametrize("batch_publish", [False, True], ids=["publish", "publish_many"])
+def test_a_publisher_raising_systemexit_keeps_what_was_published(
+    runner: Runner, engine: Engine, exit_exc: type[BaseException], batch_publish: bool
+) -> None:
+    """A blocking publisher's SystemExit/KeyboardInterrupt (the sync Dispatcher, and a sync publisher under
+    the AsyncDispatcher): the batch's outcomes are written, then the loop raises it. Before, it escaped
+    mid-batch and left the whole batch processing — the messages already published went out again once the
+    lease ran out."""
+    seed_events(engine, 4)
+    published: list[int] = []
+
+    class Leaving:
+        def publish(self, message: Message) -> None:
+            if message.id == 3:
+                raise exit_exc()
+            published.append(message.id)
+
+    class LeavingBatch:
+        def publish(self, message: Message) -> None:
+            raise AssertionError("publish_many is used")
+
+        def publish_many(self, messages: list[Message]) -> list[BaseException | None]:
+            raise exit_exc()
+
+    d = runner.dispatcher(LeavingBatch() if batch_publish else Leaving(), batch=4)
+    with pytest.raises(exit_exc):
+        runner.run(d, until_idle=True)
+    rows = [row(engine, "outbox", i) for i in (1, 2, 3, 4)]
+    if batch_publish:  # nothing says which went out: the whole batch is retried, each attempt spent
+        assert [(r.status, r.attempts) for r in rows] == [("pending", 1)] * 4
+        assert all(exit_exc.__name__ in r.last_error for r in rows)
+    else:
+        assert published == [1, 2]
+        assert [(r.status, r.attempts) for r in rows] == [
+            ("done", 1),
+            ("done", 1),
+            ("pending", 1),
+            ("pending", 0),
+        ]
+        assert exit_exc.__name__ in rows[2].last_error
+    assert statuses(engine, "outbox").get("processing") is None
+
+
+@pytest.mark.parametrize("runner", ["async"], indirect=True)
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_an_async_handler_raising_its_own_cancellederror_is_a_failure_not_a_cancellation(
+    runner: Runner, engine: Engine, concurrency: int
+) -> None:
+    """A handler that awaited something another task cancelled raises CancelledError while its own task is
+    not being cancelled: an unclassified error (retried with backoff, attempts spent, then failed). Before,
+    at concurrency 1 run() raised it and left the job running; above 1 the job was released with its attempt
+    refunded and ran again at once, forever."""
+    seed_jobs(engine, 1, task="stray", max_attempts=2)
+    seed_jobs(engine, 2, task="ok")
+    calls: list[int] = []
+    ran: list[int] = []
+
+    async def stray(job: ClaimedJob) -> None:
+        calls.append(job.id)
+        other = asyncio.ensure_future(asyncio.sleep(10))
+        other.cancel()
+        await other
+
+    async def ok(job: ClaimedJob) -> None:
+        await asyncio.sleep(0)
+        ran.append(job.id)
+
+    w = runner.worker(
+        {"stray": stray, "ok": ok}, batch=3, concurrency=concurrency, backoff=Backoff(base=0.05)
+    )
+    assert run_until(runner, w, lambda: statuses(engine, "jobs") == {"failed": 1, "done": 2})
+    assert calls == [1, 1] and sorted(ran) == [2, 3]
+    failed = row(engine, "jobs", 1)
+    assert failed.attempts == 2 and "CancelledError" in failed.last_error
+
+
+@pytest.mark.parametrize("runner", ["async"], indirect=True)
+@pytest.mark.parametrize("batch_publish", [False, True], ids=["publish", "publish_many"])
+def test_an_async_publisher_raising_its_own_cancellederror_is_a_failure(
+    runner: Runner, engine: Engine, batch_publish: bool
+) -> None:
+    seed_events(engine, 2)
+
+    async def stray() -> None:
+        other = asyncio.ensure_future(asyncio.sleep(10))
+        other.cancel()
+        await other
+
+    class One:
+        async def publish(self, message: Message) -> None:
+            if message.id == 1:
+                await stray()
+
+    class Many:
+        async def publish(self, message: Message) -> None:
+            raise AssertionError("publish_many is used")
+
+        async def publish_many(self, messages: list[Message]) -> list[BaseException | None]:
+            await stray()
+            return [None] * len(messages)
+
+    d = runner.dispatcher(Many() if batch_publish else One(), batch=2)
+    runner.run(d, max_batches=1)
+    first = row(engine, "outbox", 1)
+    assert (first.status, first.attempts) == ("pending", 1) and "CancelledError" in first.last_error
+    assert row(engine, "outbox", 2).status == ("pending" if batch_publish else "done")
