@@ -140,11 +140,16 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     The same holds for psycopg's async connection, reached through ``AsyncConnection.run_sync`` (the async
     loops) or an ``AsyncSession`` flush. Other drivers and a connection someone observes (``echo``, or
     listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
-    tracing) take SQLAlchemy's regular execution path, so they see every statement.
+    tracing) take SQLAlchemy's regular execution path, so they see every statement; so does a connection
+    with a ``schema_translate_map`` (a tenant's schema: SQLAlchemy renders it into each execution).
     """
     pooled = conn.connection
     driver = getattr(pooled, "driver_connection", None)
-    if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection) and not _observed(conn):
+    if (
+        isinstance(driver, psycopg.Connection | psycopg.AsyncConnection)
+        and not _observed(conn)
+        and not conn._execution_options.get("schema_translate_map")  # rendered per execution: the regular path
+    ):
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
         for name in compiled.arrays:

@@ -1,0 +1,104 @@
+"""A tenant's schema through SQLAlchemy's ``schema_translate_map``: the producer's rows and the loops' claims
+stay in the tenant's tables (the library's fast path renders no translate map, so such a connection takes
+SQLAlchemy's regular path)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import AsyncDispatcher, AsyncWorker, Dispatcher, Worker, emit, enqueue
+from sa_outbox.models import Base, Job, OutboxEvent
+from sa_outbox.testing import RecordingPublisher
+
+TENANT = "tenant_a"
+MAP = {"schema_translate_map": {None: TENANT}}
+
+
+@pytest.fixture
+def tenant(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {TENANT} CASCADE"))
+        conn.execute(text(f"CREATE SCHEMA {TENANT}"))
+    translated = engine.execution_options(**MAP)
+    Base.metadata.create_all(translated)
+    try:
+        yield translated
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {TENANT} CASCADE"))
+
+
+def counts(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {f"{s}.{t}": conn.execute(text(f"SELECT count(*) FROM {s}.{t}")).scalar_one()
+                for s in ("public", TENANT) for t in ("outbox", "jobs")}  # fmt: skip
+
+
+def test_a_tenants_rows_and_claims_stay_in_its_schema(engine: Engine, tenant: Engine) -> None:
+    with Session(tenant) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="a", aggregate_id="t1", event_type="E", payload={}))
+        emit(s, OutboxEvent, [("a", "t2", "E", {})])
+        enqueue(s, Job, "t", {"who": "tenant"})
+    with Session(engine) as s, s.begin():  # the default schema's own rows
+        s.add(OutboxEvent(aggregate_type="a", aggregate_id="public", event_type="E", payload={}))
+        enqueue(s, Job, "t", {"who": "public"})
+    assert counts(engine) == {
+        "public.outbox": 1,
+        "public.jobs": 1,
+        f"{TENANT}.outbox": 2,
+        f"{TENANT}.jobs": 1,
+    }
+
+    publisher, seen = RecordingPublisher(), []
+    Dispatcher(tenant, OutboxEvent, publisher, listen=False).run(
+        until_idle=True, install_signal_handlers=False
+    )
+    Worker(tenant, Job, {"t": lambda j: seen.append(j.payload["who"])}, listen=False).run(
+        until_idle=True, install_signal_handlers=False
+    )
+    assert sorted(m.aggregate_id for m in publisher.messages) == ["t1", "t2"] and seen == ["tenant"]
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT DISTINCT status FROM {TENANT}.outbox")).scalars().all() == ["done"]
+        assert conn.execute(text("SELECT status FROM public.jobs")).scalars().all() == ["queued"]
+
+
+def test_the_async_loops_and_producer_keep_to_the_tenants_schema(
+    engine: Engine, tenant: Engine, async_url: URL
+) -> None:
+    async def main() -> tuple[list[str], list[str]]:
+        aengine = create_async_engine(async_url).execution_options(**MAP)
+        try:
+            async with AsyncSession(aengine) as s, s.begin():
+                s.add(OutboxEvent(aggregate_type="a", aggregate_id="t1", event_type="E", payload={}))
+                await s.run_sync(lambda sync: enqueue(sync, Job, "t", {"who": "tenant"}))
+            publisher, seen = RecordingPublisher(), []
+            d = AsyncDispatcher(aengine, OutboxEvent, publisher, listen=False)
+            await d.run(until_idle=True, install_signal_handlers=False)
+            await d.close()
+
+            async def handle(job: object) -> None:
+                seen.append(job.payload["who"])  # type: ignore[attr-defined]
+
+            w = AsyncWorker(aengine, Job, {"t": handle}, listen=False)
+            await w.run(until_idle=True, install_signal_handlers=False)
+            await w.close()
+            return [m.aggregate_id for m in publisher.messages], seen
+        finally:
+            await aengine.dispose()
+
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {"who": "public"})
+    assert asyncio.run(main()) == (["t1"], ["tenant"])
+    assert counts(engine) == {
+        "public.outbox": 0,
+        "public.jobs": 1,
+        f"{TENANT}.outbox": 1,
+        f"{TENANT}.jobs": 1,
+    }
