@@ -148,7 +148,8 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     if (
         isinstance(driver, psycopg.Connection | psycopg.AsyncConnection)
         and not _observed(conn)
-        and not conn._execution_options.get("schema_translate_map")  # rendered per execution: the regular path
+        # a tenant's schema_translate_map is rendered per execution: SQLAlchemy's path
+        and not conn.get_execution_options().get("schema_translate_map")
     ):
         compiled = _compiled(stmt, conn)
         full = {**compiled.static, **params}
