@@ -21,10 +21,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
@@ -44,8 +44,10 @@ from .errors import ConfigurationError, Defer, DestinationUnavailable, Permanent
 
 __all__ = [
     "LoopBase", "LoopStats", "RunPolicy", "install_async_signals", "is_async_callable", "positive_int",
-    "stray_cancellation",
+    "stray_cancellation", "through_cancellation",
 ]  # fmt: skip
+
+T = TypeVar("T")
 
 
 def default_owner(prefix: str) -> str:
@@ -453,6 +455,24 @@ class LoopBase:
         if poll:
             limits.append(now + self.poll_interval)
         return max(0.0, min(limits) - now)
+
+
+async def through_cancellation(work: Awaitable[T]) -> tuple[T, bool]:
+    """Await ``work`` to its end even when the current task is cancelled meanwhile; its result and whether a
+    cancellation arrived (the caller takes the result in, then raises ``CancelledError``).
+
+    For what must not be cut off by a cancelled ``run()``: a claim statement (autocommit: cut off after its
+    commit, its rows would sit leased to a loop that never heard of them until the lease ran out, their
+    attempt spent) and a batch being published (cut off, its outcomes were lost and the batch — delivered
+    messages too — published again after the lease). A second cancellation while it finishes is not held
+    off."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task), False
+    except asyncio.CancelledError:
+        if task.cancelled():
+            raise
+        return await task, True
 
 
 def stray_cancellation(exc: asyncio.CancelledError) -> RuntimeError | None:

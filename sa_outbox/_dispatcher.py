@@ -46,7 +46,14 @@ from tenacity import AsyncRetrying, Retrying
 
 from . import _tracing
 from ._backoff import OUTBOX_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, stray_cancellation
+from ._base import (
+    LoopBase,
+    RunPolicy,
+    install_async_signals,
+    is_async_callable,
+    stray_cancellation,
+    through_cancellation,
+)
 from ._db import AsyncLoopConnection, LoopConnection
 from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
@@ -473,12 +480,14 @@ class Dispatcher(DispatcherBase):
     # -- one turn --------------------------------------------------------------------------------------
 
     def _turn(self, *, one_shot: bool) -> tuple[int, int]:
+        # the rescue step first: nothing may fail between a claim and the publish of what it claimed (the
+        # rows would sit leased to this loop, unknown to it, until their lease ran out)
+        self._rescue()
         wanted = self._want(one_shot=one_shot)
         claimed_at = time.monotonic()
         rows = self._claim(wanted) if wanted else []
         if not wanted and len(self._done):
             self._flush()
-        self._rescue()
         if rows:
             self._settle(self._publish_blocking(self._messages(rows), claimed_at))
         elif wanted:
@@ -669,19 +678,26 @@ class AsyncDispatcher(DispatcherBase):
     # -- one turn --------------------------------------------------------------------------------------
 
     async def _turn(self, *, one_shot: bool) -> tuple[int, int]:
+        await self._rescue()  # first: nothing may fail between a claim and its publish (see Dispatcher._turn)
         wanted = self._want(one_shot=one_shot)
         claimed_at = time.monotonic()
-        rows = await self._claim(wanted) if wanted else []
+        rows, cancelled = await through_cancellation(self._claim(wanted)) if wanted else ([], False)
+        if cancelled:  # what was claimed goes back at once, not when its lease runs out
+            self._settle(self._released(self._messages(rows), _STOPPING))
+            raise asyncio.CancelledError
         if not wanted and len(self._done):
             await self._flush()
-        await self._rescue()
         if rows:
             messages = self._messages(rows)
             if self._async_publisher:
-                outcomes = await self._publish_async(messages, claimed_at)
+                publishing = self._publish_async(messages, claimed_at)
             else:
-                outcomes = await asyncio.to_thread(self._publish_blocking, messages, claimed_at)
+                publishing = asyncio.to_thread(self._publish_blocking, messages, claimed_at)
+            # a cancelled run lets the batch finish (as a worker lets its handlers finish) and records it
+            outcomes, cancelled = await through_cancellation(publishing)
             self._settle(outcomes)
+            if cancelled:
+                raise asyncio.CancelledError
         elif wanted:
             self._probed_nothing()
         return len(rows), wanted

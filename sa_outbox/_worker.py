@@ -48,7 +48,14 @@ from tenacity import AsyncRetrying, Retrying
 
 from . import _steps, _tracing
 from ._backoff import JOBS_BACKOFF, Backoff
-from ._base import LoopBase, RunPolicy, install_async_signals, is_async_callable, stray_cancellation
+from ._base import (
+    LoopBase,
+    RunPolicy,
+    install_async_signals,
+    is_async_callable,
+    stray_cancellation,
+    through_cancellation,
+)
 from ._db import AsyncLoopConnection, LoopConnection, is_schema_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
@@ -1250,12 +1257,17 @@ class AsyncWorker(WorkerBase):
     async def _claim(self, want: int) -> int:
         outcomes = self._done.take()
         try:
-            applied, rows = await self._db.run(lambda c: self._claim_on(c, want, outcomes))
+            (applied, rows), cancelled = await through_cancellation(
+                self._db.run(lambda c: self._claim_on(c, want, outcomes))
+            )
         except BaseException:
             self._done.add(outcomes)
             raise
         self._report(outcomes, applied)
-        return self._accept(rows)
+        claimed = self._accept(rows)  # in hand: released by _end if the run is being cancelled
+        if cancelled:
+            raise asyncio.CancelledError
+        return claimed
 
     async def _flush(self) -> None:
         outcomes = self._done.take()

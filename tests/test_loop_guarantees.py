@@ -6,6 +6,7 @@ Each test drives a real loop against the real database and waits with a bounded 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -289,3 +290,186 @@ def test_an_async_publisher_raising_its_own_cancellederror_is_a_failure(
     first = row(engine, "outbox", 1)
     assert (first.status, first.attempts) == ("pending", 1) and "CancelledError" in first.last_error
     assert row(engine, "outbox", 2).status == ("pending" if batch_publish else "done")
+
+
+def _update_waits_for_a_lock(engine: Engine) -> bool:
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            ).scalar_one()
+        )
+
+
+def _cancel_during_claim(engine: Engine, table: str, build: Callable[[Any], Any], async_url: Any) -> None:
+    """Cancel an async loop's run() while its claim statement waits on a table lock, then let it through: the
+    statement commits after the cancellation arrived."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        loop = build(aengine)
+        locker = engine.connect()
+        try:
+            async with aengine.connect() as conn:  # the loop's first turn reads the pauses: settle that first
+                await conn.execute(text("SELECT 1"))
+            locker.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+            task = asyncio.ensure_future(loop.run(install_signal_handlers=False))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not await asyncio.to_thread(
+                _update_waits_for_a_lock, engine
+            ):
+                await asyncio.sleep(0.02)
+            task.cancel()
+            await asyncio.sleep(0.1)
+            locker.rollback()  # the claim goes through and commits
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 20)
+        finally:
+            locker.close()
+            await loop.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+
+
+def test_cancelling_an_async_workers_run_during_its_claim_gives_the_claimed_jobs_back(
+    engine: Engine, async_url: Any
+) -> None:
+    """A cancellation while the claim waits: nothing is left leased, no attempt is spent."""
+    from sa_outbox import AsyncWorker
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 3, task="t", max_attempts=1)
+    ran: list[int] = []
+
+    async def handle(job: ClaimedJob) -> None:
+        ran.append(job.id)
+
+    build = lambda ae: AsyncWorker(ae, Job, {"t": handle}, listen=False, batch=3)  # noqa: E731
+    _cancel_during_claim(engine, "jobs", build, async_url)
+    assert ran == []
+    assert [(row(engine, "jobs", i).status, row(engine, "jobs", i).attempts) for i in (1, 2, 3)] == [
+        ("queued", 0)
+    ] * 3
+
+
+def test_cancelling_an_async_dispatchers_run_during_its_claim_gives_the_batch_back(
+    engine: Engine, async_url: Any
+) -> None:
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.models import OutboxEvent
+
+    seed_events(engine, 3)
+    pub = RecordingPublisher()
+    build = lambda ae: AsyncDispatcher(ae, OutboxEvent, pub, listen=False, batch=3)  # noqa: E731
+    _cancel_during_claim(engine, "outbox", build, async_url)
+    assert pub.calls == 0
+    assert [(row(engine, "outbox", i).status, row(engine, "outbox", i).attempts) for i in (1, 2, 3)] == [
+        ("pending", 0)
+    ] * 3
+
+
+@pytest.mark.parametrize("flavour", ["async def", "sync"])
+def test_cancelling_an_async_dispatchers_run_while_it_publishes_records_the_batch(
+    engine: Engine, async_url: Any, flavour: str
+) -> None:
+    """The batch in flight finishes and its outcomes are written (as a worker lets its handlers finish).
+    Before: they were lost, the batch stayed processing and was published again after the lease."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.models import OutboxEvent
+
+    seed_events(engine, 3)
+    published: list[int] = []
+    started = threading.Event()
+
+    class Slow:
+        async def publish(self, message: Message) -> None:
+            started.set()
+            await asyncio.sleep(0.3)
+            published.append(message.id)
+
+    class SlowSync:
+        def publish(self, message: Message) -> None:
+            started.set()
+            time.sleep(0.1)
+            published.append(message.id)
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        pub = Slow() if flavour == "async def" else SlowSync()
+        d = AsyncDispatcher(aengine, OutboxEvent, pub, listen=False, batch=3)
+        try:
+            task = asyncio.ensure_future(d.run(install_signal_handlers=False))
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 20)
+        finally:
+            await d.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert sorted(published) == [1, 2, 3]
+    assert [row(engine, "outbox", i).status for i in (1, 2, 3)] == ["done"] * 3
+
+
+@pytest.mark.parametrize("kind", ["worker", "dispatcher"])
+def test_cancelled_async_runs_never_strand_claimed_rows(engine: Engine, async_url: Any, kind: str) -> None:
+    """Fifteen runs, each cancelled at a random moment (5–30 ms in: claims, publishes, finalizes in flight).
+    Before: a cancellation landing after a claim committed but before its rows reached the loop left them
+    running/processing until the lease ran out, their attempt spent (max_attempts=1: failed, never run) —
+    41–52 of 400 jobs in the review's run."""
+    import random
+
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, AsyncWorker
+    from sa_outbox.models import Job, OutboxEvent
+
+    if kind == "worker":
+        seed_jobs(engine, 400, task="t", max_attempts=1)
+    else:
+        seed_events(engine, 400)
+    table, leased = ("jobs", "running") if kind == "worker" else ("outbox", "processing")
+    rng = random.Random(7)
+
+    async def handle(job: ClaimedJob) -> None:
+        await asyncio.sleep(0)
+
+    async def main() -> list[int]:
+        aengine = create_async_engine(async_url)
+        stranded = []
+        try:
+            for _ in range(15):
+                loop: Any = (
+                    AsyncWorker(aengine, Job, {"t": handle}, stale_after=60, listen=False)
+                    if kind == "worker"
+                    else AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), lease=60, listen=False)
+                )
+                task = asyncio.ensure_future(loop.run(install_signal_handlers=False))
+                await asyncio.sleep(rng.uniform(0.005, 0.03))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await loop.close()
+                async with aengine.connect() as conn:
+                    sql = text(f"SELECT count(*) FROM {table} WHERE status = :s")
+                    stranded.append((await conn.execute(sql, {"s": leased})).scalar_one())
+        finally:
+            await aengine.dispose()
+        return stranded
+
+    assert asyncio.run(main()) == [0] * 15
+    if kind == "worker":
+        assert statuses(engine, "jobs").get("failed") is None  # no attempt spent without its handler
