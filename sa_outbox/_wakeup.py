@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import psycopg
 from psycopg import sql as psql
+from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL, make_url
 
 from ._backoff import LISTEN_RECONNECT
@@ -42,6 +43,12 @@ Wake = Literal["notify", "poke"] | None
 PROBE_TIMEOUT = 2.0
 #: After a deaf LISTEN connection (a pooler in transaction mode), how long the loop polls before trying again.
 PROBE_RETRY = 300.0
+#: Longest a LISTEN connection may take to connect (unless the URL sets ``connect_timeout``): the connect runs
+#: in the loop's wait, so an endpoint that accepts TCP but never answers (a stuck pooler, a half-open load
+#: balancer) must not hold the loop — its polling, its stop().
+CONNECT_TIMEOUT = 3
+#: Repeated LISTEN failures wait LISTEN_RECONNECT, twice that, … up to this long before the next try.
+RECONNECT_CAP = 60.0
 
 
 def libpq_url(url: str | URL) -> str:
@@ -56,6 +63,12 @@ class _Listen:
         self.url = libpq_url(url) if url is not None else None
         self.channels = list(channels)
         self.next_try = 0.0
+        self.failures = 0
+        given = conninfo_to_dict(self.url) if self.url is not None else {}
+        #: what every LISTEN-side connect passes: the application name, and a connect timeout
+        self.connect_kwargs: dict[str, Any] = {"autocommit": True, "application_name": "sa_outbox.listen"}
+        if "connect_timeout" not in given:
+            self.connect_kwargs["connect_timeout"] = CONNECT_TIMEOUT
         self.notifications = 0
         #: A notification on our channels arrived while a new connection waited for its probe: the poke that
         #: carries it is reported as "notify".
@@ -65,8 +78,13 @@ class _Listen:
         return self.url is not None and time.monotonic() >= self.next_try
 
     def failed(self, exc: BaseException, what: str) -> None:
-        self.next_try = time.monotonic() + LISTEN_RECONNECT
-        log.warning("%s, polling only for now: %s", what, exc, extra={"error": str(exc)})
+        self.failures += 1
+        delay = min(RECONNECT_CAP, LISTEN_RECONNECT * 2 ** (self.failures - 1))
+        self.next_try = time.monotonic() + delay
+        log.warning(
+            "%s, polling only for now (next try in %.0fs): %s", what, delay, exc,
+            extra={"error": str(exc), "retry_in": delay},
+        )  # fmt: skip
 
     def statements(self) -> list[psql.Composed]:
         return [psql.SQL("LISTEN {}").format(psql.Identifier(ch)) for ch in self.channels]
@@ -118,7 +136,7 @@ class Waker:
         assert self._listen.url is not None
         conn: psycopg.Connection[Any] | None = None
         try:
-            conn = psycopg.connect(self._listen.url, autocommit=True, application_name="sa_outbox.listen")
+            conn = psycopg.connect(self._listen.url, **self._listen.connect_kwargs)
             for statement in self._listen.statements():
                 conn.execute(statement)
             heard = self._probe(conn)
@@ -138,6 +156,7 @@ class Waker:
             self._listen.deaf()
             return None
         self._conn = conn
+        self._listen.failures = 0
         return conn
 
     def _probe(self, conn: psycopg.Connection[Any]) -> bool:
@@ -146,7 +165,7 @@ class Waker:
         assert self._listen.url is not None
         channel, listen, notify = self._listen.probe()
         conn.execute(listen)
-        with psycopg.connect(self._listen.url, autocommit=True, application_name="sa_outbox.listen") as other:
+        with psycopg.connect(self._listen.url, **self._listen.connect_kwargs) as other:
             other.execute(notify)
         heard = False
         for n in conn.notifies(timeout=PROBE_TIMEOUT):
@@ -246,9 +265,7 @@ class AsyncWaker:
         assert self._listen.url is not None
         conn: psycopg.AsyncConnection[Any] | None = None
         try:
-            conn = await psycopg.AsyncConnection.connect(
-                self._listen.url, autocommit=True, application_name="sa_outbox.listen"
-            )
+            conn = await psycopg.AsyncConnection.connect(self._listen.url, **self._listen.connect_kwargs)
             for statement in self._listen.statements():
                 await conn.execute(statement)
             heard = await self._probe(conn)
@@ -268,6 +285,7 @@ class AsyncWaker:
             self._listen.deaf()
             return None
         self._conn = conn
+        self._listen.failures = 0
         return conn
 
     async def _probe(self, conn: psycopg.AsyncConnection[Any]) -> bool:
@@ -275,9 +293,7 @@ class AsyncWaker:
         assert self._listen.url is not None
         channel, listen, notify = self._listen.probe()
         await conn.execute(listen)
-        other = await psycopg.AsyncConnection.connect(
-            self._listen.url, autocommit=True, application_name="sa_outbox.listen"
-        )
+        other = await psycopg.AsyncConnection.connect(self._listen.url, **self._listen.connect_kwargs)
         try:
             await other.execute(notify)
         finally:

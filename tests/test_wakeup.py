@@ -146,3 +146,61 @@ def test_a_notification_heard_during_the_probe_wakes_an_async_loop_as_a_notifica
             await waker.close()
 
     assert asyncio.run(main()) == ("notify", "poke", 1)
+
+
+@pytest.fixture
+def silent_endpoint() -> Any:
+    """A TCP port that accepts connections and never says a word (a stuck pooler, a half-open balancer)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[Any] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{server.getsockname()[1]}/x"
+    finally:
+        stop.set()
+        thread.join(5)
+        for s in held:
+            s.close()
+        server.close()
+
+
+def test_a_listen_url_that_never_answers_costs_a_connect_timeout_not_the_loop(
+    runner: Any, engine: Engine, silent_endpoint: str
+) -> None:
+    """The LISTEN connect runs in the loop's wait: with no timeout, an endpoint that accepts TCP but never
+    answers held the loop for good — no polling, no claims, stop() ignored. Now it times out (3 s), the loop
+    polls, and retries LISTEN later (5 s, then 10 s, … up to 60 s)."""
+    ran: list[int] = []
+    w = runner.worker(
+        {"t": lambda j: ran.append(j.id)}, listen=True, listen_url=silent_endpoint, poll_interval=0.2
+    )
+    thread = runner.run_in_thread(w)
+    try:
+        time.sleep(0.3)
+        for _ in range(3):
+            _add_job(engine)
+        deadline = time.monotonic() + 15
+        while len(ran) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(ran) == [1, 2, 3]
+    finally:
+        stopped = time.monotonic()
+        w.stop()
+        thread.join(15)
+    assert not thread.is_alive() and time.monotonic() - stopped < 5
+    assert w._waker._listen.failures >= 1 and w._waker._listen.next_try > time.monotonic()
