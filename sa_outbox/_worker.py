@@ -1089,7 +1089,13 @@ class Worker(WorkerBase):
 class AsyncWorker(WorkerBase):
     """The :class:`Worker` under asyncio, with the same options and guarantees: ``async def`` handlers are
     awaited (at most ``concurrency`` at once, cancelled on ``handler_timeout``); sync handlers run on threads
-    of their own, never on the event loop."""
+    of their own, never on the event loop.
+
+    ``sync_engine``: the engine a sync handler that takes a session (``handler(job, session)``) runs its
+    transaction on — it runs on a thread, where the async engine cannot serve it. By default one is built from
+    the async engine's URL with its execution options (a ``schema_translate_map`` included) and its prepared
+    statement setting; its ``connect_args`` (TLS files, ``options``), pool settings and event listeners cannot
+    be read back from an engine, so pass your own sync engine when those matter."""
 
     _engine_types = (AsyncEngine,)
     _awaits_handlers = True
@@ -1118,7 +1124,13 @@ class AsyncWorker(WorkerBase):
         unique_running: bool = False,
         schedules: type[Any] | None = None,
         maintain_partitions: Duration | None = None,
+        sync_engine: Engine | None = None,
     ) -> None:
+        if sync_engine is not None and not isinstance(sync_engine, Engine):
+            raise ConfigurationError(
+                f"sync_engine must be a sync SQLAlchemy Engine (for sync handlers that take a session), "
+                f"not {type(sync_engine).__name__}"
+            )
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
             concurrency=concurrency, backoff=backoff, owner=owner, poll_interval=poll_interval, listen=listen,
@@ -1135,7 +1147,8 @@ class AsyncWorker(WorkerBase):
         #: no wake-up of the loop per job)
         self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._beat_task: asyncio.Task[None] | None = None
-        self._sync: Engine | None = None
+        self._sync: Engine | None = sync_engine
+        self._own_sync = sync_engine is None  # built here, disposed by close()
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -1223,9 +1236,10 @@ class AsyncWorker(WorkerBase):
         await self._db.drop()
         await self._beat_db.drop()
         self._threads.close()
-        sync, self._sync = self._sync, None
-        if sync is not None:
-            sync.dispose()
+        if self._own_sync:
+            sync, self._sync = self._sync, None
+            if sync is not None:
+                sync.dispose()
 
     # -- one turn --------------------------------------------------------------------------------------
 
@@ -1516,7 +1530,8 @@ class AsyncWorker(WorkerBase):
     async def _sync_engine(self) -> Engine:
         """A sync engine on the same database, for sync handlers that take a session (they run on threads of
         their own, where the async engine cannot serve them). Its connections prepare statements exactly when
-        the async engine's do (behind PgBouncer in transaction mode, not at all)."""
+        the async engine's do (behind PgBouncer in transaction mode, not at all), and it carries the async
+        engine's execution options (a tenant's ``schema_translate_map``)."""
         if self._sync is None:
             async with self.engine.connect() as conn:
                 threshold = await conn.run_sync(
@@ -1524,10 +1539,12 @@ class AsyncWorker(WorkerBase):
                 )
             if self._sync is None:  # another job's task may have made it meanwhile
                 url = self.engine.url.set(drivername="postgresql+psycopg")
-                self._sync = create_engine(
+                built = create_engine(
                     url, pool_size=self.concurrency, max_overflow=self.concurrency,
                     connect_args={"prepare_threshold": threshold},
                 )  # fmt: skip
+                options = self.engine.get_execution_options()
+                self._sync = built.execution_options(**options) if options else built
         return self._sync
 
     def _collect(self) -> None:

@@ -102,3 +102,70 @@ def test_the_async_loops_and_producer_keep_to_the_tenants_schema(
         f"{TENANT}.outbox": 1,
         f"{TENANT}.jobs": 1,
     }
+
+
+def test_an_async_workers_sync_session_handler_completes_in_the_tenants_schema(
+    engine: Engine, tenant: Engine, async_url: URL
+) -> None:
+    """A sync handler that takes a session runs on a sync engine the AsyncWorker builds: it carries the async
+    engine's translate map, so the fenced completion lands on the tenant's job — not on the default schema's
+    job with the same id and lease version."""
+    from sqlalchemy import select
+
+    with Session(tenant) as s, s.begin():
+        enqueue(s, Job, "tx", {"who": "tenant"})
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "tx", {"who": "public"})
+    seen: list[tuple[str, int]] = []
+
+    def handle(job: Job, session: Session) -> None:
+        ids = (
+            session.execute(select(Job.id).where(Job.payload["who"].as_string() == "tenant")).scalars().all()
+        )
+        seen.append((job.payload["who"], len(ids)))  # type: ignore[index]
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url).execution_options(**MAP)
+        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False)
+        try:
+            await w.run(until_idle=True, install_signal_handlers=False)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert seen == [("tenant", 1)]
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT status FROM {TENANT}.jobs")).scalars().all() == ["done"]
+        assert conn.execute(text("SELECT status, lease_version FROM public.jobs")).all() == [("queued", 0)]
+
+
+def test_an_async_worker_takes_the_sync_engine_it_is_given(engine: Engine, async_url: URL) -> None:
+    from sqlalchemy import create_engine
+
+    from sa_outbox.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="sync_engine must be a sync SQLAlchemy Engine"):
+        AsyncWorker(create_async_engine(async_url), Job, {}, sync_engine="postgresql://x")  # type: ignore[arg-type]
+    mine = create_engine(engine.url, connect_args={"application_name": "my-sync-handlers"})
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "tx", {})
+    names: list[str] = []
+
+    def handle(job: Job, session: Session) -> None:
+        names.append(session.execute(text("SELECT current_setting('application_name')")).scalar_one())
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False, sync_engine=mine)
+        try:
+            await w.run(until_idle=True, install_signal_handlers=False)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert names == ["my-sync-handlers"]
+    with mine.connect() as conn:  # close() left the caller's engine alone
+        assert conn.execute(text("SELECT 1")).scalar_one() == 1
+    mine.dispose()

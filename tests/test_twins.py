@@ -37,7 +37,7 @@ from .conftest import ROOT
 from .factories import Runner
 from .helpers import seed_events, seed_jobs, statuses
 
-PAIRS = [(Dispatcher, AsyncDispatcher, {"publish_concurrency"}), (Worker, AsyncWorker, set())]
+PAIRS = [(Dispatcher, AsyncDispatcher, {"publish_concurrency"}), (Worker, AsyncWorker, {"sync_engine"})]
 
 
 def _params(fn: Any) -> dict[str, tuple[Any, Any]]:
