@@ -787,7 +787,7 @@ class Worker(WorkerBase):
         self._begin()
         try:
             self._rescue(force=True)
-            claimed = self._claim(self.batch)
+            claimed = self._claim(self.batch) if self._may_start() else 0  # a stopped loop claims nothing
             self._handle_all()
             self._flush()
             return claimed
@@ -1160,7 +1160,7 @@ class AsyncWorker(WorkerBase):
         self._begin()
         try:
             await self._rescue(force=True)
-            claimed = await self._claim(self.batch)
+            claimed = await self._claim(self.batch) if self._may_start() else 0
             await self._handle_all()
             await self._flush()
             return claimed

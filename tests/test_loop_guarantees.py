@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from sa_outbox import Backoff, ClaimedJob, Message
 from sa_outbox.testing import RecordingPublisher
@@ -179,8 +179,11 @@ def test_a_stop_requested_before_run_starts_is_not_lost(runner: Runner, engine: 
         lp.stop()
         assert lp.stopping
         runner.run(lp, until_idle=True)
+        assert runner.run_once(lp) == 0  # run_once too: nothing claimed (and released again)
     assert ran == [] and pub.calls == 0
     assert statuses(engine, "jobs") == {"queued": 3} and statuses(engine, "outbox") == {"pending": 3}
+    with engine.connect() as conn:  # not even claimed and given back
+        assert conn.execute(text("SELECT max(lease_version) FROM jobs")).scalar_one() == 0
 
 
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
