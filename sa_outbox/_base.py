@@ -43,9 +43,16 @@ from ._steps import Outcome
 from .errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
 
 __all__ = [
-    "LoopBase", "LoopStats", "RunPolicy", "install_async_signals", "is_async_callable", "positive_int",
-    "stray_cancellation", "through_cancellation",
-]  # fmt: skip
+    "CLAIM_GRACE",
+    "LoopBase",
+    "LoopStats",
+    "RunPolicy",
+    "install_async_signals",
+    "is_async_callable",
+    "positive_int",
+    "stray_cancellation",
+    "through_cancellation",
+]
 
 T = TypeVar("T")
 
@@ -358,7 +365,11 @@ class LoopBase:
         KeyboardInterrupt, and with ``stop_on_unclassified`` an exception none of the failure classes."""
         if error is None or isinstance(error, RetryableError | PermanentError | Defer):
             return False
-        return not isinstance(error, Exception) or self.stop_on_unclassified
+        # (any other BaseException — a sync callable's own asyncio.CancelledError, say — is a failure like an
+        # unclassified exception: it must not pass for a cancellation of the loop, or stop every loop)
+        return isinstance(error, SystemExit | KeyboardInterrupt) or (
+            isinstance(error, Exception) and self.stop_on_unclassified
+        )
 
     def _outcome(
         self, *, id: int, lease_version: int, attempts: int, max_attempts: int, error: BaseException | None,
@@ -369,7 +380,7 @@ class LoopBase:
         SystemExit/KeyboardInterrupt raised by the callable — what finished before it is still recorded)."""
         fatal = error if self._stops_loop(error) else None
         if error is not None and not isinstance(error, RetryableError | PermanentError | Defer):
-            if isinstance(error, Exception):
+            if not isinstance(error, SystemExit | KeyboardInterrupt):
                 self.stats.unclassified += 1
                 self._log.error(
                     "%s raised an unclassified exception (treated as retryable)", label, exc_info=error,
@@ -457,22 +468,47 @@ class LoopBase:
         return max(0.0, min(limits) - now)
 
 
-async def through_cancellation(work: Awaitable[T]) -> tuple[T, bool]:
-    """Await ``work`` to its end even when the current task is cancelled meanwhile; its result and whether a
-    cancellation arrived (the caller takes the result in, then raises ``CancelledError``).
+#: How long a cancelled run waits for a claim statement in flight before cutting it off (then the server
+#: cancels it and it commits nothing): a claim is quick unless it waits on a lock (a migration's, say).
+CLAIM_GRACE = 2.0
+
+
+async def through_cancellation(
+    work: Awaitable[T], *, grace: float | None = None
+) -> tuple[T, asyncio.CancelledError | None]:
+    """Await ``work`` to its end even when the current task is cancelled meanwhile, once or again and again
+    (anyio's cancel scopes deliver a cancellation at every await); its result and the first cancellation that
+    arrived, if one did — the caller takes the result in, then raises that very exception (a cancel scope
+    knows its own cancellation by it).
 
     For what must not be cut off by a cancelled ``run()``: a claim statement (autocommit: cut off after its
     commit, its rows would sit leased to a loop that never heard of them until the lease ran out, their
-    attempt spent) and a batch being published (cut off, its outcomes were lost and the batch — delivered
-    messages too — published again after the lease). A second cancellation while it finishes is not held
-    off."""
+    attempt spent), a batch being published (its outcomes would be lost, delivered messages published again
+    after the lease), a handler thread's group, and the loop's own end (releasing and writing what it holds).
+
+    With ``grace``: once a cancellation arrived, ``work`` gets that long to finish, then is cancelled itself
+    (a claim blocked on a lock is cancelled by the server and commits nothing). If ``work`` fails after a
+    cancellation arrived, the cancellation is what propagates (a claim that failed meanwhile must not turn a
+    cancelled run into one that retries a database fault forever)."""
     task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task), False
-    except asyncio.CancelledError:
-        if task.cancelled():
-            raise
-        return await task, True
+    cancelled: asyncio.CancelledError | None = None
+    deadline: float | None = None
+    while not task.done():
+        try:
+            await asyncio.wait(
+                {task}, timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+            if grace is not None and deadline is None:
+                deadline = time.monotonic() + grace
+            continue
+        if not task.done():  # the grace ran out: cut it off, and wait until it has settled
+            task.cancel()
+            deadline = None
+    if cancelled is not None and (task.cancelled() or task.exception() is not None):
+        raise cancelled
+    return task.result(), cancelled
 
 
 def stray_cancellation(exc: asyncio.CancelledError) -> RuntimeError | None:

@@ -47,6 +47,7 @@ from tenacity import AsyncRetrying, Retrying
 from . import _tracing
 from ._backoff import OUTBOX_BACKOFF, Backoff
 from ._base import (
+    CLAIM_GRACE,
     LoopBase,
     RunPolicy,
     install_async_signals,
@@ -301,6 +302,10 @@ class DispatcherBase(LoopBase):
             except FutureTimeout:
                 self._calls.abandon(future)  # its thread is stuck in the publisher: never used again
                 errors = [self._over_budget()] * len(messages)
+            except BaseException as exc:  # Ctrl-C (KeyboardInterrupt) while this thread waits: the batch is
+                # recorded as failed with it — then raised — and its thread left to finish on its own
+                self._calls.abandon(future)
+                errors = [exc] * len(messages)
             seconds = time.perf_counter() - started
             for m in messages:
                 self._observe_handled(seconds, m.created_at)
@@ -318,7 +323,7 @@ class DispatcherBase(LoopBase):
             if isinstance(error, DestinationUnavailable):
                 rest = self._released(messages[i + 1 :], _UNAVAILABLE)
                 break
-            if error is not None and not isinstance(error, Exception):  # SystemExit/KeyboardInterrupt: the
+            if isinstance(error, SystemExit | KeyboardInterrupt):  # the
                 # process is leaving — nothing more is published; the batch's outcomes are written, then it goes
                 rest = self._released(messages[i + 1 :], _STOPPING)
                 break
@@ -353,6 +358,10 @@ class DispatcherBase(LoopBase):
             except FutureTimeout:
                 self._calls.abandon(future)  # its thread is stuck in the publisher: never used again
                 return self._timed_out()
+            except (KeyboardInterrupt, SystemExit):
+                if not future.done():  # delivered to this thread while it waited: leave the call behind
+                    self._calls.abandon(future)
+                raise
         except (
             BaseException
         ) as exc:  # SystemExit/KeyboardInterrupt too: recorded with what finished, then raised
@@ -612,7 +621,7 @@ class AsyncDispatcher(DispatcherBase):
             await self._flush()
             return claimed
         finally:
-            await self._end()
+            await self._end_through_cancellation()
             self._raise_fatal()
 
     async def run(
@@ -648,7 +657,7 @@ class AsyncDispatcher(DispatcherBase):
                 await self._wait(claimed, wanted)
         finally:
             try:
-                await self._end()
+                await self._end_through_cancellation()
             finally:
                 if restore:
                     restore()
@@ -681,10 +690,12 @@ class AsyncDispatcher(DispatcherBase):
         await self._rescue()  # first: nothing may fail between a claim and its publish (see Dispatcher._turn)
         wanted = self._want(one_shot=one_shot)
         claimed_at = time.monotonic()
-        rows, cancelled = await through_cancellation(self._claim(wanted)) if wanted else ([], False)
-        if cancelled:  # what was claimed goes back at once, not when its lease runs out
+        rows, cancelled = (
+            await through_cancellation(self._claim(wanted), grace=CLAIM_GRACE) if wanted else ([], None)
+        )
+        if cancelled is not None:  # what was claimed goes back at once, not when its lease runs out
             self._settle(self._released(self._messages(rows), _STOPPING))
-            raise asyncio.CancelledError
+            raise cancelled
         if not wanted and len(self._done):
             await self._flush()
         if rows:
@@ -696,8 +707,8 @@ class AsyncDispatcher(DispatcherBase):
             # a cancelled run lets the batch finish (as a worker lets its handlers finish) and records it
             outcomes, cancelled = await through_cancellation(publishing)
             self._settle(outcomes)
-            if cancelled:
-                raise asyncio.CancelledError
+            if cancelled is not None:
+                raise cancelled
         elif wanted:
             self._probed_nothing()
         return len(rows), wanted
@@ -749,6 +760,13 @@ class AsyncDispatcher(DispatcherBase):
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             await self._db.run(self._rescue_on)
+
+    async def _end_through_cancellation(self) -> None:
+        """:meth:`_end` (it releases and writes what the loop holds), held against cancellations — anyio's
+        cancel scopes deliver one at every await; one that arrived meanwhile is raised after it."""
+        _, cancelled = await through_cancellation(self._end())
+        if cancelled is not None:
+            raise cancelled
 
     async def _end(self) -> None:
         try:

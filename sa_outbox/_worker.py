@@ -49,6 +49,7 @@ from tenacity import AsyncRetrying, Retrying
 from . import _steps, _tracing
 from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import (
+    CLAIM_GRACE,
     LoopBase,
     RunPolicy,
     install_async_signals,
@@ -1165,7 +1166,7 @@ class AsyncWorker(WorkerBase):
             await self._flush()
             return claimed
         finally:
-            await self._end()
+            await self._end_through_cancellation()
             self._raise_fatal()
 
     async def run(
@@ -1203,7 +1204,7 @@ class AsyncWorker(WorkerBase):
                 await self._wait(claimed, wanted)
         finally:
             try:
-                await self._end()
+                await self._end_through_cancellation()
             finally:
                 if restore:
                     restore()
@@ -1272,15 +1273,15 @@ class AsyncWorker(WorkerBase):
         outcomes = self._done.take()
         try:
             (applied, rows), cancelled = await through_cancellation(
-                self._db.run(lambda c: self._claim_on(c, want, outcomes))
+                self._db.run(lambda c: self._claim_on(c, want, outcomes)), grace=CLAIM_GRACE
             )
         except BaseException:
             self._done.add(outcomes)
             raise
         self._report(outcomes, applied)
         claimed = self._accept(rows)  # in hand: released by _end if the run is being cancelled
-        if cancelled:
-            raise asyncio.CancelledError
+        if cancelled is not None:
+            raise cancelled
         return claimed
 
     async def _flush(self) -> None:
@@ -1427,7 +1428,7 @@ class AsyncWorker(WorkerBase):
             await self._wait_writing_outcomes(wrapped, record)
         except BaseException:
             halt.set()  # the job in progress cannot be interrupted: its result is recorded, the rest go back
-            await wrapped
+            await through_cancellation(wrapped)  # (however often cancelled: it is in hand until it ends)
             raise
         finally:
             record()
@@ -1581,6 +1582,13 @@ class AsyncWorker(WorkerBase):
                 await self.beat_once()
             except Exception as exc:  # a missed beat is retried next interval
                 log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
+
+    async def _end_through_cancellation(self) -> None:
+        """:meth:`_end` (it releases and writes what the loop holds), held against cancellations — anyio's
+        cancel scopes deliver one at every await; one that arrived meanwhile is raised after it."""
+        _, cancelled = await through_cancellation(self._end())
+        if cancelled is not None:
+            raise cancelled
 
     async def _end(self) -> None:
         try:

@@ -426,8 +426,11 @@ def test_cancelling_an_async_dispatchers_run_while_it_publishes_records_the_batc
     assert [row(engine, "outbox", i).status for i in (1, 2, 3)] == ["done"] * 3
 
 
+@pytest.mark.parametrize("cancels", [1, 2], ids=["once", "twice"])
 @pytest.mark.parametrize("kind", ["worker", "dispatcher"])
-def test_cancelled_async_runs_never_strand_claimed_rows(engine: Engine, async_url: Any, kind: str) -> None:
+def test_cancelled_async_runs_never_strand_claimed_rows(
+    engine: Engine, async_url: Any, kind: str, cancels: int
+) -> None:
     """Fifteen runs, each cancelled at a random moment (5–30 ms in: claims, publishes, finalizes in flight).
     Before: a cancellation landing after a claim committed but before its rows reached the loop left them
     running/processing until the lease ran out, their attempt spent (max_attempts=1: failed, never run) —
@@ -463,6 +466,9 @@ def test_cancelled_async_runs_never_strand_claimed_rows(engine: Engine, async_ur
                 task = asyncio.ensure_future(loop.run(install_signal_handlers=False))
                 await asyncio.sleep(rng.uniform(0.005, 0.03))
                 task.cancel()
+                if cancels == 2:  # again 0–3 ms later, as anyio's cancel scopes re-deliver: the end must hold
+                    await asyncio.sleep(rng.uniform(0, 0.003))
+                    task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 await loop.close()
@@ -476,3 +482,182 @@ def test_cancelled_async_runs_never_strand_claimed_rows(engine: Engine, async_ur
     assert asyncio.run(main()) == [0] * 15
     if kind == "worker":
         assert statuses(engine, "jobs").get("failed") is None  # no attempt spent without its handler
+
+
+@pytest.mark.parametrize("kind", ["worker", "dispatcher"])
+def test_an_anyio_cancel_scope_around_run_strands_nothing(engine: Engine, async_url: Any, kind: str) -> None:
+    """anyio's cancel scopes deliver the cancellation again at every await: the claim in flight, the batch
+    in flight and the loop's own end hold against all of them, and the scope still catches its own
+    cancellation (run() re-raises the very exception it received)."""
+    import anyio
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, AsyncWorker
+    from sa_outbox.models import Job, OutboxEvent
+
+    if kind == "worker":
+        seed_jobs(engine, 300, task="t")
+    else:
+        seed_events(engine, 300)
+    table, leased = ("jobs", "running") if kind == "worker" else ("outbox", "processing")
+
+    async def handle(job: ClaimedJob) -> None:
+        await asyncio.sleep(0)
+
+    async def main() -> list[int]:
+        aengine = create_async_engine(async_url)
+        stranded = []
+        try:
+            for i in range(10):
+                loop: Any = (
+                    AsyncWorker(aengine, Job, {"t": handle}, listen=False)
+                    if kind == "worker"
+                    else AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
+                )
+                with anyio.move_on_after(0.005 + 0.003 * i):
+                    await loop.run(install_signal_handlers=False)
+                await loop.close()
+                async with aengine.connect() as conn:
+                    sql = text(f"SELECT count(*) FROM {table} WHERE status = :s")
+                    stranded.append((await conn.execute(sql, {"s": leased})).scalar_one())
+        finally:
+            await aengine.dispose()
+        return stranded
+
+    assert asyncio.run(main()) == [0] * 10
+
+
+@pytest.mark.parametrize("kind", ["worker", "dispatcher"])
+def test_a_claim_failing_after_a_cancellation_still_ends_the_run(
+    engine: Engine, async_url: Any, kind: str
+) -> None:
+    """The run is cancelled while its claim waits on a lock, then the claim fails (statement_timeout): the
+    cancellation is what comes out. Before, the claim's error came out instead, the loop took it for a
+    database fault and went on retrying — a cancelled run that never ended."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, AsyncWorker
+    from sa_outbox.models import Job, OutboxEvent
+
+    table = "jobs" if kind == "worker" else "outbox"
+    (seed_jobs(engine, 3, task="t") if kind == "worker" else seed_events(engine, 3))
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url, connect_args={"options": "-c statement_timeout=800"})
+        loop: Any = (
+            AsyncWorker(aengine, Job, {"t": lambda j: None}, listen=False)
+            if kind == "worker"
+            else AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
+        )
+        locker = engine.connect()
+        try:
+            async with aengine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+            locker.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+            task = asyncio.ensure_future(loop.run(install_signal_handlers=False))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not await asyncio.to_thread(
+                _update_waits_for_a_lock, engine
+            ):
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(
+                    asyncio.shield(task), 10
+                )  # the lock is held all along: the claim fails
+        finally:
+            locker.rollback()
+            locker.close()
+            await loop.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert statuses(engine, table).get("running" if kind == "worker" else "processing") is None
+
+
+def test_a_sync_callable_raising_cancellederror_is_a_failure_not_a_stop(
+    runner: Runner, engine: Engine
+) -> None:
+    """A sync handler or publisher whose own asyncio.run() ends in CancelledError: retried like any
+    unclassified failure. Before, it stopped every loop like SystemExit and run() raised CancelledError —
+    under asyncio a cancellation of the caller's task to all appearances."""
+
+    def stray(*_: Any) -> None:
+        async def inner() -> None:
+            fut = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(fut.cancel)
+            await fut
+
+        asyncio.run(inner())
+
+    class Stray:
+        def publish(self, message: Message) -> None:
+            stray()
+
+    seed_jobs(engine, 2, task="t")
+    seed_events(engine, 2)
+    w = runner.worker({"t": stray}, batch=2)
+    d = runner.dispatcher(Stray(), batch=2)
+    for loop in (w, d):
+        runner.run(loop, until_idle=True)  # returns: nothing stopped it
+    jobs = [row(engine, "jobs", i) for i in (1, 2)]
+    events = [row(engine, "outbox", i) for i in (1, 2)]
+    assert [(r.status, r.attempts) for r in jobs] == [("queued", 1)] * 2
+    assert [(r.status, r.attempts) for r in events] == [("pending", 1)] * 2
+    assert all("CancelledError" in r.last_error for r in jobs + events)
+
+
+@pytest.mark.parametrize("batch_publish", [False, True], ids=["publish", "publish_many"])
+def test_ctrl_c_while_a_dispatcher_waits_for_its_publisher_records_the_batch(
+    engine: Engine, batch_publish: bool
+) -> None:
+    """A real SIGINT (no signal handlers installed) reaches the main thread while it waits for the
+    publisher's thread (publish_many, or enforce_publish_timeout): the batch is recorded — then
+    KeyboardInterrupt raised. Before, the publish_many batch stayed processing, published again after the
+    lease."""
+    import signal
+
+    from sa_outbox import Dispatcher
+    from sa_outbox.models import OutboxEvent
+
+    seed_events(engine, 3)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Blocking:
+        def publish(self, message: Message) -> None:
+            entered.set()
+            release.wait(10)
+
+        def publish_many(self, messages: list[Message]) -> list[BaseException | None]:
+            entered.set()
+            release.wait(10)
+            return [None] * len(messages)
+
+    class OneAtATime:
+        def publish(self, message: Message) -> None:
+            entered.set()
+            release.wait(10)
+
+    pub = Blocking() if batch_publish else OneAtATime()
+    d = Dispatcher(engine, OutboxEvent, pub, listen=False, batch=3, enforce_publish_timeout=True,
+                   publish_timeout=5)  # fmt: skip
+
+    def interrupt() -> None:
+        if entered.wait(10):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)  # as Ctrl-C does
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            d.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        release.set()
+        t.join(10)
+        d.close()
+    rows = [row(engine, "outbox", i) for i in (1, 2, 3)]
+    assert statuses(engine, "outbox").get("processing") is None
+    assert "KeyboardInterrupt" in rows[0].last_error and rows[0].status == "pending"
