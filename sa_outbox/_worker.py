@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
-from sqlalchemy import Connection, Engine, Table, create_engine, select
+from sqlalchemy import BigInteger, Connection, Engine, Table, create_engine, literal_column, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -189,6 +189,14 @@ class _Canceller:
     def __call__(self) -> None:
         self.fired = True
         self.task.cancel()
+
+
+class _WrongSyncEngine(Exception):
+    """AsyncWorker's sync engine reaches another table than its own: the loop must stop."""
+
+    def __init__(self, error: ConfigurationError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _LeaseLost(Exception):
@@ -1150,6 +1158,7 @@ class AsyncWorker(WorkerBase):
         self._beat_task: asyncio.Task[None] | None = None
         self._sync: Engine | None = sync_engine
         self._own_sync = sync_engine is None  # built here, disposed by close()
+        self._sync_checked = False
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -1471,7 +1480,7 @@ class AsyncWorker(WorkerBase):
                 else:
                     if self._in_transaction(handler):
                         future = self._threads.submit(
-                            _invoke_in_transaction, await self._sync_engine(), self.spec, handler, job,
+                            _invoke_in_transaction, await self._sync_engine(job), self.spec, handler, job,
                             self._max_result_bytes(),
                         )  # fmt: skip
                     else:
@@ -1494,6 +1503,10 @@ class AsyncWorker(WorkerBase):
             if (stray := stray_cancellation(exc)) is not None:
                 return _Ran(stray, time.perf_counter() - started)
             raise
+        except _WrongSyncEngine as exc:  # no handler can run right here: the loop stops once it is recorded
+            if self._fatal is None:
+                self._fatal = exc.error
+            return _Ran(exc.error, time.perf_counter() - started)
         except BaseException as exc:  # SystemExit/KeyboardInterrupt too: raised out of a task, asyncio
             # re-raises them through the event loop, which stops mid-batch with every other job cut short
             return _Ran(exc, time.perf_counter() - started)
@@ -1528,7 +1541,7 @@ class AsyncWorker(WorkerBase):
             return _Ran(None, 0.0, lost=True)
         return _Ran(None, 0.0, value, committed=True)
 
-    async def _sync_engine(self) -> Engine:
+    async def _sync_engine(self, job: ClaimedJob) -> Engine:
         """A sync engine on the same database, for sync handlers that take a session (they run on threads of
         their own, where the async engine cannot serve them). Its connections prepare statements exactly when
         the async engine's do (behind PgBouncer in transaction mode, not at all), and it carries the async
@@ -1546,7 +1559,33 @@ class AsyncWorker(WorkerBase):
                 )  # fmt: skip
                 options = self.engine.get_execution_options()
                 self._sync = built.execution_options(**options) if options else built
+        if not self._sync_checked:
+            await self._check_sync_engine(self._sync, job)
+            self._sync_checked = True
         return self._sync
+
+    async def _check_sync_engine(self, sync: Engine, job: ClaimedJob) -> None:
+        """The sync engine must reach the very table the loop claims from: a fenced completion on another
+        schema's table (a ``search_path`` set in the async engine's ``connect_args``, which a URL does not
+        carry) could mark another tenant's job of the same id and lease version done. Compared by the
+        claimed row's ``tableoid`` as each engine sees it."""
+        t = self.spec.table
+        stmt = select(literal_column("tableoid").cast(BigInteger)).select_from(t).where(t.c.id == job.id)
+        async with self.engine.connect() as conn:
+            mine = (await conn.execute(stmt)).scalar()
+
+        def theirs() -> Any:
+            with sync.connect() as conn:
+                return conn.execute(stmt).scalar()
+
+        found = await asyncio.to_thread(theirs)
+        if found != mine:
+            raise _WrongSyncEngine(ConfigurationError(
+                f"the sync engine for handlers that take a session does not reach the {t.name} table this "
+                f"AsyncWorker claims from (another search_path or schema: job {job.id} is in table oid {mine} "
+                f"for the async engine, {found} for the sync one). Pass sync_engine= an engine on the same "
+                "schema (with the async engine's connect_args)"
+            ))  # fmt: skip
 
     def _collect(self) -> None:
         for task in [t for t in self._running if t.done()]:

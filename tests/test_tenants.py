@@ -169,3 +169,46 @@ def test_an_async_worker_takes_the_sync_engine_it_is_given(engine: Engine, async
     with mine.connect() as conn:  # close() left the caller's engine alone
         assert conn.execute(text("SELECT 1")).scalar_one() == 1
     mine.dispose()
+
+
+def test_an_async_worker_refuses_a_sync_engine_on_another_schema(
+    engine: Engine, tenant: Engine, async_url: URL
+) -> None:
+    """A search_path in the async engine's connect_args is not in its URL: the sync engine built for session
+    handlers would finalize in the default schema — marking there a job of the same id and lease version
+    done. The worker compares the claimed row's table as both engines see it and stops with a clear error
+    before the handler runs; nothing in either schema is completed."""
+    from sqlalchemy import create_engine
+
+    from sa_outbox.errors import ConfigurationError
+
+    on_tenant = create_engine(engine.url, connect_args={"options": f"-c search_path={TENANT}"})
+    try:
+        with Session(on_tenant) as s, s.begin():
+            enqueue(s, Job, "tx", {"who": "tenant"})
+        with Session(engine) as s, s.begin():
+            enqueue(s, Job, "tx", {"who": "public"})
+        with engine.begin() as conn:  # the public job looks claimed by the same lease: the fence would match
+            conn.execute(text("UPDATE public.jobs SET status = 'running', lease_version = 1"))
+    finally:
+        on_tenant.dispose()
+    ran: list[int] = []
+
+    def handle(job: Job, session: Session) -> None:
+        ran.append(job.id)
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url, connect_args={"options": f"-c search_path={TENANT}"})
+        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False)
+        try:
+            with pytest.raises(ConfigurationError, match="does not reach the jobs table"):
+                await w.run(until_idle=True, install_signal_handlers=False)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    assert ran == []
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT status FROM {TENANT}.jobs")).scalars().all() == ["queued"]
+        assert conn.execute(text("SELECT status FROM public.jobs")).scalars().all() == ["running"]
