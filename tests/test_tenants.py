@@ -212,3 +212,32 @@ def test_an_async_worker_refuses_a_sync_engine_on_another_schema(
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT status FROM {TENANT}.jobs")).scalars().all() == ["queued"]
         assert conn.execute(text("SELECT status FROM public.jobs")).scalars().all() == ["running"]
+
+
+def test_create_all_through_a_translate_map_tunes_the_tenants_tables_not_the_defaults(
+    engine: Engine, tenant: Engine
+) -> None:
+    """The after_create hook names the table in text (ALTER TABLE … SET (autovacuum_…)): it must name the
+    tenant's table. Before, it altered public's (and failed outright when public had none)."""
+
+    def reloptions(schema: str) -> list[str]:
+        with engine.connect() as conn:
+            return conn.execute(
+                text("SELECT coalesce(c.reloptions, '{}') FROM pg_class c JOIN pg_namespace n ON n.oid = "
+                     "c.relnamespace WHERE n.nspname = :s AND c.relname = 'jobs'"), {"s": schema}
+            ).scalar_one()  # fmt: skip
+
+    assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in reloptions(TENANT))
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE public.jobs RESET (autovacuum_vacuum_scale_factor)"))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {TENANT}.jobs CASCADE"))
+        Job.__table__.create(tenant)
+        assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in reloptions(TENANT))
+        assert not any(o.startswith("autovacuum_vacuum_scale_factor") for o in reloptions("public"))
+    finally:
+        from sa_outbox.migration import set_queue_storage_parameters
+
+        with engine.begin() as conn:
+            set_queue_storage_parameters(conn, "jobs")
