@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import select
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -116,8 +117,16 @@ class _Listen:
         )  # fmt: skip
 
 
+#: What the connecting thread writes to the self-pipe when a LISTEN connection is ready: it ends the wait in
+#: progress (which then watches the new connection) without counting as a poke.
+_READY = b"c"
+
+
 class Waker:
-    """The threaded waker: ``select()`` on the LISTEN socket and a self-pipe that :meth:`poke` writes to."""
+    """The threaded waker: ``select()`` on the LISTEN socket and a self-pipe that :meth:`poke` writes to.
+
+    The LISTEN connection is made (connected, probed) on a thread of its own, never in :meth:`wait`: a slow,
+    flapping or silent ``listen_url`` costs the loop nothing — it polls meanwhile."""
 
     def __init__(self, url: str | URL | None, channels: Sequence[str]) -> None:
         self._listen = _Listen(url, channels)
@@ -125,14 +134,44 @@ class Waker:
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
+        self._lock = threading.Lock()
+        self._connecting: threading.Thread | None = None
+        self._generation = 0  # bumped by close(): a connection made for an older generation is closed
 
     @property
     def notifications(self) -> int:
         return self._listen.notifications
 
     def _connect(self) -> psycopg.Connection[Any] | None:
-        if self._conn is not None or not self._listen.may_connect():
-            return self._conn
+        """The LISTEN connection when there is one; else start making it on a thread (when it is time)."""
+        with self._lock:
+            if self._conn is not None or self._connecting is not None or not self._listen.may_connect():
+                return self._conn
+            generation = self._generation
+            self._connecting = threading.Thread(
+                target=self._connect_in_background, args=(generation,), name="sa_outbox-listen", daemon=True
+            )
+            self._connecting.start()
+        return None
+
+    def _connect_in_background(self, generation: int) -> None:
+        conn = None
+        try:
+            conn = self._make_connection()
+        except Exception as exc:  # not psycopg's: logged, and tried again later like any failure
+            self._listen.failed(exc, "LISTEN connection failed")
+        finally:
+            with self._lock:
+                self._connecting = None
+                if conn is not None and generation == self._generation:
+                    self._conn, conn = conn, None
+            if conn is not None:  # closed meanwhile: not wanted any more
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._write, _READY)
+
+    def _make_connection(self) -> psycopg.Connection[Any] | None:
         assert self._listen.url is not None
         conn: psycopg.Connection[Any] | None = None
         try:
@@ -155,7 +194,6 @@ class Waker:
             conn.close()
             self._listen.deaf()
             return None
-        self._conn = conn
         self._listen.failures = 0
         return conn
 
@@ -184,8 +222,8 @@ class Waker:
     def _drain_pokes(self) -> bool:
         poked = False
         with contextlib.suppress(BlockingIOError):
-            while os.read(self._read, 512):
-                poked = True
+            while data := os.read(self._read, 512):
+                poked = poked or bool(data.replace(_READY, b""))
         return poked
 
     def wait(self, timeout: float, *, listen: bool = True) -> Wake:
@@ -200,7 +238,7 @@ class Waker:
                 return None
             conn = self._connect() if listen else None
             fds = [self._read] if conn is None else [self._read, conn.fileno()]
-            if conn is None and listen and self._listen.url is not None:
+            if conn is None and listen and self._listen.url is not None and self._connecting is None:
                 remaining = min(remaining, max(0.0, self._listen.next_try - time.monotonic()) or remaining)
             try:
                 ready, _, _ = select.select(fds, [], [], remaining)
@@ -214,7 +252,9 @@ class Waker:
                 self._close_listen()
 
     def _close_listen(self) -> None:
-        conn, self._conn = self._conn, None
+        with self._lock:
+            self._generation += 1
+            conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
@@ -231,11 +271,14 @@ class Waker:
 
 
 class AsyncWaker:
-    """The asyncio waker: a LISTEN task on an async psycopg connection raced with a poke event."""
+    """The asyncio waker: a LISTEN task on an async psycopg connection raced with a poke event. The LISTEN
+    connection is made (connected, probed) by a task of its own that a wait races too, never awaited by the
+    wait itself: a slow, flapping or silent ``listen_url`` costs the loop nothing — it polls meanwhile."""
 
     def __init__(self, url: str | URL | None, channels: Sequence[str]) -> None:
         self._listen = _Listen(url, channels)
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._connecting: asyncio.Task[psycopg.AsyncConnection[Any] | None] | None = None
         self._poked = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -269,7 +312,7 @@ class AsyncWaker:
             for statement in self._listen.statements():
                 await conn.execute(statement)
             heard = await self._probe(conn)
-        except psycopg.Error as exc:
+        except Exception as exc:  # psycopg's, or anything else: tried again later
             if conn is not None:
                 with contextlib.suppress(psycopg.Error):
                     await conn.close()
@@ -307,36 +350,62 @@ class AsyncWaker:
             self._poked.set()
         return heard
 
+    def _start_connecting(self) -> None:
+        if self._conn is None and self._connecting is None and self._listen.may_connect():
+            self._connecting = asyncio.ensure_future(self._connect())
+
+    def _connected(self) -> None:
+        """Take in what the connecting task made (once it is done)."""
+        task, self._connecting = self._connecting, None
+        if task is not None and not task.cancelled() and task.exception() is None:
+            self._conn = task.result()
+
     async def wait(self, timeout: float) -> Wake:
         """Wait up to ``timeout`` seconds; say what woke the loop (``None``: the timeout)."""
         self._loop = asyncio.get_running_loop()
-        if self._poked.is_set():
-            self._poked.clear()
-            return self._listen.poked()
-        conn = await self._connect()
-        poked = asyncio.ensure_future(self._poked.wait())
-        waiters: set[asyncio.Future[Any]] = {poked}
-        listener = None
-        if conn is not None:
-            listener = asyncio.ensure_future(self._one(conn, timeout))
-            waiters.add(listener)
-        done, pending = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
-                await task
-        if poked in done:
-            self._poked.clear()
-            return self._listen.poked()
-        if listener is not None and listener in done:
-            try:
-                if listener.result():
-                    self._listen.notifications += 1
-                    return "notify"
-            except psycopg.Error as exc:
-                self._listen.failed(exc, "LISTEN connection lost")
-                await self.close()
-        return None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._poked.is_set():
+                self._poked.clear()
+                return self._listen.poked()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._start_connecting()
+            conn = self._conn
+            poked = asyncio.ensure_future(self._poked.wait())
+            waiters: set[asyncio.Future[Any]] = {poked}
+            listener = None
+            if conn is not None:
+                listener = asyncio.ensure_future(self._one(conn, remaining))
+                waiters.add(listener)
+            connecting = self._connecting
+            if connecting is not None:
+                waiters.add(connecting)
+            done, pending = await asyncio.wait(
+                waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in pending:
+                if task is connecting:
+                    continue  # it goes on; the next wait races it again
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                    await task
+            if connecting is not None and connecting in done:
+                self._connected()
+            if poked in done:
+                self._poked.clear()
+                return self._listen.poked()
+            if listener is not None and listener in done:
+                try:
+                    if listener.result():
+                        self._listen.notifications += 1
+                        return "notify"
+                except psycopg.Error as exc:
+                    self._listen.failed(exc, "LISTEN connection lost")
+                    await self.close()
+            if connecting is None or connecting not in done:
+                return None  # the timeout (or the LISTEN connection ended quietly)
 
     @staticmethod
     async def _one(conn: psycopg.AsyncConnection[Any], timeout: float) -> bool:
@@ -349,6 +418,11 @@ class AsyncWaker:
         return got
 
     async def close(self) -> None:
+        connecting, self._connecting = self._connecting, None
+        if connecting is not None:
+            connecting.cancel()  # (it closes what it had opened)
+            with contextlib.suppress(BaseException):
+                await connecting
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
