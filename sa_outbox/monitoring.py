@@ -156,8 +156,15 @@ class QueueStatus:
 
 
 def regclass_name(conn: Connection, table: Table) -> str:
-    """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept)."""
-    return str(conn.dialect.identifier_preparer.format_table(table))
+    """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept) — in the
+    schema the connection's ``schema_translate_map`` (a tenant's) moves it to: a name in text is beyond the
+    map's reach."""
+    translate = conn.get_execution_options().get("schema_translate_map") or {}
+    if table.schema not in translate:
+        return str(conn.dialect.identifier_preparer.format_table(table))
+    prep = conn.dialect.identifier_preparer
+    schema = translate[table.schema]
+    return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}" if schema else prep.quote(table.name)
 
 
 def _age(conn: Connection, expr: Any) -> float | None:

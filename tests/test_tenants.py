@@ -241,3 +241,25 @@ def test_create_all_through_a_translate_map_tunes_the_tenants_tables_not_the_def
 
         with engine.begin() as conn:
             set_queue_storage_parameters(conn, "jobs")
+
+
+def test_status_and_doctor_read_the_tenants_table(engine: Engine, tenant: Engine) -> None:
+    """queue_status's health and doctor's checks find the table by name in the catalog: the tenant's, not
+    public's (before: public's figures and settings)."""
+    from sa_outbox.doctor import doctor
+    from sa_outbox.monitoring import queue_status
+
+    with Session(tenant) as s, s.begin():
+        for _ in range(5):
+            enqueue(s, Job, "t", {})
+    with engine.begin() as conn:
+        conn.execute(text(f"ANALYZE {TENANT}.jobs"))
+        conn.execute(text("ALTER TABLE public.jobs SET (autovacuum_enabled = false)"))
+    try:
+        status = queue_status(tenant, Job)
+        assert status.counts["queued"] == 5 and status.health is not None and status.health.live_tuples == 5
+        off = [f for f in doctor(tenant, [Job]) if f.check == "autovacuum" and f.table is not None]
+        assert off == []  # public's jobs table has autovacuum off; the tenant's does not
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE public.jobs RESET (autovacuum_enabled)"))
