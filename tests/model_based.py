@@ -9,7 +9,8 @@ database, real threads with their own connections, real backend terminations. Ru
   an ``AsyncSession``, inside a savepoint that is rolled back; each transaction commits or rolls back;
 * enqueue jobs;
 * start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off;
-  a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully;
+  a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully, cancel an async
+  one's ``run()`` (once, or twice a few ms apart);
 * terminate every backend of the loops (``pg_terminate_backend``);
 * a broker outage begins or ends (the publisher raises ``DestinationUnavailable``);
 * an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
@@ -47,6 +48,8 @@ After every step
         sampled from the rows every 20 ms by a thread of its own;
     I7  a claimed payload decodes as the loops' engine decodes JSON: in half the scenarios that engine has a
         ``json_deserializer`` reading floats as ``Decimal``, and every publisher and handler sees one;
+    I8  an async loop whose run() was cancelled leaves no row leased to it once it has ended (unless its
+        backends were terminated meanwhile: then its last write may fail, as documented);
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -64,6 +67,7 @@ At the end (faults off, loops drained)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -77,7 +81,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -343,6 +347,7 @@ class LoopThread:
     def __init__(
         self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL,
         run_kwargs: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
+        terminations_at_start: int = 0,
     ):  # fmt: skip
         self.name = name
         self.build = build
@@ -350,8 +355,11 @@ class LoopThread:
         self.engine = engine
         self.async_url = async_url
         self.loop: Any = None
+        self.aloop: asyncio.AbstractEventLoop | None = None  # the async flavour's event loop and main task
+        self.task: asyncio.Task[Any] | None = None
         self.run_kwargs = run_kwargs or {}
         self.engine_kwargs = engine_kwargs or {}
+        self.terminations_at_start = terminations_at_start  # backend terminations before it started
         self.exited: BaseException | None = None
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -378,11 +386,12 @@ class LoopThread:
         )
         try:
             self.loop = self.build(aengine)
+            self.aloop, self.task = asyncio.get_running_loop(), asyncio.current_task()
             self.ready.set()
             try:
                 await self.loop.run(install_signal_handlers=False, **self.run_kwargs)
             finally:
-                await self.loop.close()
+                await asyncio.shield(self.loop.close())
         finally:
             await aengine.dispose()
 
@@ -400,6 +409,17 @@ class LoopThread:
             self.loop.stop()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"{self.name} did not stop within {timeout}s"
+
+    def cancel(self, times: int, timeout: float = 30.0) -> None:
+        """Cancel the async flavour's run() (its main task) ``times`` times, a few ms apart — as a task group,
+        ``asyncio.timeout`` or anyio's cancel scope would — and wait for the thread to end."""
+        assert self.aloop is not None and self.task is not None
+        for _ in range(times):
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                self.aloop.call_soon_threadsafe(self.task.cancel)
+            time.sleep(0.003)
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.name} did not end within {timeout}s of its cancellation"
 
 
 class StatementCounter:
@@ -477,6 +497,7 @@ class Scenario:
         self.orders: list[int] = []
         self.log: list[str] = []
         self.names = itertools.count(1)
+        self.terminations = 0
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
@@ -730,7 +751,7 @@ class Scenario:
         self.dispatchers.append(
             LoopThread(name, lambda e: cls(e, self.Outbox, publisher, **options), is_async=is_async,
                        engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
-                       engine_kwargs=self.loop_engine_kwargs).start()
+                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
         )  # fmt: skip
 
     def start_worker(self, is_async: bool | None = None, *, bounded: bool = True) -> None:
@@ -761,7 +782,7 @@ class Scenario:
         self.workers.append(
             LoopThread(name, lambda e: cls(e, Job, handlers, queues=queues, **options), is_async=is_async,
                        engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
-                       engine_kwargs=self.loop_engine_kwargs).start()
+                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
         )  # fmt: skip
 
     def _reap_exited(self) -> None:
@@ -789,6 +810,32 @@ class Scenario:
             lt.stop()
             self.finished.append(lt)
 
+    def rule_cancel_async_loop(self) -> None:
+        """I8: an async loop's run() is cancelled (once, or twice a few ms apart): when it has ended, no row is
+        left leased to it — the claim in flight, the batch in flight and what it held were finished, released
+        or written. (Unless its backends were terminated while it ran: then its end may fail to write, as
+        documented, and the rows wait for their lease.)"""
+        pool = self.rng.choice((self.dispatchers, self.workers))
+        running = [lt for lt in pool if lt.is_async and lt.task is not None]
+        if not running:
+            return
+        lt = self.rng.choice(running)
+        pool.remove(lt)
+        times = self.rng.choice((1, 1, 2))
+        self.log.append(f"cancel {lt.name} x{times}")
+        lt.cancel(times)
+        self.finished.append(lt)
+        if self.terminations != lt.terminations_at_start:
+            return
+        spec = lt.loop.spec
+        with self.engine.connect() as conn:
+            held = conn.execute(
+                select(func.count())
+                .select_from(spec.table)
+                .where(spec.c.status == spec.active, spec.owner == lt.loop.owner)
+            ).scalar_one()
+        assert held == 0, f"{lt.name} was cancelled and left {held} row(s) leased to it"
+
     def rule_terminate_backends(self) -> None:
         with self.engine.connect() as conn:
             n = conn.execute(
@@ -797,6 +844,7 @@ class Scenario:
                     "AND application_name IN ('model-loop', 'sa_outbox.listen')"
                 )
             ).scalar_one()
+        self.terminations += 1
         self.log.append(f"terminated {n} backends")
 
     def rule_outage(self) -> None:
@@ -859,7 +907,7 @@ class Scenario:
         ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
-        ("rule_maintain_partitions", 1),
+        ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------
