@@ -142,13 +142,26 @@ class PartitionReport:
         return asdict(self)
 
 
-def _table_of(model: Any) -> tuple[_sql.QueueSpec, Table]:
-    spec = _sql.spec_for(model)
+def _table_of(conn: Connection, model: Any) -> tuple[_sql.QueueSpec, Table]:
+    """The model's spec and table, in the schema the connection's ``schema_translate_map`` puts it (the DDL
+    and catalog lookups here name the table in text, beyond the map's reach)."""
+    spec = _sql.translated_spec(conn, _sql.spec_for(model))
     return spec, spec.table
 
 
-def _regclass(conn: Connection, table: Table) -> str:
-    return str(conn.dialect.identifier_preparer.format_table(table))
+def regclass_name(conn: Connection, table: Table) -> str:
+    """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept) — in the
+    schema the connection's ``schema_translate_map`` (a tenant's) moves it to: a name in text is beyond the
+    map's reach."""
+    translate = conn.get_execution_options().get("schema_translate_map") or {}
+    if table.schema not in translate:
+        return str(conn.dialect.identifier_preparer.format_table(table))
+    prep = conn.dialect.identifier_preparer
+    schema = translate[table.schema]
+    return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}" if schema else prep.quote(table.name)
+
+
+_regclass = regclass_name
 
 
 def is_partitioned(conn: Connection, table: Table) -> bool:
@@ -182,10 +195,10 @@ def list_partitions(
     if isinstance(bind, Engine):
         with bind.connect() as conn:
             return list_partitions(conn, model, counts=counts)
-    _, table = _table_of(model)
+    spec, table = _table_of(bind, model)
     if not is_partitioned(bind, table):
         return []
-    return _partitions(bind, table, _sql.spec_for(model), counts=counts)
+    return _partitions(bind, table, spec, counts=counts)
 
 
 def infer_period(parts: list[PartitionInfo]) -> str | None:
@@ -210,20 +223,20 @@ def table_period(conn: Connection, table: str, schema: str | None = None) -> str
 
 def held_partitions(conn: Connection, model: type[Any]) -> list[PartitionInfo]:
     """Partitions whose period has ended and that unfinished or dead rows keep alive (``status``)."""
-    _, table = _table_of(model)
+    spec, table = _table_of(conn, model)
     if not is_partitioned(conn, table):
         return []
     now = conn.execute(text("SELECT now()")).scalar_one()
     return [
         p
-        for p in _partitions(conn, table, _sql.spec_for(model), counts=True)
+        for p in _partitions(conn, table, spec, counts=True)
         if p.upper is not None and p.upper <= now and (p.unfinished or p.dead)
     ]
 
 
 def missing_periods(conn: Connection, model: type[Any], *, ahead: int = 1) -> list[datetime]:
     """Starts of the current and the next ``ahead`` periods that have no partition (``doctor``)."""
-    spec, table = _table_of(model)
+    spec, table = _table_of(conn, model)
     if not is_partitioned(conn, table):
         return []
     parts = _partitions(conn, table, counts=False)
@@ -276,7 +289,7 @@ def maintain_partitions(
             "run inside one): pass the Engine, or a Connection before its first statement"
         )
     conn.execution_options(isolation_level="AUTOCOMMIT")
-    spec, table = _table_of(model)
+    spec, table = _table_of(conn, model)
     if not is_partitioned(conn, table):
         raise SchemaError(
             f"{table.fullname} is not a partitioned table: create it with sa_outbox_partitioned set on the model "

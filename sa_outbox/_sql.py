@@ -165,6 +165,35 @@ def spec_for(model: type[Any]) -> QueueSpec:
     return spec
 
 
+_TRANSLATED: dict[tuple[Table, str | None], QueueSpec] = {}
+
+
+def translated_spec(conn: Any, spec: QueueSpec) -> QueueSpec:
+    """``spec`` with its table in the schema the connection's ``schema_translate_map`` (a tenant's) moves it
+    to — for what names the table in text (DDL, catalog lookups), beyond the map's reach. The same spec when
+    no map applies."""
+    translate = conn.get_execution_options().get("schema_translate_map") or {}
+    if spec.table.schema not in translate:
+        return spec
+    schema = translate[spec.table.schema]
+    key = (spec.table, schema)
+    found = _TRANSLATED.get(key)
+    if found is None:
+        from sqlalchemy import MetaData
+
+        moved = spec.table.to_metadata(MetaData(), schema=schema)
+        c = moved.c
+
+        def col(column: Column[Any] | None) -> Any:
+            return None if column is None else c[column.name]
+
+        found = _TRANSLATED[key] = replace(
+            spec, table=moved, due=col(spec.due), owner=col(spec.owner), finished=col(spec.finished),
+            lease_until=col(spec.lease_until), locked_at=col(spec.locked_at),
+        )  # fmt: skip
+    return found
+
+
 # --- claim ----------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,6 @@ from sqlalchemy import (
     Engine,
     Integer,
     Interval,
-    Table,
     bindparam,
     func,
     literal_column,
@@ -155,16 +154,7 @@ class QueueStatus:
         return data
 
 
-def regclass_name(conn: Connection, table: Table) -> str:
-    """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept) — in the
-    schema the connection's ``schema_translate_map`` (a tenant's) moves it to: a name in text is beyond the
-    map's reach."""
-    translate = conn.get_execution_options().get("schema_translate_map") or {}
-    if table.schema not in translate:
-        return str(conn.dialect.identifier_preparer.format_table(table))
-    prep = conn.dialect.identifier_preparer
-    schema = translate[table.schema]
-    return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}" if schema else prep.quote(table.name)
+regclass_name = _partitions.regclass_name
 
 
 def _age(conn: Connection, expr: Any) -> float | None:

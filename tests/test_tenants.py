@@ -263,3 +263,25 @@ def test_status_and_doctor_read_the_tenants_table(engine: Engine, tenant: Engine
     finally:
         with engine.begin() as conn:
             conn.execute(text("ALTER TABLE public.jobs RESET (autovacuum_enabled)"))
+
+
+def test_a_tenants_partitioned_outbox_is_listed_and_maintained_in_its_schema(
+    engine: Engine, tenant: Engine
+) -> None:
+    """Partition DDL and catalog lookups name the table in text: through a translate map they must name the
+    tenant's. Before, list_partitions and maintain_partitions looked for the table in the default schema."""
+    from sa_outbox import list_partitions, maintain_partitions
+    from sa_outbox.models import model_for
+
+    model = model_for("outbox", "tenant_parted_outbox", partitioned="day")
+    model.__table__.create(tenant)  # its partitions come with it, in the tenant's schema
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT to_regclass('public.tenant_parted_outbox')")).scalar() is None
+    parts = list_partitions(tenant, model)
+    assert len(parts) >= 4 and {p.schema for p in parts} == {TENANT}
+    report = maintain_partitions(tenant, model)
+    assert report.errors == [] and report.created == []
+    with Session(tenant) as s, s.begin():
+        s.add(model(aggregate_type="a", aggregate_id="1", event_type="E", payload={}))
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {TENANT}.tenant_parted_outbox")).scalar_one() == 1
