@@ -206,12 +206,16 @@ class Waker:
         with psycopg.connect(self._listen.url, **self._listen.connect_kwargs) as other:
             other.execute(notify)
         heard = False
-        for n in conn.notifies(timeout=PROBE_TIMEOUT):
-            if n.channel == channel:
-                heard = True
-                break
-            self._listen.heard_in_probe = True  # one of ours: do not swallow it
-            self.poke()
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        # batch by batch, never breaking out of one: psycopg takes a whole packet's notifications off the
+        # socket at once, and those after the probe's (a commit right behind it) would go with the iterator
+        while not heard and (remaining := deadline - time.monotonic()) > 0:
+            for n in conn.notifies(timeout=remaining, stop_after=1):
+                if n.channel == channel:
+                    heard = True
+                else:
+                    self._listen.heard_in_probe = True  # one of ours: do not swallow it
+                    self.poke()
         return heard
 
     def poke(self) -> None:
@@ -342,12 +346,14 @@ class AsyncWaker:
         finally:
             await other.close()
         heard = False
-        async for n in conn.notifies(timeout=PROBE_TIMEOUT):
-            if n.channel == channel:
-                heard = True
-                break
-            self._listen.heard_in_probe = True  # one of ours: do not swallow it
-            self._poked.set()
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while not heard and (remaining := deadline - time.monotonic()) > 0:  # (see Waker._probe)
+            async for n in conn.notifies(timeout=remaining, stop_after=1):
+                if n.channel == channel:
+                    heard = True
+                else:
+                    self._listen.heard_in_probe = True  # one of ours: do not swallow it
+                    self._poked.set()
         return heard
 
     def _start_connecting(self) -> None:
@@ -382,9 +388,15 @@ class AsyncWaker:
             connecting = self._connecting
             if connecting is not None:
                 waiters.add(connecting)
-            done, pending = await asyncio.wait(
-                waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-            )
+            try:
+                done, pending = await asyncio.wait(
+                    waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            except BaseException:  # cancelled: leave no waiter task behind (the connecting one goes on)
+                for left in (poked, listener):
+                    if left is not None:
+                        left.cancel()
+                raise
             for task in pending:
                 if task is connecting:
                     continue  # it goes on; the next wait races it again

@@ -1560,11 +1560,10 @@ class AsyncWorker(WorkerBase):
                 options = self.engine.get_execution_options()
                 self._sync = built.execution_options(**options) if options else built
         if not self._sync_checked:
-            await self._check_sync_engine(self._sync, job)
-            self._sync_checked = True
+            self._sync_checked = await self._check_sync_engine(self._sync, job)
         return self._sync
 
-    async def _check_sync_engine(self, sync: Engine, job: ClaimedJob) -> None:
+    async def _check_sync_engine(self, sync: Engine, job: ClaimedJob) -> bool:
         """The sync engine must reach the very table the loop claims from: a fenced completion on another
         schema's table (a ``search_path`` set in the async engine's ``connect_args``, which a URL does not
         carry) could mark another tenant's job of the same id and lease version done. Compared by the
@@ -1579,6 +1578,8 @@ class AsyncWorker(WorkerBase):
                 return conn.execute(stmt).scalar()
 
         found = await asyncio.to_thread(theirs)
+        if found is None and mine is None:
+            return False  # the row is gone (purged): nothing compared — the next job's check will tell
         if found != mine:
             raise _WrongSyncEngine(ConfigurationError(
                 f"the sync engine for handlers that take a session does not reach the {t.name} table this "
@@ -1586,6 +1587,7 @@ class AsyncWorker(WorkerBase):
                 f"for the async engine, {found} for the sync one). Pass sync_engine= an engine on the same "
                 "schema (with the async engine's connect_args)"
             ))  # fmt: skip
+        return True
 
     def _collect(self) -> None:
         for task in [t for t in self._running if t.done()]:

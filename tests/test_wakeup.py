@@ -97,28 +97,33 @@ def test_with_notifications_lost_polling_still_picks_work_up(engine: Engine) -> 
     assert w.stats.wakeups == 0
 
 
-def _probe_after_a_table_notification(monkeypatch: pytest.MonkeyPatch, table_channel: str) -> None:
-    """The probe's NOTIFY also notifies the table's channel first, in the same transaction: the new LISTEN
-    connection hears a real notification while it waits for its probe (what a commit racing a loop's first
-    wait does)."""
+def _probe_after_a_table_notification(
+    monkeypatch: pytest.MonkeyPatch, table_channel: str, *, after: bool = False
+) -> None:
+    """The probe's NOTIFY also notifies the table's channel first (``after``: right after the probe's), in the
+    same transaction: the new LISTEN connection hears a real notification in the probe's packet (what a
+    commit racing a loop's first wait does)."""
     real = _wakeup._Listen.probe
 
     def probe(self: Any) -> tuple[str, Any, Any]:
         channel, listen, _ = real(self)
+        first, second = (channel, table_channel) if after else (table_channel, channel)
         both = psql.SQL("SELECT pg_notify({}, ''), pg_notify({}, '')").format(
-            psql.Literal(table_channel), psql.Literal(channel)
+            psql.Literal(first), psql.Literal(second)
         )
         return channel, listen, both
 
     monkeypatch.setattr(_wakeup._Listen, "probe", probe)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-probe", "after-the-probe"])
 def test_a_notification_heard_during_the_probe_wakes_the_loop_as_a_notification(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, after: bool
 ) -> None:
     """It used to be reported as a poke: the loop woke, but its wake-up counter missed it (a CI run of
-    test_idle_loops_wake_up_on_a_commit_through_pgbouncer failed on that)."""
-    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+    test_idle_loops_wake_up_on_a_commit_through_pgbouncer failed on that). One right after the probe's, in
+    its packet, was lost with the probe's iterator (a review found the wait sleeping out its timeout)."""
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test", after=after)
     waker = _wakeup.Waker(engine.url, ["sa_outbox_probe_test"])
     try:
         assert waker.wait(5) == "notify"
@@ -130,10 +135,11 @@ def test_a_notification_heard_during_the_probe_wakes_the_loop_as_a_notification(
         waker.close()
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-probe", "after-the-probe"])
 def test_a_notification_heard_during_the_probe_wakes_an_async_loop_as_a_notification(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, after: bool
 ) -> None:
-    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test", after=after)
 
     async def main() -> tuple[Any, Any, int]:
         waker = _wakeup.AsyncWaker(engine.url, ["sa_outbox_probe_test"])
