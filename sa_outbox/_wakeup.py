@@ -45,8 +45,8 @@ PROBE_TIMEOUT = 2.0
 #: After a deaf LISTEN connection (a pooler in transaction mode), how long the loop polls before trying again.
 PROBE_RETRY = 300.0
 #: Longest a LISTEN connection may take to connect (unless the URL sets ``connect_timeout``): the connect runs
-#: in the loop's wait, so an endpoint that accepts TCP but never answers (a stuck pooler, a half-open load
-#: balancer) must not hold the loop — its polling, its stop().
+#: beside the loop, but an endpoint that accepts TCP but never answers (a stuck pooler, a half-open load
+#: balancer) would otherwise hold the connecting thread or task — and LISTEN off — for good.
 CONNECT_TIMEOUT = 3
 #: Repeated LISTEN failures wait LISTEN_RECONNECT, twice that, … up to this long before the next try.
 RECONNECT_CAP = 60.0
