@@ -323,8 +323,9 @@ class DispatcherBase(LoopBase):
             if isinstance(error, DestinationUnavailable):
                 rest = self._released(messages[i + 1 :], _UNAVAILABLE)
                 break
-            if isinstance(error, SystemExit | KeyboardInterrupt):  # the
-                # process is leaving — nothing more is published; the batch's outcomes are written, then it goes
+            if isinstance(error, SystemExit | KeyboardInterrupt):
+                # the process is leaving: nothing more is published; the batch's outcomes are written, then
+                # the loop raises it
                 rest = self._released(messages[i + 1 :], _STOPPING)
                 break
         return self._classify(results) + rest
@@ -333,10 +334,8 @@ class DispatcherBase(LoopBase):
         with _tracing.publish_spans(messages, publisher=self.publisher) as spans:
             try:
                 errors = check_batch(self.publisher.publish_many(messages), len(messages))  # type: ignore[attr-defined]
-            except (
-                BaseException
-            ) as exc:  # SystemExit/KeyboardInterrupt too: recorded for the batch, then raised
-                errors = [exc] * len(messages)
+            except BaseException as exc:
+                errors = [exc] * len(messages)  # SystemExit/KeyboardInterrupt too: recorded, then raised
             spans.outcomes(errors)
         return errors
 
@@ -362,10 +361,8 @@ class DispatcherBase(LoopBase):
                 if not future.done():  # delivered to this thread while it waited: leave the call behind
                     self._calls.abandon(future)
                 raise
-        except (
-            BaseException
-        ) as exc:  # SystemExit/KeyboardInterrupt too: recorded with what finished, then raised
-            return exc
+        except BaseException as exc:
+            return exc  # SystemExit/KeyboardInterrupt too: recorded with what finished, then raised
 
     def _raise_fatal(self) -> None:
         fatal, self._fatal = self._fatal, None
