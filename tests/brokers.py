@@ -77,6 +77,8 @@ class _Server:
     """One private server process on a port of its own, in a temporary directory deleted by ``close``."""
 
     name = "server"
+    #: How long its port may take to open (a loaded CI box boots an Erlang VM slowly).
+    boot_timeout = 15.0
 
     def __init__(self) -> None:
         self.port = free_port()
@@ -96,7 +98,7 @@ class _Server:
         )
         log.close()
         try:
-            wait_port(self.port)
+            wait_port(self.port, self.boot_timeout)
         except TimeoutError:
             self.stop()
             raise RuntimeError(
@@ -194,6 +196,7 @@ class PrivateRabbit(_Server):
 
     name = "rabbitmq"
     BIN = "/usr/lib/rabbitmq/bin"
+    boot_timeout = 60.0  # 5–10 s on a quiet box; a CI run saw it miss 15 s while the suite ran beside it
 
     def __init__(self) -> None:
         super().__init__()
