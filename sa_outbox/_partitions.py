@@ -153,27 +153,23 @@ def regclass_name(conn: Connection, table: Table) -> str:
     """The table's name quoted as ``CAST(:name AS regclass)`` needs it (schema-qualified, case kept) — in the
     schema the connection's ``schema_translate_map`` (a tenant's) moves it to: a name in text is beyond the
     map's reach."""
-    translate = conn.get_execution_options().get("schema_translate_map") or {}
-    if table.schema not in translate:
-        return str(conn.dialect.identifier_preparer.format_table(table))
+    moved, schema = _sql.translated_schema(conn, table.schema)
     prep = conn.dialect.identifier_preparer
-    schema = translate[table.schema]
+    if not moved:
+        return str(prep.format_table(table))
     return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}" if schema else prep.quote(table.name)
-
-
-_regclass = regclass_name
 
 
 def is_partitioned(conn: Connection, table: Table) -> bool:
     """Whether the database's table is range-partitioned (whatever the model says)."""
-    return conn.execute(_sql.PARTITION_STRATEGY, {"t": _regclass(conn, table)}).scalar() == "r"
+    return conn.execute(_sql.PARTITION_STRATEGY, {"t": regclass_name(conn, table)}).scalar() == "r"
 
 
 def _partitions(
     conn: Connection, table: Table, spec: _sql.QueueSpec | None = None, *, counts: bool
 ) -> list[PartitionInfo]:
     out = []
-    for r in conn.execute(_sql.PARTITIONS, {"t": _regclass(conn, table)}):
+    for r in conn.execute(_sql.PARTITIONS, {"t": regclass_name(conn, table)}):
         ready = active = dead = 0
         if counts and spec is not None and not r.detach_pending:
             part = _sql.partition_table(r.name, r.schema)

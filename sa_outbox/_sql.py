@@ -168,20 +168,25 @@ def spec_for(model: type[Any]) -> QueueSpec:
 _TRANSLATED: dict[tuple[Table, str | None], QueueSpec] = {}
 
 
-def translated_spec(conn: Any, spec: QueueSpec) -> QueueSpec:
-    """``spec`` with its table in the schema the connection's ``schema_translate_map`` (a tenant's) moves it
-    to — for what names the table in text (DDL, catalog lookups), beyond the map's reach. The same spec when
-    no map applies."""
+def translated_schema(conn: Any, schema: str | None) -> tuple[bool, str | None]:
+    """Whether the connection's ``schema_translate_map`` (a tenant's) moves ``schema``, and where to — for
+    what names a table in text (DDL, catalog lookups), which the map does not reach."""
     translate = conn.get_execution_options().get("schema_translate_map") or {}
-    if spec.table.schema not in translate:
+    return (True, translate[schema]) if schema in translate else (False, schema)
+
+
+def translated_spec(conn: Any, spec: QueueSpec) -> QueueSpec:
+    """``spec`` with its table in the schema the connection's ``schema_translate_map`` moves it to (see
+    :func:`translated_schema`); the same spec when no map applies."""
+    translated, schema = translated_schema(conn, spec.table.schema)
+    if not translated:
         return spec
-    schema = translate[spec.table.schema]
     key = (spec.table, schema)
     found = _TRANSLATED.get(key)
     if found is None:
         from sqlalchemy import MetaData
 
-        moved = spec.table.to_metadata(MetaData(), schema=schema)
+        moved = spec.table.to_metadata(MetaData(), schema=schema)  # type: ignore[arg-type]  # None: no schema
         c = moved.c
 
         def col(column: Column[Any] | None) -> Any:

@@ -108,10 +108,9 @@ def _apply_storage_parameters(target: Table, connection: Connection, **_: Any) -
     if target.info.get("sa_outbox_kind") in ("outbox", "jobs") and connection.dialect.name == "postgresql":
         # the schema the table was created in: a tenant's schema_translate_map moves it (the statements
         # below name it in text, which no translate map reaches)
-        schema = target.schema
-        translate = connection.get_execution_options().get("schema_translate_map") or {}
-        if schema in translate:
-            schema = translate[schema]
+        from ._sql import translated_schema
+
+        _moved, schema = translated_schema(connection, target.schema)
         period = target.info.get("sa_outbox_partitioned")
         if period is not None:  # a partitioned parent takes no storage parameters: its partitions do
             create_partitions(connection, target.name, period=period, schema=schema)
