@@ -309,14 +309,18 @@ def _update_waits_for_a_lock(engine: Engine) -> bool:
         )
 
 
-def _cancel_during_claim(engine: Engine, table: str, build: Callable[[Any], Any], async_url: Any) -> None:
-    """Cancel an async loop's run() while its claim statement waits on a table lock, then let it through: the
-    statement commits after the cancellation arrived."""
+def _cancel_during_claim(
+    engine: Engine, table: str, build: Callable[[Any], Any], async_url: Any, *, let_through: bool = True,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    """Cancel an async loop's run() while its claim statement waits on a table lock; then, ``let_through``,
+    release the lock (the statement commits after the cancellation arrived) — else keep it (the claim fails
+    on the engine's own statement_timeout). Either way run() must end in CancelledError."""
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
     async def main() -> None:
-        aengine = create_async_engine(async_url)
+        aengine = create_async_engine(async_url, **(engine_kwargs or {}))
         loop = build(aengine)
         locker = engine.connect()
         try:
@@ -330,11 +334,13 @@ def _cancel_during_claim(engine: Engine, table: str, build: Callable[[Any], Any]
             ):
                 await asyncio.sleep(0.02)
             task.cancel()
-            await asyncio.sleep(0.1)
-            locker.rollback()  # the claim goes through and commits
+            if let_through:
+                await asyncio.sleep(0.1)
+                locker.rollback()  # the claim goes through and commits
             with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(task, 20)
+                await asyncio.wait_for(asyncio.shield(task), 20)
         finally:
+            locker.rollback()
             locker.close()
             await loop.close()
             await aengine.dispose()
@@ -535,45 +541,21 @@ def test_a_claim_failing_after_a_cancellation_still_ends_the_run(
     """The run is cancelled while its claim waits on a lock, then the claim fails (statement_timeout): the
     cancellation is what comes out. Before, the claim's error came out instead, the loop took it for a
     database fault and went on retrying — a cancelled run that never ended."""
-    from sqlalchemy import text
-    from sqlalchemy.ext.asyncio import create_async_engine
-
     from sa_outbox import AsyncDispatcher, AsyncWorker
     from sa_outbox.models import Job, OutboxEvent
 
     table = "jobs" if kind == "worker" else "outbox"
     (seed_jobs(engine, 3, task="t") if kind == "worker" else seed_events(engine, 3))
 
-    async def main() -> None:
-        aengine = create_async_engine(async_url, connect_args={"options": "-c statement_timeout=800"})
-        loop: Any = (
-            AsyncWorker(aengine, Job, {"t": lambda j: None}, listen=False)
-            if kind == "worker"
-            else AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
-        )
-        locker = engine.connect()
-        try:
-            async with aengine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
-            locker.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
-            task = asyncio.ensure_future(loop.run(install_signal_handlers=False))
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not await asyncio.to_thread(
-                _update_waits_for_a_lock, engine
-            ):
-                await asyncio.sleep(0.02)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(
-                    asyncio.shield(task), 10
-                )  # the lock is held all along: the claim fails
-        finally:
-            locker.rollback()
-            locker.close()
-            await loop.close()
-            await aengine.dispose()
+    def build(aengine: Any) -> Any:
+        if kind == "worker":
+            return AsyncWorker(aengine, Job, {"t": lambda j: None}, listen=False)
+        return AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
 
-    asyncio.run(main())
+    _cancel_during_claim(  # the lock is held all along: the claim fails
+        engine, table, build, async_url, let_through=False,
+        engine_kwargs={"connect_args": {"options": "-c statement_timeout=800"}},
+    )  # fmt: skip
     assert statuses(engine, table).get("running" if kind == "worker" else "processing") is None
 
 

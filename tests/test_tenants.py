@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
@@ -39,6 +40,25 @@ def counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return {f"{s}.{t}": conn.execute(text(f"SELECT count(*) FROM {s}.{t}")).scalar_one()
                 for s in ("public", TENANT) for t in ("outbox", "jobs")}  # fmt: skip
+
+
+def drain_async_worker(async_url: URL, handlers: dict[str, Any], *, engine_kwargs: Any = None,
+                       options: dict[str, Any] | None = None, **worker: Any) -> None:  # fmt: skip
+    """Run an AsyncWorker on its own async engine (``engine_kwargs`` for create_async_engine, ``options``
+    as execution options) until nothing is left, then close both."""
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url, **(engine_kwargs or {}))
+        if options:
+            aengine = aengine.execution_options(**options)
+        w = AsyncWorker(aengine, Job, handlers, listen=False, **worker)
+        try:
+            await w.run(until_idle=True, install_signal_handlers=False)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
 
 
 def test_a_tenants_rows_and_claims_stay_in_its_schema(engine: Engine, tenant: Engine) -> None:
@@ -124,16 +144,7 @@ def test_an_async_workers_sync_session_handler_completes_in_the_tenants_schema(
         )
         seen.append((job.payload["who"], len(ids)))  # type: ignore[index]
 
-    async def main() -> None:
-        aengine = create_async_engine(async_url).execution_options(**MAP)
-        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False)
-        try:
-            await w.run(until_idle=True, install_signal_handlers=False)
-        finally:
-            await w.close()
-            await aengine.dispose()
-
-    asyncio.run(main())
+    drain_async_worker(async_url, {"tx": handle}, options=MAP)
     assert seen == [("tenant", 1)]
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT status FROM {TENANT}.jobs")).scalars().all() == ["done"]
@@ -155,16 +166,7 @@ def test_an_async_worker_takes_the_sync_engine_it_is_given(engine: Engine, async
     def handle(job: Job, session: Session) -> None:
         names.append(session.execute(text("SELECT current_setting('application_name')")).scalar_one())
 
-    async def main() -> None:
-        aengine = create_async_engine(async_url)
-        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False, sync_engine=mine)
-        try:
-            await w.run(until_idle=True, install_signal_handlers=False)
-        finally:
-            await w.close()
-            await aengine.dispose()
-
-    asyncio.run(main())
+    drain_async_worker(async_url, {"tx": handle}, sync_engine=mine)
     assert names == ["my-sync-handlers"]
     with mine.connect() as conn:  # close() left the caller's engine alone
         assert conn.execute(text("SELECT 1")).scalar_one() == 1
@@ -197,17 +199,10 @@ def test_an_async_worker_refuses_a_sync_engine_on_another_schema(
     def handle(job: Job, session: Session) -> None:
         ran.append(job.id)
 
-    async def main() -> None:
-        aengine = create_async_engine(async_url, connect_args={"options": f"-c search_path={TENANT}"})
-        w = AsyncWorker(aengine, Job, {"tx": handle}, listen=False)
-        try:
-            with pytest.raises(ConfigurationError, match="does not reach the jobs table"):
-                await w.run(until_idle=True, install_signal_handlers=False)
-        finally:
-            await w.close()
-            await aengine.dispose()
-
-    asyncio.run(main())
+    with pytest.raises(ConfigurationError, match="does not reach the jobs table"):
+        drain_async_worker(
+            async_url, {"tx": handle}, engine_kwargs={"connect_args": {"options": f"-c search_path={TENANT}"}}
+        )
     assert ran == []
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT status FROM {TENANT}.jobs")).scalars().all() == ["queued"]
