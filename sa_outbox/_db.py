@@ -73,6 +73,11 @@ class LoopConnection:
         with self.use() as conn:
             return fn(conn)
 
+    def connect(self) -> None:
+        """Open the connection now (a no-op when it is open), so that the first step does not pay for it."""
+        with self.use():
+            pass
+
     def drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:

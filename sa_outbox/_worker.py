@@ -706,6 +706,7 @@ class _HeartbeatThread:
     def __init__(self, worker: Worker, interval: float) -> None:
         self.interval = interval
         self.beat = worker.beat_once
+        self.connect = worker._beat_db.connect
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -716,6 +717,12 @@ class _HeartbeatThread:
             self.thread.start()
 
     def _run(self) -> None:
+        # Connect before the first interval ends, not inside the first beat: a new backend (a fork, auth) takes
+        # tens of milliseconds, hundreds on a loaded box, and that beat is the one renewing fresh claims.
+        try:
+            self.connect()
+        except Exception as exc:  # the first beat connects again
+            log.warning("heartbeat could not connect yet: %s", exc, extra={"error": str(exc)})
         while not self.stopped.wait(self.interval):
             try:
                 self.beat()

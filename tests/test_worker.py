@@ -196,14 +196,15 @@ def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine:
 
 def test_heartbeat_keeps_a_long_job_from_being_reaped(engine: Engine) -> None:
     seed_jobs(engine, 1, task="slow")
-    other = worker(engine, {}, stale_after=0.4)
+    other = worker(engine, {}, stale_after=1.0)
 
     def slow(job: ClaimedJob) -> None:
-        for _ in range(6):  # 1.2 s, three times stale_after
+        for _ in range(15):  # 3 s, three times stale_after
             time.sleep(0.2)
             other.run_once()  # another worker's reaper runs meanwhile
 
-    w = worker(engine, {"slow": slow}, stale_after=0.4, heartbeat=0.1)
+    # Ten beats per stale_after: a loaded CI box once let 0.4 s pass between beats with four per window.
+    w = worker(engine, {"slow": slow}, stale_after=1.0, heartbeat=0.1)
     assert w.run_once() == 1
     r = row(engine, "jobs", 1)
     assert (r.status, r.attempts, r.lease_version) == ("done", 1, 1)
