@@ -282,8 +282,18 @@ class JobMixin:
                 "id",
                 postgresql_where=text("status = 'queued'"),
             ),
-            # The reaper: running jobs by claim/heartbeat time.
-            Index(conv(f"ix_{t}_running"), "locked_at", postgresql_where=text("status = 'running'")),
+            # Running jobs, one index for both readers: a limited queue's claim counts its running jobs (per
+            # concurrency key) by the leading columns; the reaper reads every entry, comparing locked_at in the
+            # index (running jobs are few: the fleet's concurrency). Each claim inserts one entry per job, not
+            # two: with a second index on (queue, concurrency_key), whose every entry shares one key in an
+            # unlimited queue, the drain ran 5-13 % slower.
+            Index(
+                conv(f"ix_{t}_running"),
+                "queue",
+                "concurrency_key",
+                "locked_at",
+                postgresql_where=text("status = 'running'"),
+            ),
             # Retention: finished rows (done or cancelled) by finish time.
             Index(
                 conv(f"ix_{t}_finished"),
@@ -292,13 +302,6 @@ class JobMixin:
             ),
             # Dead letters: `dead list`, `status` and `check` count them without reading done rows.
             Index(conv(f"ix_{t}_failed"), "id", postgresql_where=text("status = 'failed'")),
-            # Limits: a limited queue's claim counts its running jobs (per concurrency key) through this.
-            Index(
-                conv(f"ix_{t}_limited"),
-                "queue",
-                "concurrency_key",
-                postgresql_where=text("status = 'running'"),
-            ),
             # A unique key belongs to the key's job that has not started yet: queued and never claimed
             # (lease_version 0). The arbiter of enqueue's INSERT … ON CONFLICT; a claimed job leaves it, so a
             # retried job going back to queued never conflicts with the key's next job.

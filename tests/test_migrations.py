@@ -220,10 +220,12 @@ def test_an_older_database_is_told_apart_by_autogenerate(scratch_url: URL) -> No
     ]
     assert tables == ["jobs_queues", "jobs_starts", "schedules"]
     assert indexes == [
-        "ix_jobs_limited", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_outbox_dead", "ix_schedules_due",
+        "ix_jobs_running", "ix_jobs_starts_window", "ix_jobs_unique_active", "ix_outbox_dead", "ix_schedules_due",
         "ux_jobs_unique",
     ]  # fmt: skip
-    assert len(diff) == 15, diff
+    # 0008 gave the running jobs' index its columns (queue, concurrency_key, locked_at): replaced by name
+    assert sorted(d[1].name for d in diff if d[0] == "remove_index") == ["ix_jobs_running"]
+    assert len(diff) == 16, diff
 
 
 def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch_url: URL) -> None:

@@ -107,7 +107,10 @@ def test_jobs_status_check_and_partial_indexes(engine: Engine) -> None:
     assert idx["ix_jobs_dequeue"].endswith(
         "(queue, priority DESC, run_at, id) WHERE (status = 'queued'::text)"
     )
-    assert idx["ix_jobs_running"].endswith("(locked_at) WHERE (status = 'running'::text)")
+    assert idx["ix_jobs_running"].endswith(
+        "(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)"
+    )
+    assert "ix_jobs_limited" not in idx  # one index over running jobs (alembic 0008)
     assert idx["ux_jobs_unique"].startswith("CREATE UNIQUE INDEX")
     assert idx["ux_jobs_unique"].endswith(
         "(unique_key) WHERE ((status = 'queued'::text) AND (lease_version = 0) AND (unique_key IS NOT NULL))"
