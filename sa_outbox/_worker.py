@@ -657,13 +657,22 @@ class WorkerBase(LoopBase):
         self._done.add([self._not_started(j, reason) for j in given])
 
     def _next_to_start(self) -> ClaimedJob | None:
-        """The next claimed job to run; jobs cancelled while they waited are recorded and skipped."""
+        """The next claimed job to run; jobs cancelled while they waited are recorded and skipped, and jobs of
+        a queue paused since they were claimed are given back (every way a job starts passes here)."""
         while self._queue and self._may_start():
             job = self._queue.popleft()
-            if not job.cancel_requested:
+            if job.cancel_requested:
+                self._done.add([self._not_started(job, "")])
+            elif job.queue in self._paused:
+                self._done.add([self._not_started(job, "released: queue paused")])
+            else:
                 return job
-            self._done.add([self._not_started(job, "")])
         return None
+
+    def _maintenance_failed(self, exc: Exception) -> None:
+        """A maintenance step run between two inline jobs failed: the jobs in hand go on; the loop's next turn
+        runs the step again (and handles a database that is down)."""
+        log.warning("maintenance between jobs failed: %s", exc, extra={"error": str(exc)})
 
     def _may_start(self) -> bool:
         return not self._stop.is_set() and self._fatal is None
@@ -703,10 +712,10 @@ class WorkerBase(LoopBase):
 class _HeartbeatThread:
     """Renews the leases of the jobs in hand every ``interval`` seconds, on its own connection."""
 
-    def __init__(self, worker: Worker, interval: float) -> None:
+    def __init__(self, beat: Callable[[], None], connect: Callable[[], None], interval: float) -> None:
         self.interval = interval
-        self.beat = worker.beat_once
-        self.connect = worker._beat_db.connect
+        self.beat = beat
+        self.connect = connect
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -783,7 +792,14 @@ class Worker(WorkerBase):
         self._waker = Waker(self.listen_url, self.channels)
         self._running: dict[Future[Any], _Running] = {}
         self._finished: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
-        self._beat = _HeartbeatThread(self, self.heartbeat) if self.heartbeat is not None else None
+        self._beat = (
+            None
+            if self.heartbeat is None
+            else _HeartbeatThread(self.beat_once, self._connect_beat, self.heartbeat)
+        )
+        #: The heartbeat's connection serves one caller at a time: the heartbeat thread, or whoever calls
+        #: beat_once() meanwhile.
+        self._beat_lock = threading.Lock()
         #: With handler threads, run() sends its claims from this thread: the loop keeps starting claimed
         #: jobs in slots that free up during the claim's round trip (~1–3 ms, a commit) instead of leaving them
         #: idle. One claim at a time; the loop's connection is used by nobody else meanwhile.
@@ -798,8 +814,10 @@ class Worker(WorkerBase):
 
     def run_once(self) -> int:
         """One rescue step plus one claimed batch (up to ``batch`` jobs), handled and finalized; returns how
-        many jobs it claimed. Raises what a handler's SystemExit/KeyboardInterrupt (or, with
-        ``stop_on_unclassified``, an unclassified error) raised, after recording every outcome."""
+        many jobs it claimed. With concurrency 1 a batch that runs longer than a second also runs the step
+        between two jobs (a pause then gives back the jobs not started). Raises what a handler's
+        SystemExit/KeyboardInterrupt (or, with ``stop_on_unclassified``, an unclassified error) raised, after
+        recording every outcome."""
         self._begin()
         try:
             self._rescue(force=True)
@@ -863,7 +881,13 @@ class Worker(WorkerBase):
         """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
         pairs = self._beat_pairs()
         if pairs:
-            self._beat_result(pairs, self._beat_db.run(lambda c: self._extend_on(c, pairs)))
+            with self._beat_lock:
+                renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
+            self._beat_result(pairs, renewed)
+
+    def _connect_beat(self) -> None:
+        with self._beat_lock:
+            self._beat_db.connect()
 
     def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
         """Run until stopped, then close: the blocking entry point of a process (``sa-outbox dispatch|worker``
@@ -877,7 +901,8 @@ class Worker(WorkerBase):
         """Release the loop's connections and threads (run()/run_once() reopen what they need)."""
         self._waker.close()
         self._db.drop()
-        self._beat_db.drop()
+        with self._beat_lock:
+            self._beat_db.drop()
         self._threads.close()
         self._claimer.close()
 
@@ -1002,9 +1027,25 @@ class Worker(WorkerBase):
             return _invoke_in_transaction(self.engine, self.spec, handler, job, self._max_result_bytes())
         return _invoke(handler, job, no_provider)
 
+    def _maintain_between_jobs(self) -> None:
+        """The once-a-second maintenance, between two inline jobs when it is due: a batch of jobs in hand does
+        not hold back a rescue or a pause (the jobs of a queue paused meanwhile are given back, not started).
+        Not while a claim in flight uses the loop's connection."""
+        if not self._rescuer.due(time.monotonic()):
+            return
+        if self._inflight is not None and not self._inflight.future.done():
+            return
+        try:
+            self._rescue()
+        except Exception as exc:
+            self._maintenance_failed(exc)
+
     def _run_queued_inline(self) -> None:
         no_provider = _tracing.provider_unset()  # once for the jobs in hand
-        while (job := self._next_to_start()) is not None:
+        while True:
+            self._maintain_between_jobs()
+            if (job := self._next_to_start()) is None:
+                break
             if self._prefetch and self._inflight is None and self._pace.claim_beside(len(self._queue)):
                 # the next jobs are claimed — with the outcomes due — on the claim thread while the jobs in
                 # hand run, instead of one round trip after them (when handlers are short enough to claim
@@ -1099,7 +1140,8 @@ class Worker(WorkerBase):
                 self._beat.stop()
             self._waker.close()
             self._db.drop()
-            self._beat_db.drop()
+            with self._beat_lock:
+                self._beat_db.drop()
 
 
 class AsyncWorker(WorkerBase):
@@ -1321,11 +1363,22 @@ class AsyncWorker(WorkerBase):
             self._rescuer.ran(now)
             await self._db.run(self._rescue_on)
 
+    async def _maintain_between_jobs(self) -> None:
+        """The once-a-second maintenance between two inline jobs, as the sync Worker runs it."""
+        if self._rescuer.due(time.monotonic()):
+            try:
+                await self._rescue()
+            except Exception as exc:
+                self._maintenance_failed(exc)
+
     async def _run_queued_inline(self) -> None:
         if self._running:  # left by a turn that failed while its handler ran: concurrency stays 1
             await asyncio.wait(list(self._running))
             self._collect()
-        while (job := self._next_to_start()) is not None:
+        while True:
+            await self._maintain_between_jobs()
+            if (job := self._next_to_start()) is None:
+                break
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
@@ -1391,11 +1444,15 @@ class AsyncWorker(WorkerBase):
             due = self._done.next_due()
             if due is None and progress is not None:
                 due = time.monotonic() + self._done.flush_after
+            if progress is not None:  # a group of sync jobs: it reads the pauses the maintenance learns
+                due = min(due, self._rescuer.next_due()) if due is not None else self._rescuer.next_due()
             await asyncio.wait({future}, timeout=None if due is None else max(0.0, due - time.monotonic()))
             if progress is not None:
                 progress()
             if not future.done() and self._done.due(time.monotonic()):
                 await self._flush()
+            if not future.done() and progress is not None:
+                await self._maintain_between_jobs()
 
     def _plain_sync(self, job: ClaimedJob) -> Handler | None:
         handler = self.handlers.get(job.task)
@@ -1419,7 +1476,7 @@ class AsyncWorker(WorkerBase):
 
         def run_in_turn() -> None:  # on a handler thread
             for job, fn in pairs:
-                if results and (halt.is_set() or not self._may_start()):
+                if results and (halt.is_set() or not self._may_start() or job.queue in self._paused):
                     break
                 if results and job.cancel_requested:
                     results.append(None)  # recorded cancelled, never started
