@@ -672,6 +672,7 @@ class WorkerBase(LoopBase):
     def _maintenance_failed(self, exc: Exception) -> None:
         """A maintenance step run between two inline jobs failed: the jobs in hand go on; the loop's next turn
         runs the step again (and handles a database that is down)."""
+        self.stats.db_errors += 1
         log.warning("maintenance between jobs failed: %s", exc, extra={"error": str(exc)})
 
     def _may_start(self) -> bool:
@@ -719,19 +720,23 @@ class _HeartbeatThread:
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, *, connect: bool) -> None:
         if self.thread is None:
             self.stopped.clear()
-            self.thread = threading.Thread(target=self._run, name="sa_outbox-heartbeat", daemon=True)
+            self.thread = threading.Thread(
+                target=self._run, args=(connect,), name="sa_outbox-heartbeat", daemon=True
+            )
             self.thread.start()
 
-    def _run(self) -> None:
-        # Connect before the first interval ends, not inside the first beat: a new backend (a fork, auth) takes
-        # tens of milliseconds, hundreds on a loaded box, and that beat is the one renewing fresh claims.
-        try:
-            self.connect()
-        except Exception as exc:  # the first beat connects again
-            log.warning("heartbeat could not connect yet: %s", exc, extra={"error": str(exc)})
+    def _run(self, connect: bool) -> None:
+        # run(): connect before the first interval ends, not inside the first beat — a new backend (a fork,
+        # auth) takes tens of milliseconds, hundreds on a loaded box, and that beat renews fresh claims.
+        # run_once() does not: a cron-style caller would pay a connection per call even when nothing is claimed.
+        if connect:
+            try:
+                self.connect()
+            except Exception as exc:  # the first beat connects again
+                log.warning("heartbeat could not connect yet: %s", exc, extra={"error": str(exc)})
         while not self.stopped.wait(self.interval):
             try:
                 self.beat()
@@ -845,7 +850,7 @@ class Worker(WorkerBase):
         restore = self._install_signals() if install_signal_handlers else None
         policy = RunPolicy(self._log, self.owner, startup_timeout)
         batches = 0
-        self._begin()
+        self._begin(long_run=True)
         self._lifecycle("started")
         try:
             while not self._stop.is_set() and self._fatal is None:
@@ -1114,10 +1119,10 @@ class Worker(WorkerBase):
 
     # -- start and end ---------------------------------------------------------------------------------
 
-    def _begin(self) -> None:
+    def _begin(self, *, long_run: bool = False) -> None:
         self._pauses_read = False
         if self._beat is not None:
-            self._beat.start()
+            self._beat.start(connect=long_run)
 
     def _end(self) -> None:
         """Release unstarted jobs, let running handlers finish, write every outcome, stop the helpers."""
@@ -1199,6 +1204,7 @@ class AsyncWorker(WorkerBase):
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
         self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._beat_lock = asyncio.Lock()
         self._waker = AsyncWaker(self.listen_url, self.channels)
         self._running: dict[asyncio.Task[_Ran], _Running] = {}
         #: concurrency 1 without a timeout: each handler is awaited by the loop itself, in turn (no task and
@@ -1273,7 +1279,9 @@ class AsyncWorker(WorkerBase):
         """Renew the leases of the jobs in hand now (the heartbeat task calls this every ``heartbeat``)."""
         pairs = self._beat_pairs()
         if pairs:
-            self._beat_result(pairs, await self._beat_db.run(lambda c: self._extend_on(c, pairs)))
+            async with self._beat_lock:  # the heartbeat task, or a caller's beat_once() meanwhile
+                renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
+            self._beat_result(pairs, renewed)
 
     def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
         """Run on a new event loop until stopped, then close: the blocking entry point of a process (the same

@@ -251,3 +251,40 @@ def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch
             assert conn.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 2
     finally:
         engine.dispose()
+
+
+def test_one_running_index_revision_rebuilds_a_failed_concurrent_build_instead_of_renaming_it(
+    scratch_url: URL,
+) -> None:
+    """0008 after an operator's ``CREATE INDEX CONCURRENTLY … ix_jobs_running_0008`` that failed (an INVALID
+    index of that name is left behind): the revision builds it again, so the table never ends with the old
+    indexes dropped and an unusable one in their place."""
+    migrate(scratch_url, "0007")
+    engine = create_engine(scratch_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (task, payload, status, locked_at) VALUES ('t', '{}', 'running', now())"
+                )
+            )
+            conn.execute(text("CREATE INDEX ix_jobs_running_0008 ON jobs (queue) WHERE status = 'running'"))
+            # what a cancelled concurrent build leaves: the index exists, marked not valid
+            conn.execute(
+                text(
+                    "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'ix_jobs_running_0008'::regclass"
+                )
+            )
+        migrate(scratch_url, "head")
+        with engine.connect() as conn:
+            found = conn.execute(
+                text(
+                    "SELECT c.relname, i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+                    "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = 'jobs'::regclass "
+                    "AND c.relname IN ('ix_jobs_running', 'ix_jobs_limited', 'ix_jobs_running_0008')"
+                )
+            ).all()
+        assert [(name, valid) for name, valid, _ in found] == [("ix_jobs_running", True)]
+        assert found[0][2].endswith("(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)")
+    finally:
+        engine.dispose()

@@ -23,9 +23,22 @@ RUNNING = sa.text("status = 'running'")
 
 def upgrade() -> None:
     # Built under a temporary name first, so the reaper and limited claims always have an index to read. On a
-    # big live table, build it without blocking writes beforehand and this step finds it:
+    # big live (plain, not partitioned) table, build it without blocking writes beforehand and this step finds it:
     #   CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_jobs_running_0008 ON jobs (queue, concurrency_key, locked_at)
     #     WHERE status = 'running';
+    # A concurrent build that failed or was cancelled leaves an INVALID index of that name behind: it is built
+    # again here, never renamed into place (the old indexes would be gone and the new one unusable).
+    invalid = (
+        op.get_bind()
+        .execute(
+            sa.text(
+                "SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass('ix_jobs_running_0008')"
+            )
+        )
+        .scalar()
+    )
+    if invalid:
+        op.drop_index(op.f("ix_jobs_running_0008"), table_name="jobs")
     op.create_index(
         op.f("ix_jobs_running_0008"),
         "jobs",
