@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, literal, select
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -22,6 +22,8 @@ from .errors import SchemaError
 __all__ = ["AsyncLoopConnection", "LoopConnection"]
 
 T = TypeVar("T")
+
+_PING = select(literal(1))
 
 
 #: undefined_table, undefined_column: what a missing or older table raises (by SQLSTATE, not by message text:
@@ -74,9 +76,10 @@ class LoopConnection:
             return fn(conn)
 
     def connect(self) -> None:
-        """Open the connection now (a no-op when it is open), so that the first step does not pay for it."""
-        with self.use():
-            pass
+        """Open the connection now and check it with one round trip, so that the first step neither pays for
+        the connection nor meets a pooled one the server has dropped (a failure drops it, as any step's does)."""
+        with self.use() as conn:
+            conn.execute(_PING)
 
     def drop(self) -> None:
         conn, self._conn = self._conn, None

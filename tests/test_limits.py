@@ -224,8 +224,10 @@ def test_a_limited_claim_on_a_terminated_connection_is_a_fault_the_loop_rides_ou
 
     jobs(log, 4)
     engine = create_engine(db_url, connect_args={"application_name": "limited-fault"})
+    # heartbeat=0: the pool's one (terminated) connection must go to the loop's claim, not to a heartbeat
+    # thread warming its connection at run()'s start
     w = Worker(engine, Job, {"t": lambda j: None}, limits={"default": Limit(1)}, listen=False,
-               poll_interval=0.05, batch=1)  # fmt: skip
+               poll_interval=0.05, batch=1, heartbeat=0)  # fmt: skip
     try:
         assert w.run_once() == 1
         with log.connect() as conn:
