@@ -81,7 +81,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -177,11 +177,19 @@ class Record:
             with self.lock:
                 self.bad_payloads.append(f"seq {payload.get('seq')}: price {payload.get('price')!r}")
 
-    def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> None:
+    def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
+        """Record one call; returns its position (for :meth:`settle`)."""
         with self.lock:
             self.events.append((kind, seq, lease_version, action))
             if queue is not None:
                 self.starts.append((seq, queue, time.monotonic()))
+            return len(self.events) - 1
+
+    def settle(self, position: int, action: str) -> None:
+        """What a recorded call came to once known (a transactional handler's success at its commit)."""
+        with self.lock:
+            kind, seq, lease_version, _ = self.events[position]
+            self.events[position] = (kind, seq, lease_version, action)
 
     def snapshot(self) -> list[tuple[str, int, int, str]]:
         with self.lock:
@@ -235,10 +243,17 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     a sync handler also takes this long (2 ms makes a concurrency-1 Worker overlap its next claim with the
     job, on the claim thread)."""
 
-    def act(job: ClaimedJob) -> str:
+    def act(job: ClaimedJob, session: Session | None = None) -> str:
         payload = job.payload
         record.check_payload(payload)
         action = "permanent" if payload["poison"] else _action(payload["plan"], job.lease_version)
+        if session is not None and action == "ok":
+            # A transactional handler's success is one only if its transaction commits with the completion:
+            # a completion that failed (a terminated connection) rolls the call back and the job runs again
+            # — at least once, its effect still exactly once (model_effects). "ok" once it commits.
+            at = record.add("handle", payload["seq"], job.lease_version, "rolled back", queue=job.queue)
+            event.listen(session, "after_commit", lambda _s: record.settle(at, "ok"), once=True)
+            return action
         record.add("handle", payload["seq"], job.lease_version, action, queue=job.queue)
         if action == "retry":
             raise RetryableError("planned retry")
@@ -257,7 +272,7 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 
         async def handle_async_tx(job: ClaimedJob, session: AsyncSession) -> None:
             await session.execute(effect, {"s": job.payload["seq"]})
-            if act(job) == "hang":
+            if act(job, session.sync_session) == "hang":
                 await asyncio.sleep(HANG)
                 raise RetryableError("planned hang")
 
@@ -274,7 +289,7 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 
         def handle_tx(job: ClaimedJob, session: Session) -> None:
             session.execute(effect, {"s": job.payload["seq"]})
-            if act(job) == "hang":
+            if act(job, session) == "hang":
                 time.sleep(HANG)
                 raise RetryableError("planned hang")
 
