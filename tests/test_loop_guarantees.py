@@ -50,9 +50,11 @@ def test_a_finished_job_stays_leased_until_its_outcome_is_written(runner: Runner
 
     def slow(job: ClaimedJob) -> None:
         calls[job.id] += 1
-        time.sleep(0.4)
+        time.sleep(0.7)
 
-    w = runner.worker({"slow": slow}, batch=3, stale_after=0.6, heartbeat=0.1)
+    # the batch runs 2.1 s, twice stale_after; ten beats per stale_after (a loaded CI box once let 0.4 s pass
+    # between two beats)
+    w = runner.worker({"slow": slow}, batch=3, stale_after=1.0, heartbeat=0.1)
     assert run_until(runner, w, lambda: statuses(engine, "jobs") == {"done": 3})
     assert dict(calls) == {1: 1, 2: 1, 3: 1}
     assert w.stats.lost_leases == 0 and w.stats.rescued == 0

@@ -76,13 +76,14 @@ def test_heartbeat_keeps_a_long_job_leased(runner: Runner, engine: Engine, heart
     reaped: list[Any] = []
 
     def long(job: ClaimedJob) -> None:
-        deadline = time.monotonic() + 1.2  # well past stale_after=0.5
+        deadline = time.monotonic() + 2.5  # well past stale_after=1.0
         while time.monotonic() < deadline:
             time.sleep(0.1)
             with engine.begin() as conn:  # another worker's rescue, as it would run on any host
-                reaped.extend(_steps.rescue(conn, spec_for(Job), stale_after=timedelta(seconds=0.5)))
+                reaped.extend(_steps.rescue(conn, spec_for(Job), stale_after=timedelta(seconds=1.0)))
 
-    w = runner.worker({"long": long}, stale_after=0.5, heartbeat=heartbeat, concurrency=2)
+    # ten beats per stale_after: a loaded CI box once let 0.4 s pass between two beats
+    w = runner.worker({"long": long}, stale_after=1.0, heartbeat=heartbeat, concurrency=2)
     assert runner.run_once(w) == 1
     if heartbeat:
         assert reaped == [] and statuses(engine, "jobs") == {"done": 1}
