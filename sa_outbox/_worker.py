@@ -73,6 +73,9 @@ __all__ = ["AsyncWorker", "Handler", "TaskRegistry", "Worker"]
 
 log = logging.getLogger("sa_outbox.worker")
 
+#: ``last_error`` of a job given back unstarted because its queue was paused after it was claimed.
+PAUSED_RELEASE = "released: queue paused"
+
 Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
 
@@ -531,7 +534,7 @@ class WorkerBase(LoopBase):
             log.info("queue %r resumed", name, extra={"queue": name})
         self._paused = paused
         if paused:  # claimed before the pause was seen, not started: given back rather than started late
-            self._release_unstarted("released: queue paused", paused)
+            self._release_unstarted(PAUSED_RELEASE, paused)
 
     def _warn_once(self, what: str, message: str) -> None:
         """A WARNING the first time ``what`` fails with ``message`` (the maintenance step runs every second)."""
@@ -664,7 +667,8 @@ class WorkerBase(LoopBase):
             if job.cancel_requested:
                 self._done.add([self._not_started(job, "")])
             elif job.queue in self._paused:
-                self._done.add([self._not_started(job, "released: queue paused")])
+                # landed after the pause was read (a claim in flight), or waited behind a running job
+                self._done.add([self._not_started(job, PAUSED_RELEASE)])
             else:
                 return job
         return None
@@ -1441,25 +1445,22 @@ class AsyncWorker(WorkerBase):
             raise
         return None if task.cancelled() else task.result()
 
-    async def _wait_writing_outcomes(
-        self, future: asyncio.Future[Any], progress: Callable[[], None] | None = None
-    ) -> None:
-        """Wait for a handler (or a thread's group of them) without cancelling it when the wait is cancelled,
-        writing the outcomes of finished jobs when they fall due meanwhile (a long job must not hold them
-        back: until written, a crash would run them again). ``progress`` records what the group finished so
+    async def _wait_writing_outcomes(self, future: asyncio.Future[Any], progress: Callable[[], None]) -> None:
+        """Wait for a thread's group of sync handlers without cancelling it when the wait is cancelled, writing
+        the outcomes of finished jobs when they fall due meanwhile (a long job must not hold them back: until
+        written, a crash would run them again) and running the once-a-second maintenance when it is due (the
+        group stops at a job of a queue it learns is paused). ``progress`` records what the group finished so
         far; it is called at least every ``flush_after``."""
         while not future.done():
-            due = self._done.next_due()
-            if due is None and progress is not None:
-                due = time.monotonic() + self._done.flush_after
-            if progress is not None:  # a group of sync jobs: it reads the pauses the maintenance learns
-                due = min(due, self._rescuer.next_due()) if due is not None else self._rescuer.next_due()
-            await asyncio.wait({future}, timeout=None if due is None else max(0.0, due - time.monotonic()))
-            if progress is not None:
-                progress()
+            outcomes_due = self._done.next_due()
+            if outcomes_due is None:
+                outcomes_due = time.monotonic() + self._done.flush_after
+            due = min(outcomes_due, self._rescuer.next_due())
+            await asyncio.wait({future}, timeout=max(0.0, due - time.monotonic()))
+            progress()
             if not future.done() and self._done.due(time.monotonic()):
                 await self._flush()
-            if not future.done() and progress is not None:
+            if not future.done():
                 await self._maintain_between_jobs()
 
     def _plain_sync(self, job: ClaimedJob) -> Handler | None:
