@@ -656,6 +656,17 @@ def test_cancel_and_pause_through_pgbouncer(prunner: PooledRunner, engine: Engin
     assert prunner.drain(w) == 2
 
 
+def test_a_concurrency_1_worker_behind_pgbouncer_gives_back_its_batch_on_a_pause(
+    prunner: PooledRunner, engine: Engine
+) -> None:
+    """The maintenance step between two inline jobs (the pauses it reads, the give-back it writes) goes through
+    the pooler like every other statement: no job of the batch starts more than about a second after the
+    pause."""
+    from .test_jobs_control import _pause_during_a_batch
+
+    _pause_during_a_batch(prunner, engine, "sync def")
+
+
 @pytest.fixture
 def effects(engine: Engine) -> Iterator[Engine]:
     with engine.begin() as conn:
