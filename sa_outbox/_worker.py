@@ -618,7 +618,7 @@ class WorkerBase(LoopBase):
         self._observe_handled(ran.seconds, job.created_at)
         if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
             result = None if ran.value is None else _encode_result(job, ran.value, self._max_result_bytes())
-            self._done.add((Outcome(job.id, job.lease_version, self.spec.done, result=result),))
+            self._done.add((_steps.done_outcome(job.id, job.lease_version, self.spec.done, result),))
             return
         if ran.committed or ran.lost:  # a transactional handler: its completion is written (or rolled back)
             self._report(

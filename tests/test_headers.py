@@ -197,3 +197,66 @@ def test_an_event_built_for_an_aggregate_takes_headers_set_afterwards(engine: En
         ev2.headers = {"x-tenant": "globex"}
         s.add(ev2)
     assert _stored(engine) == [{"x-tenant": "acme"}, {"x-tenant": "globex"}]
+
+
+# --- claimed rows become the same values as the dataclasses' own constructors ------------------------------
+
+#: Every JSON shape a payload can have, as jsonb stores it: nested, unicode and escapes, big and negative
+#: numbers, floats, and top-level scalars (a null payload is refused by enqueue; `null` text is tested below).
+_PAYLOADS: list[Any] = [
+    {"n": 1}, {}, [], {"a": [1, 2.5, None, True, False], "b": {"c": "d"}}, "text", 'quote " and \\ back',
+    "日本語 ✓ \u0001", 12345678901234567890, -7, 0.1, 2.5e-7, True, [{"k": [[]]}],
+]  # fmt: skip
+
+
+def test_claimed_payloads_decode_as_json_loads_and_values_equal_the_constructors(engine: Engine) -> None:
+    """from_row builds ClaimedJob/Message through their slot setters and reads ``jsonb`` text with json's own
+    scanner: for every payload shape the value equals json.loads of the stored text, the instance equals one
+    made by the (frozen) constructor, stays frozen, and its headers are read-only."""
+    import dataclasses
+    import json
+
+    with Session(engine) as s, s.begin():
+        for i, p in enumerate(_PAYLOADS):
+            enqueue(s, Job, "t", p, headers={"h": str(i)} if i % 2 else None)
+            s.add(OutboxEvent(aggregate_type="o", aggregate_id=str(i), event_type="E", payload=p,
+                              headers={"h": str(i)} if i % 2 else None))  # fmt: skip
+    with engine.connect() as conn:
+        stored_jobs = list(conn.execute(text("SELECT payload::text FROM jobs ORDER BY id")).scalars())
+        stored_events = list(conn.execute(text("SELECT payload::text FROM outbox ORDER BY id")).scalars())
+    with engine.begin() as conn:
+        jobs = claim_jobs(conn, "w", batch=len(_PAYLOADS))
+    events = claim(engine, "d", batch=len(_PAYLOADS), lease=30)
+    assert [j.payload for j in jobs] == [json.loads(t) for t in stored_jobs] == _PAYLOADS
+    assert [m.payload for m in events] == [json.loads(t) for t in stored_events] == _PAYLOADS
+    for i, (job, msg) in enumerate(zip(jobs, events, strict=True)):
+        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name != "_cancel"}
+        assert job == ClaimedJob(**fields)
+        assert msg == Message(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)})
+        assert dict(job.headers) == dict(msg.headers) == ({"h": str(i)} if i % 2 else {})
+        assert type(job.headers) is type(msg.headers) is types.MappingProxyType
+        assert msg.message_id == str(msg.id) and not job.cancel_requested
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            job.payload = 1  # type: ignore[misc]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            msg.payload = 1  # type: ignore[misc]
+
+
+def test_a_payload_json_loads_would_refuse_is_refused_the_same_way() -> None:
+    """Text the scanner does not read to its end (surrounding whitespace, trailing data) goes to json.loads:
+    decoded when json.loads decodes it, its own error when not; an engine's json_deserializer is used as is."""
+    import json
+    from decimal import Decimal
+
+    from sa_outbox._messages import _json
+
+    assert _json(' {"a": 1} ', json.loads) == {"a": 1}
+    assert _json("null", json.loads) is None and _json(None, json.loads) is None
+    for bad in ('{"a": 1} x', "{bad", "", "[1,]"):
+        with pytest.raises(json.JSONDecodeError) as caught:
+            _json(bad, json.loads)
+        with pytest.raises(json.JSONDecodeError) as expected:
+            json.loads(bad)
+        assert str(caught.value) == str(expected.value)
+    as_decimal = _json('{"f": 0.1}', lambda t: json.loads(t, parse_float=Decimal))
+    assert as_decimal == {"f": Decimal("0.1")} and isinstance(as_decimal["f"], Decimal)
