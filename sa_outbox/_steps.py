@@ -64,7 +64,8 @@ _OUTCOME_SETTERS = tuple(
     Outcome.__dict__[n].__set__
     for n in ("id", "lease_version", "status", "delay", "error", "refund", "kind", "result")
 )
-assert len(_OUTCOME_SETTERS) == len(Outcome.__slots__), "done_outcome must set every field of Outcome"
+if len(_OUTCOME_SETTERS) != len(Outcome.__slots__):  # a field added to Outcome must be set below too
+    raise AssertionError("done_outcome does not set every field of Outcome")
 
 
 def done_outcome(id: int, lease_version: int, status: str, result: str | None = None) -> Outcome:

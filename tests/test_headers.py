@@ -211,35 +211,101 @@ _PAYLOADS: list[Any] = [
 
 def test_claimed_payloads_decode_as_json_loads_and_values_equal_the_constructors(engine: Engine) -> None:
     """from_row builds ClaimedJob/Message through their slot setters and reads ``jsonb`` text with json's own
-    scanner: for every payload shape the value equals json.loads of the stored text, the instance equals one
-    made by the (frozen) constructor, stays frozen, and its headers are read-only."""
+    scanner: for every payload shape the value equals json.loads of the stored text, and each instance equals
+    one the (frozen) constructor makes from the row's columns as the table holds them after the claim (every
+    integer field a different value, so two setters swapped would show); it stays frozen, with read-only
+    headers."""
     import dataclasses
     import json
 
     with Session(engine) as s, s.begin():
         for i, p in enumerate(_PAYLOADS):
-            enqueue(s, Job, "t", p, headers={"h": str(i)} if i % 2 else None)
-            s.add(OutboxEvent(aggregate_type="o", aggregate_id=str(i), event_type="E", payload=p,
+            enqueue(
+                s,
+                Job,
+                "t",
+                p,
+                headers={"h": str(i)} if i % 2 else None,
+                priority=i + 100,
+                max_attempts=50 + i,
+            )
+            s.add(OutboxEvent(aggregate_type="o", aggregate_id=str(i), event_type=f"E{i}", payload=p,
                               headers={"h": str(i)} if i % 2 else None))  # fmt: skip
-    with engine.connect() as conn:
-        stored_jobs = list(conn.execute(text("SELECT payload::text FROM jobs ORDER BY id")).scalars())
-        stored_events = list(conn.execute(text("SELECT payload::text FROM outbox ORDER BY id")).scalars())
+    with engine.begin() as conn:  # attempts and lease_version apart from each other and from the ids
+        conn.execute(text("UPDATE jobs SET attempts = 7 + id, lease_version = 30 + id"))
+        conn.execute(text("UPDATE outbox SET attempts = 7 + id, lease_version = 30 + id"))
     with engine.begin() as conn:
         jobs = claim_jobs(conn, "w", batch=len(_PAYLOADS))
     events = claim(engine, "d", batch=len(_PAYLOADS), lease=30)
-    assert [j.payload for j in jobs] == [json.loads(t) for t in stored_jobs] == _PAYLOADS
-    assert [m.payload for m in events] == [json.loads(t) for t in stored_events] == _PAYLOADS
-    for i, (job, msg) in enumerate(zip(jobs, events, strict=True)):
-        fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name != "_cancel"}
-        assert job == ClaimedJob(**fields)
-        assert msg == Message(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)})
-        assert dict(job.headers) == dict(msg.headers) == ({"h": str(i)} if i % 2 else {})
+    with engine.connect() as conn:
+        job_rows = conn.execute(text("SELECT *, payload::text AS stored FROM jobs ORDER BY id")).all()
+        event_rows = conn.execute(text("SELECT *, payload::text AS stored FROM outbox ORDER BY id")).all()
+    assert [j.payload for j in jobs] == [json.loads(r.stored) for r in job_rows] == _PAYLOADS
+    assert [m.payload for m in events] == [json.loads(r.stored) for r in event_rows] == _PAYLOADS
+    for i, (job, msg, jr, er) in enumerate(zip(jobs, events, job_rows, event_rows, strict=True)):
+        headers = {"h": str(i)} if i % 2 else {}
+        assert job == ClaimedJob(jr.id, jr.task, jr.queue, _PAYLOADS[i], jr.attempts, jr.max_attempts,
+                                 jr.lease_version, jr.priority, jr.created_at, headers)  # fmt: skip
+        assert (job.attempts, job.lease_version, job.max_attempts, job.priority) == (
+            8 + job.id,
+            31 + job.id,
+            50 + i,
+            100 + i,
+        )
+        assert msg == Message(er.id, str(er.id), er.aggregate_type, er.aggregate_id, er.event_type, _PAYLOADS[i],
+                              er.attempts, er.lease_version, er.created_at, headers)  # fmt: skip
+        assert (msg.attempts, msg.lease_version, msg.event_type) == (8 + msg.id, 31 + msg.id, f"E{i}")
         assert type(job.headers) is type(msg.headers) is types.MappingProxyType
-        assert msg.message_id == str(msg.id) and not job.cancel_requested
+        assert not job.cancel_requested
         with pytest.raises(dataclasses.FrozenInstanceError):
             job.payload = 1  # type: ignore[misc]
         with pytest.raises(dataclasses.FrozenInstanceError):
             msg.payload = 1  # type: ignore[misc]
+
+
+def test_fast_built_values_keep_subclasses_replaced_loaders_and_the_outcome_defaults() -> None:
+    """The fast paths step aside where they would differ: a subclass of ClaimedJob/Message is built by its own
+    constructor (its fields and __post_init__ run); an application's replacement of ``json.loads`` is called,
+    not bypassed by the scanner; a success's Outcome equals the dataclass's own, defaults included."""
+    import dataclasses
+    import json
+    from decimal import Decimal
+
+    from sa_outbox._messages import _json
+    from sa_outbox._steps import Outcome, done_outcome
+
+    now = datetime.now(UTC)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class TenantJob(ClaimedJob):
+        tenant: str = "default"
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "tenant", self.tenant.upper())
+
+    job = TenantJob.from_row((1, 2, 3, 4, "t", "q", '{"a": 1}', 5, now, None, 0.0))
+    assert (job.tenant, job.payload, job.attempts, job.lease_version) == ("DEFAULT", {"a": 1}, 3, 2)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Traced(Message):
+        span: str = "none"
+
+    msg = Traced.from_row((1, 2, 3, "o", "7", "E", "[1]", now, {"h": "v"}, 0.0))
+    assert (msg.span, msg.payload, dict(msg.headers)) == ("none", [1], {"h": "v"})
+
+    original = json.loads
+
+    def decimals(text: str) -> Any:
+        return original(text, parse_float=Decimal)
+
+    json.loads = decimals  # type: ignore[assignment]
+    try:
+        assert _json('{"f": 10.10}', json.loads) == {"f": Decimal("10.10")}
+    finally:
+        json.loads = original
+    assert _json('{"f": 10.10}', json.loads) == {"f": 10.1}
+    assert done_outcome(4, 5, "done", '{"r": 1}') == Outcome(4, 5, "done", result='{"r": 1}')
+    assert done_outcome(4, 5, "done") == Outcome(4, 5, "done")
 
 
 def test_a_payload_json_loads_would_refuse_is_refused_the_same_way() -> None:
