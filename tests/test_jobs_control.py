@@ -456,6 +456,7 @@ def _job_states(engine: Engine) -> list[tuple[int, str]]:
         return [(int(i), str(s)) for i, s in conn.execute(text("SELECT id, status FROM jobs ORDER BY id"))]
 
 
+@pytest.mark.parametrize("runner", ["sync"], indirect=True)  # the fresh worker's flavour does not change it
 @pytest.mark.parametrize("when", ["before the give-back is written", "after the give-back is written"])
 def test_a_worker_killed_during_a_pause_with_jobs_in_hand_loses_none_and_starts_none_while_paused(
     runner: Runner, engine: Engine, db_url: URL, when: str
