@@ -57,14 +57,15 @@ def _json(text: str | None, loads: Callable[[str], Any]) -> Any:
 _STDLIB_LOADS: Any = json.loads if _is_stdlib_loads(json.loads) else object()
 
 
-def _setters(cls: type, names: Sequence[str]) -> tuple[Callable[[Any, Any], None], ...]:
-    """The slot setters of a frozen slotted dataclass, in ``names`` order: ``from_row`` fills a new instance
-    through them (a claim row's values are already the fields' types) instead of the frozen ``__init__``'s
-    ``object.__setattr__`` per field and ``__post_init__`` (~3 µs less per claimed row)."""
+def slot_setters(cls: type, names: Sequence[str]) -> tuple[Callable[[Any, Any], None], ...]:
+    """The slot setters of a frozen slotted dataclass, in ``names`` order, for a hot path that fills a new
+    instance through them (its values already of the fields' types) instead of the frozen ``__init__``'s
+    ``object.__setattr__`` per field and ``__post_init__`` (``from_row`` here, ``_steps.done_outcome``).
+    Refuses a ``names`` that leaves a field out: a field added to the class must be set there too."""
     found = tuple(cls.__dict__[n].__set__ for n in names)
     missing = set(getattr(cls, "__slots__", ())) - set(names)
-    if missing:  # a field added to the class must be added to its from_row too
-        raise AssertionError(f"{cls.__name__}.from_row does not set {sorted(missing)}")
+    if missing:
+        raise AssertionError(f"the fast builder of {cls.__name__} does not set {sorted(missing)}")
     return found
 
 
@@ -199,11 +200,11 @@ class ClaimedJob:
             raise JobCancelled(f"job {self.id} ({self.task}) was cancelled")
 
 
-_MESSAGE_SETTERS = _setters(
+_MESSAGE_SETTERS = slot_setters(
     Message, ("id", "message_id", "aggregate_type", "aggregate_id", "event_type", "payload", "attempts",
               "lease_version", "created_at", "headers"),
 )  # fmt: skip
-_JOB_SETTERS = _setters(
+_JOB_SETTERS = slot_setters(
     ClaimedJob, ("id", "task", "queue", "payload", "attempts", "max_attempts", "lease_version", "priority",
                  "created_at", "headers", "_cancel"),
 )  # fmt: skip

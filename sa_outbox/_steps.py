@@ -19,6 +19,7 @@ from . import _sql
 from ._backoff import Backoff
 from ._execute import compile_ahead, run, transaction
 from ._limits import Limit
+from ._messages import slot_setters
 from ._sql import QueueSpec
 from .errors import Defer, PermanentError
 
@@ -60,12 +61,9 @@ class Outcome:
     result: str | None = None  # jobs: the handler's result as JSON text, stored with done
 
 
-_OUTCOME_SETTERS = tuple(
-    Outcome.__dict__[n].__set__
-    for n in ("id", "lease_version", "status", "delay", "error", "refund", "kind", "result")
+_OUTCOME_SETTERS = slot_setters(
+    Outcome, ("id", "lease_version", "status", "delay", "error", "refund", "kind", "result")
 )
-if len(_OUTCOME_SETTERS) != len(Outcome.__slots__):  # a field added to Outcome must be set below too
-    raise AssertionError("done_outcome does not set every field of Outcome")
 
 
 def done_outcome(id: int, lease_version: int, status: str, result: str | None = None) -> Outcome:
