@@ -47,7 +47,8 @@ After every step
         a rate window than its rate; with ``unique_running``, no unique key ever has two running jobs —
         sampled from the rows every 20 ms by a thread of its own;
     I7  a claimed payload decodes as the loops' engine decodes JSON: in half the scenarios that engine has a
-        ``json_deserializer`` reading floats as ``Decimal``, and every publisher and handler sees one;
+        ``json_deserializer`` reading floats as ``Decimal``, and every publisher and handler sees one; in every
+        scenario each payload comes back as produced (keys, types, and a text of escapes and non-ASCII);
     I8  an async loop whose run() was cancelled leaves no row leased to it once it has ended (unless its
         backends were terminated meanwhile: then its last write may fail, as documented);
 At the end (faults off, loops drained)
@@ -158,6 +159,10 @@ class Planned:
     event_type: str = ""
 
 
+
+#: Text every payload carries: escapes and non-ASCII that the claim's JSON decoding must give back unchanged (I7).
+PAYLOAD_NOTE = 'ünï "quoted" \\ back\u2028slash \U0001f600 \x01'
+
 class Record:
     """What the publishers and handlers did, in the order they did it (thread-safe); for handlers also when
     each started and on which queue."""
@@ -172,10 +177,21 @@ class Record:
         self.bad_payloads: list[str] = []
 
     def check_payload(self, payload: Any) -> None:
-        """I7: a claimed payload decodes as the loops' engine decodes JSON."""
-        if type(payload.get("price")) is not self.float_type:
+        """I7: a claimed payload decodes as the loops' engine decodes JSON, to the value produced (the loops'
+        own decoding is a fast path beside json.loads: every key, type and the escaped text must match)."""
+        price = payload.get("price")
+        wrong = (
+            set(payload) != {"seq", "plan", "poison", "price", "note"}
+            or type(payload["seq"]) is not int
+            or type(payload["poison"]) is not bool
+            or not (type(payload["plan"]) is list and all(type(a) is str for a in payload["plan"]))
+            or type(price) is not self.float_type
+            or price != self.float_type("0.1")
+            or payload["note"] != PAYLOAD_NOTE
+        )
+        if wrong:
             with self.lock:
-                self.bad_payloads.append(f"seq {payload.get('seq')}: price {payload.get('price')!r}")
+                self.bad_payloads.append(f"seq {payload.get('seq')}: {payload!r}")
 
     def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
         """Record one call; returns its position (for :meth:`settle`)."""
@@ -540,7 +556,7 @@ class Scenario:
         return Planned(next(self.seq), plan, poison, aggregate, self.rng.choice(EVENT_TYPES))
 
     def _payload(self, p: Planned) -> dict[str, Any]:
-        return {"seq": p.seq, "plan": p.plan, "poison": p.poison, "price": 0.1}
+        return {"seq": p.seq, "plan": p.plan, "poison": p.poison, "price": 0.1, "note": PAYLOAD_NOTE}
 
     def _commit_or_not(self) -> bool:
         return self.rng.random() < 0.85
