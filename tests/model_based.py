@@ -159,9 +159,9 @@ class Planned:
     event_type: str = ""
 
 
-
 #: Text every payload carries: escapes and non-ASCII that the claim's JSON decoding must give back unchanged (I7).
 PAYLOAD_NOTE = 'ünï "quoted" \\ back\u2028slash \U0001f600 \x01'
+
 
 class Record:
     """What the publishers and handlers did, in the order they did it (thread-safe); for handlers also when
