@@ -26,6 +26,7 @@ from sa_outbox import (
     enqueue,
 )
 from sa_outbox import _steps as eng
+from sa_outbox._worker import TRIP_GUESS, _Pace
 from sa_outbox.admin import retry_dead, skip_dead
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
@@ -402,13 +403,8 @@ def test_worker_refuses_an_outbox_model(engine: Engine) -> None:
         Worker(engine, OutboxEvent, {})
 
 
-def test_an_inline_worker_claims_the_next_batch_while_it_runs_the_jobs_in_hand(engine: Engine) -> None:
-    """Concurrency 1, short jobs: run() sends the next claim (with the outcomes due) on the claim thread at the
-    first job of a batch, so its round trip overlaps the batch. Every job still runs once and every outcome is
-    written — the last batch's by the end of run()."""
-    seed_jobs(engine, 40, task="t")
-    seen: list[int] = []
-    w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
+def _spy_claims(w: Worker) -> list[int]:
+    """How many jobs were still queued in hand each time ``w`` sent a claim on its claim thread."""
     in_hand_at_send: list[int] = []
     submit = w._claimer.submit
 
@@ -417,6 +413,22 @@ def test_an_inline_worker_claims_the_next_batch_while_it_runs_the_jobs_in_hand(e
         return submit(*args)
 
     w._claimer.submit = spy  # type: ignore[method-assign]
+    return in_hand_at_send
+
+
+def test_an_inline_worker_claims_the_next_batch_beside_jobs_that_take_time(engine: Engine) -> None:
+    """Concurrency 1, jobs of ~0.5 ms: run() sends the next claim (with the outcomes due) on the claim thread
+    while jobs are still queued in hand, so its round trip overlaps them. Every job still runs once and every
+    outcome is written — the last batch's by the end of run()."""
+    seed_jobs(engine, 40, task="t")
+    seen: list[int] = []
+
+    def half_ms(job: ClaimedJob) -> None:
+        time.sleep(0.0005)
+        seen.append(job.id)
+
+    w = Worker(engine, Job, {"t": half_ms}, batch=5, listen=False)
+    in_hand_at_send = _spy_claims(w)
     try:
         w.run(install_signal_handlers=False, until_idle=True)
     finally:
@@ -424,7 +436,47 @@ def test_an_inline_worker_claims_the_next_batch_while_it_runs_the_jobs_in_hand(e
     assert sorted(seen) == list(range(1, 41))
     assert statuses(engine, "jobs") == {"done": 40}
     assert w.stats.done == 40
-    assert max(in_hand_at_send, default=0) == 4, in_hand_at_send  # sent beside the first job of a batch
+    assert max(in_hand_at_send, default=0) >= 1, in_hand_at_send  # sent while jobs were still queued
+
+
+def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engine) -> None:
+    """No-op handlers never release the GIL: the claim thread could not even send its statement before the
+    batch ended, so its hand-off would only cost. The worker claims on its own thread after the batch."""
+    seed_jobs(engine, 40, task="t")
+    seen: list[int] = []
+    w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
+    in_hand_at_send = _spy_claims(w)
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+    assert sorted(seen) == list(range(1, 41))
+    assert statuses(engine, "jobs") == {"done": 40}
+    assert in_hand_at_send == []
+    assert w.stats.batches >= 8
+
+
+@pytest.mark.parametrize(
+    ("average", "queued", "beside"),
+    [
+        (3e-6, 0, False),  # no-op jobs: never
+        (3e-6, 4, False),
+        (0.0005, 0, False),  # the last job alone is too short to hide a hand-off
+        (0.0005, 1, True),  # two jobs of 0.5 ms left, the rest done within a round trip
+        (0.0005, 4, True),  # 2 ms left after this one: one (guessed) round trip
+        (0.0005, 5, False),  # more than a round trip left: later
+        (0.005, 0, True),  # a long last job
+        (0.005, 1, False),
+    ],
+)
+def test_the_claim_goes_beside_the_jobs_in_hand_only_when_they_hide_its_round_trip(
+    average: float, queued: int, beside: bool
+) -> None:
+    pace = _Pace()
+    assert not pace.claim_beside(queued)  # nothing measured yet
+    pace.observe(average)
+    assert pace.trip == TRIP_GUESS == 0.002
+    assert pace.claim_beside(queued) is beside
 
 
 def _drain_async(async_url: Any, handlers: dict[str, Any], **kw: Any) -> AsyncWorker:
