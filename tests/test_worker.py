@@ -441,8 +441,10 @@ def test_an_inline_worker_claims_the_next_batch_beside_jobs_that_take_time(engin
 
 def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engine) -> None:
     """No-op handlers never release the GIL: the claim thread could not even send its statement before the
-    batch ended, so its hand-off would only cost. The worker claims on its own thread after the batch."""
-    seed_jobs(engine, 40, task="t")
+    batch ended, so its hand-off would only cost. The worker claims on its own thread after the batch — all but
+    a few: one job the scheduler preempts, or a garbage collection pauses, lifts the moving average for a few
+    batches (under the old rule every batch after the first went to the thread)."""
+    seed_jobs(engine, 400, task="t")
     seen: list[int] = []
     w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
     in_hand_at_send = _spy_claims(w)
@@ -450,10 +452,10 @@ def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engi
         w.run(install_signal_handlers=False, until_idle=True)
     finally:
         w.close()
-    assert sorted(seen) == list(range(1, 41))
-    assert statuses(engine, "jobs") == {"done": 40}
-    assert in_hand_at_send == []
-    assert w.stats.batches >= 8
+    assert sorted(seen) == list(range(1, 401))
+    assert statuses(engine, "jobs") == {"done": 400}
+    assert w.stats.batches >= 80
+    assert len(in_hand_at_send) <= 20, in_hand_at_send  # of 80 batches (the old rule: 79)
 
 
 @pytest.mark.parametrize(
