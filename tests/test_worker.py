@@ -403,8 +403,11 @@ def test_worker_refuses_an_outbox_model(engine: Engine) -> None:
         Worker(engine, OutboxEvent, {})
 
 
-def _spy_claims(w: Worker) -> list[int]:
-    """How many jobs were still queued in hand each time ``w`` sent a claim on its claim thread."""
+def _drain_spied(engine: Engine, jobs: int, handler: Any) -> tuple[Worker, list[int]]:
+    """Drain ``jobs`` jobs (batch 5, concurrency 1) through ``handler``; also returns how many jobs were still
+    queued in hand each time the worker sent a claim on its claim thread."""
+    seed_jobs(engine, jobs, task="t")
+    w = Worker(engine, Job, {"t": handler}, batch=5, listen=False)
     in_hand_at_send: list[int] = []
     submit = w._claimer.submit
 
@@ -413,26 +416,24 @@ def _spy_claims(w: Worker) -> list[int]:
         return submit(*args)
 
     w._claimer.submit = spy  # type: ignore[method-assign]
-    return in_hand_at_send
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+    return w, in_hand_at_send
 
 
 def test_an_inline_worker_claims_the_next_batch_beside_jobs_that_take_time(engine: Engine) -> None:
     """Concurrency 1, jobs of ~0.5 ms: run() sends the next claim (with the outcomes due) on the claim thread
     while jobs are still queued in hand, so its round trip overlaps them. Every job still runs once and every
     outcome is written — the last batch's by the end of run()."""
-    seed_jobs(engine, 40, task="t")
     seen: list[int] = []
 
     def half_ms(job: ClaimedJob) -> None:
         time.sleep(0.0005)
         seen.append(job.id)
 
-    w = Worker(engine, Job, {"t": half_ms}, batch=5, listen=False)
-    in_hand_at_send = _spy_claims(w)
-    try:
-        w.run(install_signal_handlers=False, until_idle=True)
-    finally:
-        w.close()
+    w, in_hand_at_send = _drain_spied(engine, 40, half_ms)
     assert sorted(seen) == list(range(1, 41))
     assert statuses(engine, "jobs") == {"done": 40}
     assert w.stats.done == 40
@@ -444,14 +445,8 @@ def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engi
     batch ended, so its hand-off would only cost. The worker claims on its own thread after the batch — all but
     a few: one job the scheduler preempts, or a garbage collection pauses, lifts the moving average for a few
     batches (under the old rule every batch after the first went to the thread)."""
-    seed_jobs(engine, 400, task="t")
     seen: list[int] = []
-    w = Worker(engine, Job, {"t": lambda j: seen.append(j.id)}, batch=5, listen=False)
-    in_hand_at_send = _spy_claims(w)
-    try:
-        w.run(install_signal_handlers=False, until_idle=True)
-    finally:
-        w.close()
+    w, in_hand_at_send = _drain_spied(engine, 400, lambda j: seen.append(j.id))
     assert sorted(seen) == list(range(1, 401))
     assert statuses(engine, "jobs") == {"done": 400}
     assert w.stats.batches >= 80
