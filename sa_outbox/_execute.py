@@ -12,13 +12,15 @@ import itertools
 import math
 import os
 import re
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import generators
+from psycopg import abc, generators
+from psycopg import sql as pgsql
 from psycopg.adapt import PyFormat, Transformer
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -216,11 +218,12 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
                 if (
                     direct is not None
                     and direct.driver is driver
+                    and (tx := direct.tx) is not None
                     and driver.autocommit
                     and driver.pgconn.transaction_status == _IDLE
                     and not driver.pgconn.pipeline_status
                 ):
-                    return direct.run(compiled, full)
+                    return direct.run(tx, compiled, full)
             cur = pooled.info.get(_CURSOR)  # a loop's connection keeps one (keep_cursor)
             if cur is None:
                 cur = driver.cursor()
@@ -254,10 +257,41 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
 _CURSOR = "sa_outbox.cursor"
 _DIRECT = "sa_outbox.direct"
 
-#: Names of the direct path's prepared statements: unique per process (a pooler that hands this session's
-#: server connection to another client never finds a name of its own there, nor this one of theirs).
+#: Names of the direct path's prepared statements: a random token per process (drawn again in a forked child)
+#: and a counter, so that a pooler handing this session's server connection to another client — another
+#: process, container or host, whatever its pid — never shows it a name of ours, nor us one of theirs.
 _NAMES = itertools.count(1)
-_NAME_PREFIX = f"_sao_{os.getpid():x}_"
+_NAME_PREFIX = ""
+
+
+def _new_prefix() -> None:
+    global _NAMES, _NAME_PREFIX
+    _NAMES = itertools.count(1)
+    _NAME_PREFIX = f"_sao_{secrets.token_hex(8)}_"
+
+
+_new_prefix()
+os.register_at_fork(after_in_child=_new_prefix)
+
+
+def _missing(result: psycopg.pq.abc.PGresult, name: bytes) -> bool:
+    """The server's "prepared statement "<name>" does not exist" at Bind, for this very name — SQLSTATE 26000
+    alone could also come from a function or trigger the statement ran. Told by the server function that
+    raised it (not translated, unlike the message) or by the name in the message."""
+    if result.error_field(_SQLSTATE) != b"26000":
+        return False
+    if result.error_field(psycopg.pq.DiagnosticField.SOURCE_FUNCTION) == b"FetchPreparedStatement":
+        return True
+    message = result.error_field(psycopg.pq.DiagnosticField.MESSAGE_PRIMARY) or b""
+    return b'"' + name + b'"' in message
+
+
+def _stale_plan(result: psycopg.pq.abc.PGresult) -> bool:
+    """The server's "cached plan must not change result type" (raised before the statement runs)."""
+    return (
+        result.error_field(_SQLSTATE) == b"0A000"
+        and result.error_field(psycopg.pq.DiagnosticField.SOURCE_FUNCTION) == b"RevalidateCachedQuery"
+    )
 
 
 class _Direct:
@@ -272,12 +306,15 @@ class _Direct:
 
     def __init__(self, driver: psycopg.Connection[Any]) -> None:
         self.driver = driver
-        self.tx = Transformer(driver)
+        # The names live as long as the server session; the Transformer only while a loop holds the connection
+        # (:func:`keep_cursor` makes a fresh one: the client encoding and the adapters as they are now, and no
+        # rows of a loop's last claim kept for whoever takes the connection from the pool next).
+        self.tx: abc.Transformer | None = None
         self.names: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
 
-    def run(self, compiled: _Compiled, full: dict[str, Any]) -> list[Any]:
+    def run(self, tx: abc.Transformer, compiled: _Compiled, full: dict[str, Any]) -> list[Any]:
         assert compiled.numbered is not None
-        driver, tx = self.driver, self.tx
+        driver = self.driver
         pgconn = driver.pgconn
         try:
             values = [full[name] for name in compiled.order]
@@ -295,15 +332,24 @@ class _Direct:
                 result = driver.wait(generators.execute(pgconn))[-1]
             if result.status == _TUPLES_OK:
                 tx.set_pgresult(result)
-                return tx.load_rows(0, result.ntuples, tuple)
+                rows: list[Any] = tx.load_rows(0, result.ntuples, tuple)
+                return rows
             if result.status != _FATAL_ERROR:
                 return []
-            if attempt == 1 and result.error_field(_SQLSTATE) == b"26000":
+            if attempt == 1 and _stale_plan(result):
+                # A migration changed the type of a column the statement returns, since it was prepared:
+                # refused before it ran. Deallocated and prepared again, once.
+                del self.names[key]
+                driver.execute(
+                    pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name.decode())), prepare=False
+                )
+                continue
+            if attempt == 1 and _missing(result, name):
                 # Not prepared on this session, and nothing ran: DEALLOCATE ALL sent by psycopg (a rollback, a
                 # DROP or ALTER while it held prepared statements of its own), or DISCARD ALL by whoever had
                 # the connection from the pool meanwhile. Prepared again, once; a second miss is a pooler
                 # moving the connection (the caller says so).
-                self.names.clear()
+                del self.names[key]
                 continue
             break
         raise psycopg.errors.error_from_result(result, encoding=driver.info.encoding)
@@ -332,7 +378,8 @@ def keep_cursor(conn: Connection) -> None:
         if isinstance(driver, psycopg.Connection):
             direct = info.get(_DIRECT)
             if direct is None or direct.driver is not driver:  # its names live as long as the connection
-                info[_DIRECT] = _Direct(driver)
+                direct = info[_DIRECT] = _Direct(driver)
+            direct.tx = Transformer(driver)
 
 
 def forget_cursor(conn: Connection) -> None:
@@ -341,7 +388,11 @@ def forget_cursor(conn: Connection) -> None:
     if conn.closed or conn.invalidated:
         return  # (``conn.connection`` would connect again)
     with contextlib.suppress(Exception):
-        conn.connection.info.pop(_CURSOR, None)
+        info = conn.connection.info
+        info.pop(_CURSOR, None)
+        direct = info.get(_DIRECT)
+        if direct is not None:
+            direct.tx = None  # the connection is application code's again: the cursor path only
 
 
 def _wrapped(

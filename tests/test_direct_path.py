@@ -154,3 +154,98 @@ def test_driver_errors_come_out_as_sqlalchemys_and_the_connection_keeps_working(
     loop.drop()
     with one_connection.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM jobs WHERE status = 'running'")).scalar_one() == 2
+
+
+def test_a_forked_child_draws_its_own_name_prefix() -> None:
+    """A pid repeats (containers, forked workers): the prefix is a random token, drawn again in a child."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=lambda: child_end.send(_execute._NAME_PREFIX))
+    child.start()
+    theirs = parent_end.recv()
+    child.join(10)
+    assert child.exitcode == 0
+    assert theirs.startswith("_sao_") and _execute._NAME_PREFIX.startswith("_sao_")
+    assert theirs != _execute._NAME_PREFIX and len(theirs) == len(_execute._NAME_PREFIX) == 22
+
+
+def test_each_checkout_reads_rows_with_the_connections_adapters_and_encoding_as_they_are_then(
+    one_connection: Engine,
+) -> None:
+    """Application code had the pooled connection in between: it set another client encoding and registered
+    a loader. The loop's next claim sees both, as psycopg's cursor would; and the connection, while lent
+    out, holds no Transformer (no rows of the loop's last claim) and takes the cursor path."""
+    seed_jobs(one_connection, 3, queue="café", headers={"h": 1})
+    loop = LoopConnection(one_connection, "jobs")
+    first = loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="café"))
+    assert first[0][5] == "café" and first[0][9] == {"h": 1}
+    loop.drop()
+    with one_connection.connect() as conn:
+        assert conn.connection.info[_execute._DIRECT].tx is None
+        conn.exec_driver_sql("SET client_encoding TO 'LATIN1'")
+        conn.commit()
+        driver = conn.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+
+        class Tagged(psycopg.types.json.JsonbBinaryLoader):
+            def load(self, data: Any) -> Any:
+                return ("tagged", super().load(data))
+
+        driver.adapters.register_loader("jsonb", Tagged)
+    second = loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="café"))
+    loop.drop()
+    assert len(second) == 1 and second[0][5] == "café" and second[0][9] == ("tagged", {"h": 1})
+
+
+def test_sqlstate_26000_raised_by_the_statement_itself_is_not_taken_for_a_missing_statement(
+    engine: Engine,
+) -> None:
+    """Only the server's "prepared statement "<our name>" does not exist" is retried: a trigger raising the
+    same SQLSTATE leaves its statement run once, and the error comes out."""
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE SEQUENCE direct_runs")
+        conn.exec_driver_sql(
+            "CREATE FUNCTION direct_boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "PERFORM nextval('direct_runs'); RAISE EXCEPTION 'boom' USING ERRCODE = '26000'; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER direct_boom BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION direct_boom()"
+        )
+    loop = LoopConnection(engine, "jobs")
+    try:
+        with pytest.raises(Exception, match="boom"):
+            loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="default"))
+    finally:
+        loop.drop()
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER direct_boom ON jobs")
+            conn.exec_driver_sql("DROP FUNCTION direct_boom()")
+            runs = conn.exec_driver_sql("SELECT last_value FROM direct_runs").scalar_one()
+            conn.exec_driver_sql("DROP SEQUENCE direct_runs")
+    assert runs == 1
+    assert statuses(engine, "jobs") == {"queued": 1}
+
+
+def test_a_migration_changing_a_returned_columns_type_is_ridden_out(engine: Engine) -> None:
+    """``ALTER TABLE … TYPE`` from another session while a loop holds its prepared claim: the server refuses
+    the old plan ("cached plan must not change result type", before anything ran); the loop prepares the
+    statement again and claims, rather than failing every claim until it restarts."""
+    seed_jobs(engine, 2)
+    loop = LoopConnection(engine, "jobs")
+    try:
+        assert len(loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="default"))) == 1
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE jobs ALTER COLUMN priority TYPE bigint")
+        rows = loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="default"))
+        with loop.use() as conn:
+            left = len(ours(conn))
+    finally:
+        loop.drop()
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE jobs ALTER COLUMN priority TYPE integer")
+    assert len(rows) == 1 and rows[0][0] == 2
+    assert left == 1  # the stale one deallocated
+    assert statuses(engine, "jobs") == {"running": 2}
