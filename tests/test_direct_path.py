@@ -7,6 +7,7 @@ the connection from the pool meanwhile ran DISCARD ALL — outside a transaction
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import psycopg
@@ -249,3 +250,37 @@ def test_a_migration_changing_a_returned_columns_type_is_ridden_out(engine: Engi
     assert len(rows) == 1 and rows[0][0] == 2
     assert left == 1  # the stale one deallocated
     assert statuses(engine, "jobs") == {"running": 2}
+
+
+def test_array_literals_read_back_as_the_lists_they_were_made_of(engine: Engine) -> None:
+    """The outcome arrays go to the server as one text literal each (a join, not psycopg's dump per element).
+    The server must read back the very list — quotes, backslashes, commas, braces, spaces, the word NULL, the
+    empty string — and a list of a kind the literal cannot carry (a bool, an infinite float, a NUL) must be
+    left to psycopg (None)."""
+    rng = random.Random(26)
+    alphabet = ['"', "\\", ",", "{", "}", " ", "NULL", "", "a", "ü", "\t", "'"]
+    cases: list[tuple[list[Any], str]] = [
+        ([], "text[]"),
+        ([1, -2, 2**62, 0], "bigint[]"),
+        ([None, None, None], "text[]"),
+        (["done"] * 5, "text[]"),
+        (["a b", "", "{x}", "NULL", "ü,ö", "'q'"], "text[]"),
+        (['say "hi"', "back\\slash", None], "text[]"),
+        ([1, None, 3], "bigint[]"),
+        ([1.5, None, -0.25], "float8[]"),
+    ]
+    for _ in range(200):
+        words = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 8))
+        ]
+        cases.append(([None if rng.random() < 0.2 else w for w in words], "text[]"))
+        cases.append((words, "text[]"))
+    with engine.connect() as conn:
+        for values, sql_type in cases:
+            literal = _execute._array_literal(values)
+            assert literal is not None, values
+            back = conn.exec_driver_sql(f"SELECT CAST(%(v)s AS {sql_type})", {"v": literal}).scalar_one()
+            assert back == values, (values, literal, back)
+    for refused in ([True, 1], [1.0, float("inf")], ["a\x00b"], ["a", "b\x00"], [1, "x", object()]):
+        assert _execute._array_literal(refused) is None, refused
+    assert _execute._array_literal((1, 2)) is None  # a tuple is psycopg's to dump
