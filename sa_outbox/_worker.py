@@ -1311,7 +1311,9 @@ class AsyncWorker(WorkerBase):
         if self._own_sync:
             sync, self._sync = self._sync, None
             if sync is not None:
-                sync.dispose()
+                sync.pool.dispose()  # its idle connections, now
+                # and, after the last handler call (abandoned ones too), the one such a call still holds
+                self._threads.after_last_call(sync.dispose)
 
     # -- one turn --------------------------------------------------------------------------------------
 

@@ -731,3 +731,37 @@ def test_an_inline_async_worker_writes_finished_outcomes_while_a_long_job_runs(
     _drain_async(async_url, {"t": handler}, batch=5)
     assert seen_done == [4], "outcomes of finished jobs waited for the long one"
     assert statuses(engine, "jobs") == {"done": 5}
+
+
+def test_an_async_workers_sync_engine_closes_the_connection_a_handler_kept_past_its_timeout(
+    engine: Engine, async_url: Any
+) -> None:
+    """A sync handler that takes a session runs on a thread with a connection of the AsyncWorker's own sync
+    engine. One that overran handler_timeout is abandoned and may still run when the worker closes: the engine
+    is disposed once that call has ended, so the connection it gives back is closed, not left open (a server
+    session) in a pool that was disposed before it came back."""
+    seed_jobs(engine, 1)
+    app = f"sao_abandoned_{time.monotonic_ns()}"
+    url = async_url.update_query_dict({"application_name": app})
+    ended = threading.Event()
+
+    def handler(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("SELECT 1"))
+        time.sleep(1.0)  # past handler_timeout, and past the worker's close
+        ended.set()
+
+    def backends() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"), {"a": app}
+                ).scalar_one()
+            )
+
+    w = _drain_async(url, {"noop": handler}, handler_timeout=0.2)
+    assert w.stats.timed_out == 1 and not ended.is_set()
+    assert ended.wait(5)
+    deadline = time.monotonic() + 5
+    while backends() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backends() == 0
