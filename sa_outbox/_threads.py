@@ -8,7 +8,6 @@ never given another call and exits when the call finally returns — so the call
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -16,8 +15,6 @@ from concurrent.futures import Future
 from typing import Any
 
 __all__ = ["CallThreads"]
-
-log = logging.getLogger("sa_outbox")
 
 
 class _CallThread(threading.Thread):
@@ -57,8 +54,6 @@ class CallThreads:
         self._busy: dict[Future[Any], _CallThread] = {}
         self._started = 0
         self._closed = False
-        self._abandoned: set[_CallThread] = set()  # still in their call
-        self._after_last: list[Callable[[], None]] = []
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -79,34 +74,15 @@ class CallThreads:
             thread = self._busy.pop(future, None)
             if thread is not None:
                 thread.abandoned = True
-                self._abandoned.add(thread)
 
     def call_done(self, thread: _CallThread, future: Future[Any]) -> bool:
         """Called by a thread after its call; True when it goes back to the idle list."""
         with self._lock:
             self._busy.pop(future, None)
-            self._abandoned.discard(thread)
-            after = self._take_after_last()
-            back = not (thread.abandoned or self._closed)
-            if back:
-                self._idle.append(thread)
-        _call_each(after)
-        return back
-
-    def _take_after_last(self) -> list[Callable[[], None]]:
-        if self._busy or self._abandoned:
-            return []
-        after, self._after_last = self._after_last, []
-        return after
-
-    def after_last_call(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once no call is in flight, abandoned ones included: now, or in the thread whose call
-        ends last (e.g. dispose an engine that a handler left running after its timeout still uses: disposed
-        earlier, the connection that handler gives back would stay open in the old pool)."""
-        with self._lock:
-            self._after_last.append(fn)
-            after = self._take_after_last()
-        _call_each(after)
+            if thread.abandoned or self._closed:
+                return False
+            self._idle.append(thread)
+            return True
 
     @property
     def started(self) -> int:
@@ -120,11 +96,3 @@ class CallThreads:
             idle, self._idle = self._idle, []
         for thread in idle:
             thread.inbox.put(None)
-
-
-def _call_each(fns: list[Callable[[], None]]) -> None:
-    for fn in fns:
-        try:
-            fn()
-        except Exception:  # a handler thread's own call is done: logged, not raised into it
-            log.exception("clean-up after the last handler call failed")

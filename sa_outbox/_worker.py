@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
-from sqlalchemy import BigInteger, Connection, Engine, Table, create_engine, literal_column, select
+from sqlalchemy import BigInteger, Connection, Engine, Table, create_engine, event, literal_column, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -205,6 +205,12 @@ class _WrongSyncEngine(Exception):
 
 class _LeaseLost(Exception):
     """The fenced completion matched no row: roll the handler's transaction back."""
+
+
+def _close_on_checkin(dbapi_connection: Any, record: Any) -> None:
+    """The ``checkin`` listener of a disposed engine's pool: what comes back is closed (nothing will use it)."""
+    if dbapi_connection is not None:
+        record.invalidate()
 
 
 def takes_session(handler: Any) -> bool:
@@ -1311,9 +1317,11 @@ class AsyncWorker(WorkerBase):
         if self._own_sync:
             sync, self._sync = self._sync, None
             if sync is not None:
-                sync.pool.dispose()  # its idle connections, now
-                # and, after the last handler call (abandoned ones too), the one such a call still holds
-                self._threads.after_last_call(sync.dispose)
+                # A handler abandoned after handler_timeout (or the check of this engine, cut short by it) may
+                # still hold one of its connections: given back after the dispose, it is closed, not left open
+                # in the disposed pool until a garbage collection — however long that call still takes.
+                event.listen(sync.pool, "checkin", _close_on_checkin)
+                sync.dispose()
 
     # -- one turn --------------------------------------------------------------------------------------
 

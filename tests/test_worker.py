@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import Pool
 
 from sa_outbox import (
     AsyncWorker,
@@ -733,6 +735,19 @@ def test_an_inline_async_worker_writes_finished_outcomes_while_a_long_job_runs(
     assert statuses(engine, "jobs") == {"done": 5}
 
 
+def _backends_gone(engine: Engine, app: str, within: float = 5.0) -> bool:
+    """Whether no server session of ``application_name`` = ``app`` is left, waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        with engine.connect() as conn:
+            left = conn.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"), {"a": app}
+            ).scalar_one()
+        if not left or time.monotonic() >= deadline:
+            return not left
+        time.sleep(0.05)
+
+
 def test_an_async_workers_sync_engine_closes_the_connection_a_handler_kept_past_its_timeout(
     engine: Engine, async_url: Any
 ) -> None:
@@ -750,18 +765,35 @@ def test_an_async_workers_sync_engine_closes_the_connection_a_handler_kept_past_
         time.sleep(1.0)  # past handler_timeout, and past the worker's close
         ended.set()
 
-    def backends() -> int:
-        with engine.connect() as conn:
-            return int(
-                conn.execute(
-                    text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :a"), {"a": app}
-                ).scalar_one()
-            )
-
     w = _drain_async(url, {"noop": handler}, handler_timeout=0.2)
     assert w.stats.timed_out == 1 and not ended.is_set()
     assert ended.wait(5)
-    deadline = time.monotonic() + 5
-    while backends() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert backends() == 0
+    assert _backends_gone(engine, app)
+
+
+def test_an_async_workers_sync_engine_check_cut_short_by_the_timeout_leaves_no_connection_open(
+    engine: Engine, async_url: Any
+) -> None:
+    """The first session-taking sync handler of an AsyncWorker checks the worker's own sync engine, within the
+    handler's timeout, on a thread of asyncio's: cut short there (a slow connect), that thread gives its
+    connection back after the worker closed — it must be closed too. (Found by review of the test above.)"""
+    seed_jobs(engine, 1)
+    app = f"sao_check_{time.monotonic_ns()}"
+    url = async_url.update_query_dict({"application_name": app})
+
+    def slow(dbapi_connection: Any, record: Any) -> None:  # the sync engine's connect, on asyncio's thread
+        if threading.current_thread().name.startswith("asyncio_"):
+            time.sleep(0.6)
+
+    def handler(job: ClaimedJob, session: Session) -> None:
+        session.execute(text("SELECT 1"))
+
+    event.listen(Pool, "connect", slow)
+    gc.disable()  # a collection would close the left connection and hide the leak
+    try:
+        w = _drain_async(url, {"noop": handler}, handler_timeout=0.2)
+        assert w.stats.timed_out == 1
+        assert _backends_gone(engine, app)
+    finally:
+        gc.enable()
+        event.remove(Pool, "connect", slow)
