@@ -13,7 +13,7 @@ import math
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -192,38 +192,17 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     """
     pooled = conn.connection
     driver = getattr(pooled, "driver_connection", None)
-    if (
-        isinstance(driver, psycopg.Connection | psycopg.AsyncConnection)
-        and not _observed(conn)
-        # a tenant's schema_translate_map is rendered per execution: SQLAlchemy's path
-        and not conn.get_execution_options().get("schema_translate_map")
-    ):
-        compiled = _compiled(stmt, conn)
-        full = {**compiled.static, **params}
-        for name in compiled.arrays:
-            literal = _array_literal(full.get(name))
-            if literal is not None:
-                full[name] = literal
+    if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection) and _ours(conn):
+        compiled, full = _bound(stmt, conn, params)
         # Server-side prepared at once — unless prepared statements are switched off on the connection
         # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode). Results in
         # binary format: ~20 µs less client CPU per claim than parsing text (the statements return only
         # built-in types).
         prepare = None if driver.prepare_threshold is None else True
         try:
-            if prepare and compiled.numbered is not None:
-                direct: _Direct | None = pooled.info.get(_DIRECT)
-                # Outside a transaction block only (autocommit, idle, no pipeline): psycopg sends DEALLOCATE ALL
-                # when it rolls back while it holds prepared statements of its own, and a statement found missing
-                # inside a block cannot be prepared again and retried. The cursor takes the rest.
-                if (
-                    direct is not None
-                    and direct.driver is driver
-                    and (tx := direct.tx) is not None
-                    and driver.autocommit
-                    and driver.pgconn.transaction_status == _IDLE
-                    and not driver.pgconn.pipeline_status
-                ):
-                    return direct.run(tx, compiled, full)
+            if prepare and (found := _direct(pooled, driver, compiled)) is not None:
+                direct, tx = found
+                return direct.run(tx, compiled, full)
             cur = pooled.info.get(_CURSOR)  # a loop's connection keeps one (keep_cursor)
             if cur is None:
                 cur = driver.cursor()
@@ -241,17 +220,101 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
             result = cur.pgresult
             return cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
         except psycopg.Error as exc:
-            if prepare and _prepared_statement_mixup(exc):
-                conn.invalidate(exc)  # its cache of prepared names no longer matches any server connection
-                raise ConfigurationError(
-                    f"{exc.diag.message_primary or exc}: this connection's prepared statements are not where it "
-                    "left them — a pooler in transaction mode (PgBouncer before 1.21, or without "
-                    "max_prepared_statements) sends each transaction to another server connection. Build the "
-                    "engine with sa_outbox.pgbouncer_engine() (or connect_args={'prepare_threshold': None})"
-                ) from DBAPIError.instance(compiled.sql, full, exc, psycopg.Error, dialect=conn.dialect)
-            raise _wrapped(conn, driver, exc, compiled.sql, full) from exc
+            error = _translated(conn, driver, exc, compiled, full, prepared=bool(prepare))
+            raise error from error.__cause__
     regular = conn.execute(stmt, params)
     return [tuple(r) for r in regular] if regular.returns_rows else []
+
+
+def send(conn: Connection, stmt: Any, params: dict[str, Any]) -> Callable[[], list[Any]] | None:
+    """Send one of the library's statements now and read its rows later: the returned call waits for them
+    (the rows :func:`run` would return, the same errors), and nothing else may use ``conn`` until it has been
+    called. None when the statement cannot go this way — only a loop's own sync connection on the direct path
+    (:class:`_Direct`) can — and nothing was sent: the caller then runs it with :func:`run`."""
+    pooled = conn.connection
+    driver = getattr(pooled, "driver_connection", None)
+    if not isinstance(driver, psycopg.Connection) or driver.prepare_threshold is None or not _ours(conn):
+        return None
+    compiled, full = _bound(stmt, conn, params)
+    found = _direct(pooled, driver, compiled)
+    if found is None:
+        return None
+    direct, tx = found
+    try:
+        sent = direct.send(tx, compiled, full)
+    except psycopg.Error as exc:
+        error = _translated(conn, driver, exc, compiled, full, prepared=True)
+        raise error from error.__cause__
+
+    def receive() -> list[Any]:
+        try:
+            return direct.receive(tx, compiled, full, sent)
+        except psycopg.Error as exc:
+            error = _translated(conn, driver, exc, compiled, full, prepared=True)
+            raise error from error.__cause__
+
+    return receive
+
+
+def _ours(conn: Connection) -> bool:
+    """Whether the library's own execution applies to ``conn``: nobody observes it, and no tenant's
+    ``schema_translate_map`` (rendered per execution by SQLAlchemy) is set."""
+    return not _observed(conn) and not conn.get_execution_options().get("schema_translate_map")
+
+
+def _bound(stmt: Any, conn: Connection, params: dict[str, Any]) -> tuple[_Compiled, dict[str, Any]]:
+    """The compiled statement and every parameter value it is sent with (arrays as one literal each)."""
+    compiled = _compiled(stmt, conn)
+    full = {**compiled.static, **params}
+    for name in compiled.arrays:
+        literal = _array_literal(full.get(name))
+        if literal is not None:
+            full[name] = literal
+    return compiled, full
+
+
+def _direct(
+    pooled: Any, driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], compiled: _Compiled
+) -> tuple[_Direct, abc.Transformer] | None:
+    """The direct path of a loop's connection, when it may take ``compiled`` now: the loop holds the connection
+    (:func:`keep_cursor`), and it is in autocommit, idle, outside a pipeline. psycopg sends DEALLOCATE ALL when
+    it rolls back while it holds prepared statements of its own, and a statement found missing inside a
+    transaction block cannot be prepared again and retried: the cursor takes those."""
+    if compiled.numbered is None:
+        return None
+    direct: _Direct | None = pooled.info.get(_DIRECT)
+    if (
+        direct is not None
+        and direct.driver is driver
+        and (tx := direct.tx) is not None
+        and driver.autocommit
+        and driver.pgconn.transaction_status == _IDLE
+        and not driver.pgconn.pipeline_status
+    ):
+        return direct, tx
+    return None
+
+
+def _translated(
+    conn: Connection, driver: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], exc: psycopg.Error,
+    compiled: _Compiled, full: dict[str, Any], *, prepared: bool,
+) -> Exception:  # fmt: skip
+    """psycopg's error in the library's vocabulary: a prepared statement lost to a pooler is a
+    :class:`ConfigurationError` saying what to set (no retry fixes it); anything else SQLAlchemy's
+    ``DBAPIError``, the connection invalidated when it is gone. Its ``__cause__`` is what to raise it from."""
+    if prepared and _prepared_statement_mixup(exc):
+        conn.invalidate(exc)  # its cache of prepared names no longer matches any server connection
+        error = ConfigurationError(
+            f"{exc.diag.message_primary or exc}: this connection's prepared statements are not where it "
+            "left them — a pooler in transaction mode (PgBouncer before 1.21, or without "
+            "max_prepared_statements) sends each transaction to another server connection. Build the "
+            "engine with sa_outbox.pgbouncer_engine() (or connect_args={'prepare_threshold': None})"
+        )
+        error.__cause__ = DBAPIError.instance(compiled.sql, full, exc, psycopg.Error, dialect=conn.dialect)
+        return error
+    wrapped = _wrapped(conn, driver, exc, compiled.sql, full)
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 _CURSOR = "sa_outbox.cursor"
@@ -294,6 +357,16 @@ def _stale_plan(result: psycopg.pq.abc.PGresult) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A statement :meth:`_Direct.send` sent: what sending it again takes."""
+
+    key: tuple[bytes, tuple[int, ...]]
+    name: bytes
+    params: Any
+    formats: Any
+
+
 class _Direct:
     """A loop connection's statements sent below psycopg's cursor: the library's statements are prepared once
     per connection under names of their own (psycopg's cursor spends ~20–30 µs of client CPU per statement
@@ -313,6 +386,11 @@ class _Direct:
         self.names: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
 
     def run(self, tx: abc.Transformer, compiled: _Compiled, full: dict[str, Any]) -> list[Any]:
+        return self.receive(tx, compiled, full, self.send(tx, compiled, full))
+
+    def send(self, tx: abc.Transformer, compiled: _Compiled, full: dict[str, Any]) -> _Sent:
+        """Send the statement (prepared first if this session has not seen it) without waiting for its result:
+        :meth:`receive` reads it. Nothing else may use the connection in between."""
         assert compiled.numbered is not None
         driver = self.driver
         pgconn = driver.pgconn
@@ -322,14 +400,30 @@ class _Direct:
             raise psycopg.ProgrammingError(f"query parameter missing: {exc.args[0]}") from None
         params = tx.dump_sequence(values, compiled.formats)
         key = (compiled.numbered, tx.types or ())
-        formats = tx.formats
+        with driver.lock:
+            name = self.names.get(key)
+            if name is None:
+                name = self._prepare(key)
+            pgconn.send_query_prepared(name, params, param_formats=tx.formats, result_format=_BINARY)
+            driver.wait(generators.send(pgconn))
+        return _Sent(key, name, params, tx.formats)
+
+    def receive(
+        self, tx: abc.Transformer, compiled: _Compiled, full: dict[str, Any], sent: _Sent
+    ) -> list[Any]:
+        """The rows of a statement :meth:`send` sent. A statement found missing or with a stale plan (refused
+        before it ran) is prepared and sent again, once."""
+        driver = self.driver
+        pgconn = driver.pgconn
         for attempt in (1, 2):
             with driver.lock:
-                name = self.names.get(key)
-                if name is None:
-                    name = self._prepare(key)
-                pgconn.send_query_prepared(name, params, param_formats=formats, result_format=_BINARY)
-                result = driver.wait(generators.execute(pgconn))[-1]
+                if attempt == 2:
+                    name = self._prepare(sent.key)
+                    pgconn.send_query_prepared(
+                        name, sent.params, param_formats=sent.formats, result_format=_BINARY
+                    )
+                    driver.wait(generators.send(pgconn))
+                result = driver.wait(generators.fetch_many(pgconn))[-1]
             if result.status == _TUPLES_OK:
                 tx.set_pgresult(result)
                 rows: list[Any] = tx.load_rows(0, result.ntuples, tuple)
@@ -339,17 +433,17 @@ class _Direct:
             if attempt == 1 and _stale_plan(result):
                 # A migration changed the type of a column the statement returns, since it was prepared:
                 # refused before it ran. Deallocated and prepared again, once.
-                del self.names[key]
+                del self.names[sent.key]
                 driver.execute(
-                    pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(name.decode())), prepare=False
+                    pgsql.SQL("DEALLOCATE {}").format(pgsql.Identifier(sent.name.decode())), prepare=False
                 )
                 continue
-            if attempt == 1 and _missing(result, name):
+            if attempt == 1 and _missing(result, sent.name):
                 # Not prepared on this session, and nothing ran: DEALLOCATE ALL sent by psycopg (a rollback, a
                 # DROP or ALTER while it held prepared statements of its own), or DISCARD ALL by whoever had
                 # the connection from the pool meanwhile. Prepared again, once; a second miss is a pooler
                 # moving the connection (the caller says so).
-                del self.names[key]
+                del self.names[sent.key]
                 continue
             break
         raise psycopg.errors.error_from_result(result, encoding=driver.info.encoding)

@@ -8,16 +8,17 @@ Database steps are plain functions taking a SQLAlchemy ``Connection`` (the async
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import Connection
 
 from . import _sql
 from ._backoff import Backoff
-from ._execute import compile_ahead, run, transaction
+from ._execute import compile_ahead, run, send, transaction
 from ._limits import Limit
 from ._messages import slot_setters
 from ._sql import QueueSpec
@@ -258,7 +259,7 @@ def claim(
         _sql.claim_statement(spec, **shape),
         _claim_params(spec, owner, batch, lease, queue, ordered_types),
     )
-    rows.sort(key=lambda r: r[0])
+    rows.sort(key=_first)
     return rows
 
 
@@ -316,21 +317,82 @@ def finalize_and_claim(
     unique_running: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
+    stmt, params = _finalize_and_claim_call(
+        spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
+        ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running,
+    )  # fmt: skip
+    return _tagged(run(conn, stmt, params))
+
+
+def send_claim(
+    conn: Connection,
+    spec: QueueSpec,
+    outcomes: Sequence[Outcome],
+    *,
+    owner: str,
+    batch: int,
+    lease: timedelta | None = None,
+    queue: str | None = None,
+    ordered: bool = False,
+    ordered_types: Sequence[str] | None = None,
+    fixed_batch: bool = False,
+    unique_running: bool = False,
+) -> Callable[[], tuple[set[int], list[Any]]] | None:
+    """Send the claim of the next batch — with ``outcomes`` finalized in the same statement when there are
+    any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
+    no outcomes, :func:`claim`) would have returned. None, with nothing sent, where the connection cannot send
+    ahead (see :func:`sa_outbox._execute.send`)."""
+    if outcomes:
+        stmt, params = _finalize_and_claim_call(
+            spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
+            ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running,
+        )  # fmt: skip
+    else:
+        stmt = _sql.claim_statement(
+            spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
+        )
+        params = _claim_params(spec, owner, batch, lease, queue, ordered_types)
+    receive = send(conn, stmt, params)
+    if receive is None:
+        return None
+    if outcomes:
+        return lambda: _tagged(receive())
+
+    def claimed() -> tuple[set[int], list[Any]]:
+        rows = receive()
+        rows.sort(key=_first)
+        return set(), rows
+
+    return claimed
+
+
+def _finalize_and_claim_call(
+    spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
+    queue: str | None, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
+    unique_running: bool,
+) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
-    stmt = _sql.finalize_and_claim_statement(spec, **shape)
     params = {
         **_claim_params(spec, owner, batch, lease, queue, ordered_types),
         **_outcome_params(spec, outcomes),
     }
+    return _sql.finalize_and_claim_statement(spec, **shape), params
+
+
+def _tagged(rows: list[Any]) -> tuple[set[int], list[Any]]:
+    """The rows of :func:`_sql.finalize_and_claim_statement`, apart: (applied ids, claimed rows by id)."""
     applied: set[int] = set()
     claimed: list[Any] = []
-    for row in run(conn, stmt, params):
+    for row in rows:
         if row[0] == "f":
             applied.add(row[1])
         else:
             claimed.append(row[1:])
-    claimed.sort(key=lambda r: r[0])
+    claimed.sort(key=_first)
     return applied, claimed
+
+
+_first = itemgetter(0)
 
 
 def extend(
