@@ -312,6 +312,39 @@ class LoopBase:
             self.observer("claim", time.perf_counter() - started)
         return applied, rows
 
+    def _send_claim_on(
+        self, conn: Connection, want: int, outcomes: Sequence[Outcome], claim_params: list[dict[str, Any]]
+    ) -> Callable[[], tuple[set[int], list[Any]]] | None:
+        """Send the claim :meth:`_claim_on` would make — when it is one statement (one queue, not limited)
+        that ``conn`` can send ahead (:func:`_steps.send_claim`) — and return the call that reads it (counted
+        and observed as a claim then). None: nothing was sent."""
+        if len(claim_params) != 1 or "limit" in claim_params[0]:
+            return None
+        params = dict(claim_params[0])
+        room = params.pop("room", None)
+        left = want if room is None else min(want, room)
+        if left <= 0:
+            return None
+        started = time.perf_counter()
+        receive = _steps.send_claim(
+            conn, self.spec, outcomes, owner=self.owner, batch=left, fixed_batch=left == self.batch, **params
+        )
+        if receive is None:
+            return None
+        sending = time.perf_counter() - started
+
+        def read() -> tuple[set[int], list[Any]]:
+            reading = time.perf_counter()
+            applied, rows = receive()
+            if rows:
+                self.stats.batches += 1
+                self.stats.claimed += len(rows)
+            if self.observer is not None:  # the time the loop spent on it, not the jobs run meanwhile
+                self.observer("claim", sending + time.perf_counter() - reading)
+            return applied, rows
+
+        return read
+
     def _finalize_on(self, conn: Connection, outcomes: Sequence[Outcome]) -> set[int]:
         return _steps.finalize(conn, self.spec, outcomes)
 

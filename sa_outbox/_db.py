@@ -75,6 +75,21 @@ class LoopConnection:
         with self.use() as conn:
             return fn(conn)
 
+    def result_ready(self) -> bool:
+        """Whether the result of a statement sent ahead on this connection has arrived (reading it would not
+        wait). False when that cannot be told — reading it then says what is wrong."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            return False
+        pgconn = getattr(getattr(conn.connection, "driver_connection", None), "pgconn", None)
+        if pgconn is None:
+            return False
+        try:
+            pgconn.consume_input()
+            return not pgconn.is_busy()
+        except Exception:
+            return False
+
     def connect(self) -> None:
         """Open the connection now and check it with one round trip, so that the first step neither pays for
         the connection nor meets a pooled one the server has dropped (a failure drops it, as any step's does)."""

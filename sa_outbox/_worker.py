@@ -134,23 +134,76 @@ class _Pace:
             return 0
         return min(cap, int(concurrency * PREFETCH_WINDOW / max(self.average, 1e-6)))
 
-    def claim_beside(self, queued: int) -> bool:
-        """Whether an inline worker sends its next claim now, beside the job it is about to run with ``queued``
-        more in hand: once those ``queued`` will be done within about one claim's round trip (so the claim's
-        jobs land as the last one ends), and only when the jobs left, this one included, take ``OVERLAP_MIN`` or
-        more in all (less overlaps less than the hand-off costs: a batch of no-op jobs claims inline)."""
-        if self.average is None:
-            return False
-        return queued * self.average <= self.trip and (queued + 1) * self.average >= OVERLAP_MIN
+    def claim_beside(self, queued: int) -> str | None:
+        """Whether and how an inline worker sends its next claim now, beside the job it is about to run with
+        ``queued`` more in hand: once those ``queued`` will be done within about one claim's round trip (so the
+        claim's jobs land as the last one ends). ``"thread"`` when the jobs left, this one included, take
+        ``OVERLAP_MIN`` or more in all: the claim thread sends it while a handler waits (I/O, sleep), off the
+        loop's path. ``"ahead"`` when they take less — a hand-off would cost more than it overlaps, and the
+        claim thread would not get the GIL before they end: the loop's thread sends it itself and reads it
+        after them. None: not now."""
+        if self.average is None or queued * self.average > self.trip:
+            return None
+        return "thread" if (queued + 1) * self.average >= OVERLAP_MIN else "ahead"
+
+
+class _SentAhead:
+    """A claim the loop's thread sent ahead on its own connection, to be read once the jobs in hand are done:
+    the part of a ``Future`` the loop uses. Its result may be read at any time (reading waits for the server),
+    so it is always ``done()``; until it has been read, the connection is the claim's (``read`` is False).
+    Read once, by whichever thread asks first: the loop's, or the heartbeat's when a job in hand runs long
+    (the claimed rows are then renewed from that beat on, as a claim thread's are when they land)."""
+
+    __slots__ = ("_error", "_lock", "_reader", "_value", "read")
+
+    def __init__(
+        self,
+        reader: Callable[[], tuple[set[int], list[Any]]] | None,
+        error: BaseException | None = None,
+    ) -> None:
+        self._reader = reader
+        self._error = error
+        self._value: tuple[set[int], list[Any]] = (set(), [])
+        self._lock = threading.Lock()
+        self.read = reader is None
+
+    def done(self) -> bool:
+        return True
+
+    def _read(self) -> None:
+        with self._lock:
+            reader, self._reader = self._reader, None
+            if reader is not None:
+                try:
+                    self._value = reader()
+                except BaseException as exc:
+                    self._error = exc
+            self.read = True
+
+    def result(self) -> tuple[set[int], list[Any]]:
+        self._read()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        self._read()
+        return self._error
 
 
 @dataclass(slots=True)
 class _Inflight:
-    """A claim sent on the claim thread: its future, the outcomes it writes, how many jobs it asked for."""
+    """A claim sent ahead — on the claim thread, or by the loop's thread itself (:class:`_SentAhead`): its
+    future, the outcomes it writes, how many jobs it asked for."""
 
-    future: Future[tuple[set[int], list[Any]]]
+    future: Future[tuple[set[int], list[Any]]] | _SentAhead
     outcomes: list[Outcome]
     wanted: int
+
+    def holds_connection(self) -> bool:
+        """Whether the claim still uses the loop's connection (nothing else may use it meanwhile)."""
+        future = self.future
+        return not future.read if isinstance(future, _SentAhead) else not future.done()
 
 
 @dataclass(slots=True)
@@ -822,6 +875,8 @@ class Worker(WorkerBase):
         self._claimer = CallThreads("sa-outbox-claim")
         self._inflight: _Inflight | None = None
         self._prefetch = False  # run(): inline handlers overlap the next claim when jobs are short
+        #: Whether the loop's connection can send a claim ahead itself (learnt at the first try of a run).
+        self._sends_ahead = True
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -895,6 +950,10 @@ class Worker(WorkerBase):
 
     def beat_once(self) -> None:
         """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
+        inflight = self._inflight
+        if inflight is not None and isinstance(inflight.future, _SentAhead):
+            # a claim sent ahead and not read yet, behind a job that runs long: read now, its rows renewed
+            inflight.future.exception()
         pairs = self._beat_pairs()
         if pairs:
             with self._beat_lock:
@@ -982,11 +1041,30 @@ class Worker(WorkerBase):
         self._report(outcomes, applied)
         return self._accept(rows)
 
-    def _send_claim(self, want: int) -> None:
-        """Send a claim (with the outcomes due) on the claim thread; :meth:`_landed` takes its result."""
+    def _send_claim(self, want: int, *, on_thread: bool = True) -> None:
+        """Send a claim (with the outcomes due) on the claim thread, whose result :meth:`_landed` takes; or, not
+        ``on_thread``, from this thread on the loop's own connection, read by :meth:`_landed` after the inline
+        jobs run meanwhile — when the connection cannot, nothing is sent (the loop claims after them)."""
         outcomes = self._done.take()
         params = self._claim_params()  # here: it reads the jobs in hand, which this thread changes
         sent = time.monotonic()
+        if not on_thread:
+            try:
+                reader = self._db.run(lambda c: self._send_claim_on(c, want, outcomes, params))
+            except Exception as exc:  # raised where the claim lands; its outcomes go with the next statement
+                self._inflight = _Inflight(_SentAhead(None, exc), outcomes, want)
+                return
+            except BaseException:
+                self._done.add(outcomes)
+                raise
+            if reader is not None:
+                self._inflight = _Inflight(
+                    _SentAhead(lambda: self._read_ahead(reader, outcomes, sent)), outcomes, want
+                )
+                return
+            self._sends_ahead = False  # this connection cannot (a pooler without prepared statements, …)
+            self._done.add(outcomes)
+            return
         future = self._claimer.submit(self._db.run, lambda c: self._claim_on(c, want, outcomes, params))
         self._inflight = _Inflight(future, outcomes, want)
 
@@ -1002,6 +1080,20 @@ class Worker(WorkerBase):
             self._waker.poke()
 
         future.add_done_callback(landed)
+
+    def _read_ahead(
+        self, reader: Callable[[], tuple[set[int], list[Any]]], outcomes: list[Outcome], sent: float
+    ) -> tuple[set[int], list[Any]]:
+        """Read a claim sent ahead, on the loop's connection (a fault drops it, as any step's does)."""
+        ready = self._db.result_ready()
+        with self._db.use():
+            applied, rows = reader()
+        elapsed = time.monotonic() - sent
+        if not ready or elapsed < self._pace.trip:  # (ready before it was read: its trip took at most that)
+            self._pace.observe_trip(elapsed)
+        self._held.drop(o.id for o in outcomes)
+        self._held.hold((row[0], row[1]) for row in rows)
+        return applied, rows
 
     def _landed(self) -> tuple[int, int]:
         """The finished claim's rows joined to the jobs in hand, its outcomes reported: (claimed, wanted).
@@ -1049,7 +1141,7 @@ class Worker(WorkerBase):
         Not while a claim in flight uses the loop's connection."""
         if not self._rescuer.due(time.monotonic()):
             return
-        if self._inflight is not None and not self._inflight.future.done():
+        if self._inflight is not None and self._inflight.holds_connection():
             return
         try:
             self._rescue()
@@ -1062,13 +1154,14 @@ class Worker(WorkerBase):
             self._maintain_between_jobs()
             if (job := self._next_to_start()) is None:
                 break
-            if self._prefetch and self._inflight is None and self._pace.claim_beside(len(self._queue)):
-                # the next jobs are claimed — with the outcomes due — on the claim thread while the jobs in
-                # hand run, instead of one round trip after them (when handlers are short enough to claim
-                # ahead at all)
-                ahead = self._pace.ahead(1, self.batch)
-                if ahead:
-                    self._send_claim(ahead)
+            if self._prefetch and self._inflight is None:
+                # the next jobs are claimed — with the outcomes due — while the jobs in hand run, instead of one
+                # round trip after them (when handlers are short enough to claim ahead at all)
+                how = self._pace.claim_beside(len(self._queue))
+                if how is not None and (how == "thread" or self._sends_ahead):
+                    ahead = self._pace.ahead(1, self.batch)
+                    if ahead:
+                        self._send_claim(ahead, on_thread=how == "thread")
             handler = self._handler_for(job)
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
@@ -1132,6 +1225,7 @@ class Worker(WorkerBase):
 
     def _begin(self, *, long_run: bool = False) -> None:
         self._pauses_read = False
+        self._sends_ahead = True
         if self._beat is not None:
             self._beat.start(connect=long_run)
 

@@ -208,6 +208,9 @@ def test_running_workers_keep_the_generic_plan(shared_engine: Engine) -> None:
         def handle(job: ClaimedJob) -> None:
             count[0] += 1
             if count[0] == 150:  # read this loop's own session from its thread, between two claims
+                inflight = workers[index]._inflight
+                if inflight is not None:  # the claim sent ahead of this job: read first (the session is its)
+                    inflight.future.exception()
                 plans.extend(
                     sessions[threading.get_ident()]
                     .execute(

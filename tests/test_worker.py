@@ -442,11 +442,11 @@ def test_an_inline_worker_claims_the_next_batch_beside_jobs_that_take_time(engin
     assert max(in_hand_at_send, default=0) >= 1, in_hand_at_send  # sent while jobs were still queued
 
 
-def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engine) -> None:
+def test_an_inline_worker_claims_on_its_own_thread_beside_a_batch_of_no_op_jobs(engine: Engine) -> None:
     """No-op handlers never release the GIL: the claim thread could not even send its statement before the
-    batch ended, so its hand-off would only cost. The worker claims on its own thread after the batch — all but
-    a few: one job the scheduler preempts, or a garbage collection pauses, lifts the moving average for a few
-    batches (under the old rule every batch after the first went to the thread)."""
+    batch ended, so its hand-off would only cost. The worker sends the claim from its own thread (read after
+    the batch) — all but a few: one job the scheduler preempts, or a garbage collection pauses, lifts the moving
+    average for a few batches (under the old rule every batch after the first went to the thread)."""
     seen: list[int] = []
     w, in_hand_at_send = _drain_spied(engine, 400, lambda j: seen.append(j.id))
     assert sorted(seen) == list(range(1, 401))
@@ -456,26 +456,27 @@ def test_an_inline_worker_claims_inline_after_a_batch_of_no_op_jobs(engine: Engi
 
 
 @pytest.mark.parametrize(
-    ("average", "queued", "beside"),
+    ("average", "queued", "how"),
     [
-        (3e-6, 0, False),  # no-op jobs: never
-        (3e-6, 4, False),
-        (0.0005, 0, False),  # the last job alone is too short to hide a hand-off
-        (0.0005, 1, True),  # two jobs of 0.5 ms left, the rest done within a round trip
-        (0.0005, 4, True),  # 2 ms left after this one: one (guessed) round trip
-        (0.0005, 5, False),  # more than a round trip left: later
-        (0.005, 0, True),  # a long last job
-        (0.005, 1, False),
+        (3e-6, 0, "ahead"),  # no-op jobs: sent by the loop's thread itself, read after them
+        (3e-6, 4, "ahead"),
+        (0.0005, 0, "ahead"),  # the last job alone is too short to hide a hand-off
+        (0.0005, 1, "thread"),  # two jobs of 0.5 ms left, the rest done within a round trip
+        (0.0005, 4, "thread"),  # 2 ms left after this one: one (guessed) round trip
+        (0.0005, 5, None),  # more than a round trip left: later
+        (0.005, 0, "thread"),  # a long last job
+        (0.005, 1, None),
+        (3e-6, 700, None),  # 2.1 ms of no-op jobs left: later
     ],
 )
 def test_the_claim_goes_beside_the_jobs_in_hand_only_when_they_hide_its_round_trip(
-    average: float, queued: int, beside: bool
+    average: float, queued: int, how: str | None
 ) -> None:
     pace = _Pace()
-    assert not pace.claim_beside(queued)  # nothing measured yet
+    assert pace.claim_beside(queued) is None  # nothing measured yet
     pace.observe(average)
     assert pace.trip == TRIP_GUESS == 0.002
-    assert pace.claim_beside(queued) is beside
+    assert pace.claim_beside(queued) == how
 
 
 def _drain_async(async_url: Any, handlers: dict[str, Any], **kw: Any) -> AsyncWorker:
