@@ -9,6 +9,7 @@ database, real threads with their own connections, real backend terminations. Ru
   an ``AsyncSession``, inside a savepoint that is rolled back; each transaction commits or rolls back;
 * enqueue jobs;
 * start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off;
+  often a sync inline worker with instant handlers, whose claims go out ahead of the jobs in hand;
   a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully, cancel an async
   one's ``run()`` (once, or twice a few ms apart);
 * terminate every backend of the loops (``pg_terminate_backend``);
@@ -19,6 +20,7 @@ database, real threads with their own connections, real backend terminations. Ru
   :class:`~sa_outbox.Limit` (per key or per queue, sometimes with a rate) — or, in a quarter of the
   scenarios, a unique key, and every worker claims with ``unique_running`` instead; some workers serve the
   queues with fair shares (``queues={...}``) instead of a list;
+* a burst of jobs in queue ``qb``, which only such fast workers serve (one is started when none runs);
 * enqueue jobs in bulk (``enqueue_many``), and with a unique key (``on_conflict="skip"``: a key whose job
   has not started yet gets no second one);
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
@@ -129,6 +131,9 @@ HANG = 0.7  # longer than any publish_timeout / handler_timeout below
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
+#: Only "fast" workers serve it (sync, inline, instant handlers, this one queue): a burst of jobs written there
+#: is claimed by them, each claim sent ahead of the jobs in hand on the worker's own connection.
+BURST = "qb"
 KEYS = ("k1", "k2", "k3")
 UNIQUE_KEYS = ("u1", "u2", "u3")
 #: The scenario picks one; every worker serves q3 with it (a limit is the fleet's, so all agree).
@@ -260,7 +265,7 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     row first, which must commit exactly when the job's completion does (and roll back otherwise). ``pace``:
     a sync handler also takes this long. A concurrency-1 Worker then sends its next claim on the claim thread:
     beside the last job in hand at 2 ms, with jobs still queued at 0.4 ms and a batch of 4 or 10; with no pace
-    it claims inline after the batch."""
+    its own thread sends the claim ahead of the jobs in hand and reads it after them."""
 
     def act(job: ClaimedJob, session: Session | None = None) -> str:
         payload = job.payload
@@ -457,25 +462,38 @@ class LoopThread:
 
 
 class StatementCounter:
-    """Counts the loops' statements per thread (every engine step goes through ``_steps.run``)."""
+    """Counts the loops' statements per thread (every engine step goes through ``_steps.run``, or, for a claim
+    an inline worker sends ahead of its jobs in hand, ``_steps.send``), and how many claims were sent ahead."""
 
     def __init__(self) -> None:
         self.counts: Counter[int] = Counter()
+        self.sent_ahead = 0
         self.lock = threading.Lock()
         self.real = _steps.run
+        self.real_send = _steps.send
 
     def __call__(self, conn: Any, stmt: Any, params: dict[str, Any]) -> list[Any]:
         with self.lock:
             self.counts[threading.get_ident()] += 1
         return self.real(conn, stmt, params)
 
+    def send(self, conn: Any, stmt: Any, params: dict[str, Any]) -> Any:
+        receive = self.real_send(conn, stmt, params)
+        if receive is not None:
+            with self.lock:
+                self.counts[threading.get_ident()] += 1
+                self.sent_ahead += 1
+        return receive
+
     @contextmanager
     def installed(self) -> Iterator[StatementCounter]:
         _steps.run = self  # type: ignore[assignment]
+        _steps.send = self.send  # type: ignore[assignment]
         try:
             yield self
         finally:
             _steps.run = self.real
+            _steps.send = self.real_send
 
     def snapshot(self) -> Counter[int]:
         with self.lock:
@@ -532,6 +550,9 @@ class Scenario:
         self.log: list[str] = []
         self.names = itertools.count(1)
         self.terminations = 0
+        self.sent_ahead = 0  # claims inline workers sent ahead of their jobs in hand (StatementCounter)
+        self.every_queue: set[str] = set()  # the workers that serve every queue (drain() needs one)
+        self.burst_workers: set[str] = set()  # the fast workers that serve BURST (drain() needs one)
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
@@ -757,6 +778,26 @@ class Scenario:
             self.model.rolled_back_jobs.add(p.seq)
         # else: the key's waiting job stays as it was, and this seq never exists
 
+    def rule_burst(self) -> None:
+        """A burst of jobs in ``BURST`` (committed), and a fast worker to serve it when none runs: with handlers
+        this short, it sends each next claim — with the outcomes of the jobs in hand — ahead of them on its own
+        connection and reads it after them, amid the terminations, stops and exits of the other rules."""
+        planned = [
+            Planned(next(self.seq), [self.rng.choice(JOB_ACTIONS) for _ in range(self.rng.randint(0, 2))],
+                    self.rng.random() < 0.05)
+            for _ in range(self.rng.randint(8, 20))
+        ]  # fmt: skip
+        with Session(self.engine) as s:
+            s.begin()
+            enqueue_many(s, Job, [{"task": "model", "payload": self._payload(p), "queue": BURST,
+                                   "max_attempts": 10} for p in planned])  # fmt: skip
+            s.commit()
+        for p in planned:
+            self.model.jobs[p.seq] = p
+        self.log.append(f"burst of {len(planned)} jobs in {BURST}")
+        if not any(lt.name in self.burst_workers for lt in self.workers):  # (one more than max_workers, then)
+            self.start_worker(burst=True)
+
     # -- rules: loops and faults ------------------------------------------------------------------------------
 
     def _run_kwargs(self, bounded: bool) -> dict[str, Any]:
@@ -788,8 +829,13 @@ class Scenario:
                        engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
         )  # fmt: skip
 
-    def start_worker(self, is_async: bool | None = None, *, bounded: bool = True) -> None:
-        is_async = self.rng.random() < 0.5 if is_async is None else is_async
+    def start_worker(
+        self, is_async: bool | None = None, *, bounded: bool = True, every_queue: bool = False,
+        burst: bool = False,
+    ) -> None:  # fmt: skip
+        """A worker with random options. ``every_queue``: it serves every one of ``QUEUES``; ``burst``: a fast
+        one (see below) that serves only ``BURST``."""
+        is_async = False if burst else self.rng.random() < 0.5 if is_async is None else is_async
         options = dict(
             batch=self.rng.choice((1, 4, 10)), concurrency=self.rng.choice((1, 2, 4)),
             handler_timeout=self.rng.choice((None, 0.4)), stale_after=3.0, heartbeat=0.3, backoff=FAST,
@@ -797,6 +843,13 @@ class Scenario:
         )  # fmt: skip
         async_handler = is_async and self.rng.random() < 0.6
         pace = self.rng.choice((0.0, 0.0004, 0.002))
+        fast = burst or (not is_async and self.rng.random() < 0.4)
+        if fast:
+            # a sync inline worker with instant handlers on one queue (drawn this often: the other choices make
+            # one only 1 in 18 times, and on every queue at once): it sends each claim ahead of the jobs in hand
+            # on its own connection and reads it after them
+            options.update(concurrency=1, handler_timeout=None)
+            pace = 0.0
         handlers = {
             "model": make_handler(self.record, is_async=async_handler, pace=pace),
             "model_tx": make_handler(self.record, is_async=async_handler, in_transaction=True),
@@ -804,12 +857,18 @@ class Scenario:
         queues: Any = QUEUES
         if self.rng.random() < 0.3:  # fair shares; the concurrency stays the one chosen above
             queues = {q: self.rng.randint(1, 2) for q in QUEUES}
-        if self.limit is not None:
-            options["limits"] = {LIMITED: self.limit}
-        else:
+        if fast and not every_queue:  # one unlimited queue (more than one: one claim per queue, never ahead)
+            queues = (BURST,) if burst else (self.rng.choice([q for q in QUEUES if q != LIMITED]),)
+        if self.limit is None:
             options["unique_running"] = True
+        elif LIMITED in queues:
+            options["limits"] = {LIMITED: self.limit}
         cls: Any = AsyncWorker if is_async else Worker
         name = f"worker-{next(self.names)}"
+        if set(queues) == set(QUEUES):
+            self.every_queue.add(name)
+        if burst:
+            self.burst_workers.add(name)
         run_kwargs = self._run_kwargs(bounded)
         self.log.append(
             f"start {name} async={is_async} async_handler={async_handler} pace={pace} queues={queues} {options} "
@@ -943,7 +1002,7 @@ class Scenario:
         ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
-        ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1),
+        ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1), ("rule_burst", 2),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------
@@ -965,6 +1024,8 @@ class Scenario:
                 self.drain()
                 self.check_idle(counter)
             finally:
+                self.sent_ahead = counter.sent_ahead
+                self.log.append(f"claims sent ahead of the jobs in hand: {counter.sent_ahead}")
                 for lt in self.dispatchers + self.workers:
                     lt.stop()
                 self.sampler.stop()
@@ -1002,15 +1063,19 @@ class Scenario:
                 windows[-1][1] = time.monotonic()
         if not self.dispatchers:
             self.start_dispatcher(is_async=False, bounded=False)
-        if not self.workers:
-            self.start_worker(is_async=False, bounded=False)
+        if not any(lt.name in self.every_queue for lt in self.workers):
+            self.start_worker(is_async=False, bounded=False, every_queue=True)
+        if not any(lt.name in self.burst_workers for lt in self.workers):
+            self.start_worker(bounded=False, burst=True)
         deadline = time.monotonic() + self.profile.drain_seconds
         while time.monotonic() < deadline:
             self._reap_exited()
             if not self.dispatchers:  # one that stopped after max_batches
                 self.start_dispatcher(is_async=False, bounded=False)
-            if not self.workers:
-                self.start_worker(is_async=False, bounded=False)
+            if not any(lt.name in self.every_queue for lt in self.workers):  # (likewise)
+                self.start_worker(is_async=False, bounded=False, every_queue=True)
+            if not any(lt.name in self.burst_workers for lt in self.workers):
+                self.start_worker(bounded=False, burst=True)
             if self._settled():
                 return
             time.sleep(0.2)
