@@ -151,8 +151,9 @@ class _SentAhead:
     """A claim the loop's thread sent ahead on its own connection, to be read once the jobs in hand are done:
     the part of a ``Future`` the loop uses. Its result may be read at any time (reading waits for the server),
     so it is always ``done()``; until it has been read, the connection is the claim's (``read`` is False).
-    Read once, by whichever thread asks first: the loop's, or the heartbeat's when a job in hand runs long
-    (the claimed rows are then renewed from that beat on, as a claim thread's are when they land)."""
+    Read once, by whichever thread asks first: the loop's, or the heartbeat's when a job in hand runs long and
+    the result has arrived (the claimed rows are then renewed from that beat on, as a claim thread's are when
+    they land)."""
 
     __slots__ = ("_error", "_lock", "_reader", "_value", "read")
 
@@ -172,13 +173,28 @@ class _SentAhead:
 
     def _read(self) -> None:
         with self._lock:
-            reader, self._reader = self._reader, None
-            if reader is not None:
-                try:
-                    self._value = reader()
-                except BaseException as exc:
-                    self._error = exc
-            self.read = True
+            self._read_locked()
+
+    def _read_locked(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            try:
+                self._value = reader()
+            except BaseException as exc:
+                self._error = exc
+        self.read = True
+
+    def read_if_ready(self, ready: Callable[[], bool]) -> None:
+        """Read now if no one else is reading and ``ready()`` says the result has arrived: never waits, for the
+        server or for the other reader (the heartbeat's call — a claim waiting on a lock must not hold back the
+        renewal of the jobs in hand). ``ready`` runs under the lock, so only one thread touches the connection."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._reader is not None and ready():
+                self._read_locked()
+        finally:
+            self._lock.release()
 
     def result(self) -> tuple[set[int], list[Any]]:
         self._read()
@@ -952,8 +968,9 @@ class Worker(WorkerBase):
         """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
         inflight = self._inflight
         if inflight is not None and isinstance(inflight.future, _SentAhead):
-            # a claim sent ahead and not read yet, behind a job that runs long: read now, its rows renewed
-            inflight.future.exception()
+            # a claim sent ahead and not read yet, behind a job that runs long: read once it has landed (so its
+            # rows are renewed from now on); not waiting for it (it may wait on a lock)
+            inflight.future.read_if_ready(self._db.result_ready)
         pairs = self._beat_pairs()
         if pairs:
             with self._beat_lock:
