@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -41,6 +42,36 @@ def _unread_with_outcome(w: Worker, job_id: int) -> bool:
     """Whether ``w`` has a claim sent ahead, not read yet, that carries the outcome of job ``job_id``."""
     inflight = w._inflight
     return _sent_ahead_unread(w) and inflight is not None and job_id in {o.id for o in inflight.outcomes}
+
+
+def _side_lock(engine: Engine) -> tuple[Callable[[int], None], Callable[[], None], Callable[[], None]]:
+    """A side transaction that locks job rows (``lock(id)``) until ``let_go()`` — or 20 s, so a failing test
+    never leaves the loop waiting on the lock — and ``done()`` to end it. Warmed up: taking a lock in a job must
+    stay short (a slow job lifts the moving average of handler time, and the next claim would go to the claim
+    thread instead of being sent ahead)."""
+    side = engine.connect()
+    side_tx = side.begin()
+    lock_row = text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE")
+    side.execute(lock_row, {"id": 0})
+    release = threading.Lock()
+
+    def lock(job_id: int) -> None:
+        side.execute(lock_row, {"id": job_id})
+
+    def let_go() -> None:
+        with release:
+            if side_tx.is_active:
+                side_tx.rollback()
+
+    guard = threading.Timer(20, let_go)
+    guard.start()
+
+    def done() -> None:
+        guard.cancel()
+        let_go()
+        side.close()
+
+    return lock, let_go, done
 
 
 def _drain(w: Worker) -> None:
@@ -118,26 +149,13 @@ def test_a_connection_lost_while_a_claim_sent_ahead_waits_loses_no_outcome_and_r
     seen: list[int] = []
     killed: list[int] = []
     holder: list[Worker] = []
-    side = engine.connect()
-    side_tx = side.begin()
-    lock_row = text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE")
-    side.execute(lock_row, {"id": 0})  # warmed up: taking the lock in job 4 must stay short (a slow job would
-    # lift the moving average of handler time, and the next claim would go to the claim thread instead)
-    release = threading.Lock()
-
-    def let_go() -> None:
-        with release:
-            if side_tx.is_active:
-                side_tx.rollback()
-
-    guard = threading.Timer(20, let_go)  # a failing test must not leave the loop waiting on the lock
-    guard.start()
+    lock, let_go, done = _side_lock(engine)
 
     def handler(job: ClaimedJob) -> None:
         seen.append(job.id)
         w = holder[0]
         if job.id == 4:
-            side.execute(lock_row, {"id": 4})
+            lock(4)
         elif not killed and _sent_ahead_unread(w) and 4 in {o.id for o in w._inflight.outcomes}:  # type: ignore[union-attr]
             conn = w._db._conn
             assert conn is not None
@@ -165,9 +183,7 @@ def test_a_connection_lost_while_a_claim_sent_ahead_waits_loses_no_outcome_and_r
         w.run(install_signal_handlers=False, until_idle=True)
     finally:
         w.close()
-        guard.cancel()
-        let_go()
-        side.close()
+        done()
     assert len(killed) == 1, killed  # a claim sent ahead was waiting, unread, when its backend was killed
     assert sorted(seen) == list(range(1, 16))  # no job twice, none lost
     assert statuses(engine, "jobs") == {"done": 15}
@@ -252,24 +268,12 @@ def test_a_claim_sent_ahead_that_waits_on_a_lock_does_not_stop_the_heartbeat(eng
     stale_seen: list[list[int]] = []
     waiting_seen: list[int] = []
     holder: list[Worker] = []
-    side = engine.connect()
-    side_tx = side.begin()
-    lock_row = text("SELECT 1 FROM jobs WHERE id = :id FOR UPDATE")
-    side.execute(lock_row, {"id": 0})  # warmed up (job 3 must stay short: see the test above)
-    release = threading.Lock()
-
-    def let_go() -> None:
-        with release:
-            if side_tx.is_active:
-                side_tx.rollback()
-
-    guard = threading.Timer(20, let_go)
-    guard.start()
+    lock, let_go, done = _side_lock(engine)
 
     def handler(job: ClaimedJob) -> None:
         seen.append(job.id)
         if job.id == 3:
-            side.execute(lock_row, {"id": 3})
+            lock(3)
         elif not waiting_seen and _unread_with_outcome(holder[0], 3):
             started = time.monotonic()
             waiting_seen.append(job.id)
@@ -294,9 +298,7 @@ def test_a_claim_sent_ahead_that_waits_on_a_lock_does_not_stop_the_heartbeat(eng
     try:
         _drain(w)
     finally:
-        guard.cancel()
-        let_go()
-        side.close()
+        done()
     assert len(waiting_seen) == 1  # a job ran long while the claim with job 3's outcome was out, unread
     assert stale_seen == [[]], stale_seen
     assert sorted(seen) == list(range(1, 16))
