@@ -105,11 +105,18 @@ class QueueSpec:
         )
 
     def lease_values(self) -> dict[str, Any]:
-        """What a claim or a heartbeat writes to record the lease (database clock only)."""
+        """What a claim or a heartbeat writes to record the lease (database clock only), from the moment each
+        row is written — ``clock_timestamp()``, not the transaction's ``now()``: a finalize-and-claim whose
+        finalize waited on a row lock (a user's transaction holding a job row) claims its rows after the wait,
+        and a lease counted from the statement's start would be short by the wait — born expired past
+        stale_after, and rescued while its worker runs the job."""
         if self.lease_until is not None:
-            return {self.lease_until.name: func.now() + sa_cast(bindparam("lease", type_=Interval), Interval)}
+            return {
+                self.lease_until.name: func.clock_timestamp()
+                + sa_cast(bindparam("lease", type_=Interval), Interval)
+            }
         assert self.locked_at is not None
-        return {self.locked_at.name: func.now()}
+        return {self.locked_at.name: func.clock_timestamp()}
 
     def lease_cleared(self) -> dict[str, Any]:
         lease_col = self.lease_until if self.lease_until is not None else self.locked_at

@@ -34,7 +34,7 @@ from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases
-from .helpers import JOBS, claim_jobs, row, seed_jobs, statuses
+from .helpers import JOBS, OUTBOX, claim_jobs, row, seed_events, seed_jobs, statuses
 
 
 def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:
@@ -195,6 +195,102 @@ def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine:
     r = row(engine, "jobs", 1)
     assert r.status == "failed" and r.finished_at is not None
     assert "lease expired (owner crashed, lease_version 1) after max attempts" in r.last_error
+
+
+@pytest.mark.parametrize("kind", ["jobs", "outbox"])
+def test_a_lease_taken_by_a_statement_that_waited_on_a_lock_starts_when_the_row_is_claimed(
+    engine: Engine, kind: str
+) -> None:
+    """A finalize-and-claim whose finalize waits on a row lock (a user's transaction holding a job row FOR
+    UPDATE) claims its next rows after the wait: their lease must start then, not when the statement
+    started. Stamped with the statement's now(), rows claimed after a wait longer than stale_after were born
+    expired, and any rescue — the worker's own, a second later — took back jobs the worker then ran: twice."""
+    spec, table = (JOBS, "jobs") if kind == "jobs" else (OUTBOX, "outbox")
+    lease = timedelta(seconds=30)
+    if kind == "jobs":
+        seed_jobs(engine, 2)
+    else:
+        seed_events(engine, 2)
+    queue = "default" if kind == "jobs" else None
+    with engine.begin() as conn:
+        [first] = eng.claim(conn, spec, owner="w", batch=1, lease=lease, queue=queue)
+    version = row(engine, table, first[0]).lease_version
+    side = engine.connect()
+    side_tx = side.begin()
+    side.execute(text(f"SELECT 1 FROM {table} WHERE id = 1 FOR UPDATE"))
+    got: list[tuple[set[int], list[Any]]] = []
+    pid: list[int] = []
+
+    def finalize_and_claim() -> None:
+        with engine.begin() as conn:
+            pid.append(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+            outcome = eng.Outcome(first[0], version, "done")
+            got.append(
+                eng.finalize_and_claim(conn, spec, [outcome], owner="w", batch=1, lease=lease, queue=queue)
+            )
+
+    t = threading.Thread(target=finalize_and_claim)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        waited = False
+        with engine.connect() as probe:
+            while not waited and time.monotonic() < deadline:
+                waited = bool(
+                    pid
+                    and probe.execute(
+                        text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                        {"p": pid[0]},
+                    ).scalar()
+                )
+                probe.rollback()
+                time.sleep(0.01)
+        assert waited  # the finalize waits on the side transaction's lock
+        time.sleep(1.2)
+    finally:
+        side_tx.rollback()
+        side.close()
+        t.join(10)
+    [(applied, claimed)] = got
+    assert applied == {1} and [r[0] for r in claimed] == [2]
+    with engine.connect() as conn:
+        if kind == "jobs":
+            age = conn.execute(
+                text("SELECT extract(epoch FROM clock_timestamp() - locked_at) FROM jobs WHERE id = 2")
+            )
+            assert age.scalar_one() < 0.6  # not the 1.2 s the statement waited
+        else:
+            left = conn.execute(
+                text("SELECT extract(epoch FROM lease_until - clock_timestamp()) FROM outbox WHERE id = 2")
+            )
+            assert left.scalar_one() > 30 - 0.6
+
+
+def test_a_worker_whose_claim_waited_on_a_lock_past_stale_after_runs_no_job_twice(engine: Engine) -> None:
+    """Job 3's row is held FOR UPDATE by a user's transaction for 1.5 s (stale_after 1 s): the claim that
+    carries job 3's outcome waits that long. The rows it claims get their lease when they are written, after
+    the wait, so the worker's own rescue a moment later does not take them back while it runs them."""
+    seed_jobs(engine, 20)
+    seen: list[int] = []
+    side = engine.connect()
+    side_tx = side.begin()
+
+    def handler(job: ClaimedJob) -> None:
+        seen.append(job.id)
+        if job.id == 3:
+            side.execute(text("SELECT 1 FROM jobs WHERE id = 3 FOR UPDATE"))
+            threading.Timer(1.5, side_tx.rollback).start()
+
+    w = worker(engine, {"noop": handler}, batch=5, stale_after=1.0, heartbeat=0.2)
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+        time.sleep(0.1 if not side_tx.is_active else 1.6)
+        side.close()
+    assert sorted(seen) == list(range(1, 21)), sorted(seen)  # none twice, none lost
+    assert statuses(engine, "jobs") == {"done": 20}
+    assert w.stats.rescued == 0 and w.stats.lost_leases == 0
 
 
 def test_heartbeat_keeps_a_long_job_from_being_reaped(engine: Engine) -> None:
