@@ -303,6 +303,7 @@ class LoopBase:
                                   params.get("queue"), exc)  # fmt: skip
                 break
             rows += got
+            self._in_hand_now(got, applied)
         if pending:  # no claim call at all: write the outcomes on their own
             applied |= _steps.finalize(conn, self.spec, pending)
         if rows:
@@ -311,6 +312,12 @@ class LoopBase:
         if self.observer is not None:
             self.observer("claim", time.perf_counter() - started)
         return applied, rows
+
+    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int]) -> None:
+        """Rows one queue's claim committed, and outcomes written, while the turn may go on to claim the next
+        queues (a limited queue's pick can wait on its limit lock): a worker's heartbeat renews the rows from
+        now on and stops renewing the finalized ones — not from the turn's end, or, past stale_after, its own
+        rescue would take back jobs it then runs. The outbox has no heartbeat: nothing to do."""
 
     def _send_claim_on(
         self, conn: Connection, want: int, outcomes: Sequence[Outcome], claim_params: list[dict[str, Any]]

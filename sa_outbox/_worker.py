@@ -631,6 +631,10 @@ class WorkerBase(LoopBase):
         free = max(0, self.concurrency - running)
         return max(0, min(self.batch, free + ahead - len(self._queue)))
 
+    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int]) -> None:
+        self._held.drop(finalized)
+        self._held.hold((row[0], row[1]) for row in rows)
+
     def _accept(self, rows: Sequence[Any]) -> int:
         jobs = []
         for row in rows:

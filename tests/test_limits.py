@@ -277,3 +277,60 @@ def test_a_claim_that_fails_after_another_queues_claim_keeps_the_rows_already_cl
         assert statuses(log, "jobs") == {"done": 4}
     finally:
         w.close()
+
+
+def test_rows_an_earlier_queue_claimed_are_renewed_while_a_limited_queues_claim_waits(engine: Engine) -> None:
+    """A worker of queues a and b (b limited as a whole) claims a's jobs, then waits in b's pick on b's limit
+    lock — held here for 2.5 s by a side transaction, as by a peer frozen between the two statements of its
+    limited claim; stale_after is 1 s. a's rows were committed leased by the first claim of the turn: the
+    heartbeat must renew them from then on, not from the end of the turn, or the worker's own rescue takes
+    them back and it runs them twice (4 of 5 before the fix)."""
+    jobs(engine, 5, queue="a")
+    jobs(engine, 2, queue="b")
+    runs: dict[int, int] = defaultdict(int)
+
+    def handler(job: Any) -> None:
+        runs[job.id] += 1
+
+    side = engine.connect()
+    side_tx = side.begin()
+    side.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('sa_outbox.limit:b:', 0))"))
+    w = Worker(
+        engine, Job, {"t": handler}, queues=["a", "b"], limits={"b": Limit(1)}, stale_after=1.0,
+        heartbeat=0.2, batch=5, listen=False, poll_interval=0.1,
+    )  # fmt: skip
+    import threading
+
+    t = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        waited = False
+        with engine.connect() as probe:
+            while not waited and time.monotonic() < deadline:
+                waited = bool(
+                    probe.execute(
+                        text(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                            "AND wait_event = 'advisory' AND datname = current_database()"
+                        )
+                    ).scalar()
+                )
+                probe.rollback()
+                time.sleep(0.02)
+        assert waited  # the claim of b waits on b's limit lock
+        time.sleep(2.5)
+        side_tx.rollback()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and statuses(engine, "jobs").get("done", 0) < 7:
+            time.sleep(0.05)
+    finally:
+        if side_tx.is_active:
+            side_tx.rollback()
+        side.close()
+        w.stop()
+        t.join(10)
+        w.close()
+    assert statuses(engine, "jobs") == {"done": 7}
+    assert sorted(runs) == list(range(1, 8)) and set(runs.values()) == {1}, dict(runs)  # each job once
+    assert w.stats.rescued == 0 and w.stats.lost_leases == 0
