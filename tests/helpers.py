@@ -132,3 +132,34 @@ def queue_tables_shaped(engine: Engine, shape: str) -> Iterator[None]:
     finally:
         with engine.begin() as conn:
             conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+
+
+def wait_for_lock_wait(engine: Engine, which: Any, timeout: float = 10.0) -> bool:
+    """Whether, within ``timeout``, a backend of this database waits on a lock: the backend whose pid
+    ``which()`` gives (None: not known yet), or, with ``which`` a wait event name ("advisory", …), any backend
+    waiting on one of that kind."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with engine.connect() as probe:
+        while time.monotonic() < deadline:
+            if isinstance(which, str):
+                sql = (
+                    "SELECT count(*) > 0 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND wait_event = :w AND datname = current_database()"
+                )
+                waiting = probe.execute(text(sql), {"w": which}).scalar()
+            else:
+                pid = which()
+                waiting = (
+                    pid is not None
+                    and probe.execute(
+                        text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                        {"p": pid},
+                    ).scalar()
+                )
+            probe.rollback()
+            if waiting:
+                return True
+            time.sleep(0.01)
+    return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from sa_outbox import ConfigurationError, Limit, Worker
 from sa_outbox.models import Job
 
 from .factories import Runner, expire_leases
-from .helpers import statuses
+from .helpers import statuses, wait_for_lock_wait
 from .limit_targets import run_worker
 
 CTX = multiprocessing.get_context("spawn")
@@ -299,26 +300,10 @@ def test_rows_an_earlier_queue_claimed_are_renewed_while_a_limited_queues_claim_
         engine, Job, {"t": handler}, queues=["a", "b"], limits={"b": Limit(1)}, stale_after=1.0,
         heartbeat=0.2, batch=5, listen=False, poll_interval=0.1,
     )  # fmt: skip
-    import threading
-
     t = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        waited = False
-        with engine.connect() as probe:
-            while not waited and time.monotonic() < deadline:
-                waited = bool(
-                    probe.execute(
-                        text(
-                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                            "AND wait_event = 'advisory' AND datname = current_database()"
-                        )
-                    ).scalar()
-                )
-                probe.rollback()
-                time.sleep(0.02)
-        assert waited  # the claim of b waits on b's limit lock
+        assert wait_for_lock_wait(engine, "advisory")  # the claim of b waits on b's limit lock
         time.sleep(2.5)
         side_tx.rollback()
         deadline = time.monotonic() + 10

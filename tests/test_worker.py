@@ -34,7 +34,7 @@ from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases
-from .helpers import JOBS, OUTBOX, claim_jobs, row, seed_events, seed_jobs, statuses
+from .helpers import JOBS, OUTBOX, claim_jobs, row, seed_events, seed_jobs, statuses, wait_for_lock_wait
 
 
 def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:
@@ -232,20 +232,7 @@ def test_a_lease_taken_by_a_statement_that_waited_on_a_lock_starts_when_the_row_
     t = threading.Thread(target=finalize_and_claim)
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        waited = False
-        with engine.connect() as probe:
-            while not waited and time.monotonic() < deadline:
-                waited = bool(
-                    pid
-                    and probe.execute(
-                        text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
-                        {"p": pid[0]},
-                    ).scalar()
-                )
-                probe.rollback()
-                time.sleep(0.01)
-        assert waited  # the finalize waits on the side transaction's lock
+        assert wait_for_lock_wait(engine, lambda: pid[0] if pid else None)  # the finalize waits on the lock
         time.sleep(1.2)
     finally:
         side_tx.rollback()
