@@ -108,8 +108,8 @@ class QueueSpec:
         """What a claim or a heartbeat writes to record the lease (database clock only), from the moment each
         row is written — ``clock_timestamp()``, not the transaction's ``now()``: a finalize-and-claim whose
         finalize waited on a row lock (a user's transaction holding a job row) claims its rows after the wait,
-        and a lease counted from the transaction's start (the statement's, in autocommit) would be short by the wait — born expired past
-        stale_after, and rescued while its worker runs the job."""
+        and a lease counted from the transaction's start (the statement's, in autocommit) would be short by
+        the wait — born expired past stale_after, and rescued while its worker runs the job."""
         if self.lease_until is not None:
             return {
                 self.lease_until.name: func.clock_timestamp()
