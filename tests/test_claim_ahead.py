@@ -82,6 +82,19 @@ def _side_lock(engine: Engine) -> tuple[Callable[[int], None], Callable[[], None
     return lock, let_go, done
 
 
+def _stale_running(engine: Engine) -> list[int]:
+    """Running jobs whose lease is older than 1 s (what a rescue with stale_after 1 s would take), by id."""
+    with engine.connect() as probe:
+        return list(
+            probe.execute(
+                text(
+                    "SELECT id FROM jobs WHERE status = 'running' "
+                    "AND locked_at < now() - interval '1 second' ORDER BY id"
+                )
+            ).scalars()
+        )
+
+
 def _drain(w: Worker) -> None:
     """Run ``w`` until nothing is left to claim or run, then close it."""
     try:
@@ -244,14 +257,7 @@ def test_a_long_job_in_hand_does_not_let_the_leases_of_a_claim_sent_ahead_expire
             unread_at_start.append(_sent_ahead_unread(holder[0]))
             started = time.monotonic()
             time.sleep(1.3)
-            with engine.connect() as side:
-                stale = side.execute(
-                    text(
-                        "SELECT id FROM jobs WHERE status = 'running' "
-                        "AND locked_at < now() - interval '1 second' ORDER BY id"
-                    )
-                ).scalars()
-                stale_seen.append(list(stale))
+            stale_seen.append(_stale_running(engine))
             time.sleep(max(0.0, 1.6 - (time.monotonic() - started)))
 
     w = _worker(engine, handler, batch=5, stale_after=1.0, heartbeat=0.2)
@@ -286,18 +292,12 @@ def test_a_claim_sent_ahead_that_waits_on_a_lock_does_not_stop_the_heartbeat(eng
             started = time.monotonic()
             waiting_seen.append(job.id)
             time.sleep(1.3)
-            with engine.connect() as probe:
-                stale = probe.execute(
-                    text(
-                        "SELECT id FROM jobs WHERE status = 'running' "
-                        "AND locked_at < now() - interval '1 second' ORDER BY id"
-                    )
-                ).scalars()
-                inflight = holder[0]._inflight
-                assert inflight is not None
-                # (the rows of the claim's own outcomes are locked by it or by the side transaction: no
-                # heartbeat can renew those, and no rescue can take them either)
-                stale_seen.append(sorted(set(stale) - {o.id for o in inflight.outcomes}))
+            stale = _stale_running(engine)
+            inflight = holder[0]._inflight
+            assert inflight is not None
+            # (the rows of the claim's own outcomes are locked by it or by the side transaction: no
+            # heartbeat can renew those, and no rescue can take them either)
+            stale_seen.append(sorted(set(stale) - {o.id for o in inflight.outcomes}))
             let_go()
             time.sleep(max(0.0, 1.6 - (time.monotonic() - started)))
 
