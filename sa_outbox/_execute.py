@@ -28,7 +28,7 @@ from sqlalchemy.util import await_only
 
 from .errors import ConfigurationError
 
-__all__ = ["compile_ahead", "forget_cursor", "keep_cursor", "run", "transaction"]
+__all__ = ["compile_ahead", "control", "forget_cursor", "keep_cursor", "run", "transaction"]
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 _FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
@@ -503,33 +503,36 @@ def _wrapped(
     )
 
 
+def control(conn: Connection, sql: str) -> None:
+    """Send one transaction-control command (``BEGIN``, ``COMMIT``, ``ROLLBACK``) on one of the loops'
+    autocommit connections, unprepared: a block that spans several steps — :func:`transaction`, or the
+    heartbeat's lease guard, whose statements an async loop sends from separate ``run_sync`` calls."""
+    driver = getattr(conn.connection, "driver_connection", None)
+    try:
+        if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
+            await_only(driver.execute(sql, prepare=False))
+        elif isinstance(driver, psycopg.Connection) and not _observed(conn):
+            driver.execute(sql, prepare=False)
+        else:
+            conn.exec_driver_sql(sql)
+    except psycopg.Error as exc:  # (the regular path raises DBAPIError already)
+        assert driver is not None
+        raise _wrapped(conn, driver, exc, sql, None) from exc
+
+
 @contextmanager
 def transaction(conn: Connection) -> Iterator[None]:
     """An explicit transaction block on one of the loops' autocommit connections (``BEGIN`` … ``COMMIT``, or
     ``ROLLBACK`` on error): for the few steps that need two statements under the same locks — the claim of a
     limited queue. Every other step is one autocommit statement."""
-    driver = getattr(conn.connection, "driver_connection", None)
-
-    def send(sql: str) -> None:
-        try:
-            if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
-                await_only(driver.execute(sql, prepare=False))
-            elif isinstance(driver, psycopg.Connection) and not _observed(conn):
-                driver.execute(sql, prepare=False)
-            else:
-                conn.exec_driver_sql(sql)
-        except psycopg.Error as exc:  # (the regular path raises DBAPIError already)
-            assert driver is not None
-            raise _wrapped(conn, driver, exc, sql, None) from exc
-
-    send("BEGIN")
+    control(conn, "BEGIN")
     try:
         yield
     except BaseException:
         with contextlib.suppress(Exception):  # the connection may be gone: its owner drops it
-            send("ROLLBACK")
+            control(conn, "ROLLBACK")
         raise
-    send("COMMIT")
+    control(conn, "COMMIT")
 
 
 def _prepared_statement_mixup(exc: psycopg.Error) -> bool:

@@ -8,6 +8,7 @@ parameters. Each statement carries a comment naming the guarantee it gives.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -38,6 +39,7 @@ from sqlalchemy import (
     not_,
     or_,
     select,
+    table,
     text,
     update,
 )
@@ -357,13 +359,17 @@ def rescue_statement(spec: QueueSpec) -> Update:
     worker never reaches a finalize, so it must be stopped here. A job whose cancellation was requested
     becomes ``cancelled`` (its worker died before it could stop it: it must not run again). The reason is
     appended to ``last_error``. Many workers may run this at once: SKIP LOCKED gives each its own rows.
+    A job whose heartbeat holds its lease guard (:func:`guard_statement`) is left alone, expired or not.
     """
     t, c = spec.table, spec.c
     order_col = spec.lease_until if spec.lease_until is not None else spec.locked_at
     assert order_col is not None
+    expired = [spec.lease_expired()]
+    if spec.kind == "jobs":  # (only workers beat; a dispatcher's lease is a budget, never guarded)
+        expired.append((c.id % _GUARD_IDS).not_in(_guarded_keys(spec)))
     victims = (
         select(c.id)
-        .where(spec.lease_expired())
+        .where(*expired)
         .order_by(order_col)
         .limit(bindparam("limit", type_=Integer))
         .with_for_update(skip_locked=True, key_share=spec.key_share)
@@ -501,6 +507,64 @@ def finalize_statement(spec: QueueSpec) -> Update:
     if spec.kind == "jobs":
         values["result"] = case((o.c.status == spec.done, sa_cast(o.c.result, JSONB)), else_=c.result)
     return update(t).where(*_fenced(spec, o.c.id, o.c.version)).values(values).returning(c.id)
+
+
+# --- the lease guard ---------------------------------------------------------------------------------
+#
+# A transaction that holds a running job's row (FOR UPDATE, an UPDATE of it) past stale_after lets its lease
+# run out: every beat skips the locked row. The moment it commits, a rescue that comes before the next beat
+# would take the job back from a worker that is running it — and another worker would run it too. So at its
+# first skip the heartbeat takes the row's *lease guard*, a transaction-scoped advisory lock, and keeps it
+# until a beat has renewed the row: the rescue leaves alone every row whose guard someone holds. It reads
+# the held guards from pg_locks (once per rescue statement, a hashed subplan), so a rescue takes no locks of
+# its own and never waits. The guard dies with its worker's connection: a dead worker's jobs are rescued.
+# Keys: (a number derived from the table's name, the id modulo 2**31) — the two-int4 form of the lock, which
+# pg_locks shows as (classid, objid, objsubid = 2). Two ids 2**31 apart share a key; a guard then also
+# delays the other's rescue while it is held, never longer.
+
+_GUARD_IDS = 2**31
+
+
+def guard_space(spec: QueueSpec) -> int:
+    """The first key of the table's lease guards."""
+    return zlib.crc32(f"sa_outbox lease guard {spec.table.fullname}".encode()) & 0x7FFFFFFF
+
+
+_pg_locks = table(
+    "pg_locks", column("locktype"), column("database"), column("classid"), column("objid"),
+    column("objsubid"), column("granted"),
+)  # fmt: skip
+_pg_database = table("pg_database", column("oid"), column("datname"))
+
+
+def _guarded_keys(spec: QueueSpec) -> Select[Any]:
+    """The second keys of the lease guards held right now in this database."""
+    here = select(_pg_database.c.oid).where(_pg_database.c.datname == func.current_database())
+    return select(sa_cast(_pg_locks.c.objid, BigInteger)).where(
+        _pg_locks.c.locktype == "advisory",
+        _pg_locks.c.database == here.scalar_subquery(),
+        sa_cast(_pg_locks.c.classid, BigInteger) == literal(guard_space(spec), BigInteger),
+        _pg_locks.c.objsubid == 2,
+        _pg_locks.c.granted,
+    )
+
+
+@cache
+def guard_statement(spec: QueueSpec) -> Select[Any]:
+    """Take the lease guard of job ``:id`` for the rest of the transaction, if no one holds it (true) — never
+    waiting: another worker's guard of the same job (it was taken away and claimed again) or of a job whose
+    id shares the key may last as long as a transaction of yours holds a row (see the section's comment)."""
+    key = sa_cast(bindparam("id", type_=BigInteger) % _GUARD_IDS, Integer)
+    return select(func.pg_try_advisory_xact_lock(literal(guard_space(spec), Integer), key))
+
+
+@cache
+def lease_held_statement(spec: QueueSpec) -> Select[Any]:
+    """Whether job ``:id`` is still leased under ``:version`` — a plain read, which no row lock delays."""
+    c = spec.c
+    return select(
+        and_(c.status == const(spec.active), c.lease_version == bindparam("version", type_=BigInteger))
+    ).where(c.id == bindparam("id", type_=BigInteger))
 
 
 @cache

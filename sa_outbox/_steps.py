@@ -7,6 +7,7 @@ Database steps are plain functions taking a SQLAlchemy ``Connection`` (the async
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from sqlalchemy import Connection
 
 from . import _sql
 from ._backoff import Backoff
-from ._execute import compile_ahead, run, send, transaction
+from ._execute import compile_ahead, control, run, send, transaction
 from ._limits import Limit
 from ._messages import slot_setters
 from ._sql import QueueSpec
@@ -37,7 +38,9 @@ __all__ = [
     "finalize",
     "finalize_and_claim",
     "forget_starts",
+    "guard_lease",
     "release",
+    "renew_guarded",
     "rescue",
     "run",
     "unavailable",
@@ -408,3 +411,34 @@ def extend(
         params["lease"] = lease
     rows = run(conn, _sql.extend_statement(spec), params)
     return {r[0] for r in rows}, {r[0] for r in rows if r[1]}
+
+
+def guard_lease(conn: Connection, spec: QueueSpec, job_id: int) -> bool:
+    """Open a transaction on ``conn`` (autocommit) holding job ``job_id``'s lease guard: from now on no rescue
+    takes the job back (``_sql``'s lease guard). :func:`renew_guarded` ends the transaction once the row is
+    renewed or no longer ours; dropping the connection ends it too. False, with no transaction left open,
+    when someone else holds the guard (never waited for)."""
+    control(conn, "BEGIN")
+    try:
+        [(taken,)] = run(conn, _sql.guard_statement(spec), {"id": job_id})
+    except BaseException:
+        with contextlib.suppress(Exception):
+            control(conn, "ROLLBACK")
+        raise
+    if not taken:
+        control(conn, "ROLLBACK")
+    return bool(taken)
+
+
+def renew_guarded(conn: Connection, spec: QueueSpec, pair: tuple[int, int]) -> tuple[bool, bool] | None:
+    """One try, under the guard :func:`guard_lease` took, to renew a row the heartbeat had to skip: None
+    while another transaction still holds the row (the guard stays); otherwise the transaction is committed
+    — releasing the guard — and the result is (renewed, cancellation requested): (False, False) when the
+    row is no longer leased under this version (finished, or taken away before the guard)."""
+    renewed, cancel = extend(conn, spec, [pair])
+    if not renewed:
+        held = run(conn, _sql.lease_held_statement(spec), {"id": pair[0], "version": pair[1]})
+        if held and held[0][0]:
+            return None
+    control(conn, "COMMIT")
+    return bool(renewed), bool(cancel)

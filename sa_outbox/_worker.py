@@ -90,6 +90,9 @@ PREFETCH_WINDOW = 0.1
 OVERLAP_MIN = 0.001
 #: A claim's round trip assumed before one was measured.
 TRIP_GUESS = 0.002
+#: How often a lease guard tries to renew the row it guards (seconds): the guard keeps the job from being
+#: rescued meanwhile, so this only bounds how soon after the row is free its lease is fresh again.
+GUARD_POLL = 0.1
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -493,7 +496,13 @@ class WorkerBase(LoopBase):
         #: Whether this run has read the pauses yet: its first claim waits for that.
         self._pauses_read = False
         self._warned: dict[str, str] = {}  # maintenance step -> the last failure logged (_warn_once)
-        self._missed: set[tuple[int, int]] = set()  # (id, version) the last heartbeat could not renew
+        self._missed: set[tuple[int, int]] = set()  # (id, version) reported lost by the last heartbeat
+        #: Jobs whose row the heartbeat had to skip, id -> lease version: a guard holds each one's lease until
+        #: the row is free and renewed (:meth:`_guard`, ``_sql``'s lease guard). Guard threads change it.
+        self._guarding: dict[int, int] = {}
+        self._guarding_lock = threading.Lock()
+        #: (id, version) a guard found no longer ours: not guarded again (the beats report them lost).
+        self._unguardable: set[tuple[int, int]] = set()
         self._pause_table: Table | None = queue_table(self.spec.table)
         self._threads = CallThreads("sa_outbox-handler")
         #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
@@ -768,25 +777,61 @@ class WorkerBase(LoopBase):
     def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]]) -> None:
         ids, cancel = renewed
         still_held = dict(self._held.pairs())
-        # A job whose outcome was written while the beat ran is finished, not lost: its finalize may have
-        # committed before the beat's UPDATE and released it from _held only after this check. So a job is
-        # called lost only when two beats in a row could not renew it (one interval later; a memory run of
-        # 1M jobs logged ten false alarms before).
+        with self._guarding_lock:
+            guarded = set(self._guarding.items())
+            self._unguardable = {p for p in self._unguardable if still_held.get(p[0]) == p[1]}
+            unguardable = set(self._unguardable)
+        # A job the beat could not renew is not lost yet: its finalize may have committed before the beat's
+        # UPDATE and released it from _held only after this check (a memory run of 1M jobs logged ten false
+        # alarms when that was called lost), or another transaction holds its row (the beat skips locked
+        # rows). A guard looks at each: it renews a held row once it is free, and finds out whether the row is
+        # still ours. A job the guard found not ours and that the next beat still holds is reported, once.
         missed = {(job_id, version) for job_id, version in pairs
-                  if job_id not in ids and still_held.get(job_id) == version}  # fmt: skip
-        for job_id, version in sorted(missed & self._missed):
+                  if job_id not in ids and still_held.get(job_id) == version} - guarded  # fmt: skip
+        for pair in sorted(missed - unguardable):
+            self._guard(pair)
+        for job_id, version in sorted(missed & unguardable - self._missed):
             log.warning(
                 "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
                 extra={"job_id": job_id, "lease_version": version},
             )  # fmt: skip
-        self._missed = missed - self._missed
-        for job_id in cancel:
+        self._missed = missed & unguardable
+        self._cancel_requested(cancel)
+
+    def _cancel_requested(self, ids: Iterable[int]) -> None:
+        """Set the cancel flags of these jobs in hand (the heartbeat learnt their cancellation was requested)."""
+        told = False
+        for job_id in ids:
             token = self._tokens.get(job_id)
             if token is not None and not token.is_set():
                 log.info("job %s: cancellation requested", job_id, extra={"job_id": job_id})
                 token.set()
-        if cancel:
+            told = True
+        if told:
             self._poke()
+
+    def _guard(self, pair: tuple[int, int]) -> None:
+        """Hold job ``pair``'s lease guard until its row is free and renewed, polling every ``GUARD_POLL``
+        seconds on a connection of its own (a thread, or a task under asyncio). The flavour's hook."""
+        raise NotImplementedError
+
+    def _guard_started(self, pair: tuple[int, int]) -> None:
+        with self._guarding_lock:
+            self._guarding[pair[0]] = pair[1]
+        log.info(
+            "heartbeat: could not renew job %s (its row is locked, or it is no longer ours): guarding its lease",
+            pair[0], extra={"job_id": pair[0], "lease_version": pair[1]},
+        )  # fmt: skip
+
+    def _guard_ended(self, pair: tuple[int, int], result: tuple[bool, bool] | None) -> None:
+        """A guard's end: ``result`` is what :func:`_steps.renew_guarded` returned (None: stopped or failed)."""
+        with self._guarding_lock:
+            if self._guarding.get(pair[0]) == pair[1]:
+                del self._guarding[pair[0]]
+            if result is not None and not result[0]:
+                self._unguardable.add(pair)
+        if result is not None and result[1]:
+            self._cancel_requested([pair[0]])
 
     def _raise_fatal(self) -> None:
         fatal, self._fatal = self._fatal, None
@@ -897,6 +942,8 @@ class Worker(WorkerBase):
         self._prefetch = False  # run(): inline handlers overlap the next claim when jobs are short
         #: Whether the loop's connection can send a claim ahead itself (learnt at the first try of a run).
         self._sends_ahead = True
+        self._guard_threads: list[threading.Thread] = []
+        self._guards_stop = threading.Event()
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -984,6 +1031,35 @@ class Worker(WorkerBase):
     def _connect_beat(self) -> None:
         with self._beat_lock:
             self._beat_db.connect()
+
+    def _guard(self, pair: tuple[int, int]) -> None:
+        self._guard_started(pair)
+        thread = threading.Thread(
+            target=self._guard_lease, args=(pair,), name=f"sa_outbox-lease-guard-{pair[0]}", daemon=True
+        )
+        self._guard_threads = [t for t in self._guard_threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _guard_lease(self, pair: tuple[int, int]) -> None:
+        db = LoopConnection(self.engine, self.spec.table.name)
+        result: tuple[bool, bool] | None = None
+        try:
+            if db.run(lambda c: _steps.guard_lease(c, self.spec, pair[0])):  # else the next beat tries again
+                result = db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
+                while result is None and not self._guards_stop.wait(GUARD_POLL):
+                    result = db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
+        except Exception as exc:  # the next beat that misses the row guards it again
+            log.warning("lease guard of job %s failed: %s", pair[0], exc, extra={"job_id": pair[0]})
+        finally:
+            db.drop()
+            self._guard_ended(pair, result)
+
+    def _stop_guards(self) -> None:
+        self._guards_stop.set()
+        threads, self._guard_threads = self._guard_threads, []
+        for thread in threads:
+            thread.join()
+        self._guards_stop.clear()
 
     def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
         """Run until stopped, then close: the blocking entry point of a process (``sa-outbox dispatch|worker``
@@ -1269,6 +1345,7 @@ class Worker(WorkerBase):
         finally:
             if self._beat is not None:
                 self._beat.stop()
+            self._stop_guards()
             self._waker.close()
             self._db.drop()
             with self._beat_lock:
@@ -1337,6 +1414,8 @@ class AsyncWorker(WorkerBase):
         #: no wake-up of the loop per job)
         self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._beat_task: asyncio.Task[None] | None = None
+        self._guard_tasks: set[asyncio.Task[None]] = set()
+        self._guards_stopping = False
         self._sync: Engine | None = sync_engine
         self._own_sync = sync_engine is None  # built here, disposed by close()
         self._sync_checked = False
@@ -1815,6 +1894,37 @@ class AsyncWorker(WorkerBase):
         if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
             self._beat_task = asyncio.ensure_future(self._heartbeat(self.heartbeat))
 
+    def _guard(self, pair: tuple[int, int]) -> None:
+        self._guard_started(pair)
+        self._guard_tasks = {t for t in self._guard_tasks if not t.done()}
+        self._guard_tasks.add(asyncio.ensure_future(self._guard_lease(pair)))
+
+    async def _guard_lease(self, pair: tuple[int, int]) -> None:
+        db = AsyncLoopConnection(self.engine, self.spec.table.name)
+        result: tuple[bool, bool] | None = None
+        try:
+            guarded = await db.run(lambda c: _steps.guard_lease(c, self.spec, pair[0]))
+            if guarded:  # else the next beat tries again
+                result = await db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
+                while result is None and not self._guards_stopping:
+                    await asyncio.sleep(GUARD_POLL)
+                    result = await db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
+        except Exception as exc:  # the next beat that misses the row guards it again
+            log.warning("lease guard of job %s failed: %s", pair[0], exc, extra={"job_id": pair[0]})
+        finally:
+            await db.drop()
+            self._guard_ended(pair, result)
+
+    async def _stop_guards(self) -> None:
+        self._guards_stopping = True
+        tasks, self._guard_tasks = self._guard_tasks, set()
+        try:
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            self._guards_stopping = False
+
     async def _heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
@@ -1845,6 +1955,7 @@ class AsyncWorker(WorkerBase):
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
+            await self._stop_guards()
             await self._waker.close()
             await self._db.drop()
             await self._beat_db.drop()

@@ -26,6 +26,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
   the loops claim, once every row in it is finished; a write into it afterwards is refused whole;
+* a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
+  (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
+  renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -53,6 +56,9 @@ After every step
         scenario each payload comes back as produced (keys, types, and a text of escapes and non-ASCII);
     I8  an async loop whose run() was cancelled leaves no row leased to it once it has ended (unless its
         backends were terminated meanwhile: then its last write may fail, as documented);
+    I9  a job whose row a transaction held past ``stale_after`` is not rescued from the worker that holds
+        its lease, neither while the row is held nor the moment it is released (its lease guard), unless
+        backends were terminated meanwhile (the guard dies with its connection, as a dead worker's must);
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -113,6 +119,7 @@ from sa_outbox import (
     maintain_partitions,
     skip_dead,
 )
+from sa_outbox._sql import spec_for
 from sa_outbox.admin import pause_queue, resume_queue
 from sa_outbox.migration import create_partitions
 from sa_outbox.models import Job, OutboxEvent, model_for
@@ -128,6 +135,7 @@ PARTITIONED_TABLE = "model_outbox_p"
 #: The loops' connections (and their LISTEN connections) are the ones the fault rule terminates.
 LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
+LONG = 4.5  # a "long" job's run: longer than stale_after and than rule_hold_job_row's hold of its row
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
@@ -271,6 +279,9 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
         payload = job.payload
         record.check_payload(payload)
         action = "permanent" if payload["poison"] else _action(payload["plan"], job.lease_version)
+        if action == "long":  # a success that takes LONG (see rule_hold_job_row)
+            record.add("handle", payload["seq"], job.lease_version, "ok", queue=job.queue)
+            return action
         if session is not None and action == "ok":
             # A transactional handler's success is one only if its transaction commits with the completion:
             # a completion that failed (a terminated connection) rolls the call back and the job runs again
@@ -296,7 +307,10 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 
         async def handle_async_tx(job: ClaimedJob, session: AsyncSession) -> None:
             await session.execute(effect, {"s": job.payload["seq"]})
-            if act(job, session.sync_session) == "hang":
+            done = act(job, session.sync_session)
+            if done == "long":
+                await asyncio.sleep(LONG)
+            elif done == "hang":
                 await asyncio.sleep(HANG)
                 raise RetryableError("planned hang")
 
@@ -304,7 +318,10 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     if is_async:
 
         async def handle_async(job: ClaimedJob) -> None:
-            if act(job) == "hang":
+            done = act(job)
+            if done == "long":
+                await asyncio.sleep(LONG)
+            elif done == "hang":
                 await asyncio.sleep(HANG)
                 raise RetryableError("planned hang")
 
@@ -313,7 +330,10 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
 
         def handle_tx(job: ClaimedJob, session: Session) -> None:
             session.execute(effect, {"s": job.payload["seq"]})
-            if act(job, session) == "hang":
+            done = act(job, session)
+            if done == "long":
+                time.sleep(LONG)
+            elif done == "hang":
                 time.sleep(HANG)
                 raise RetryableError("planned hang")
 
@@ -322,7 +342,10 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     def handle(job: ClaimedJob) -> None:
         if pace:
             time.sleep(pace)
-        if act(job) == "hang":
+        done = act(job)
+        if done == "long":
+            time.sleep(LONG)
+        elif done == "hang":
             time.sleep(HANG)
             raise RetryableError("planned hang")
 
@@ -517,6 +540,13 @@ class Model:
     yesterday: set[int] = field(default_factory=set)  # committed events written into yesterday's partition
 
 
+#: rule_hold_job_row's pick: a running job's row, locked as a user's transaction would lock it.
+_HOLD_RUNNING = text(
+    "SELECT id, lease_version, locked_by FROM jobs WHERE status = 'running' AND (payload->>'seq')::int = :seq "
+    "FOR UPDATE SKIP LOCKED"
+)
+
+
 class Scenario:
     def __init__(self, seed: int, engine: Engine, async_url: URL, profile: Profile) -> None:
         self.seed = seed
@@ -553,6 +583,11 @@ class Scenario:
         self.sent_ahead = 0  # claims inline workers sent ahead of their jobs in hand (StatementCounter)
         self.every_queue: set[str] = set()  # the workers that serve every queue (drain() needs one)
         self.burst_workers: set[str] = set()  # the fast workers that serve BURST (drain() needs one)
+        #: I9: (job id, lease version, owner, terminations when the hold began, terminations a second after
+        #: it ended, whether the rescue sent as it ended took the job) of each job row a transaction held past
+        #: stale_after (rule_hold_job_row).
+        self.holds: list[tuple[int, int, str, int, int, bool]] = []
+        self.holder: threading.Thread | None = None
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
@@ -996,6 +1031,51 @@ class Scenario:
     def rule_pause(self) -> None:
         time.sleep(self.rng.uniform(0.05, 0.3))
 
+    def rule_hold_job_row(self) -> None:
+        """A job that runs LONG is enqueued; once a worker runs it, a user's transaction holds its row FOR
+        UPDATE for longer than stale_after (3 s) — an application updating its job's row from a long
+        transaction — in a thread of its own while the rules go on, and another worker's rescue comes the
+        moment the row is free. The handler is still running then (or, timed out, its finalize waits)."""
+        if self.holder is not None and self.holder.is_alive():
+            return
+        span = self.rng.uniform(3.3, 4.0)
+        p = Planned(next(self.seq), ["long"], False)
+        queue = self.rng.choice(QUEUES)
+        key = self.rng.choice(KEYS) if queue == LIMITED and self.limit is not None else None
+        with Session(self.engine) as s, s.begin():
+            enqueue(s, Job, "model", self._payload(p), queue=queue, max_attempts=10, concurrency_key=key)
+        self.model.jobs[p.seq] = p
+
+        def hold() -> None:
+            with self.engine.connect() as conn:
+                looking = time.monotonic() + 6.0  # until a worker runs it (its queue may be paused)
+                while (got := conn.execute(_HOLD_RUNNING, {"seq": p.seq}).first()) is None:
+                    conn.rollback()
+                    if time.monotonic() > looking:
+                        return
+                    time.sleep(0.01)
+                began = self.terminations
+                with self.engine.connect() as rescuer:
+                    rescuer.execute(text("SELECT 1"))
+                    rescuer.commit()  # (its rescue's now() is then the moment it is sent)
+                    time.sleep(span)
+                    conn.commit()
+                    # another worker's rescue, the moment the row is free: before any beat could renew it
+                    taken = _steps.rescue(rescuer, spec_for(Job), stale_after=timedelta(seconds=3))
+                    rescuer.commit()
+            time.sleep(1.0)  # beats and rescues after the release
+            rescued = any(row_id == got.id for row_id, _, _ in taken)
+            self.holds.append((got.id, got.lease_version, got.locked_by, began, self.terminations, rescued))
+
+        self.holder = threading.Thread(target=hold, name="model-holder", daemon=True)
+        self.holder.start()
+        self.log.append(f"hold the row of long job seq {p.seq} for {span:.1f}s once it runs")
+
+    def _end_holds(self) -> None:
+        if self.holder is not None:
+            self.holder.join(10)
+            assert not self.holder.is_alive(), "the row holder did not end"
+
     RULES: tuple[tuple[str, int], ...] = (
         ("rule_produce_add", 6), ("rule_produce_emit", 3), ("rule_produce_savepoint", 2),
         ("rule_produce_for_aggregate", 3), ("rule_produce_async", 2), ("rule_enqueue", 5),
@@ -1003,6 +1083,7 @@ class Scenario:
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
         ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1), ("rule_burst", 2),
+        ("rule_hold_job_row", 2),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------
@@ -1021,6 +1102,7 @@ class Scenario:
                     getattr(self, rule)()
                     self._reap_exited()
                     self.check_always()
+                self._end_holds()
                 self.drain()
                 self.check_idle(counter)
             finally:
@@ -1218,6 +1300,12 @@ class Scenario:
                         blocked_by = seq
                 else:
                     assert row.status == "done" and seq in delivered, f"{seq} not delivered: {dump}"
+        # I9
+        for job_id, version, owner, began, ended, rescued in self.holds:
+            assert not (rescued and began == ended), (
+                f"job {job_id} (lease version {version}) was rescued from {owner}, which was running it, the "
+                "moment a transaction that held its row past stale_after ended"
+            )
         with self.engine.connect() as conn:
             effects = Counter(conn.execute(text("SELECT seq FROM model_effects")).scalars())
         for seq, p in self.model.jobs.items():

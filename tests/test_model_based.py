@@ -22,6 +22,7 @@ SEEDS = [int(s) for s in _given.split(",")] if _given else [1, 2, 3, int(time.ti
 
 _FIXED = (1, 2, 3)
 _sent_ahead: dict[int, int] = {}
+_holds: dict[int, int] = {}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -31,9 +32,12 @@ def test_model_based_ci_profile(engine: Engine, async_url: URL, seed: int) -> No
         # Sync inline workers with instant handlers send their claims ahead of the jobs in hand (a burst rule
         # gives them jobs no other worker takes; when they run depends on timing, so coverage is checked over
         # the fixed seeds together): the invariants were checked with that path under terminations and stops.
+        # Likewise a transaction held a running job's row past stale_after in one of them at least (I9).
         _sent_ahead[seed] = scenario.sent_ahead
+        _holds[seed] = len(scenario.holds)
         if set(_sent_ahead) == set(_FIXED):
             assert sum(_sent_ahead.values()) > 0, f"no claim was sent ahead in seeds {_FIXED}"
+            assert sum(_holds.values()) > 0, f"no job row was held past stale_after in seeds {_FIXED}"
 
 
 @pytest.mark.slow

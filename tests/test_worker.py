@@ -300,8 +300,9 @@ def test_heartbeat_keeps_a_long_job_from_being_reaped(engine: Engine) -> None:
 def test_a_lost_lease_is_reported_by_the_second_beat_that_cannot_renew_it(
     engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """One beat that cannot renew a job may have raced the job's own finalize (committed, not yet released):
-    no warning. A second one in a row means the job was taken away: warned, once per two beats."""
+    """One beat that cannot renew a job may have raced the job's own finalize (committed, not yet released),
+    or met a transaction holding its row: no warning — a lease guard looks at the row. The guard finds it no
+    longer ours, and the next beat that cannot renew it warns, once."""
     seed_jobs(engine, 1, task="held")
     inside, release = threading.Event(), threading.Event()
 
@@ -318,6 +319,11 @@ def test_a_lost_lease_is_reported_by_the_second_beat_that_cannot_renew_it(
             conn.execute(text("UPDATE jobs SET lease_version = lease_version + 1 WHERE id = 1"))
         w.beat_once()
         assert not [r for r in caplog.records if "no longer ours" in r.getMessage()]
+        deadline = time.monotonic() + 10
+        while w._guarding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not w._guarding and w._unguardable == {(1, 1)}
+        w.beat_once()
         w.beat_once()
         lost = [r for r in caplog.records if "no longer ours" in r.getMessage()]
         assert len(lost) == 1 and "job 1 version 1" in lost[0].getMessage()
@@ -358,6 +364,100 @@ def test_a_beat_never_waits_for_a_row_lock_and_so_cannot_deadlock_with_a_finaliz
         locker.close()
         release.set()
         t.join(10)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_moment_it_is_released(
+    engine: Engine, async_url: Any, flavour: str
+) -> None:
+    """A transaction holds a running job's row FOR UPDATE for twice stale_after: no beat can renew the lease
+    meanwhile (they skip locked rows). A rescue sent the moment it commits, before any beat could come, finds
+    nothing to take: the heartbeat queued on the row at its first skip and holds a guard the rescue respects,
+    so its renewal lands first. The job runs once, on its first lease, and its outcome is applied (the
+    reviewer's script ran it on two workers 3 times out of 3)."""
+    seed_jobs(engine, 1, task="held")
+    inside, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def held(job: ClaimedJob) -> None:
+        calls.append(job.id)
+        inside.set()
+        release.wait(20)
+
+    kw: dict[str, Any] = {"stale_after": 1.0, "heartbeat": 0.2, "listen": False}
+    workers: list[Any] = []
+    if flavour == "sync":
+        w = Worker(engine, Job, {"held": held}, **kw)
+        workers.append(w)
+        target: Any = w.run_once
+    else:
+
+        def target() -> None:
+            async def go() -> None:
+                aengine = create_async_engine(async_url)
+                aw = AsyncWorker(aengine, Job, {"held": held}, **kw)
+                workers.append(aw)
+                try:
+                    await aw.run_once()
+                finally:
+                    await aw.close()
+                    await aengine.dispose()
+
+            asyncio.run(go())
+
+    t = threading.Thread(target=target)
+    t.start()
+    locker, rescuer = engine.connect(), engine.connect()
+    try:
+        assert inside.wait(20)
+        locker.begin()
+        locker.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
+        time.sleep(2.0)
+        expired = rescuer.execute(text("SELECT locked_at < now() - interval '1 second' FROM jobs")).scalar()
+        rescuer.rollback()
+        assert expired, "the lease should have run out while the row was held"
+        locker.commit()
+        taken = eng.rescue(rescuer, JOBS, stale_after=timedelta(seconds=1))
+        rescuer.commit()
+        assert taken == []
+    finally:
+        if locker.in_transaction():
+            locker.rollback()
+        locker.close()
+        rescuer.close()
+        release.set()
+        t.join(20)
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts, r.lease_version) == ("done", 1, 1)
+    assert calls == [1]
+    assert workers[0].stats.lost_leases == 0
+
+
+def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: Engine) -> None:
+    """The guard only protects a job while its worker's connection lives: an expired job whose guard is held
+    is left alone by every rescue; when the guard's session ends (its worker was killed, its connection
+    dropped) the next rescue takes the job back. Another job, expired and unguarded, is rescued at once. A
+    second guard of a guarded job is refused without waiting (a worker that lost the job, say)."""
+    seed_jobs(engine, 2)
+    with engine.begin() as conn:
+        claim_jobs(conn, "w1", 2)
+    expire_leases(engine, "jobs")
+    guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        assert eng.guard_lease(guard, JOBS, 1)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as second:
+            assert not eng.guard_lease(second, JOBS, 1)  # held: refused at once, never waited for
+            assert not second.in_transaction() and second.exec_driver_sql("SELECT 1").scalar() == 1
+        with engine.begin() as conn:
+            first = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
+        with engine.begin() as conn:
+            second = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
+        assert [r[0] for r in first] == [2] and second == []
+    finally:
+        guard.invalidate()  # the session ends without a word, as a killed worker's does
+        guard.close()
+    with engine.begin() as conn:
+        assert [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))] == [1]
 
 
 def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
