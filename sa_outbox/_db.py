@@ -7,6 +7,7 @@ step) and reopened on the next use after a fault. A missing table surfaces as :c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -138,5 +139,14 @@ class AsyncLoopConnection:
         if conn is not None:
             if conn.sync_connection is not None:
                 forget_cursor(conn.sync_connection)
+            # Shielded: a cancellation that arrives meanwhile (a second one, anyio's at every await) comes out
+            # here, and the close still completes instead of leaving the connection open.
+            closing = asyncio.ensure_future(conn.close())
+            closing.add_done_callback(_ignore_result)
             with contextlib.suppress(Exception):
-                await conn.close()
+                await asyncio.shield(closing)
+
+
+def _ignore_result(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a close that failed is not logged as "never retrieved"

@@ -8,7 +8,6 @@ parameters. Each statement carries a comment naming the guarantee it gives.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -41,6 +40,7 @@ from sqlalchemy import (
     select,
     table,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy import cast as sa_cast
@@ -366,7 +366,7 @@ def rescue_statement(spec: QueueSpec) -> Update:
     assert order_col is not None
     expired = [spec.lease_expired()]
     if spec.kind == "jobs":  # (only workers beat; a dispatcher's lease is a budget, never guarded)
-        expired.append((c.id % _GUARD_IDS).not_in(_guarded_keys(spec)))
+        expired.append(tuple_(_tableoid, c.id % _GUARD_IDS).not_in(_guarded_keys()))
     victims = (
         select(c.id)
         .where(*expired)
@@ -514,21 +514,19 @@ def finalize_statement(spec: QueueSpec) -> Update:
 # A transaction that holds a running job's row (FOR UPDATE, an UPDATE of it) past stale_after lets its lease
 # run out: every beat skips the locked row. The moment it commits, a rescue that comes before the next beat
 # would take the job back from a worker that is running it — and another worker would run it too. So at its
-# first skip the heartbeat takes the row's *lease guard*, a transaction-scoped advisory lock, and keeps it
-# until a beat has renewed the row: the rescue leaves alone every row whose guard someone holds. It reads
-# the held guards from pg_locks (once per rescue statement, a hashed subplan), so a rescue takes no locks of
-# its own and never waits. The guard dies with its worker's connection: a dead worker's jobs are rescued.
-# Keys: (a number derived from the table's name, the id modulo 2**31) — the two-int4 form of the lock, which
-# pg_locks shows as (classid, objid, objsubid = 2). Two ids 2**31 apart share a key; a guard then also
-# delays the other's rescue while it is held, never longer.
+# first skip the heartbeat takes the row's *lease guard*, a transaction-scoped advisory lock on the worker's
+# guard connection, and keeps it until a beat has renewed the row: the rescue leaves alone every row whose
+# guard someone holds. It reads the held guards from pg_locks (once per rescue statement, a hashed subplan),
+# so a rescue takes no locks of its own and never waits. The guard dies with its worker's connection (and with
+# a worker frozen longer than its idle-in-transaction timeout): a dead worker's jobs are rescued.
+# Keys: (the table's oid, the id modulo 2**31) — the two-int4 form of the lock, which pg_locks shows as
+# (classid, objid, objsubid = 2): the same for every service whatever its model calls the table, distinct per
+# tenant schema. Two ids 2**31 apart share a key; a guard then also delays the other's rescue while held.
 
 _GUARD_IDS = 2**31
-
-
-def guard_space(spec: QueueSpec) -> int:
-    """The first key of the table's lease guards."""
-    return zlib.crc32(f"sa_outbox lease guard {spec.table.fullname}".encode()) & 0x7FFFFFFF
-
+_tableoid: ColumnElement[Any] = literal_column(
+    "tableoid"
+)  # (the statements below read one table: unambiguous)
 
 _pg_locks = table(
     "pg_locks", column("locktype"), column("database"), column("classid"), column("objid"),
@@ -537,13 +535,12 @@ _pg_locks = table(
 _pg_database = table("pg_database", column("oid"), column("datname"))
 
 
-def _guarded_keys(spec: QueueSpec) -> Select[Any]:
-    """The second keys of the lease guards held right now in this database."""
+def _guarded_keys() -> Select[Any]:
+    """The (classid, objid) of the two-key advisory locks held right now in this database."""
     here = select(_pg_database.c.oid).where(_pg_database.c.datname == func.current_database())
-    return select(sa_cast(_pg_locks.c.objid, BigInteger)).where(
+    return select(_pg_locks.c.classid, sa_cast(_pg_locks.c.objid, BigInteger)).where(
         _pg_locks.c.locktype == "advisory",
         _pg_locks.c.database == here.scalar_subquery(),
-        sa_cast(_pg_locks.c.classid, BigInteger) == literal(guard_space(spec), BigInteger),
         _pg_locks.c.objsubid == 2,
         _pg_locks.c.granted,
     )
@@ -551,20 +548,30 @@ def _guarded_keys(spec: QueueSpec) -> Select[Any]:
 
 @cache
 def guard_statement(spec: QueueSpec) -> Select[Any]:
-    """Take the lease guard of job ``:id`` for the rest of the transaction, if no one holds it (true) — never
-    waiting: another worker's guard of the same job (it was taken away and claimed again) or of a job whose
-    id shares the key may last as long as a transaction of yours holds a row (see the section's comment)."""
-    key = sa_cast(bindparam("id", type_=BigInteger) % _GUARD_IDS, Integer)
-    return select(func.pg_try_advisory_xact_lock(literal(guard_space(spec), Integer), key))
+    """Take the lease guards of jobs ``:ids`` for the rest of the transaction; returns (id, taken) per job
+    found. Never waits: a guard someone else holds — another worker's, whose job it now is — is not taken."""
+    c = spec.c
+    key = sa_cast(c.id % _GUARD_IDS, Integer)
+    taken = func.pg_try_advisory_xact_lock(sa_cast(_tableoid, Integer), key)
+    return select(c.id, taken).where(c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
 
 
 @cache
-def lease_held_statement(spec: QueueSpec) -> Select[Any]:
-    """Whether job ``:id`` is still leased under ``:version`` — a plain read, which no row lock delays."""
-    c = spec.c
+def guard_timeout_statement() -> Select[Any]:
+    """``idle_in_transaction_session_timeout`` for the guard's transaction: a worker frozen longer (SIGSTOP, a
+    paused VM) loses its guards as a dead one does, instead of pinning its jobs until TCP gives up."""
     return select(
-        and_(c.status == const(spec.active), c.lease_version == bindparam("version", type_=BigInteger))
-    ).where(c.id == bindparam("id", type_=BigInteger))
+        func.set_config("idle_in_transaction_session_timeout", bindparam("timeout", type_=Text), True)
+    )
+
+
+@cache
+def leases_statement(spec: QueueSpec) -> Select[Any]:
+    """(id, lease_version, leased) of jobs ``:ids`` — a plain read, which no row lock delays."""
+    c = spec.c
+    return select(c.id, c.lease_version, c.status == const(spec.active)).where(
+        c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+    )
 
 
 @cache

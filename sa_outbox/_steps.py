@@ -7,7 +7,6 @@ Database steps are plain functions taking a SQLAlchemy ``Connection`` (the async
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,12 +37,13 @@ __all__ = [
     "finalize",
     "finalize_and_claim",
     "forget_starts",
-    "guard_lease",
+    "guard",
+    "leased",
     "release",
-    "renew_guarded",
     "rescue",
     "run",
     "unavailable",
+    "unguard",
 ]
 
 log = logging.getLogger("sa_outbox.engine")
@@ -413,32 +413,30 @@ def extend(
     return {r[0] for r in rows}, {r[0] for r in rows if r[1]}
 
 
-def guard_lease(conn: Connection, spec: QueueSpec, job_id: int) -> bool:
-    """Open a transaction on ``conn`` (autocommit) holding job ``job_id``'s lease guard: from now on no rescue
-    takes the job back (``_sql``'s lease guard). :func:`renew_guarded` ends the transaction once the row is
-    renewed or no longer ours; dropping the connection ends it too. False, with no transaction left open,
-    when someone else holds the guard (never waited for)."""
-    control(conn, "BEGIN")
-    try:
-        [(taken,)] = run(conn, _sql.guard_statement(spec), {"id": job_id})
-    except BaseException:
-        with contextlib.suppress(Exception):
-            control(conn, "ROLLBACK")
-        raise
-    if not taken:
-        control(conn, "ROLLBACK")
-    return bool(taken)
+def guard(conn: Connection, spec: QueueSpec, ids: Sequence[int], *, frozen_after: float) -> set[int]:
+    """Take the lease guards of ``ids`` in the guard connection's transaction (opened here if ``conn`` has
+    none; :func:`unguard` ends it): from now on no rescue takes those jobs back (``_sql``'s lease guard).
+    Returns the ids guarded; a guard someone else holds is not taken, never waited for."""
+    if _idle(conn):
+        control(conn, "BEGIN")
+        run(conn, _sql.guard_timeout_statement(), {"timeout": f"{max(1, round(frozen_after * 1000))}ms"})
+    return {row_id for row_id, taken in run(conn, _sql.guard_statement(spec), {"ids": list(ids)}) if taken}
 
 
-def renew_guarded(conn: Connection, spec: QueueSpec, pair: tuple[int, int]) -> tuple[bool, bool] | None:
-    """One try, under the guard :func:`guard_lease` took, to renew a row the heartbeat had to skip: None
-    while another transaction still holds the row (the guard stays); otherwise the transaction is committed
-    — releasing the guard — and the result is (renewed, cancellation requested): (False, False) when the
-    row is no longer leased under this version (finished, or taken away before the guard)."""
-    renewed, cancel = extend(conn, spec, [pair])
-    if not renewed:
-        held = run(conn, _sql.lease_held_statement(spec), {"id": pair[0], "version": pair[1]})
-        if held and held[0][0]:
-            return None
-    control(conn, "COMMIT")
-    return bool(renewed), bool(cancel)
+def _idle(conn: Connection) -> bool:
+    driver = getattr(conn.connection, "driver_connection", None)
+    status = getattr(getattr(driver, "info", None), "transaction_status", None)
+    return status is None or status == 0  # psycopg.pq.TransactionStatus.IDLE
+
+
+def unguard(conn: Connection) -> None:
+    """Release every lease guard the guard connection holds (its transaction commits)."""
+    if not _idle(conn):
+        control(conn, "COMMIT")
+
+
+def leased(conn: Connection, spec: QueueSpec, pairs: Iterable[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Which of these (id, lease_version) pairs are still leased under that version (a plain read)."""
+    wanted = dict(pairs)
+    rows = run(conn, _sql.leases_statement(spec), {"ids": list(wanted)})
+    return {(row_id, version) for row_id, version, active in rows if active and wanted.get(row_id) == version}

@@ -90,9 +90,12 @@ PREFETCH_WINDOW = 0.1
 OVERLAP_MIN = 0.001
 #: A claim's round trip assumed before one was measured.
 TRIP_GUESS = 0.002
-#: How often a lease guard tries to renew the row it guards (seconds): the guard keeps the job from being
-#: rescued meanwhile, so this only bounds how soon after the row is free its lease is fresh again.
+#: How often the heartbeat tries to renew the rows it guards (seconds): the guard keeps their jobs from being
+#: rescued meanwhile, so this only bounds how soon after a row is free its lease is fresh again.
 GUARD_POLL = 0.1
+#: The guard connection's transaction is ended and begun again once it holds this many guards (rows long
+#: renewed keep theirs until it ends), so that guards cannot pile up in the server's lock table.
+GUARD_ROTATE = 256
 
 
 class TaskRegistry(dict[str, Handler]):
@@ -497,12 +500,15 @@ class WorkerBase(LoopBase):
         self._pauses_read = False
         self._warned: dict[str, str] = {}  # maintenance step -> the last failure logged (_warn_once)
         self._missed: set[tuple[int, int]] = set()  # (id, version) reported lost by the last heartbeat
-        #: Jobs whose row the heartbeat had to skip, id -> lease version: a guard holds each one's lease until
-        #: the row is free and renewed (:meth:`_guard`, ``_sql``'s lease guard). Guard threads change it.
+        #: Jobs whose row the heartbeat had to skip, id -> lease version: their lease guards are held on the
+        #: guard connection until each row is free and renewed (:meth:`_guard_settle`, ``_sql``'s lease guard).
         self._guarding: dict[int, int] = {}
         self._guarding_lock = threading.Lock()
-        #: (id, version) a guard found no longer ours: not guarded again (the beats report them lost).
+        #: Ids whose guard the guard connection's transaction holds.
+        self._guard_taken: set[int] = set()
+        #: (id, version) found no longer ours while guarded: not guarded again (the beats report them lost).
         self._unguardable: set[tuple[int, int]] = set()
+        self._guard_logged: set[int] = set()
         self._pause_table: Table | None = queue_table(self.spec.table)
         self._threads = CallThreads("sa_outbox-handler")
         #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
@@ -788,8 +794,10 @@ class WorkerBase(LoopBase):
         # still ours. A job the guard found not ours and that the next beat still holds is reported, once.
         missed = {(job_id, version) for job_id, version in pairs
                   if job_id not in ids and still_held.get(job_id) == version} - guarded  # fmt: skip
-        for pair in sorted(missed - unguardable):
-            self._guard(pair)
+        if missed - unguardable:
+            with self._guarding_lock:
+                self._guarding.update(missed - unguardable)
+            self._wake_heartbeat()
         for job_id, version in sorted(missed & unguardable - self._missed):
             log.warning(
                 "heartbeat: job %s version %s is no longer ours (reaped and re-claimed?)", job_id, version,
@@ -810,28 +818,49 @@ class WorkerBase(LoopBase):
         if told:
             self._poke()
 
-    def _guard(self, pair: tuple[int, int]) -> None:
-        """Hold job ``pair``'s lease guard until its row is free and renewed, polling every ``GUARD_POLL``
-        seconds on a connection of its own (a thread, or a task under asyncio). The flavour's hook."""
-        raise NotImplementedError
-
-    def _guard_started(self, pair: tuple[int, int]) -> None:
+    def _guard_wanted(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """The pairs to guard now, and the ids among them whose guard is not held yet."""
         with self._guarding_lock:
-            self._guarding[pair[0]] = pair[1]
-        log.info(
-            "heartbeat: could not renew job %s (its row is locked, or it is no longer ours): guarding its lease",
-            pair[0], extra={"job_id": pair[0], "lease_version": pair[1]},
-        )  # fmt: skip
+            want = sorted(self._guarding.items())
+        return want, [job_id for job_id, _ in want if job_id not in self._guard_taken]
 
-    def _guard_ended(self, pair: tuple[int, int], result: tuple[bool, bool] | None) -> None:
-        """A guard's end: ``result`` is what :func:`_steps.renew_guarded` returned (None: stopped or failed)."""
+    def _guard_settle(
+        self, want: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]], ours: set[tuple[int, int]]
+    ) -> bool:
+        """One guard round's result: rows renewed are done; rows no longer ours are done and reported by the
+        beats; the rest stay guarded. Returns whether the guard connection should let go of its guards now."""
+        ids, cancel = renewed
+        gone = {p for p in want if p[0] not in ids and p not in ours}
         with self._guarding_lock:
-            if self._guarding.get(pair[0]) == pair[1]:
-                del self._guarding[pair[0]]
-            if result is not None and not result[0]:
-                self._unguardable.add(pair)
-        if result is not None and result[1]:
-            self._cancel_requested([pair[0]])
+            for job_id, version in want:
+                if (job_id in ids or (job_id, version) in gone) and self._guarding.get(job_id) == version:
+                    del self._guarding[job_id]
+            self._unguardable |= gone
+            wanted = len(self._guarding)
+        for job_id, version in sorted(p for p in ours if p[0] not in ids and p[0] in self._guard_taken):
+            if job_id not in self._guard_logged:
+                self._guard_logged.add(job_id)
+                log.info(
+                    "heartbeat: job %s's row is held by another transaction; its lease is guarded until it is free",
+                    job_id, extra={"job_id": job_id, "lease_version": version},
+                )  # fmt: skip
+        self._guard_logged &= set(self._guarding)
+        self._cancel_requested(cancel)
+        return bool(self._guard_taken) and (wanted == 0 or len(self._guard_taken) > GUARD_ROTATE)
+
+    def _wake_heartbeat(self) -> None:
+        """Rows to guard: the heartbeat now wakes every GUARD_POLL (the flavour's hook)."""
+
+    def _drop_guards(self) -> None:
+        """The loop ends: its guards go with the guard connection, dropped next."""
+        with self._guarding_lock:
+            self._guarding.clear()
+        self._guard_taken = set()
+        self._guard_logged = set()
+
+    def _guard_failed(self, exc: Exception) -> None:
+        self._guard_taken = set()
+        log.warning("lease guard failed (taken again at once): %s", exc, extra={"error": str(exc)})
 
     def _raise_fatal(self) -> None:
         fatal, self._fatal = self._fatal, None
@@ -840,13 +869,24 @@ class WorkerBase(LoopBase):
 
 
 class _HeartbeatThread:
-    """Renews the leases of the jobs in hand every ``interval`` seconds, on its own connection."""
+    """Renews the leases of the jobs in hand every ``interval`` seconds, on its own connection — and, while it
+    guards rows another transaction holds, tries to renew those every ``GUARD_POLL`` seconds."""
 
-    def __init__(self, beat: Callable[[], None], connect: Callable[[], None], interval: float) -> None:
+    def __init__(
+        self,
+        beat: Callable[[], None],
+        connect: Callable[[], None],
+        interval: float,
+        guarding: Callable[[], bool],
+        guard: Callable[[], None],
+    ) -> None:
         self.interval = interval
         self.beat = beat
         self.connect = connect
+        self.guarding = guarding
+        self.guard = guard
         self.stopped = threading.Event()
+        self.woken = threading.Event()
         self.thread: threading.Thread | None = None
 
     def start(self, *, connect: bool) -> None:
@@ -866,14 +906,25 @@ class _HeartbeatThread:
                 self.connect()
             except Exception as exc:  # the first beat connects again
                 log.warning("heartbeat could not connect yet: %s", exc, extra={"error": str(exc)})
-        while not self.stopped.wait(self.interval):
+        next_beat = time.monotonic() + self.interval
+        while not self.stopped.is_set():
+            wait = next_beat - time.monotonic()
+            self.woken.wait(max(0.0, min(wait, GUARD_POLL) if self.guarding() else wait))
+            self.woken.clear()
+            if self.stopped.is_set():
+                break
             try:
-                self.beat()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval
+                    self.beat()
+                elif self.guarding():
+                    self.guard()
             except Exception as exc:  # a missed beat is retried next interval; never kill the handlers
                 log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
 
     def stop(self) -> None:
         self.stopped.set()
+        self.woken.set()
         thread, self.thread = self.thread, None
         if thread is not None:
             thread.join()
@@ -929,7 +980,13 @@ class Worker(WorkerBase):
         self._beat = (
             None
             if self.heartbeat is None
-            else _HeartbeatThread(self.beat_once, self._connect_beat, self.heartbeat)
+            else _HeartbeatThread(
+                self.beat_once,
+                self._connect_beat,
+                self.heartbeat,
+                lambda: bool(self._guarding),
+                self.guard_once,
+            )
         )
         #: The heartbeat's connection serves one caller at a time: the heartbeat thread, or whoever calls
         #: beat_once() meanwhile.
@@ -942,8 +999,8 @@ class Worker(WorkerBase):
         self._prefetch = False  # run(): inline handlers overlap the next claim when jobs are short
         #: Whether the loop's connection can send a claim ahead itself (learnt at the first try of a run).
         self._sends_ahead = True
-        self._guard_threads: list[threading.Thread] = []
-        self._guards_stop = threading.Event()
+        #: Holds the lease guards (one transaction at a time; only the heartbeat's thread, under _beat_lock).
+        self._guard_db = LoopConnection(engine, self.spec.table.name)
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -1027,39 +1084,41 @@ class Worker(WorkerBase):
             with self._beat_lock:
                 renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
             self._beat_result(pairs, renewed)
+        if self._guarding:
+            self.guard_once()
+
+    def _wake_heartbeat(self) -> None:
+        if self._beat is not None:
+            self._beat.woken.set()
+
+    def guard_once(self) -> None:
+        """One round of the lease guards: take the guards of rows the beats had to skip, try to renew the
+        guarded rows, let go of the guards once none is needed (the heartbeat calls it every ``GUARD_POLL``
+        while it guards rows). Never waits for a row lock."""
+        with self._beat_lock:
+            want, new = self._guard_wanted()
+            try:
+                if new:
+                    self._guard_taken |= self._guard_db.run(
+                        lambda c: _steps.guard(
+                            c, self.spec, new, frozen_after=self.stale_after.total_seconds()
+                        )
+                    )
+                renewed = self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
+                rest = [p for p in want if p[0] not in renewed[0]]
+                # (read on the guard connection: a round that guards rows also keeps its transaction from being
+                # idle for longer than the idle-in-transaction timeout of a frozen worker)
+                ours = self._guard_db.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
+                if self._guard_settle(want, renewed, ours):
+                    self._guard_db.run(_steps.unguard)
+                    self._guard_taken = set()
+            except Exception as exc:
+                self._guard_db.drop()
+                self._guard_failed(exc)
 
     def _connect_beat(self) -> None:
         with self._beat_lock:
             self._beat_db.connect()
-
-    def _guard(self, pair: tuple[int, int]) -> None:
-        self._guard_started(pair)
-        thread = threading.Thread(
-            target=self._guard_lease, args=(pair,), name=f"sa_outbox-lease-guard-{pair[0]}", daemon=True
-        )
-        self._guard_threads = [t for t in self._guard_threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def _guard_lease(self, pair: tuple[int, int]) -> None:
-        db = LoopConnection(self.engine, self.spec.table.name)
-        result: tuple[bool, bool] | None = None
-        try:
-            if db.run(lambda c: _steps.guard_lease(c, self.spec, pair[0])):  # else the next beat tries again
-                result = db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
-                while result is None and not self._guards_stop.wait(GUARD_POLL):
-                    result = db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
-        except Exception as exc:  # the next beat that misses the row guards it again
-            log.warning("lease guard of job %s failed: %s", pair[0], exc, extra={"job_id": pair[0]})
-        finally:
-            db.drop()
-            self._guard_ended(pair, result)
-
-    def _stop_guards(self) -> None:
-        self._guards_stop.set()
-        threads, self._guard_threads = self._guard_threads, []
-        for thread in threads:
-            thread.join()
-        self._guards_stop.clear()
 
     def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
         """Run until stopped, then close: the blocking entry point of a process (``sa-outbox dispatch|worker``
@@ -1075,6 +1134,7 @@ class Worker(WorkerBase):
         self._db.drop()
         with self._beat_lock:
             self._beat_db.drop()
+            self._guard_db.drop()
         self._threads.close()
         self._claimer.close()
 
@@ -1345,11 +1405,12 @@ class Worker(WorkerBase):
         finally:
             if self._beat is not None:
                 self._beat.stop()
-            self._stop_guards()
             self._waker.close()
             self._db.drop()
             with self._beat_lock:
                 self._beat_db.drop()
+                self._drop_guards()
+                self._guard_db.drop()
 
 
 class AsyncWorker(WorkerBase):
@@ -1414,8 +1475,9 @@ class AsyncWorker(WorkerBase):
         #: no wake-up of the loop per job)
         self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._beat_task: asyncio.Task[None] | None = None
-        self._guard_tasks: set[asyncio.Task[None]] = set()
-        self._guards_stopping = False
+        #: Holds the lease guards (one transaction at a time; used under _beat_lock).
+        self._guard_db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._beat_woken = asyncio.Event()
         self._sync: Engine | None = sync_engine
         self._own_sync = sync_engine is None  # built here, disposed by close()
         self._sync_checked = False
@@ -1487,6 +1549,8 @@ class AsyncWorker(WorkerBase):
             async with self._beat_lock:  # the heartbeat task, or a caller's beat_once() meanwhile
                 renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
             self._beat_result(pairs, renewed)
+        if self._guarding:
+            await self.guard_once()
 
     def serve(self, *, install_signal_handlers: bool = True, startup_timeout: Duration | None = None) -> None:
         """Run on a new event loop until stopped, then close: the blocking entry point of a process (the same
@@ -1507,6 +1571,7 @@ class AsyncWorker(WorkerBase):
         await self._waker.close()
         await self._db.drop()
         await self._beat_db.drop()
+        await self._guard_db.drop()
         self._threads.close()
         if self._own_sync:
             sync, self._sync = self._sync, None
@@ -1892,44 +1957,54 @@ class AsyncWorker(WorkerBase):
     def _begin(self) -> None:
         self._pauses_read = False
         if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
+            self._beat_woken = (
+                asyncio.Event()
+            )  # (an Event is bound to the loop of its first wait: one per run)
             self._beat_task = asyncio.ensure_future(self._heartbeat(self.heartbeat))
 
-    def _guard(self, pair: tuple[int, int]) -> None:
-        self._guard_started(pair)
-        self._guard_tasks = {t for t in self._guard_tasks if not t.done()}
-        self._guard_tasks.add(asyncio.ensure_future(self._guard_lease(pair)))
+    def _wake_heartbeat(self) -> None:
+        self._beat_woken.set()
 
-    async def _guard_lease(self, pair: tuple[int, int]) -> None:
-        db = AsyncLoopConnection(self.engine, self.spec.table.name)
-        result: tuple[bool, bool] | None = None
-        try:
-            guarded = await db.run(lambda c: _steps.guard_lease(c, self.spec, pair[0]))
-            if guarded:  # else the next beat tries again
-                result = await db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
-                while result is None and not self._guards_stopping:
-                    await asyncio.sleep(GUARD_POLL)
-                    result = await db.run(lambda c: _steps.renew_guarded(c, self.spec, pair))
-        except Exception as exc:  # the next beat that misses the row guards it again
-            log.warning("lease guard of job %s failed: %s", pair[0], exc, extra={"job_id": pair[0]})
-        finally:
-            await db.drop()
-            self._guard_ended(pair, result)
-
-    async def _stop_guards(self) -> None:
-        self._guards_stopping = True
-        tasks, self._guard_tasks = self._guard_tasks, set()
-        try:
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        finally:
-            self._guards_stopping = False
+    async def guard_once(self) -> None:
+        """One round of the lease guards (see :meth:`Worker.guard_once`)."""
+        async with self._beat_lock:
+            want, new = self._guard_wanted()
+            try:
+                if new:
+                    frozen_after = self.stale_after.total_seconds()
+                    self._guard_taken |= await self._guard_db.run(
+                        lambda c: _steps.guard(c, self.spec, new, frozen_after=frozen_after)
+                    )
+                renewed = (
+                    await self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
+                )
+                rest = [p for p in want if p[0] not in renewed[0]]
+                ours = (
+                    await self._guard_db.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
+                )
+                if self._guard_settle(want, renewed, ours):
+                    await self._guard_db.run(_steps.unguard)
+                    self._guard_taken = set()
+            except Exception as exc:
+                await self._guard_db.drop()
+                self._guard_failed(exc)
 
     async def _heartbeat(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        next_beat = loop.time() + interval
         while True:
-            await asyncio.sleep(interval)
+            wait = next_beat - loop.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._beat_woken.wait(), max(0.0, min(wait, GUARD_POLL) if self._guarding else wait)
+                )
+            self._beat_woken.clear()
             try:
-                await self.beat_once()
+                if loop.time() >= next_beat:
+                    next_beat = loop.time() + interval
+                    await self.beat_once()
+                elif self._guarding:
+                    await self.guard_once()
             except Exception as exc:  # a missed beat is retried next interval
                 log.warning("heartbeat failed: %s", exc, extra={"error": str(exc)})
 
@@ -1955,7 +2030,8 @@ class AsyncWorker(WorkerBase):
                 beat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
-            await self._stop_guards()
+            self._drop_guards()
+            await self._guard_db.drop()
             await self._waker.close()
             await self._db.drop()
             await self._beat_db.drop()

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool
@@ -366,35 +366,45 @@ def test_a_beat_never_waits_for_a_row_lock_and_so_cannot_deadlock_with_a_finaliz
         t.join(10)
 
 
-@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize(("flavour", "jobs"), [("sync", 1), ("async", 1), ("sync", 40), ("async", 40)])
 def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_moment_it_is_released(
-    engine: Engine, async_url: Any, flavour: str
+    db_url: Any, engine: Engine, async_url: Any, flavour: str, jobs: int
 ) -> None:
-    """A transaction holds a running job's row FOR UPDATE for twice stale_after: no beat can renew the lease
-    meanwhile (they skip locked rows). A rescue sent the moment it commits, before any beat could come, finds
-    nothing to take: the heartbeat queued on the row at its first skip and holds a guard the rescue respects,
-    so its renewal lands first. The job runs once, on its first lease, and its outcome is applied (the
-    reviewer's script ran it on two workers 3 times out of 3)."""
-    seed_jobs(engine, 1, task="held")
-    inside, release = threading.Event(), threading.Event()
+    """A transaction holds running jobs' rows FOR UPDATE for twice stale_after: no beat can renew their
+    leases meanwhile (they skip locked rows). A rescue sent the moment it commits, before any beat could
+    come, finds nothing to take: at its first skip the heartbeat took the jobs' guards, which the rescue
+    respects, and renews the rows as soon as they are free. Each job runs once, on its first lease, and its
+    outcome is applied (the reviewer's script ran one on two workers 3 times out of 3). Forty rows held at
+    once with the worker's pool at three connections (loop, heartbeat, guards): one connection holds every
+    guard (one per guard ran 27 of 40 jobs twice with the default pool)."""
+    seed_jobs(engine, jobs, task="held")
+    started, release = threading.Semaphore(0), threading.Event()
     calls: list[int] = []
 
     def held(job: ClaimedJob) -> None:
         calls.append(job.id)
-        inside.set()
+        started.release()
         release.wait(20)
 
-    kw: dict[str, Any] = {"stale_after": 1.0, "heartbeat": 0.2, "listen": False}
+    kw: dict[str, Any] = {
+        "stale_after": 1.0,
+        "heartbeat": 0.2,
+        "listen": False,
+        "concurrency": jobs,
+        "batch": jobs,
+    }
+    pool: dict[str, Any] = {"pool_size": 3, "max_overflow": 0, "pool_timeout": 5}
     workers: list[Any] = []
     if flavour == "sync":
-        w = Worker(engine, Job, {"held": held}, **kw)
+        wengine = create_engine(db_url, **pool)
+        w = Worker(wengine, Job, {"held": held}, **kw)
         workers.append(w)
         target: Any = w.run_once
     else:
 
         def target() -> None:
             async def go() -> None:
-                aengine = create_async_engine(async_url)
+                aengine = create_async_engine(async_url, **pool)
                 aw = AsyncWorker(aengine, Job, {"held": held}, **kw)
                 workers.append(aw)
                 try:
@@ -409,13 +419,14 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
     t.start()
     locker, rescuer = engine.connect(), engine.connect()
     try:
-        assert inside.wait(20)
+        for _ in range(jobs):
+            assert started.acquire(timeout=20)
         locker.begin()
-        locker.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
+        locker.execute(text("SELECT id FROM jobs FOR UPDATE"))
         time.sleep(2.0)
-        expired = rescuer.execute(text("SELECT locked_at < now() - interval '1 second' FROM jobs")).scalar()
+        expired = rescuer.execute(text("SELECT count(*) FROM jobs WHERE locked_at < now() - interval '1 s'"))
+        assert expired.scalar() == jobs, "the leases should have run out while the rows were held"
         rescuer.rollback()
-        assert expired, "the lease should have run out while the row was held"
         locker.commit()
         taken = eng.rescue(rescuer, JOBS, stale_after=timedelta(seconds=1))
         rescuer.commit()
@@ -427,10 +438,34 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
         rescuer.close()
         release.set()
         t.join(20)
-    r = row(engine, "jobs", 1)
-    assert (r.status, r.attempts, r.lease_version) == ("done", 1, 1)
-    assert calls == [1]
+        if flavour == "sync":
+            wengine.dispose()
+    assert statuses(engine, "jobs") == {"done": jobs}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT max(attempts), max(lease_version) FROM jobs")).one() == (1, 1)
+    assert sorted(calls) == list(range(1, jobs + 1))
     assert workers[0].stats.lost_leases == 0
+
+
+def test_a_guard_of_a_worker_frozen_past_its_timeout_is_let_go(engine: Engine) -> None:
+    """A worker frozen with its guards held (SIGSTOP, a paused VM) would pin its jobs until TCP gives up (two
+    hours with the server's defaults): the guard's transaction ends after ``frozen_after`` idle (the worker's
+    stale_after), and the job is rescued like a dead worker's."""
+    seed_jobs(engine, 1)
+    with engine.begin() as conn:
+        claim_jobs(conn, "w1", 1)
+    expire_leases(engine, "jobs")
+    guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        assert eng.guard(guard, JOBS, [1], frozen_after=0.5) == {1}
+        with engine.begin() as conn:
+            assert eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1)) == []
+        time.sleep(1.0)  # frozen: not a statement on the guard's connection
+        with engine.begin() as conn:
+            assert [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))] == [1]
+    finally:
+        guard.invalidate()
+        guard.close()
 
 
 def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: Engine) -> None:
@@ -444,10 +479,12 @@ def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: E
     expire_leases(engine, "jobs")
     guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
     try:
-        assert eng.guard_lease(guard, JOBS, 1)
+        assert eng.guard(guard, JOBS, [1], frozen_after=60) == {1}
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as second:
-            assert not eng.guard_lease(second, JOBS, 1)  # held: refused at once, never waited for
-            assert not second.in_transaction() and second.exec_driver_sql("SELECT 1").scalar() == 1
+            assert (
+                eng.guard(second, JOBS, [1], frozen_after=60) == set()
+            )  # held: refused at once, not waited for
+            eng.unguard(second)
         with engine.begin() as conn:
             first = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
         with engine.begin() as conn:
