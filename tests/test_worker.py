@@ -490,9 +490,18 @@ def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: E
         with engine.begin() as conn:
             second = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
         assert [r[0] for r in first] == [2] and second == []
+        pid = guard.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     finally:
         guard.invalidate()  # the session ends without a word, as a killed worker's does
         guard.close()
+    deadline = time.monotonic() + 10  # (the server notices the closed socket a moment later)
+    with engine.connect() as probe:
+        while probe.execute(
+            text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
+        ).scalar():
+            probe.rollback()
+            assert time.monotonic() < deadline, "the guard's backend did not end"
+            time.sleep(0.01)
     with engine.begin() as conn:
         assert [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))] == [1]
 
