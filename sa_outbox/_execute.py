@@ -28,7 +28,7 @@ from sqlalchemy.util import await_only
 
 from .errors import ConfigurationError
 
-__all__ = ["compile_ahead", "control", "forget_cursor", "keep_cursor", "run", "transaction"]
+__all__ = ["compile_ahead", "control", "forget_cursor", "in_block", "keep_cursor", "run", "transaction"]
 
 _TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 _FATAL_ERROR = psycopg.pq.ExecStatus.FATAL_ERROR
@@ -518,6 +518,14 @@ def control(conn: Connection, sql: str) -> None:
     except psycopg.Error as exc:  # (the regular path raises DBAPIError already)
         assert driver is not None
         raise _wrapped(conn, driver, exc, sql, None) from exc
+
+
+def in_block(conn: Connection) -> bool:
+    """Whether one of the loops' autocommit connections is inside a block :func:`control` began."""
+    driver = getattr(conn.connection, "driver_connection", None)
+    if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+        return driver.pgconn.transaction_status != _IDLE
+    return False
 
 
 @contextmanager

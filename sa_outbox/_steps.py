@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 
 from . import _sql
 from ._backoff import Backoff
-from ._execute import compile_ahead, control, run, send, transaction
+from ._execute import compile_ahead, control, in_block, run, send, transaction
 from ._limits import Limit
 from ._messages import slot_setters
 from ._sql import QueueSpec
@@ -417,21 +417,15 @@ def guard(conn: Connection, spec: QueueSpec, ids: Sequence[int], *, frozen_after
     """Take the lease guards of ``ids`` in the guard connection's transaction (opened here if ``conn`` has
     none; :func:`unguard` ends it): from now on no rescue takes those jobs back (``_sql``'s lease guard).
     Returns the ids guarded; a guard someone else holds is not taken, never waited for."""
-    if _idle(conn):
+    if not in_block(conn):
         control(conn, "BEGIN")
         run(conn, _sql.guard_timeout_statement(), {"timeout": f"{max(1, round(frozen_after * 1000))}ms"})
     return {row_id for row_id, taken in run(conn, _sql.guard_statement(spec), {"ids": list(ids)}) if taken}
 
 
-def _idle(conn: Connection) -> bool:
-    driver = getattr(conn.connection, "driver_connection", None)
-    status = getattr(getattr(driver, "info", None), "transaction_status", None)
-    return status is None or status == 0  # psycopg.pq.TransactionStatus.IDLE
-
-
 def unguard(conn: Connection) -> None:
     """Release every lease guard the guard connection holds (its transaction commits)."""
-    if not _idle(conn):
+    if in_block(conn):
         control(conn, "COMMIT")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import threading
 import time
@@ -447,25 +448,36 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
     assert workers[0].stats.lost_leases == 0
 
 
+@contextlib.contextmanager
+def _expired_and_guardable(engine: Engine, n: int) -> Any:
+    """``n`` jobs claimed by a worker, their leases run out; yields an autocommit connection to take their
+    guards on, dropped without a word at the end (as a killed worker's)."""
+    seed_jobs(engine, n)
+    with engine.begin() as conn:
+        claim_jobs(conn, "w1", n)
+    expire_leases(engine, "jobs")
+    guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    try:
+        yield guard
+    finally:
+        guard.invalidate()
+        guard.close()
+
+
+def _rescued(engine: Engine) -> list[int]:
+    with engine.begin() as conn:
+        return [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))]
+
+
 def test_a_guard_of_a_worker_frozen_past_its_timeout_is_let_go(engine: Engine) -> None:
     """A worker frozen with its guards held (SIGSTOP, a paused VM) would pin its jobs until TCP gives up (two
     hours with the server's defaults): the guard's transaction ends after ``frozen_after`` idle (the worker's
     stale_after), and the job is rescued like a dead worker's."""
-    seed_jobs(engine, 1)
-    with engine.begin() as conn:
-        claim_jobs(conn, "w1", 1)
-    expire_leases(engine, "jobs")
-    guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    try:
+    with _expired_and_guardable(engine, 1) as guard:
         assert eng.guard(guard, JOBS, [1], frozen_after=0.5) == {1}
-        with engine.begin() as conn:
-            assert eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1)) == []
+        assert _rescued(engine) == []
         time.sleep(1.0)  # frozen: not a statement on the guard's connection
-        with engine.begin() as conn:
-            assert [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))] == [1]
-    finally:
-        guard.invalidate()
-        guard.close()
+        assert _rescued(engine) == [1]
 
 
 def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: Engine) -> None:
@@ -473,28 +485,16 @@ def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: E
     is left alone by every rescue; when the guard's session ends (its worker was killed, its connection
     dropped) the next rescue takes the job back. Another job, expired and unguarded, is rescued at once. A
     second guard of a guarded job is refused without waiting (a worker that lost the job, say)."""
-    seed_jobs(engine, 2)
-    with engine.begin() as conn:
-        claim_jobs(conn, "w1", 2)
-    expire_leases(engine, "jobs")
-    guard = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    try:
+    with _expired_and_guardable(engine, 2) as guard:
         assert eng.guard(guard, JOBS, [1], frozen_after=60) == {1}
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as second:
-            assert (
-                eng.guard(second, JOBS, [1], frozen_after=60) == set()
-            )  # held: refused at once, not waited for
-            eng.unguard(second)
-        with engine.begin() as conn:
-            first = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
-        with engine.begin() as conn:
-            second = eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))
-        assert [r[0] for r in first] == [2] and second == []
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as other:
+            assert eng.guard(other, JOBS, [1], frozen_after=60) == set()  # held: refused, not waited for
+            eng.unguard(other)
+        assert _rescued(engine) == [2]
+        assert _rescued(engine) == []
         pid = guard.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-    finally:
-        guard.invalidate()  # the session ends without a word, as a killed worker's does
-        guard.close()
-    deadline = time.monotonic() + 10  # (the server notices the closed socket a moment later)
+    # the guard's session has ended without a word; the server notices the closed socket a moment later
+    deadline = time.monotonic() + 10
     with engine.connect() as probe:
         while probe.execute(
             text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
@@ -502,8 +502,7 @@ def test_a_guarded_lease_is_rescued_once_its_guards_connection_is_gone(engine: E
             probe.rollback()
             assert time.monotonic() < deadline, "the guard's backend did not end"
             time.sleep(0.01)
-    with engine.begin() as conn:
-        assert [r[0] for r in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=1))] == [1]
+    assert _rescued(engine) == [1]
 
 
 def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
