@@ -988,3 +988,59 @@ def test_terminated_server_connections_lose_nothing_through_pgbouncer(
     assert set(handled) == set(jobs)
     twice = [j for j, n in handled.items() if n > 1]
     assert all(jobs[j].lease_version >= 2 for j in twice), twice  # only a lost lease runs a job again
+
+
+def test_a_lease_guard_through_pgbouncer_keeps_a_held_job_from_the_rescue_and_leaves_no_lock(
+    engine: Engine, pooled: tuple[Engine, dict[str, Any]]
+) -> None:
+    """The heartbeat's lease guards are transaction-scoped, so they work through a pooler in transaction
+    mode: three running jobs whose rows a transaction held for twice stale_after are not rescued the moment
+    it commits, each runs once, and no server connection keeps an advisory lock afterwards."""
+    from datetime import timedelta
+
+    from sa_outbox import _steps
+    from sa_outbox._sql import spec_for
+
+    pooled_engine, wakeups = pooled
+    seed_jobs(engine, 3, task="held")
+    started, release = threading.Semaphore(0), threading.Event()
+    calls: list[int] = []
+
+    def held(job: ClaimedJob) -> None:
+        calls.append(job.id)
+        started.release()
+        release.wait(20)
+
+    w = Worker(pooled_engine, Job, {"held": held}, concurrency=3, batch=3, stale_after=1.0, heartbeat=0.2,
+               **wakeups)  # fmt: skip
+    t = threading.Thread(target=w.run_once)
+    t.start()
+    locker, rescuer = engine.connect(), engine.connect()
+    try:
+        for _ in range(3):
+            assert started.acquire(timeout=20)
+        locker.begin()
+        locker.execute(text("SELECT id FROM jobs FOR UPDATE"))
+        time.sleep(2.0)
+        assert (
+            rescuer.execute(
+                text("SELECT count(*) FROM jobs WHERE locked_at < now() - interval '1 s'")
+            ).scalar()
+            == 3
+        )
+        rescuer.rollback()
+        locker.commit()
+        taken = _steps.rescue(rescuer, spec_for(Job), stale_after=timedelta(seconds=1))
+        rescuer.commit()
+        assert taken == []
+    finally:
+        if locker.in_transaction():
+            locker.rollback()
+        locker.close()
+        rescuer.close()
+        release.set()
+        t.join(20)
+    assert statuses(engine, "jobs") == {"done": 3} and sorted(calls) == [1, 2, 3]
+    assert w.stats.lost_leases == 0
+    with engine.connect() as conn:
+        assert not conn.execute(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")).scalar()
