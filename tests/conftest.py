@@ -106,15 +106,20 @@ def shared_engine(db_url: URL) -> Iterator[Engine]:
     engine.dispose()
 
 
-@pytest.fixture
-def engine(shared_engine: Engine) -> Engine:
-    """The test database with empty outbox/jobs tables and identities reset."""
-    with shared_engine.begin() as conn:
+def empty_tables(engine: Engine) -> None:
+    """Empty the outbox/jobs tables (and their siblings, the inbox, the demo models) and reset identities."""
+    with engine.begin() as conn:
         conn.execute(
             text(
                 "TRUNCATE outbox, jobs, jobs_queues, jobs_starts, inbox, orders, order_lines RESTART IDENTITY"
             )
         )
+
+
+@pytest.fixture
+def engine(shared_engine: Engine) -> Engine:
+    """The test database with empty outbox/jobs tables and identities reset."""
+    empty_tables(shared_engine)
     return shared_engine
 
 
