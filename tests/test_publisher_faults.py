@@ -255,9 +255,12 @@ def _restart_mid_stream(
         outcomes += batch()
     restarter.start()
     deadline = time.monotonic() + 90
-    while not restarted.is_set() and time.monotonic() < deadline:
-        outcomes += batch()
-        time.sleep(0.05)
+    try:
+        while not restarted.is_set() and time.monotonic() < deadline:
+            outcomes += batch()
+            time.sleep(0.05)
+    finally:  # a failing publisher must not leave the node half-restarted for the module's next tests
+        restarter.join(120)
     assert restarted.is_set(), "the private node did not come back"
     rabbit.restart()  # and once more while the publisher holds an idle connection
     singles = []
@@ -461,6 +464,51 @@ def test_async_rabbitmq_refused_lost_and_frozen(
     assert out["first"] == ["ok"] and out["back"] == ["ok"] and out["after"] == ["ok"]
     assert out["lost"] == ["DestinationUnavailable"] * 2
     assert set(out["frozen"]) == {"RetryableError"} and out["frozen_took"] < 3 * 2
+
+
+def test_async_rabbitmq_connection_lost_between_connect_and_channel(
+    proxy_to: Callable[[int], TcpProxy], shared_queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker restart that lands between the connection's handshake and the channel's open (aiormq then
+    raises a bare ``RuntimeError("... closed")``, seen in CI) is DestinationUnavailable for the call, and the
+    next call reconnects — not an unclassified exception out of the publisher."""
+    import aio_pika
+
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+
+    proxy = proxy_to(AMQP_PORT)
+    real_connect = aio_pika.connect
+    cuts = 0
+
+    async def connect_then_lose_it(*args: Any, **kwargs: Any) -> Any:
+        nonlocal cuts
+        conn = await real_connect(*args, **kwargs)
+        if cuts == 0:  # the first connection dies at once, before the publisher opens its channel
+            cuts += 1
+            proxy.cut()
+            for _ in range(200):
+                if conn.is_closed:
+                    break
+                await asyncio.sleep(0.01)
+        return conn
+
+    monkeypatch.setattr(aio_pika, "connect", connect_then_lose_it)
+
+    async def go() -> tuple[list[str], list[str], bool]:
+        pub = AsyncRabbitMQPublisher(
+            f"amqp://guest:guest@127.0.0.1:{proxy.port}/", routing_key=shared_queue, timeout=5
+        )
+        try:
+            lost = kinds(await pub.publish_many([msg(1), msg(2)]))
+            back = kinds(await pub.publish_many([msg(3)]))
+        finally:
+            await asyncio.wait_for(pub.close(), 10)
+        return lost, back, cuts == 1
+
+    lost, back, did_cut = asyncio.run(go())
+    assert did_cut
+    assert lost == ["DestinationUnavailable"] * 2
+    assert back == ["ok"]
 
 
 # --- Redis: private servers for memory limits, replicas, scripts and failed saves ------------------------

@@ -104,6 +104,14 @@ class AsyncRabbitMQPublisher(AmqpRouting):
                 raise DestinationUnavailable(
                     f"rabbitmq connection lost: {type(exc).__name__}: {exc}"
                 ) from exc
+            except RuntimeError as exc:
+                # aiormq's answer to opening a channel on a connection that closed after its handshake (a
+                # broker restart in between; aio-pika's is_closed has not noticed yet): a connection that
+                # cannot open a channel is dropped, the next call opens a new one.
+                self._discard()
+                raise DestinationUnavailable(
+                    f"rabbitmq connection lost before its channel opened: RuntimeError: {exc}"
+                ) from exc
             self._channel, self._exchange = channel, exchange
             return exchange
 
