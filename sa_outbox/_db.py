@@ -16,11 +16,12 @@ from typing import TypeVar
 from sqlalchemy import Connection, Engine, literal, select
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import Pool, QueuePool
 
 from ._execute import forget_cursor, keep_cursor
 from .errors import SchemaError
 
-__all__ = ["AsyncLoopConnection", "LoopConnection"]
+__all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room"]
 
 T = TypeVar("T")
 
@@ -43,6 +44,15 @@ def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
             f"table {table!r} is missing or incomplete ({exc.orig}); run the migration (alembic upgrade head) first"
         )
     return None
+
+
+def pool_has_room(pool: Pool) -> bool:
+    """Whether a checkout from ``pool`` would not wait now: a pooled connection is free or one may be opened
+    (pools without a limit always have room). A snapshot: another thread may take the room meanwhile."""
+    if not isinstance(pool, QueuePool):
+        return True
+    max_overflow: int = getattr(pool, "_max_overflow", -1)  # not public; -1 (unlimited) when unknown
+    return max_overflow < 0 or pool.checkedout() < pool.size() + max_overflow
 
 
 class LoopConnection:
@@ -75,6 +85,12 @@ class LoopConnection:
     def run(self, fn: Callable[[Connection], T]) -> T:
         with self.use() as conn:
             return fn(conn)
+
+    def can_run_now(self) -> bool:
+        """Whether :meth:`run` would not wait for the pool: the connection is open, or the pool has room."""
+        conn = self._conn
+        live = conn is not None and not conn.closed and not conn.invalidated
+        return live or pool_has_room(self.engine.pool)
 
     def result_ready(self) -> bool:
         """Whether the result of a statement sent ahead on this connection has arrived (reading it would not
@@ -133,6 +149,12 @@ class AsyncLoopConnection:
         except BaseException:
             await self.drop()
             raise
+
+    def can_run_now(self) -> bool:
+        """Whether :meth:`run` would not wait for the pool: the connection is open, or the pool has room."""
+        conn = self._conn
+        live = conn is not None and not conn.closed and not conn.invalidated
+        return live or pool_has_room(self.engine.sync_engine.pool)
 
     async def drop(self) -> None:
         conn, self._conn = self._conn, None

@@ -837,6 +837,8 @@ class WorkerBase(LoopBase):
                     del self._guarding[job_id]
             self._unguardable |= gone
             wanted = len(self._guarding)
+            # guards of rows done (renewed, or no longer ours) stay taken until the transaction ends
+            stale = len(self._guard_taken - self._guarding.keys())
         for job_id, version in sorted(p for p in ours if p[0] not in ids and p[0] in self._guard_taken):
             if job_id not in self._guard_logged:
                 self._guard_logged.add(job_id)
@@ -846,7 +848,22 @@ class WorkerBase(LoopBase):
                 )  # fmt: skip
         self._guard_logged &= set(self._guarding)
         self._cancel_requested(cancel)
-        return bool(self._guard_taken) and (wanted == 0 or len(self._guard_taken) > GUARD_ROTATE)
+        return bool(self._guard_taken) and (wanted == 0 or stale > GUARD_ROTATE)
+
+    def _guard_room(self, connected: bool) -> bool:
+        """Whether this round may take guards: the guard connection is open, or the pool has a connection for
+        it now. A full pool is not waited for (the wait, ``pool_timeout``, would hold up every lease's beat):
+        the round renews what it can without guards, warned once, and tries again next round."""
+        if connected:
+            self._warned.pop("lease guard", None)
+            return True
+        self._warn_once(
+            "lease guard",
+            "lease guard skipped: the engine's pool has no free connection for the guard connection (the "
+            "worker needs concurrency + 3: its loop, heartbeat and guard, and one per handler that connects); "
+            "a job whose row another transaction holds past stale_after may be rescued once it is free",
+        )
+        return False
 
     def _wake_heartbeat(self) -> None:
         """Rows to guard: the heartbeat now wakes every GUARD_POLL (the flavour's hook)."""
@@ -1095,23 +1112,29 @@ class Worker(WorkerBase):
         """One round of the lease guards: take the guards of rows the beats had to skip, try to renew the
         guarded rows, let go of the guards once none is needed (the heartbeat calls it every ``GUARD_POLL``
         while it guards rows). Never waits for a row lock."""
+        frozen_after = self.stale_after.total_seconds()
         with self._beat_lock:
             want, new = self._guard_wanted()
             try:
-                if new:
+                guarding = self._guard_room(self._guard_db.can_run_now())
+                if new and guarding:
                     self._guard_taken |= self._guard_db.run(
-                        lambda c: _steps.guard(
-                            c, self.spec, new, frozen_after=self.stale_after.total_seconds()
-                        )
+                        lambda c: _steps.guard(c, self.spec, new, frozen_after=frozen_after)
                     )
                 renewed = self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
                 rest = [p for p in want if p[0] not in renewed[0]]
                 # (read on the guard connection: a round that guards rows also keeps its transaction from being
                 # idle for longer than the idle-in-transaction timeout of a frozen worker)
-                ours = self._guard_db.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
+                on = self._guard_db if guarding else self._beat_db
+                ours = on.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
                 if self._guard_settle(want, renewed, ours):
                     self._guard_db.run(_steps.unguard)
                     self._guard_taken = set()
+                    _, again = self._guard_wanted()  # rows still held: guarded again in a new transaction
+                    if again:
+                        self._guard_taken |= self._guard_db.run(
+                            lambda c: _steps.guard(c, self.spec, again, frozen_after=frozen_after)
+                        )
             except Exception as exc:
                 self._guard_db.drop()
                 self._guard_failed(exc)
@@ -1967,11 +1990,12 @@ class AsyncWorker(WorkerBase):
 
     async def guard_once(self) -> None:
         """One round of the lease guards (see :meth:`Worker.guard_once`)."""
+        frozen_after = self.stale_after.total_seconds()
         async with self._beat_lock:
             want, new = self._guard_wanted()
             try:
-                if new:
-                    frozen_after = self.stale_after.total_seconds()
+                guarding = self._guard_room(self._guard_db.can_run_now())
+                if new and guarding:
                     self._guard_taken |= await self._guard_db.run(
                         lambda c: _steps.guard(c, self.spec, new, frozen_after=frozen_after)
                     )
@@ -1979,12 +2003,16 @@ class AsyncWorker(WorkerBase):
                     await self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
                 )
                 rest = [p for p in want if p[0] not in renewed[0]]
-                ours = (
-                    await self._guard_db.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
-                )
+                on = self._guard_db if guarding else self._beat_db
+                ours = await on.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
                 if self._guard_settle(want, renewed, ours):
                     await self._guard_db.run(_steps.unguard)
                     self._guard_taken = set()
+                    _, again = self._guard_wanted()  # rows still held: guarded again in a new transaction
+                    if again:
+                        self._guard_taken |= await self._guard_db.run(
+                            lambda c: _steps.guard(c, self.spec, again, frozen_after=frozen_after)
+                        )
             except Exception as exc:
                 await self._guard_db.drop()
                 self._guard_failed(exc)

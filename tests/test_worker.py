@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -25,6 +26,7 @@ from sa_outbox import (
     RetryableError,
     TaskRegistry,
     Worker,
+    _worker,
     cancel_jobs,
     enqueue,
 )
@@ -367,38 +369,23 @@ def test_a_beat_never_waits_for_a_row_lock_and_so_cannot_deadlock_with_a_finaliz
         t.join(10)
 
 
-@pytest.mark.parametrize(("flavour", "jobs"), [("sync", 1), ("async", 1), ("sync", 40), ("async", 40)])
-def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_moment_it_is_released(
-    db_url: Any, engine: Engine, async_url: Any, flavour: str, jobs: int
-) -> None:
-    """A transaction holds running jobs' rows FOR UPDATE for twice stale_after: no beat can renew their
-    leases meanwhile (they skip locked rows). A rescue sent the moment it commits, before any beat could
-    come, finds nothing to take: at its first skip the heartbeat took the jobs' guards, which the rescue
-    respects, and renews the rows as soon as they are free. Each job runs once, on its first lease, and its
-    outcome is applied (the reviewer's script ran one on two workers 3 times out of 3). Forty rows held at
-    once with the worker's pool at three connections (loop, heartbeat, guards): one connection holds every
-    guard (one per guard ran 27 of 40 jobs twice with the default pool)."""
-    seed_jobs(engine, jobs, task="held")
-    started, release = threading.Semaphore(0), threading.Event()
-    calls: list[int] = []
-
-    def held(job: ClaimedJob) -> None:
-        calls.append(job.id)
-        started.release()
-        release.wait(20)
-
-    kw: dict[str, Any] = {
-        "stale_after": 1.0,
-        "heartbeat": 0.2,
-        "listen": False,
-        "concurrency": jobs,
-        "batch": jobs,
-    }
-    pool: dict[str, Any] = {"pool_size": 3, "max_overflow": 0, "pool_timeout": 5}
+@contextlib.contextmanager
+def _worker_running(
+    db_url: Any,
+    async_url: Any,
+    flavour: str,
+    make_handler: Any,
+    pool: dict[str, Any],
+    release: Any,
+    **kw: Any,
+) -> Any:
+    """A Worker or an AsyncWorker (``flavour``) on an engine of its own (``pool``), its ``run_once`` on a
+    thread; the task ``held`` runs ``make_handler(that engine)``. Yields a list that holds the worker once it
+    exists; at the end, sets ``release`` and joins the thread."""
     workers: list[Any] = []
     if flavour == "sync":
         wengine = create_engine(db_url, **pool)
-        w = Worker(wengine, Job, {"held": held}, **kw)
+        w = Worker(wengine, Job, {"held": make_handler(wengine)}, listen=False, **kw)
         workers.append(w)
         target: Any = w.run_once
     else:
@@ -406,7 +393,7 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
         def target() -> None:
             async def go() -> None:
                 aengine = create_async_engine(async_url, **pool)
-                aw = AsyncWorker(aengine, Job, {"held": held}, **kw)
+                aw = AsyncWorker(aengine, Job, {"held": make_handler(aengine)}, listen=False, **kw)
                 workers.append(aw)
                 try:
                     await aw.run_once()
@@ -418,10 +405,64 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
 
     t = threading.Thread(target=target)
     t.start()
-    locker, rescuer = engine.connect(), engine.connect()
     try:
+        yield workers
+    finally:
+        release.set()
+        t.join(30)
+        if flavour == "sync":
+            wengine.dispose()
+    assert not t.is_alive()
+
+
+@contextlib.contextmanager
+def _held_jobs_running(engine: Engine, db_url: Any, async_url: Any, flavour: str, jobs: int) -> Any:
+    """A worker (``flavour``), stale_after 1 s, beating every 0.2 s, on an engine of three connections (loop,
+    heartbeat, guards), running ``jobs`` seeded jobs at once, each until the block ends. After the block,
+    every job ran once, on its first lease, and its outcome was applied."""
+    seed_jobs(engine, jobs, task="held")
+    started, release = threading.Semaphore(0), threading.Event()
+    calls: list[int] = []
+
+    def held(job: ClaimedJob) -> None:
+        calls.append(job.id)
+        started.release()
+        release.wait(20)
+
+    kw: dict[str, Any] = {"stale_after": 1.0, "heartbeat": 0.2, "concurrency": jobs, "batch": jobs}
+    pool: dict[str, Any] = {"pool_size": 3, "max_overflow": 0, "pool_timeout": 5}
+    with _worker_running(db_url, async_url, flavour, lambda _e: held, pool, release, **kw) as workers:
         for _ in range(jobs):
             assert started.acquire(timeout=20)
+        yield
+    assert statuses(engine, "jobs") == {"done": jobs}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT max(attempts), max(lease_version) FROM jobs")).one() == (1, 1)
+    assert sorted(calls) == list(range(1, jobs + 1))
+    assert workers[0].stats.lost_leases == 0
+
+
+@pytest.mark.parametrize(
+    ("flavour", "jobs"),
+    [("sync", 1), ("async", 1), ("sync", 40), ("async", 40), ("sync", 300), ("async", 300)],
+)
+def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_moment_it_is_released(
+    db_url: Any, engine: Engine, async_url: Any, flavour: str, jobs: int
+) -> None:
+    """A transaction holds running jobs' rows FOR UPDATE for twice stale_after: no beat can renew their
+    leases meanwhile (they skip locked rows). A rescue sent the moment it commits, before any beat could
+    come, finds nothing to take: at its first skip the heartbeat took the jobs' guards, which the rescue
+    respects, and renews the rows as soon as they are free. Each job runs once, on its first lease, and its
+    outcome is applied (the reviewer's script ran one on two workers 3 times out of 3). Forty rows held at
+    once with the worker's pool at three connections (loop, heartbeat, guards): one connection holds every
+    guard (one per guard ran 27 of 40 jobs twice with the default pool). Three hundred: more than the guard
+    transaction's rotation size (GUARD_ROTATE), which must not let go of guards still wanted (a reviewer's
+    script had all 300 rescued)."""
+    with (
+        _held_jobs_running(engine, db_url, async_url, flavour, jobs),
+        engine.connect() as locker,
+        engine.connect() as rescuer,
+    ):
         locker.begin()
         locker.execute(text("SELECT id FROM jobs FOR UPDATE"))
         time.sleep(2.0)
@@ -432,20 +473,102 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
         taken = eng.rescue(rescuer, JOBS, stale_after=timedelta(seconds=1))
         rescuer.commit()
         assert taken == []
-    finally:
-        if locker.in_transaction():
-            locker.rollback()
-        locker.close()
-        rescuer.close()
-        release.set()
-        t.join(20)
+
+
+def _guards_held(conn: Any) -> set[int]:
+    """The ids whose lease guard some session holds (the two-int4 advisory locks of guard_statement)."""
+    rows = conn.execute(
+        text("SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted")
+    ).scalars()
+    ids = {int(r) for r in rows}
+    conn.rollback()
+    return ids
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_the_guard_transaction_rotates_out_the_guards_it_no_longer_needs_and_keeps_the_wanted_ones(
+    db_url: Any, engine: Engine, async_url: Any, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guards are transaction-scoped advisory locks, let go of all at once. Once more than GUARD_ROTATE of
+    them guard rows already renewed, the guard transaction ends to shed them and takes the guards still wanted
+    again in the next one (at once, in the same round: the gap is one round trip). Four of six held rows freed
+    (rotation size 2 here): the four guards go, the other two rows' stay, and a rescue the moment their holder
+    commits takes nothing. Before, the rotation counted every guard taken, wanted or not (300 held rows were
+    all let go of and rescued), and a guard transaction that never rotated would keep the four."""
+    monkeypatch.setattr(_worker, "GUARD_ROTATE", 2)
+    with (
+        _held_jobs_running(engine, db_url, async_url, flavour, 6),
+        engine.connect() as first,
+        engine.connect() as second,
+        engine.connect() as rescuer,
+    ):
+        first.begin()
+        first.execute(text("SELECT id FROM jobs WHERE id <= 4 FOR UPDATE"))
+        second.begin()
+        second.execute(text("SELECT id FROM jobs WHERE id > 4 FOR UPDATE"))
+        time.sleep(2.0)
+        assert _guards_held(rescuer) == {1, 2, 3, 4, 5, 6}
+        first.commit()  # rows 1-4 renewed next round: four guards no longer needed, more than 2
+        deadline = time.monotonic() + 5
+        while _guards_held(rescuer) != {5, 6} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _guards_held(rescuer) == {5, 6}, "the guard transaction kept its done guards (or lost 5, 6)"
+        second.commit()
+        taken = eng.rescue(rescuer, JOBS, stale_after=timedelta(seconds=1))
+        rescuer.commit()
+        assert taken == []
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_guard_that_finds_the_pool_full_does_not_hold_up_the_other_jobs_beats(
+    db_url: Any, engine: Engine, async_url: Any, flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The guard connection is opened at the first held row. With the worker's pool full (its loop, its
+    heartbeat and two handlers that each keep a connection), waiting for a checkout (pool_timeout, 8 s) held
+    up the heartbeat, and every running job's lease ran out with the held one's: a rescue at the release took
+    both (a reviewer's script). Now the round goes on without a guard, warned once: the other job keeps its
+    lease; only the held job is as exposed as it was before guards existed."""
+    seed_jobs(engine, 2, task="held")
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def make_handler(wengine: Any) -> Any:
         if flavour == "sync":
-            wengine.dispose()
-    assert statuses(engine, "jobs") == {"done": jobs}
-    with engine.connect() as conn:
-        assert conn.execute(text("SELECT max(attempts), max(lease_version) FROM jobs")).one() == (1, 1)
-    assert sorted(calls) == list(range(1, jobs + 1))
-    assert workers[0].stats.lost_leases == 0
+
+            def held(job: ClaimedJob) -> None:
+                with wengine.connect() as c:  # the handler's own work keeps a connection of the worker's pool
+                    c.execute(text("SELECT 1"))
+                    started.release()
+                    release.wait(20)
+
+            return held
+
+        async def aheld(job: ClaimedJob) -> None:
+            async with wengine.connect() as c:
+                await c.execute(text("SELECT 1"))
+                started.release()
+                while not release.is_set():
+                    await asyncio.sleep(0.02)
+
+        return aheld
+
+    pool: dict[str, Any] = {"pool_size": 4, "max_overflow": 0, "pool_timeout": 8}
+    kw: dict[str, Any] = {"stale_after": 1.0, "heartbeat": 0.2, "concurrency": 2, "batch": 2}
+    with (
+        _worker_running(db_url, async_url, flavour, make_handler, pool, release, **kw),
+        engine.connect() as locker,
+        engine.connect() as rescuer,
+    ):
+        for _ in range(2):
+            assert started.acquire(timeout=20)
+        with caplog.at_level(logging.WARNING, logger="sa_outbox"):
+            locker.begin()
+            locker.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
+            time.sleep(2.0)
+            locker.commit()
+            taken = [r[0] for r in eng.rescue(rescuer, JOBS, stale_after=timedelta(seconds=1))]
+            rescuer.commit()
+        assert 2 not in taken, "the heartbeat waited for the pool and job 2's lease ran out"
+        assert any("lease guard skipped" in r.getMessage() for r in caplog.records)
 
 
 @contextlib.contextmanager
