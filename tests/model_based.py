@@ -26,6 +26,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
   the loops claim, once every row in it is finished; a write into it afterwards is refused whole;
+* a user's transaction locks a few pending events (``FOR KEY SHARE``, as a foreign key check does, or ``FOR
+  UPDATE``) for a moment while the loops run: an ordered claim that found such a lock live passes the row to
+  its own lock untested, and tests it after the lock if the lock is its own after all;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -588,6 +591,7 @@ class Scenario:
         #: stale_after (rule_hold_job_row).
         self.holds: list[tuple[int, int, str, int, int, bool]] = []
         self.holder: threading.Thread | None = None
+        self.locked_pending = 0  # pending events a user's transaction locked (rule_lock_pending_events)
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
@@ -1071,6 +1075,33 @@ class Scenario:
         self.holder.start()
         self.log.append(f"hold the row of long job seq {p.seq} for {span:.1f}s once it runs")
 
+    def rule_lock_pending_events(self) -> None:
+        """A user's transaction locks a few pending events for up to 0.2 s while the loops run, and ends
+        (commits or rolls back): ``FOR KEY SHARE``, as the foreign key check of a row that references them
+        does, or ``FOR UPDATE``, as an operator's tool might. Meanwhile claims skip those rows; an ordered claim
+        whose snapshot saw the lock live but that reaches a row after it ended tests the row after its own lock
+        instead of before it; later claims find the lock ended and test before the lock again."""
+        key_share = self.rng.random() < 0.5
+        with self.engine.connect() as conn:
+            ids = (
+                conn.execute(
+                    select(self.Outbox.id)
+                    .where(self.Outbox.status == "pending")
+                    .order_by(func.random())
+                    .limit(self.rng.randint(1, 12))
+                    .with_for_update(read=key_share, key_share=key_share, skip_locked=True)
+                )
+                .scalars()
+                .all()
+            )
+            time.sleep(self.rng.uniform(0.0, 0.2))
+            if self.rng.random() < 0.8:
+                conn.commit()
+            else:
+                conn.rollback()
+        self.locked_pending += len(ids)
+        self.log.append(f"locked {len(ids)} pending events FOR {'KEY SHARE' if key_share else 'UPDATE'}")
+
     def _end_holds(self) -> None:
         if self.holder is not None:
             self.holder.join(10)
@@ -1083,7 +1114,7 @@ class Scenario:
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
         ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1), ("rule_burst", 2),
-        ("rule_hold_job_row", 2),
+        ("rule_hold_job_row", 2), ("rule_lock_pending_events", 2),
     )  # fmt: skip
 
     # -- the run ---------------------------------------------------------------------------------------------

@@ -20,11 +20,12 @@ from sa_outbox import (
     PermanentError,
     RetryableError,
 )
+from sa_outbox import _steps as eng
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases, make_due
-from .helpers import claim, ids_with_status, mark_done, row, seed_events, statuses
+from .helpers import OUTBOX, claim, ids_with_status, mark_done, row, seed_events, statuses
 
 
 def dispatcher(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:
@@ -262,6 +263,59 @@ def test_ordered_event_types_leave_other_types_unordered(engine: Engine) -> None
     seed_events(engine, 2, aggregate="X", event_type="Notice", start=2)  # 3, 4
     rows = claim(engine, "A", batch=10, lease=30, ordered=True, ordered_types=["Ordered"])
     assert [r.id for r in rows] == [1, 3, 4]
+
+
+def _claim_past_a_lock_that_ended(engine: Engine, locked: list[int], batch: int = 10) -> list[int]:
+    """An ordered claim whose snapshot saw these rows locked by a live transaction (FOR KEY SHARE, as a
+    foreign key check of a referencing row takes) that ended before the claim reached them: it passes them to
+    its own lock untested, gets the lock, and must test them after it. (The claim runs in a repeatable-read
+    transaction whose snapshot was taken while the lock was held.)"""
+    with engine.connect() as holder, engine.connect() as conn:
+        holder.execute(text("SELECT id FROM outbox WHERE id = ANY(:ids) FOR KEY SHARE"), {"ids": locked})
+        conn.execution_options(isolation_level="REPEATABLE READ")
+        conn.execute(text("SELECT 1"))  # the claim's snapshot: the lock's transaction is live
+        holder.commit()
+        rows = eng.claim(conn, OUTBOX, owner="A", batch=batch, lease=timedelta(seconds=30), ordered=True)
+        conn.commit()
+    return [r[0] for r in rows]
+
+
+def _xmax(engine: Engine, ids: list[int]) -> list[int]:
+    with engine.connect() as conn:
+        q = text("SELECT xmax::text::bigint FROM outbox WHERE id = ANY(:ids) ORDER BY id")
+        return list(conn.execute(q, {"ids": ids}).scalars())
+
+
+def test_an_ordered_claim_tests_a_row_it_found_locked_by_a_live_transaction_after_its_own_lock(
+    engine: Engine,
+) -> None:
+    """A row whose version a live transaction had locked is not tested before the lock (SKIP LOCKED would
+    drop it); when the lock turns out to be the claim's, the test runs after it: X's second event is not
+    claimed in the batch that takes X's head (its predecessor is pending in the claim's snapshot), Y's lone
+    event is."""
+    seed_events(engine, 2, aggregate="X")  # 1, 2
+    seed_events(engine, 1, aggregate="Y")  # 3
+    assert _claim_past_a_lock_that_ended(engine, [2, 3]) == [1, 3]
+    assert ids_with_status(engine, "pending") == [2]
+
+
+def test_a_row_an_ordered_claim_turned_down_after_its_lock_is_not_locked_again_by_the_next(
+    engine: Engine,
+) -> None:
+    """Sixty events of X behind its dead head, found locked by a live transaction that then ended, and Y's
+    event behind them: the first claim of 50 locks 50 of X's, tests them after the lock and turns them down
+    (a short claim). Its own lock has ended by the next claim, which tests them before the lock, locks none of
+    them (their xmax stays the first claim's) and reaches Y — no claim is kept from the rows behind by rows
+    it keeps locking and turning down."""
+    seed_events(engine, 61, aggregate="X")  # 1 … 61
+    seed_events(engine, 1, aggregate="Y")  # 62
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead' WHERE id = 1"))
+    assert _claim_past_a_lock_that_ended(engine, list(range(2, 63)), batch=50) == []
+    after_first = _xmax(engine, list(range(2, 62)))
+    assert [r.id for r in claim(engine, "B", batch=50, lease=30, ordered=True)] == [62]
+    assert _xmax(engine, list(range(2, 62))) == after_first
+    assert ids_with_status(engine, "pending") == list(range(2, 62))
 
 
 # --- the dispatcher's own guarantees ----------------------------------------------------------------------
