@@ -36,7 +36,6 @@ from sqlalchemy import (
     literal,
     literal_column,
     not_,
-    null,
     or_,
     select,
     table,
@@ -47,8 +46,7 @@ from sqlalchemy import (
 from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import ColumnElement, Select, Update
-from sqlalchemy.sql.elements import ColumnClause, conv
-from sqlalchemy.types import UserDefinedType
+from sqlalchemy.sql.elements import conv
 
 from .errors import SchemaError
 
@@ -231,73 +229,6 @@ def claim_returning(spec: QueueSpec) -> list[Any]:
     return [*(sa_cast(c[n], Text).label(n) if n == "payload" else c[n] for n in names), age]
 
 
-def _first_of_its_aggregate(
-    spec: QueueSpec,
-    row: Any,
-    *,
-    ordered_types: bool,
-    alias: str = "prev",
-    untested: ColumnElement[bool] | None = None,
-) -> ColumnElement[bool]:
-    """The ordered claim's rule for ``row`` (a candidate's columns): no earlier row of its aggregate is pending,
-    processing or dead (dead blocks the aggregate until an operator acts). With ``ordered_types``, only the
-    listed event types are ordered (among themselves); other rows are always eligible. Read through
-    ``ix_<outbox>_aggregate``, one probe per candidate.
-
-    ``untested``: rows it holds for pass without a probe. They are gated inside the probe, as a NULL aggregate
-    key, which the index answers without a descent, so the test stays a plain ``NOT EXISTS``: an anti-join,
-    which the planner walks in the ready index's order and stops after the batch (an ``OR`` beside it made a
-    subplan of it, and the planner sorted every ready row first)."""
-    prev = spec.table.alias(alias)
-    types = bindparam("ordered_types", type_=ARRAY(Text))
-    gates = [
-        *([untested] if untested is not None else []),
-        *([~(row.event_type == any_(types))] if ordered_types else []),
-    ]
-    key = case((or_(*gates), null()), else_=row.aggregate_id) if gates else row.aggregate_id
-    return not_(
-        exists(
-            select(literal(1))
-            .select_from(prev)
-            .where(
-                prev.c.aggregate_id == key,
-                prev.c.aggregate_type == row.aggregate_type,
-                prev.c.id < row.id,
-                prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
-                *([prev.c.event_type == any_(types)] if ordered_types else []),
-            )
-        )
-    )
-
-
-class _Xid(UserDefinedType[Any]):
-    """PostgreSQL's 32-bit transaction id (``xid``), for the ordered claim's look at a row version's xmax."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "xid"
-
-
-def _locked_by_a_live_transaction(table: Table) -> ColumnElement[bool]:
-    """Whether the candidate row version's ``xmax`` (the last transaction to lock or update it) is a transaction
-    still in progress in the statement's snapshot: one of the snapshot's running transactions, or one that began
-    after it. Two InitPlans read the snapshot once per statement; each row then costs a comparison with the few
-    running ids and an ``age()``. A transaction that has ended — a committed lock, a claim that turned the row
-    down after locking it — is not live. A MultiXact id in xmax reads as a (meaningless) xid: then the answer is
-    only a guess, which costs a probe or a lock but never changes what may be claimed."""
-    # the system column, qualified like the table's own columns (schema, translation): the predecessor test's
-    # subquery reads the same table under an alias and must see the candidate's xmax, not its own
-    xmax: ColumnElement[Any] = ColumnClause("xmax", _Xid(), _selectable=table)
-    running = func.pg_snapshot_xip(func.pg_current_snapshot()).column_valued("running")
-    live_ids = func.array(select(sa_cast(running, _Xid())).scalar_subquery())
-    newest_age = select(func.age(sa_cast(func.pg_snapshot_xmax(func.pg_current_snapshot()), _Xid())))
-    return and_(
-        xmax != literal_column("0", Integer),
-        or_(xmax == any_(live_ids), func.age(xmax) <= newest_age.scalar_subquery()),
-    )
-
-
 @cache
 def claim_statement(
     spec: QueueSpec,
@@ -334,6 +265,28 @@ def claim_statement(
     conditions: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
     if spec.kind == "jobs":
         conditions.append(c.queue == bindparam("queue_name", type_=Text))
+    if ordered:
+        prev = t.alias("prev")
+        blocked = exists(
+            select(literal(1))
+            .select_from(prev)
+            .where(
+                prev.c.aggregate_id == c.aggregate_id,
+                prev.c.aggregate_type == c.aggregate_type,
+                prev.c.id < c.id,
+                prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
+                *(
+                    [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
+                    if ordered_types
+                    else []
+                ),
+            )
+        )
+        if ordered_types:
+            in_scope = c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))
+            conditions.append(or_(not_(in_scope), not_(blocked)))
+        else:
+            conditions.append(not_(blocked))
     if unique_running:
         # Two lookups of ix_<jobs>_unique_active (unique_key, status, id), each answered by its index
         # condition alone: a job of the key running, or an older one queued. One EXISTS with "running OR
@@ -362,24 +315,8 @@ def claim_statement(
     # the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans Removed"),
     # instead of probing the primary key of every partition for every id.
     partitioned = spec.period is not None
-    tested: list[Any] = []
-    if ordered:
-        # The ordered claim's predecessor test costs an index probe per candidate. Run before the row lock
-        # (where the plain claim's filters run), it was also paid for every row another dispatcher's claim had
-        # locked and was about to take — SKIP LOCKED passes over those only after the filter: 3.5 probes per
-        # event claimed with four dispatchers. Run after the lock, every blocked row at the front of the queue
-        # would be locked (a heap write each) by every claim until its aggregate moved on. So a row version
-        # whose xmax is a live transaction (a claim at work, most likely) goes to the lock untested — SKIP
-        # LOCKED drops it while that transaction holds it — and if the lock is ours after all (its holder has
-        # just ended), it is tested after the lock, in the same snapshot, below. Every other row (xmax 0, or
-        # an ended transaction's) is tested before the lock, as before, and a blocked one is never locked.
-        # Every row claimed passed the same test either way; xmax only chooses when it runs.
-        live = _locked_by_a_live_transaction(t)
-        conditions.append(_first_of_its_aggregate(spec, c, ordered_types=ordered_types, untested=live))
-        tested = [c.aggregate_id, c.aggregate_type, *([c.event_type] if ordered_types else []),
-                  live.label("untested")]  # fmt: skip
     picked: Select[Any] = (
-        select(c.id, *([c.created_at] if partitioned else []), *tested)
+        select(c.id, *([c.created_at] if partitioned else []))
         .where(*conditions)
         .order_by(*spec.claim_order())
         .limit(
@@ -388,21 +325,6 @@ def claim_statement(
         .with_for_update(skip_locked=True, key_share=spec.key_share)
     )
     cte = picked.cte("picked").prefix_with("MATERIALIZED")
-
-    def rows(ids: Select[Any]) -> list[ColumnElement[bool]]:
-        # id = ANY(ARRAY(SELECT …)): an InitPlan run once, then primary-key lookups. Joining the CTE instead
-        # (UPDATE … FROM picked) lets a generic plan — the prepared statement's, after five runs — hash the
-        # whole table when it cannot see :batch (tests/test_generic_plans.py).
-        where = [c.id == any_(func.array(ids.scalar_subquery()))]
-        if partitioned:
-            # The picked rows' created_at range, two InitPlans: PostgreSQL prunes partitions at run time on a
-            # comparison with a parameter (not on "= ANY(array)"). Only a bound: id picks the rows.
-            where += [
-                c.created_at >= select(func.min(cte.c.created_at)).scalar_subquery(),
-                c.created_at <= select(func.max(cte.c.created_at)).scalar_subquery(),
-            ]
-        return where
-
     values: dict[str, Any] = {
         "status": const(spec.active),
         spec.owner.name: bindparam("owner", type_=Text),
@@ -410,13 +332,18 @@ def claim_statement(
         "attempts": c.attempts + 1,
         **spec.lease_values(),
     }
-    if not ordered:
-        return update(t).where(*rows(select(cte.c.id))).values(values).returning(*claim_returning(spec))
-    first = _first_of_its_aggregate(spec, cte.c, ordered_types=ordered_types, alias="prior")
-    # (a row turned down here stays locked to the statement's end, like any row a claim passes over; the next
-    # claims find its xmax ended and test it before the lock)
-    claim = update(t).where(*rows(select(cte.c.id).where(or_(not_(cte.c.untested), first))))
-    return claim.values(values).returning(*claim_returning(spec))
+    # id = ANY(ARRAY(SELECT id FROM picked)): an InitPlan run once, then primary-key lookups. Joining the CTE
+    # instead (UPDATE … FROM picked) lets a generic plan — the prepared statement's, after five runs — hash
+    # the whole table when it cannot see :batch (tests/test_generic_plans.py).
+    where = [c.id == any_(func.array(select(cte.c.id).scalar_subquery()))]
+    if partitioned:
+        # The picked rows' created_at range, two InitPlans: PostgreSQL prunes partitions at run time on a
+        # comparison with a parameter (not on "= ANY(array)"). Only a bound: id picks the rows.
+        where += [
+            c.created_at >= select(func.min(cte.c.created_at)).scalar_subquery(),
+            c.created_at <= select(func.max(cte.c.created_at)).scalar_subquery(),
+        ]
+    return update(t).where(*where).values(values).returning(*claim_returning(spec))
 
 
 # --- rescue (reap) --------------------------------------------------------------------------------------

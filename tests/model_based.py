@@ -27,8 +27,7 @@ database, real threads with their own connections, real backend terminations. Ru
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
   the loops claim, once every row in it is finished; a write into it afterwards is refused whole;
 * a user's transaction locks a few pending events (``FOR KEY SHARE``, as a foreign key check does, or ``FOR
-  UPDATE``) for a moment while the loops run: an ordered claim that found such a lock live passes the row to
-  its own lock untested, and tests it after the lock if the lock is its own after all;
+  UPDATE``) for a moment while the loops run;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -1078,9 +1077,9 @@ class Scenario:
     def rule_lock_pending_events(self) -> None:
         """A user's transaction locks a few pending events for up to 0.2 s while the loops run, and ends
         (commits or rolls back): ``FOR KEY SHARE``, as the foreign key check of a row that references them
-        does, or ``FOR UPDATE``, as an operator's tool might. Meanwhile claims skip those rows; an ordered claim
-        whose snapshot saw the lock live but that reaches a row after it ended tests the row after its own lock
-        instead of before it; later claims find the lock ended and test before the lock again."""
+        does, or ``FOR UPDATE``, as an operator's tool might. Meanwhile claims skip those rows, and afterwards
+        their row versions carry the ended lock's xmax: neither may cost an event its order (I2) or its
+        delivery (F1, F3)."""
         key_share = self.rng.random() < 0.5
         with self.engine.connect() as conn:
             ids = (

@@ -33,7 +33,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
     jobs no other worker takes; when they run depends on timing, so coverage is checked over the fixed seeds
     together): the invariants were checked with that path under terminations and stops. Likewise a
     transaction held a running job's row past stale_after in one of them at least (I9), and one locked pending
-    events (the ordered claim's test after the lock)."""
+    events for a moment while the loops ran."""
     seeds = [int(s) for s in _given.split(",")] if _given else list(_FIXED)
     sent_ahead = holds = locked = 0
     for i, seed in enumerate(seeds):
