@@ -6,7 +6,7 @@ FROM jobs
 WHERE jobs.status = 'queued' AND jobs.run_at <= now() AND jobs.queue = :queue_name::VARCHAR ORDER BY jobs.priority DESC, jobs.run_at, jobs.id 
  LIMIT 50 FOR NO KEY UPDATE SKIP LOCKED), 
 claimed AS 
-(UPDATE jobs SET status='running', attempts=(jobs.attempts + :attempts_1::INTEGER), locked_by=:owner::VARCHAR, locked_at=now(), lease_version=(jobs.lease_version + :lease_version_1::BIGINT) WHERE jobs.id = ANY (array((SELECT picked.id 
+(UPDATE jobs SET status='running', attempts=(jobs.attempts + :attempts_1::INTEGER), locked_by=:owner::VARCHAR, locked_at=clock_timestamp(), lease_version=(jobs.lease_version + :lease_version_1::BIGINT) WHERE jobs.id = ANY (array((SELECT picked.id 
 FROM picked))) RETURNING jobs.id, jobs.lease_version, jobs.attempts, jobs.max_attempts, jobs.task, jobs.queue, CAST(jobs.payload AS TEXT) AS payload, jobs.priority, jobs.created_at, jobs.headers, CAST(EXTRACT(epoch FROM now() - jobs.created_at) AS FLOAT) AS age), result AS (SELECT 'f' AS k, finalized.id, CAST(NULL AS BIGINT) AS lease_version, CAST(NULL AS INTEGER) AS attempts, CAST(NULL AS INTEGER) AS max_attempts, CAST(NULL AS TEXT) AS task, CAST(NULL AS TEXT) AS queue, CAST(NULL AS TEXT) AS payload, CAST(NULL AS INTEGER) AS priority, CAST(NULL AS TIMESTAMP WITH TIME ZONE) AS created_at, CAST(NULL AS JSONB) AS headers, CAST(NULL AS FLOAT) AS age 
 FROM finalized UNION ALL SELECT 'c' AS k, claimed.id, claimed.lease_version, claimed.attempts, claimed.max_attempts, claimed.task, claimed.queue, claimed.payload, claimed.priority, claimed.created_at, claimed.headers, claimed.age 
 FROM claimed)
