@@ -267,6 +267,12 @@ def claim_statement(
         conditions.append(c.queue == bindparam("queue_name", type_=Text))
     if ordered:
         prev = t.alias("prev")
+        # OFFSET 0 keeps the probe a per-candidate subplan (PostgreSQL pulls an EXISTS without one up into an
+        # anti-join). After ANALYZE saw a table of finished rows, a burst of pending ones looks like one row to
+        # the planner, and its anti-join read the whole aggregate index for every candidate: 3.3 s and
+        # 5,000,000 buffers for one claim of 50 over a burst of 100,000 (tests/test_stale_statistics.py). As a
+        # subplan the probe is a lookup of ix_<outbox>_aggregate by the candidate's aggregate, whatever the
+        # statistics say.
         blocked = exists(
             select(literal(1))
             .select_from(prev)
@@ -281,6 +287,7 @@ def claim_statement(
                     else []
                 ),
             )
+            .offset(literal_column("0", Integer))
         )
         if ordered_types:
             in_scope = c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))
@@ -308,8 +315,14 @@ def claim_statement(
         mine, older = t.alias("running_same_key"), t.alias("older_same_key")
         # ("another job": a per-candidate lookup; without it the planner may read every running job once and
         # hash their keys, a claim whose cost grows with the number of jobs running)
-        running = same_key(mine, mine.c.status == const(spec.active), mine.c.id != c.id)
-        waiting = same_key(older, older.c.status == const(spec.ready), older.c.id < c.id)
+        # "Not queued" / "not running" rather than "= running" / "= queued": an equality would let the planner
+        # prove the predicate of ix_<jobs>_running or ix_<jobs>_dequeue and read one of those instead. It did
+        # when ANALYZE had seen only finished jobs and a burst followed: the "older queued" probe walked the
+        # whole dequeue index for every candidate, 128 ms and 30,000 buffers per claim of 50 over a burst of
+        # 100,000 (tests/test_stale_statistics.py). Written this way, only ix_<jobs>_unique_active can answer:
+        # the key's few unfinished jobs, by the key.
+        running = same_key(mine, mine.c.status != const(spec.ready), mine.c.id != c.id)
+        waiting = same_key(older, older.c.status != const(spec.active), older.c.id < c.id)
         conditions.append(or_(c.unique_key.is_(None), and_(not_(running), not_(waiting))))
     # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time, to
     # the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans Removed"),
