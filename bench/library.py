@@ -112,8 +112,11 @@ def library_dispatcher(url: str, opts: LoopOptions, h: Harness) -> None:
             with engine.connect() as conn:
                 while True:
                     d.run(install_signal_handlers=False, until_idle=True)
+                    # (an index lookup, not a count: a count read the whole table, 4-17 ms of a 650 ms drain)
                     left = conn.execute(
-                        text("SELECT count(*) FROM outbox WHERE status <> 'done'")
+                        text(
+                            "SELECT EXISTS (SELECT FROM outbox WHERE status IN ('pending', 'processing', 'dead'))"
+                        )
                     ).scalar_one()
                     conn.rollback()
                     if not left:

@@ -229,6 +229,52 @@ def claim_returning(spec: QueueSpec) -> list[Any]:
     return [*(sa_cast(c[n], Text).label(n) if n == "payload" else c[n] for n in names), age]
 
 
+def _keyed_probe(
+    other: Any,
+    equal: list[tuple[Any, Any]],
+    *,
+    where: list[ColumnElement[bool]],
+    below: tuple[Any, Any] | None = None,
+) -> Any:
+    """``EXISTS`` a row of ``other`` whose leading index columns equal the candidate's values (``equal``, in the
+    index's column order) and whose next column is below the candidate's (``below``), with ``where`` on top —
+    written so that the one index on those columns is the only way PostgreSQL can answer it, whatever its
+    statistics say.
+
+    Planned plainly, the probes of the claims went wrong three ways, each measured (tests/test_stale_statistics.py):
+    pulled up into an anti-join, a burst the statistics never saw (ANALYZE ran on a table of finished rows) made
+    the inner side a read of the whole index for every candidate (3.3 s for one ordered claim of 50); as a
+    subplan (``OFFSET 0``), EXISTS is planned for its first row, and when the statistics promised many matches
+    (few aggregates, a backlog at ANALYZE time) it walked the primary key from id 1 (``id < candidate``) or the
+    table for every candidate (23.7 s); and an equality on ``status`` let the planner prove the predicate of
+    another partial index (the dequeue or running index) and walk that. So:
+
+    * the equalities are written as two row comparisons, ``(cols) >= (values)`` and ``(cols, below) <
+      (values, candidate)`` (or ``(cols) <= (values)``): the same rows, an index condition on the index's leading
+      columns, but no equality for the planner to prove another index's predicate with or to answer from the
+      primary key;
+    * ``ORDER BY`` the index's columns: every other path must read and sort all matches, so the ordered index
+      scan — which stops at the first match — is the cheapest, even for a planner that expects a match at once;
+    * ``OFFSET 0`` keeps the ``ORDER BY`` (PostgreSQL drops the ORDER BY of a plain EXISTS) and keeps the probe a
+      subplan, never an anti-join.
+    """
+    cols = [col for col, _ in equal]
+    values = [value for _, value in equal]
+    conditions = [tuple_(*cols) >= tuple_(*values)]
+    if below is not None:
+        conditions.append(tuple_(*cols, below[0]) < tuple_(*values, below[1]))
+    else:
+        conditions.append(tuple_(*cols) <= tuple_(*values))
+    order = [*cols, *([below[0]] if below is not None else [])]
+    return exists(
+        select(literal(1))
+        .select_from(other)
+        .where(*conditions, *where)
+        .order_by(*order)
+        .offset(literal_column("0", Integer))
+    )
+
+
 @cache
 def claim_statement(
     spec: QueueSpec,
@@ -267,27 +313,19 @@ def claim_statement(
         conditions.append(c.queue == bindparam("queue_name", type_=Text))
     if ordered:
         prev = t.alias("prev")
-        # OFFSET 0 keeps the probe a per-candidate subplan (PostgreSQL pulls an EXISTS without one up into an
-        # anti-join). After ANALYZE saw a table of finished rows, a burst of pending ones looks like one row to
-        # the planner, and its anti-join read the whole aggregate index for every candidate: 3.3 s and
-        # 5,000,000 buffers for one claim of 50 over a burst of 100,000 (tests/test_stale_statistics.py). As a
-        # subplan the probe is a lookup of ix_<outbox>_aggregate by the candidate's aggregate, whatever the
-        # statistics say.
-        blocked = exists(
-            select(literal(1))
-            .select_from(prev)
-            .where(
-                prev.c.aggregate_id == c.aggregate_id,
+        blocked = _keyed_probe(
+            prev,
+            [(prev.c.aggregate_id, c.aggregate_id)],
+            below=(prev.c.id, c.id),
+            where=[
                 prev.c.aggregate_type == c.aggregate_type,
-                prev.c.id < c.id,
                 prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
                 *(
                     [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
                     if ordered_types
                     else []
                 ),
-            )
-            .offset(literal_column("0", Integer))
+            ],
         )
         if ordered_types:
             in_scope = c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))
@@ -296,33 +334,30 @@ def claim_statement(
             conditions.append(not_(blocked))
     if unique_running:
         # Two lookups of ix_<jobs>_unique_active (unique_key, status, id), each answered by its index
-        # condition alone: a job of the key running, or an older one queued. One EXISTS with "running OR
-        # older" let the planner OR in ix_<jobs>_running and read every running job of every key for each
-        # candidate (0.18× the plain claim with 40 jobs running), and a key's blocked candidates each walked all
-        # of the key's jobs.
-        def same_key(other: Any, *where: ColumnElement[bool]) -> Any:
-            return exists(
-                select(literal(1))
-                .select_from(other)
-                .where(
-                    other.c.unique_key == c.unique_key,
-                    other.c.unique_key.is_not(None),
-                    other.c.status.in_([const(spec.ready), const(spec.active)]),
-                    *where,
-                )
-            )
+        # condition alone: a job of the key running (another job: without that the planner may read every
+        # running job once and hash their keys), or an older one queued. One EXISTS with "running OR older"
+        # let the planner OR in ix_<jobs>_running and read every running job of every key for each candidate
+        # (0.18× the plain claim with 40 jobs running), and a key's blocked candidates each walked all of the
+        # key's jobs.
+        def unfinished(other: Any) -> list[ColumnElement[bool]]:
+            # (ix_<jobs>_unique_active's predicate, for the planner to prove)
+            return [
+                other.c.unique_key.is_not(None),
+                other.c.status.in_([const(spec.ready), const(spec.active)]),
+            ]
 
         mine, older = t.alias("running_same_key"), t.alias("older_same_key")
-        # ("another job": a per-candidate lookup; without it the planner may read every running job once and
-        # hash their keys, a claim whose cost grows with the number of jobs running)
-        # "Not queued" / "not running" rather than "= running" / "= queued": an equality would let the planner
-        # prove the predicate of ix_<jobs>_running or ix_<jobs>_dequeue and read one of those instead. It did
-        # when ANALYZE had seen only finished jobs and a burst followed: the "older queued" probe walked the
-        # whole dequeue index for every candidate, 128 ms and 30,000 buffers per claim of 50 over a burst of
-        # 100,000 (tests/test_stale_statistics.py). Written this way, only ix_<jobs>_unique_active can answer:
-        # the key's few unfinished jobs, by the key.
-        running = same_key(mine, mine.c.status != const(spec.ready), mine.c.id != c.id)
-        waiting = same_key(older, older.c.status != const(spec.active), older.c.id < c.id)
+        running = _keyed_probe(
+            mine,
+            [(mine.c.unique_key, c.unique_key), (mine.c.status, const(spec.active))],
+            where=[*unfinished(mine), mine.c.id != c.id],
+        )
+        waiting = _keyed_probe(
+            older,
+            [(older.c.unique_key, c.unique_key), (older.c.status, const(spec.ready))],
+            below=(older.c.id, c.id),
+            where=unfinished(older),
+        )
         conditions.append(or_(c.unique_key.is_(None), and_(not_(running), not_(waiting))))
     # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time, to
     # the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans Removed"),

@@ -1,13 +1,18 @@
-"""A burst of new rows arriving after ANALYZE saw a table of finished ones: the claims keep their per-row plans.
+"""The claims' per-candidate probes read only their own index, whatever the planner's statistics say.
 
-The common production shape: a long-lived table whose statistics say "every row is done" (the last ANALYZE ran
-in a quiet hour), then a burst of pending rows that autovacuum will not re-analyze soon (on a table of ten
-million rows the threshold is a million changes). The planner then believes one row is ready. With the ordered
-claim's NOT EXISTS pulled up into an anti-join it chose a nested loop whose inner side read the whole aggregate
-index for every candidate — 5,000,000 buffers and 3.3 s for one claim of 50 over a burst of 100,000 rows on
-this machine. The probe must stay a per-row index lookup on the aggregate, whatever the statistics say.
+Two table shapes that production makes and that each broke a form of the probes (``_sql._keyed_probe``):
 
-Asserted on what the database reports (the plan's shape, the buffers one claim touched), never on a timing.
+* **burst** — ANALYZE last saw a table of finished rows, then a burst arrived that autovacuum will not
+  re-analyze soon (on a table of ten million rows the threshold is a million changes): the planner believes one
+  row is ready. The ordered claim's NOT EXISTS, pulled up into an anti-join, read the whole aggregate index for
+  every candidate (5,000,000 buffers, 3.3 s for one claim of 50); the ``unique_running`` lookups, written with
+  ``status = …``, walked the dequeue index (31,000 buffers).
+* **few keys** — ANALYZE ran during a backlog spread over a few aggregates / unique keys, so the planner
+  expects a predecessor at once: a probe planned for its first row walked the primary key from id 1 or the
+  table for every candidate (3,200,000 buffers, 24 s for one ordered claim; 4,300,000 for a jobs claim).
+
+Asserted on what the database reports — which index each probe reads and on which conditions, the buffers of
+one claim — never on a timing. Autovacuum is off on both tables while a shape is built and checked.
 """
 
 from __future__ import annotations
@@ -26,65 +31,71 @@ from sa_outbox.models import Job, OutboxEvent
 OUTBOX = _sql.spec_for(OutboxEvent)
 JOBS = _sql.spec_for(Job)
 
-FINISHED = 100_000
-BURST = 100_000
-AGGREGATES = 1_000
-#: What one claim of 50 may touch: ~1,200 buffers with per-row probes; the anti-join plan read 5,000,000.
-MAX_BUFFERS = 20_000
+#: shape: (keys, finished rows, new rows, ANALYZE before the new rows arrive)
+SHAPES = {
+    "burst": (1_000, 100_000, 100_000, True),
+    "few keys": (10, 20_000, 10_000, False),
+}
 
 
-@pytest.fixture(scope="module")
-def burst(shared_engine: Engine) -> Iterator[Engine]:
-    """FINISHED done rows per table, VACUUM ANALYZE, then BURST ready rows the statistics never saw (autovacuum
-    off on both tables while the module runs, so it cannot re-analyze them underneath the assertions)."""
-    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
-        for table in ("outbox", "jobs"):
-            conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
-        conn.execute(
-            text(
-                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
-                "SELECT 'order', 'agg-' || (g % :a), 'E', '{}', 'done', now() FROM generate_series(1, :n) g"
-            ),
-            {"n": FINISHED, "a": AGGREGATES},
-        )
-        conn.execute(
-            text(
-                "INSERT INTO jobs (task, payload, unique_key, status, finished_at) "
-                "SELECT 'noop', '{}', 'key-' || (g % :k + 1), 'done', now() FROM generate_series(1, :n) g"
-            ),
-            {"n": FINISHED, "k": BURST},
-        )
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shaped(request: pytest.FixtureRequest, shared_engine: Engine) -> Iterator[tuple[str, Engine]]:
+    """Both tables in one of SHAPES: finished rows over ``keys`` aggregates / unique keys, then the new ones
+    (outbox: pending over the same aggregates; jobs: queued, as retries of the same keys — lease_version 1,
+    so a key may have many queued jobs), with ANALYZE before or after the new rows."""
+    keys, finished, new, analyze_first = SHAPES[request.param]
+
+    def analyze(conn: Any) -> None:
         conn.execute(text("VACUUM ANALYZE outbox"))
         conn.execute(text("VACUUM ANALYZE jobs"))
-        conn.execute(
-            text(
-                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
-                "SELECT 'order', 'agg-' || (g % :a), 'E', '{}' FROM generate_series(1, :n) g"
-            ),
-            {"n": BURST, "a": AGGREGATES},
-        )
-        conn.execute(
-            text(
-                # one queued job per key (a key's waiting job is unique), each key with finished jobs before
-                "INSERT INTO jobs (task, payload, unique_key) "
-                "SELECT 'noop', '{}', 'key-' || g FROM generate_series(1, :n) g"
-            ),
-            {"n": BURST},
-        )
-    try:
-        yield shared_engine
-    finally:
-        with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+
+    with shared_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
+        try:
+            for table in ("outbox", "jobs"):
+                conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
+            conn.execute(
+                text(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
+                    "SELECT 'order', 'agg-' || (g % :k), 'E', '{}', 'done', now() FROM generate_series(1, :n) g"
+                ),
+                {"n": finished, "k": keys},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (task, payload, unique_key, status, finished_at, lease_version) "
+                    "SELECT 'noop', '{}', 'key-' || (g % :k), 'done', now(), 1 FROM generate_series(1, :n) g"
+                ),
+                {"n": finished, "k": keys},
+            )
+            if analyze_first:
+                analyze(conn)
+            conn.execute(
+                text(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                    "SELECT 'order', 'agg-' || (g % :k), 'E', '{}' FROM generate_series(1, :n) g"
+                ),
+                {"n": new, "k": keys},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (task, payload, unique_key, lease_version) "
+                    "SELECT 'noop', '{}', 'key-' || (g % :k), 1 FROM generate_series(1, :n) g"
+                ),
+                {"n": new, "k": keys},
+            )
+            if not analyze_first:
+                analyze(conn)
+            yield request.param, shared_engine
+        finally:
             conn.execute(text("TRUNCATE outbox, jobs RESTART IDENTITY"))
             for table in ("outbox", "jobs"):
                 conn.execute(text(f"ALTER TABLE {table} RESET (autovacuum_enabled)"))
-            conn.execute(text("ANALYZE outbox"))
-            conn.execute(text("ANALYZE jobs"))
+            analyze(conn)
 
 
 def analyzed(engine: Engine, stmt: Executable, params: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """EXPLAIN (ANALYZE, BUFFERS) of one claim, rolled back: its plan and the ids it claimed."""
+    """EXPLAIN (ANALYZE, BUFFERS) of one claim, rolled back: its plan and the rows it claimed."""
     with engine.connect() as conn:
         compiled = stmt.compile(dialect=conn.dialect)
         sql, bound = str(compiled), compiled.construct_params(params)
@@ -103,58 +114,92 @@ def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from nodes(child)
 
 
-def index_lookups(plan: dict[str, Any], index: str) -> list[dict[str, Any]]:
-    return [n for n in nodes(plan) if n.get("Index Name") == index]
+def probes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scans inside the claim's subplans (the per-candidate probes)."""
+    return [
+        scan
+        for sub in nodes(plan)
+        if sub.get("Parent Relationship") == "SubPlan"
+        for scan in nodes(sub)
+        if "Scan" in scan["Node Type"]
+    ]
 
 
-def assert_few_buffers(plan: dict[str, Any]) -> None:
+def assert_probes_read(plan: dict[str, Any], index: str, *columns: str) -> None:
+    """Every probe is a scan of ``index`` whose index condition names each of ``columns``: a lookup, not a
+    walk of the primary key, another partial index or the table."""
+    found = probes(plan)
+    assert found, "the probes are not per-candidate subplans"
+    for probe in found:
+        assert probe.get("Index Name") == index, probe
+        for column in columns:
+            assert column in probe.get("Index Cond", ""), probe
+
+
+def assert_few_buffers(plan: dict[str, Any], candidates: int) -> None:
+    """The claim walks each ready candidate once (the blocked ones too): a few buffers each, plus the 50 it
+    claims — the walks of the broken plans read thousands per candidate."""
     touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
-    assert touched < MAX_BUFFERS, f"one claim of 50 touched {touched:,} buffers"
+    assert touched < 10 * candidates + 5_000, f"one claim of 50 touched {touched:,} buffers"
 
 
-def test_the_statistics_do_not_know_the_burst(burst: Engine) -> None:
-    """The premise: the planner expects (almost) no ready row — without it the tests below prove nothing."""
-    with burst.connect() as conn:
-        estimate = conn.execute(
-            text("EXPLAIN (FORMAT JSON) SELECT id FROM outbox WHERE status = 'pending'")
-        ).scalar_one()[0]["Plan"]["Plan Rows"]
-    assert estimate < BURST / 100, estimate
+def test_the_statistics_are_what_the_shape_says(shaped: tuple[str, Engine]) -> None:
+    """The premise, for each table: after a burst the planner expects (almost) no ready row; with few keys
+    it expects the backlog — without that the tests below prove nothing."""
+    shape, engine = shaped
+    new = SHAPES[shape][2]
+    with engine.connect() as conn:
+        for sql in (
+            "SELECT id FROM outbox WHERE status = 'pending'",
+            "SELECT id FROM jobs WHERE status = 'queued'",
+        ):
+            estimate = conn.execute(text("EXPLAIN (FORMAT JSON) " + sql)).scalar_one()[0]["Plan"]["Plan Rows"]
+            if shape == "burst":
+                assert estimate < new / 100, (sql, estimate)
+            else:
+                assert estimate > new / 2, (sql, estimate)
 
 
-def test_an_ordered_claim_after_a_burst_probes_each_candidates_aggregate(burst: Engine) -> None:
+def heads(shape: str) -> list[int]:
+    """The first new row of each key, up to 50 (the new rows come after the finished ones, keys in turn)."""
+    keys, finished, _, _ = SHAPES[shape]
+    return list(range(finished + 1, finished + 1 + min(keys, 50)))
+
+
+@pytest.mark.parametrize("ordered_types", [False, True], ids=["ordered", "ordered_types"])
+def test_an_ordered_claim_looks_each_candidates_aggregate_up(
+    shaped: tuple[str, Engine], ordered_types: bool
+) -> None:
+    shape, engine = shaped
+    params: dict[str, Any] = {"owner": "w", "lease": timedelta(seconds=60)}
+    if ordered_types:
+        params["ordered_types"] = ["E"]
     plan, rows = analyzed(
-        burst,
-        _sql.claim_statement(OUTBOX, ordered=True, limit=50),
-        {"owner": "w", "lease": timedelta(seconds=60)},
+        engine, _sql.claim_statement(OUTBOX, ordered=True, ordered_types=ordered_types, limit=50), params
     )
-    probes = index_lookups(plan, "ix_outbox_aggregate")
-    assert probes, plan
-    for probe in probes:
-        # looked up by the candidate's aggregate, not read whole and filtered
-        assert "aggregate_id" in probe.get("Index Cond", ""), probe
-    assert_few_buffers(plan)
-    # and it claims the heads: the first event of 50 aggregates (ids FINISHED+1 … FINISHED+50)
-    assert sorted(r.id for r in rows) == list(range(FINISHED + 1, FINISHED + 51))
+    assert_probes_read(plan, "ix_outbox_aggregate", "aggregate_id", "id")
+    assert_few_buffers(plan, SHAPES[shape][2])
+    assert sorted(r.id for r in rows) == heads(shape)  # the heads of the aggregates, and only those
 
 
-def test_an_ordered_types_claim_after_a_burst_probes_each_candidates_aggregate(burst: Engine) -> None:
+def test_a_unique_running_claim_looks_each_candidates_key_up(shaped: tuple[str, Engine]) -> None:
+    shape, engine = shaped
     plan, rows = analyzed(
-        burst,
-        _sql.claim_statement(OUTBOX, ordered=True, ordered_types=True, limit=50),
-        {"owner": "w", "lease": timedelta(seconds=60), "ordered_types": ["E"]},
-    )
-    for probe in index_lookups(plan, "ix_outbox_aggregate"):
-        assert "aggregate_id" in probe.get("Index Cond", ""), probe
-    assert_few_buffers(plan)
-    assert sorted(r.id for r in rows) == list(range(FINISHED + 1, FINISHED + 51))
-
-
-@pytest.mark.parametrize("unique_running", [False, True], ids=["plain", "unique_running"])
-def test_a_jobs_claim_after_a_burst_stays_an_index_walk(burst: Engine, unique_running: bool) -> None:
-    plan, rows = analyzed(
-        burst,
-        _sql.claim_statement(JOBS, limit=50, unique_running=unique_running),
+        engine,
+        _sql.claim_statement(JOBS, limit=50, unique_running=True),
         {"owner": "w", "queue_name": "default"},
     )
-    assert_few_buffers(plan)
-    assert sorted(r.id for r in rows) == list(range(FINISHED + 1, FINISHED + 51))
+    assert_probes_read(plan, "ix_jobs_unique_active", "unique_key", "status")
+    assert_few_buffers(plan, SHAPES[shape][2])
+    assert sorted(r.id for r in rows) == heads(shape)  # the oldest queued job of each key
+
+
+def test_a_plain_jobs_claim_stays_a_walk_of_the_dequeue_index(shaped: tuple[str, Engine]) -> None:
+    shape, engine = shaped
+    plan, rows = analyzed(
+        engine, _sql.claim_statement(JOBS, limit=50), {"owner": "w", "queue_name": "default"}
+    )
+    touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
+    assert touched < 5_000, f"one claim of 50 touched {touched:,} buffers"
+    finished = SHAPES[shape][1]
+    assert sorted(r.id for r in rows) == list(range(finished + 1, finished + 51))
