@@ -257,15 +257,22 @@ def _keyed_probe(
       scan — which stops at the first match — is the cheapest, even for a planner that expects a match at once;
     * ``OFFSET 0`` keeps the ``ORDER BY`` (PostgreSQL drops the ORDER BY of a plain EXISTS) and keeps the probe a
       subplan, never an anti-join.
+    * With ``below``, the scan runs downward from the candidate: PostgreSQL 15 ends an index scan only on a row
+      comparison's first column, so upward from the key's start it read on through every later entry of the
+      key (a head among 20,000 pending events of its aggregate: 3,977 buffers per claim instead of 198). Down
+      from (key, candidate) it meets the nearest older row first and stops where the key ends. Without
+      ``below`` (the running job of a key: the last status in the index) the scan runs upward, for the same
+      reason.
     """
     cols = [col for col, _ in equal]
     values = [value for _, value in equal]
     conditions = [tuple_(*cols) >= tuple_(*values)]
     if below is not None:
         conditions.append(tuple_(*cols, below[0]) < tuple_(*values, below[1]))
+        order = [col.desc() for col in (*cols, below[0])]
     else:
         conditions.append(tuple_(*cols) <= tuple_(*values))
-    order = [*cols, *([below[0]] if below is not None else [])]
+        order = list(cols)
     return exists(
         select(literal(1))
         .select_from(other)
@@ -313,20 +320,30 @@ def claim_statement(
         conditions.append(c.queue == bindparam("queue_name", type_=Text))
     if ordered:
         prev = t.alias("prev")
-        blocked = _keyed_probe(
-            prev,
-            [(prev.c.aggregate_id, c.aggregate_id)],
-            below=(prev.c.id, c.id),
-            where=[
-                prev.c.aggregate_type == c.aggregate_type,
-                prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
-                *(
-                    [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
-                    if ordered_types
-                    else []
-                ),
-            ],
-        )
+        before_it = [
+            prev.c.aggregate_type == c.aggregate_type,
+            prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
+            *(
+                [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
+                if ordered_types
+                else []
+            ),
+        ]
+        if spec.period is None:
+            blocked = _keyed_probe(
+                prev, [(prev.c.aggregate_id, c.aggregate_id)], below=(prev.c.id, c.id), where=before_it
+            )
+        else:
+            # A partitioned outbox keeps the plain NOT EXISTS (an anti-join above the merge of the partitions'
+            # ready indexes): as a subplan the test sits under that merge, in every partition's scan, and a
+            # partition holding only blocked rows is walked whole before the merge can return its first row,
+            # each probe descending every partition's aggregate index — 2,574,218 buffers per claim against
+            # 6,536 (64 day partitions, 1,000 aggregates × 20 pending). Its plan still depends on the statistics.
+            blocked = exists(
+                select(literal(1))
+                .select_from(prev)
+                .where(prev.c.aggregate_id == c.aggregate_id, prev.c.id < c.id, *before_it)
+            )
         if ordered_types:
             in_scope = c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))
             conditions.append(or_(not_(in_scope), not_(blocked)))
