@@ -162,7 +162,7 @@ def update_blocked_by_a_row_lock(engine: Engine) -> Iterator[tuple[int, list[Loc
 
         def blocked_update() -> None:
             with engine.connect() as other:
-                other.execute(text("SET lock_timeout = '10s'"))
+                other.execute(text("SET LOCAL lock_timeout = '10s'"))
                 other.execute(text("UPDATE outbox SET attempts = attempts + 1 WHERE id = 1"))
                 other.commit()
 

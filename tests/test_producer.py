@@ -163,7 +163,7 @@ def test_mapped_aggregate_lock_is_no_key_update_and_does_not_block_child_fk_inse
         s1.add(OutboxEvent.for_aggregate(order, "OrderChanged", {}))
         s1.flush()  # holds FOR NO KEY UPDATE on orders(1)
         with engine.connect() as other:
-            other.execute(text("SET lock_timeout = '2s'"))
+            other.execute(text("SET LOCAL lock_timeout = '2s'"))
             other.execute(text("INSERT INTO order_lines (order_id, sku) VALUES (1, 'x')"))  # FOR KEY SHARE
             other.commit()
         s1.commit()

@@ -669,7 +669,9 @@ def test_no_key_update_claim_does_not_block_child_fk_inserts(engine: Engine) -> 
                 else:
                     holder.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
                 with engine.connect() as child:
-                    child.execute(text("SET lock_timeout = '1s'"))
+                    # LOCAL: a plain SET stayed on the pooled connection after the commit, and a later test's
+                    # statement that waits on a lock on purpose was cancelled after 1 s
+                    child.execute(text("SET LOCAL lock_timeout = '1s'"))
                     started = time.monotonic()
                     try:
                         child.execute(text("INSERT INTO job_logs (job_id) VALUES (1)"))
