@@ -32,6 +32,8 @@ from sqlalchemy.sql import Executable
 from sa_outbox import _sql
 from sa_outbox.models import Job, OutboxEvent
 
+from .test_explain import nodes
+
 OUTBOX = _sql.spec_for(OutboxEvent)
 JOBS = _sql.spec_for(Job)
 
@@ -52,6 +54,20 @@ def shaped(request: pytest.FixtureRequest, shared_engine: Engine) -> Iterator[tu
     so a key may have many queued jobs), with ANALYZE before or after the new rows."""
     keys, finished, new, analyze_first = SHAPES[request.param]
 
+    def write(conn: Any, n: int, *, finished: bool) -> None:
+        """n rows in each table over the shape's keys (aggregates / unique keys), finished or waiting."""
+        for table, columns, values, finished_at in (
+            ("outbox", "aggregate_type, aggregate_id, event_type, payload", "'order', 'agg-' || (g % :k), 'E', '{}'",
+             "done_at"),
+            ("jobs", "task, payload, unique_key, lease_version", "'noop', '{}', 'key-' || (g % :k), 1", "finished_at"),
+        ):  # fmt: skip
+            if finished:
+                columns, values = f"{columns}, status, {finished_at}", f"{values}, 'done', now()"
+            conn.execute(
+                text(f"INSERT INTO {table} ({columns}) SELECT {values} FROM generate_series(1, :n) g"),
+                {"n": n, "k": keys},
+            )
+
     def analyze(conn: Any) -> None:
         conn.execute(text("VACUUM ANALYZE outbox"))
         conn.execute(text("VACUUM ANALYZE jobs"))
@@ -61,36 +77,10 @@ def shaped(request: pytest.FixtureRequest, shared_engine: Engine) -> Iterator[tu
         try:
             for table in ("outbox", "jobs"):
                 conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
-            conn.execute(
-                text(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at) "
-                    "SELECT 'order', 'agg-' || (g % :k), 'E', '{}', 'done', now() FROM generate_series(1, :n) g"
-                ),
-                {"n": finished, "k": keys},
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO jobs (task, payload, unique_key, status, finished_at, lease_version) "
-                    "SELECT 'noop', '{}', 'key-' || (g % :k), 'done', now(), 1 FROM generate_series(1, :n) g"
-                ),
-                {"n": finished, "k": keys},
-            )
+            write(conn, finished, finished=True)
             if analyze_first:
                 analyze(conn)
-            conn.execute(
-                text(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
-                    "SELECT 'order', 'agg-' || (g % :k), 'E', '{}' FROM generate_series(1, :n) g"
-                ),
-                {"n": new, "k": keys},
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO jobs (task, payload, unique_key, lease_version) "
-                    "SELECT 'noop', '{}', 'key-' || (g % :k), 1 FROM generate_series(1, :n) g"
-                ),
-                {"n": new, "k": keys},
-            )
+            write(conn, new, finished=False)
             if not analyze_first:
                 analyze(conn)
             yield request.param, shared_engine
@@ -113,12 +103,6 @@ def analyzed(engine: Engine, stmt: Executable, params: dict[str, Any]) -> tuple[
         rows = conn.exec_driver_sql(sql, bound).all()
         conn.rollback()
         return plan, rows
-
-
-def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from nodes(child)
 
 
 def probes(plan: dict[str, Any]) -> list[dict[str, Any]]:
