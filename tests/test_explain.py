@@ -52,14 +52,26 @@ def scans(p: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
     ]
 
 
-def assert_locking_index_scan(p: dict[str, Any], index: str) -> None:
-    """LockRows sits under Limit on an index scan of the partial index; nothing reads the table sequentially."""
-    assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], scans(p)
+def locking_scan(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The claim's LockRows node under its Limit, and the Subquery Scan between the two when the claim probes
+    its candidates above the lock (ordered, unique_running); None for a plain claim."""
     limits = [n for n in nodes(p) if n["Node Type"] == "Limit"]
     assert limits, p
-    lock_rows = next(
-        n for n in limits[0]["Plans"] if n.get("Parent Relationship") == "Outer"
-    )  # (not an InitPlan)
+
+    def outer(n: dict[str, Any]) -> dict[str, Any]:  # (not an InitPlan or a SubPlan)
+        return next(c for c in n["Plans"] if c.get("Parent Relationship") in ("Outer", "Subquery"))
+
+    below = outer(limits[0])
+    if below["Node Type"] == "Subquery Scan":
+        return outer(below), below
+    return below, None
+
+
+def assert_locking_index_scan(p: dict[str, Any], index: str) -> None:
+    """LockRows sits under Limit (under the Subquery Scan that probes above the lock, when there is one) on an
+    index scan of the partial index; nothing reads the table sequentially."""
+    assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], scans(p)
+    lock_rows, _ = locking_scan(p)
     assert lock_rows["Node Type"] == "LockRows"
     assert any(n.get("Index Name") == index for n in nodes(lock_rows)), scans(lock_rows)
 
@@ -125,7 +137,8 @@ def test_unique_running_claim_uses_the_dequeue_and_unique_active_indexes(big: En
         )
         assert_locking_index_scan(p, "ix_jobs_dequeue")
         names = [s[2] for s in scans(p)]
-        assert names.count("ix_jobs_unique_active") == 2 and "ix_jobs_running" not in names, scans(p)
+        # (each lookup twice: before the row lock for a row no transaction touched, above it for any other)
+        assert names.count("ix_jobs_unique_active") == 4 and "ix_jobs_running" not in names, scans(p)
     finally:
         keyed(
             "UPDATE jobs SET unique_key = NULL, lease_version = lease_version - 1 WHERE unique_key IS NOT NULL"

@@ -441,6 +441,45 @@ def test_unique_running_across_two_open_claims(engine: Engine) -> None:
     assert claim(engine, unique_running=True) == []
 
 
+def test_unique_running_tests_a_replaced_job_above_the_row_lock(engine: Engine) -> None:
+    """A job replaced by ``on_conflict="replace"`` carries the updater's lock in its xmax, so the claim locks it
+    before testing its key (the test runs above the lock for any row a transaction has touched): while the
+    key's retry runs it is locked, turned down and left queued; once the retry is done it is claimed."""
+    _seed_keyed(engine, ("sync:a", 1))  # 1: a retry of key sync:a (holds no key)
+    assert claim(engine, unique_running=True) == [1]
+    for v in (1, 2):
+        with Session(engine) as s, s.begin():
+            enqueue(s, Job, "sync", {"v": v}, unique_key="sync:a", on_conflict="replace")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT xmax::text::bigint <> 0 FROM jobs WHERE id = 2")).scalar_one()
+    assert claim(engine, unique_running=True) == []
+    assert [r.status for r in jobs(engine)] == ["running", "queued"]
+    finish(engine, 1)
+    assert claim(engine, unique_running=True) == [2]
+
+
+def test_a_unique_running_claim_does_not_probe_the_jobs_another_claim_holds(engine: Engine) -> None:
+    """A claim in progress holds 50 jobs of 50 keys: a second unique_running claim skips them at the lock and
+    looks up only the keys of the 50 jobs it takes (two lookups each). Looking before the lock, it looked up
+    the other claim's keys too (200 lookups here)."""
+    from sa_outbox import _sql
+
+    from .test_stale_statistics import analyzed, probes
+
+    _seed_keyed(engine, *[(f"k{i}", 0) for i in range(100)])  # 1 … 100
+    with engine.connect() as holder:
+        held = eng.claim(holder, JOBS, owner="A", batch=50, queue="default", unique_running=True)
+        assert [r[0] for r in held] == list(range(1, 51))
+        plan, rows = analyzed(
+            engine,
+            _sql.claim_statement(JOBS, limit=50, unique_running=True),
+            {"owner": "B", "queue_name": "default"},
+        )
+        holder.rollback()
+    assert sorted(r.id for r in rows) == list(range(51, 101))
+    assert sum(p["Actual Loops"] for p in probes(plan)) == 2 * 50
+
+
 def test_unique_running_refuses_the_outbox() -> None:
     from sa_outbox import _sql
     from sa_outbox.models import OutboxEvent
