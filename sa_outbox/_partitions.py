@@ -330,11 +330,44 @@ def _finalize_interrupted(
     for p in parts:
         if p.detach_pending:
             try:
-                conn.execute(text(_sql.detach_partition_ddl(prep, table, p.name, mode="finalize")))
+                if not _detach(conn, table, p.name, mode="finalize"):
+                    continue
                 if p.lower is not None and p.upper is not None:  # attach again: the retire step decides
                     conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
             except DBAPIError as exc:
                 report.errors.append(f"{p.name}: could not finish an interrupted detach: {_one_line(exc)}")
+
+
+def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
+    """``DETACH PARTITION … CONCURRENTLY`` / ``… FINALIZE``: True when this run did it; False when it failed
+    because another maintainer got there first — the partition is no longer "detach pending" (every loop runs
+    the partition step, and a detach that only waits for older transactions reads "detach pending" just as
+    one whose maintainer died, so a second maintainer's FINALIZE may finish it, and the first's DETACH then
+    fails: "… is not a partition of …"). The other maintainer attaches it again (or, should it die first, the
+    next run finds the detached table by its retiring mark); a later run decides. Any other failure is
+    raised."""
+    try:
+        conn.execute(
+            text(_sql.detach_partition_ddl(conn.dialect.identifier_preparer, table, name, mode=mode))
+        )
+        return True
+    except DBAPIError as exc:
+        if any(p.name == name and p.detach_pending for p in _partitions(conn, table, counts=False)):
+            raise
+        # (a FINALIZE that failed for a reason of its own leaves the detach pending; a DETACH … CONCURRENTLY
+        # refused before it marked the partition, e.g. for want of a privilege, leaves it attached: told apart
+        # from the race by its SQLSTATE — the race's "is not a partition of" is undefined_table)
+        if mode == "finalize" or getattr(exc.orig, "sqlstate", None) == "42P01":
+            return False
+        raise
+
+
+def _settled_by_another(conn: Connection, table: Table, name: str) -> bool:
+    """After a failed DETACH: whether the partition is no longer "detach pending" — another maintainer's detach
+    finished, or its FINALIZE did (every loop runs the partition step, and a detach that is only waiting for
+    old transactions reads "detach pending" as one whose maintainer died). The step it failed at was then done
+    by the other; what is left (count again, drop or attach) is decided by a later run."""
+    return not any(p.name == name and p.detach_pending for p in _partitions(conn, table, counts=False))
 
 
 def _create_ahead(
@@ -420,7 +453,8 @@ def _retire(
             mode = "archive" if archive else "drop"
             marker = f"{_sql.RETIRING}{mode}|{p.lower.isoformat()}|{p.upper.isoformat()}|{table.fullname}"
             conn.execute(text(_sql.comment_table_ddl(prep, p.name, p.schema, marker)))
-            conn.execute(text(_sql.detach_partition_ddl(prep, table, p.name, mode="concurrently")))
+            if not _detach(conn, table, p.name, mode="concurrently"):
+                continue
             # Detached: every transaction that could still write into it has ended. Count again.
             _settle_detached(conn, spec, p.name, p.lower, p.upper, archive=archive, keep_dead=keep_dead,
                              report=report)  # fmt: skip

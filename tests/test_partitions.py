@@ -456,6 +456,59 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
     assert [m.event_type for m in pub.messages] == ["Late"]
 
 
+def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(pengine: Engine) -> None:
+    """Every loop runs the partition step, so two maintainers meet: while the first's DETACH … CONCURRENTLY
+    waits for a late producer, the partition reads "detach pending" — as one whose maintainer died. The
+    second's FINALIZE finishes it, or the first does and the second's FINALIZE finds nothing to finish. Either
+    way the loser's failed DETACH is no failure of its run (the model-based suite met it: "could not finish an
+    interrupted detach: … is not a partition of …"; the other order: "could not retire it: …"): the partition
+    is attached again for the producer's row, and the row is delivered."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 2, created_at=start, status="done")
+    producer = pengine.connect()
+    tx = producer.begin()
+    producer.execute(
+        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
+                              created_at=start)
+    )  # fmt: skip
+    reports: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: reports.update(first=maintain_partitions(pengine, PEvent)))
+    second = threading.Thread(target=lambda: reports.update(second=maintain_partitions(pengine, PEvent)))
+    first.start()
+    try:
+        assert detach_waits(pengine), "the first maintainer never reached its DETACH"
+        assert [
+            p.detach_pending for p in list_partitions(pengine, PEvent, counts=False) if p.name == name
+        ] == [True]
+        second.start()
+        deadline = time.monotonic() + 30
+        with pengine.connect() as watcher:  # the second's FINALIZE is under way
+            while time.monotonic() < deadline:
+                waiting = watcher.execute(
+                    text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH%FINALIZE%'")
+                ).scalar_one()
+                watcher.rollback()
+                if waiting:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the second maintainer never tried to finish the detach")
+    finally:
+        tx.commit()
+        producer.close()
+        first.join(60)
+        second.join(60)
+    assert not first.is_alive() and not second.is_alive()
+    assert not reports["first"].errors and not reports["second"].errors, (reports["first"], reports["second"])
+    # whichever finished the detach attached the partition again (the second's FINALIZE may win the race)
+    assert [p.detach_pending for p in list_partitions(pengine, PEvent, counts=False) if p.name == name] == [
+        False
+    ]
+    pub = RecordingPublisher()
+    Dispatcher(pengine, PEvent, pub, listen=False).run_once()
+    assert [m.event_type for m in pub.messages] == ["Late"]
+
+
 def test_concurrent_producers_lose_nothing_while_maintain_retires(pengine: Engine) -> None:
     """Producers write into yesterday's partition (explicit created_at) and today's while maintain runs again
     and again: every insert that committed is still in the table (an insert that met a detached partition
