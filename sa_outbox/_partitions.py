@@ -467,7 +467,23 @@ def _settle_detached(
     keep_dead: bool, report: PartitionReport,
 ) -> None:  # fmt: skip
     """The second half of a retire, on a partition detached from ``spec``'s table: attach it again if rows in it
-    are unfinished (or dead, with ``keep_dead``), else drop it (or keep it as a table, ``archive``)."""
+    are unfinished (or dead, with ``keep_dead``), else drop it (or keep it as a table, ``archive``). A failure
+    is no failure of this run when the table meanwhile stopped being a marked, detached table — another
+    maintainer settled it (the one whose detach had just completed, or a second run resuming it too: both
+    count the same rows, as nothing writes into a detached table, so both decide the same)."""
+    try:
+        _settle_detached_now(
+            conn, spec, name, lower, upper, archive=archive, keep_dead=keep_dead, report=report
+        )
+    except DBAPIError:
+        if _still_retiring(conn, spec.table, name):
+            raise
+
+
+def _settle_detached_now(
+    conn: Connection, spec: _sql.QueueSpec, name: str, lower: datetime, upper: datetime, *, archive: bool,
+    keep_dead: bool, report: PartitionReport,
+) -> None:  # fmt: skip
     table = spec.table
     prep = conn.dialect.identifier_preparer
     counts = _held(conn, spec, _sql.partition_table(name, table.schema), keep_dead)
@@ -515,6 +531,14 @@ def _resume_retiring(
             )  # fmt: skip
         except (DBAPIError, ValueError) as exc:
             report.errors.append(f"{name}: could not finish its interrupted retire: {_one_line(exc)}")
+
+
+def _still_retiring(conn: Connection, table: Table, name: str) -> bool:
+    """Whether ``name`` is still a detached table of ``table`` carrying the retiring mark."""
+    rows = conn.execute(
+        _sql.RETIRING_TABLES, {"schema": table.schema or "public", "prefix": _sql.RETIRING}
+    ).all()
+    return any(n == name and comment.endswith(f"|{table.fullname}") for n, comment in rows)
 
 
 def _held(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool) -> dict[str, int] | None:

@@ -40,7 +40,7 @@ from sa_outbox import (
     queue_status,
     retry_dead,
 )
-from sa_outbox._partitions import partition_name, period_start
+from sa_outbox._partitions import PartitionReport, _settle_detached, partition_name, period_start
 from sa_outbox.doctor import doctor
 from sa_outbox.migration import create_partitions, storage_parameters_sql
 from sa_outbox.models import JobSchedule
@@ -507,6 +507,39 @@ def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(p
     pub = RecordingPublisher()
     Dispatcher(pengine, PEvent, pub, listen=False).run_once()
     assert [m.event_type for m in pub.messages] == ["Late"]
+
+
+def test_settling_a_retire_that_another_maintainer_settled_meanwhile_is_no_failure(pengine: Engine) -> None:
+    """The second half of a retire (count again, then attach or drop), run on a partition another maintainer
+    has just attached again: its ATTACH fails ("… is already a partition"), and that is no failure — the table
+    is no marked, detached one any more. On a table still marked and detached, a failure is raised: here the
+    ATTACH's lock timeout."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 1, created_at=start)  # unfinished: the settle attaches it
+    spec, day = _sql.spec_for(PEvent), timedelta(days=1)
+    report = PartitionReport(PEvent.__table__.fullname)
+    with pengine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        _settle_detached(conn, spec, name, start, start + day, archive=False, keep_dead=True, report=report)
+        assert report == PartitionReport(PEvent.__table__.fullname)
+        prep = conn.dialect.identifier_preparer
+        conn.execute(text(_sql.detach_partition_ddl(prep, PEvent.__table__, name, mode="concurrently")))
+        marker = (
+            f"{_sql.RETIRING}drop|{start.isoformat()}|{(start + day).isoformat()}|{PEvent.__table__.fullname}"
+        )
+        conn.execute(text(_sql.comment_table_ddl(prep, name, SCHEMA, marker)))
+        with pengine.connect() as holder:
+            holder.execute(text(f"LOCK TABLE {SCHEMA}.pev IN SHARE UPDATE EXCLUSIVE MODE"))
+            conn.execute(text("SET lock_timeout = '200ms'"))
+            try:
+                with pytest.raises(DBAPIError, match="lock timeout"):
+                    _settle_detached(
+                        conn, spec, name, start, start + day, archive=False, keep_dead=True, report=report
+                    )
+            finally:
+                conn.execute(text("RESET lock_timeout"))
+                holder.rollback()
+        conn.execute(text(f"DROP TABLE {SCHEMA}.{name}"))
 
 
 def test_concurrent_producers_lose_nothing_while_maintain_retires(pengine: Engine) -> None:
