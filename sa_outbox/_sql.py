@@ -282,6 +282,27 @@ def _keyed_probe(
     )
 
 
+_XIDS = 1 << 32  # the 32-bit xid of a row's xmax, against the 64-bit ids of pg_snapshot
+
+
+def _live_xmax(t: Table) -> ColumnElement[bool]:
+    """Whether a row's ``xmax`` is a transaction in progress for the statement's snapshot — one listed in it as
+    running, or one that began after it (another claim at work, most likely) — compared on 32 bits, as the
+    column stores it. A MultiXact id (several lockers) is read as a plain xid: the answer may be wrong either
+    way, which only moves the claim's probe before or after the row lock (see :func:`claim_statement`)."""
+    space = literal_column(str(_XIDS), BigInteger)
+
+    def low32(xid: Any) -> Any:
+        return sa_cast(sa_cast(xid, Text), BigInteger) % space
+
+    xmax = sa_cast(sa_cast(column("xmax", _selectable=t), Text), BigInteger)
+    snapshot = func.pg_current_snapshot()
+    running = select(low32(func.pg_snapshot_xip(snapshot).column_valued("xip"))).scalar_subquery()
+    next_xid = select(low32(func.pg_snapshot_xmax(snapshot))).scalar_subquery()
+    began_after = (xmax - next_xid + space) % space < literal_column(str(_XIDS // 2), BigInteger)
+    return and_(xmax != literal_column("0", BigInteger), or_(xmax == any_(func.array(running)), began_after))
+
+
 #: The columns the claim's probes read from a candidate row (see the lock-first form in :func:`claim_statement`).
 _PROBED_COLUMNS = frozenset({"aggregate_type", "aggregate_id", "event_type", "unique_key"})
 
@@ -307,8 +328,9 @@ def claim_statement(
       worker still runs out of attempts.
     * Ordered mode (outbox): only the head of each aggregate is eligible — no earlier row of the same
       aggregate may be pending, processing or dead (dead blocks the aggregate until an operator acts). The
-      test runs before the row lock on a row no transaction has touched (``xmax = 0``) and above the lock on
-      any other, so no claimer tests the rows another is taking, and none locks a blocked row to test it.
+      test runs before the row lock on a row whose ``xmax`` is no transaction in progress for the claim's
+      snapshot and above the lock on any other, so no claimer tests the rows another is taking, and none locks
+      a blocked row to test it unless its xmax is such a transaction.
     * A loop claims its configured batch with ``limit`` written in: the plan's estimates then match the
       real batch and PostgreSQL keeps the prepared statement's generic plan instead of planning every claim
       (planning was half of the server's CPU per claim at batch 1).
@@ -398,19 +420,25 @@ def claim_statement(
 
     picked: Select[Any]
     if (ordered or unique_running) and not partitioned:
-        # The probes run before the row lock on a row no transaction has touched, after it on any other. Run
-        # before the lock (the plain form), every claimer probed the rows the others were claiming and those
-        # claimed since its snapshot, only to skip them at the lock: 68,530 probes for 20,000 events with 4
-        # dispatchers, 20,000 with one. Run after the lock on every row, the claim locked each blocked row it
-        # walked past — a heap write and a WAL record each, for every claim walking a backlog (10,000 per claim
-        # of 10 heads over 10 aggregates). xmax = 0: no transaction has locked, updated or deleted this row
-        # version — so no other claimer holds it. A row with an xmax is locked first (SKIP LOCKED) and probed
-        # above the lock, in the subquery's caller; a row locked and then turned down stays locked until the
-        # claim commits, and is not counted in the batch (the LIMIT is above the probes).
-        untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
+        # The probes run before the row lock on a row whose xmax is no transaction in progress for the claim's
+        # snapshot, after the lock on any other. Run before the lock (the plain form), every claimer probed the
+        # rows the others were claiming and those claimed since its snapshot, only to skip them at the lock:
+        # 68,530 probes for 20,000 events with 4 dispatchers, 20,000 with one. Run after the lock on every row,
+        # the claim locked each blocked row it walked past — a heap write and a WAL record each, for every claim
+        # walking a backlog (10,000 per claim of 10 heads over 10 aggregates). Run after the lock on every row
+        # with an xmax, it did so for each blocked row some transaction had ever locked or updated (a foreign
+        # key's KEY SHARE; a jobs row an ON CONFLICT "replace" wrote, whose new version carries the updater's
+        # xid), and left its own xid there, for the next claim to lock again: 2,040 WAL records per claim
+        # against 40 with 2,000 replaced jobs waiting behind their keys' running jobs. A row with a live xmax is
+        # locked first (SKIP LOCKED) and probed above the lock, in the subquery's caller; a row locked and then
+        # turned down stays locked until the claim commits, and is not counted in the batch (the LIMIT is
+        # above the probes). Which place a row's probe runs in is only a matter of cost: the subquery's filter
+        # and its "untouched" column compute the same expression from the same row version and the same
+        # snapshot, so every row the claim returns was probed once, on the version it locked.
+        live = _live_xmax(t)
         candidate = (
-            select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
-            .where(*ready, or_(not_(untouched), and_(*eligible(c))))
+            select(c.id, not_(live).label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
+            .where(*ready, or_(live, and_(*eligible(c))))
             .order_by(*spec.claim_order())
             # (a subquery with OFFSET is never merged into the query around it, nor given its conditions)
             .offset(literal_column("0", Integer))

@@ -303,9 +303,9 @@ def test_blocked_rows_a_transaction_had_locked_never_take_the_place_of_the_rows_
     engine: Engine,
 ) -> None:
     """Sixty events of X behind its dead head, found locked by a live transaction that then ended, and Y's
-    event behind them: a claim of 50 takes Y, and the next claim takes Z. A row some transaction has locked is
-    locked by the claim before its predecessor test (the test runs above the lock); turned down, it must not
-    count in the batch. A claim that counted such rows filled its batch with rows it then turned down — an
+    event behind them: a claim of 50 takes Y, and the next claim takes Z. A row locked by a transaction in
+    progress for the claim's snapshot is locked by the claim before its predecessor test (the test runs above
+    the lock); turned down, it must not count in the batch. A claim that counted such rows filled its batch with rows it then turned down — an
     empty claim while Y waited (a reviewer's script: 20 empty claims of 20, no head published)."""
     seed_events(engine, 61, aggregate="X")  # 1 … 61
     seed_events(engine, 1, aggregate="Y")  # 62
@@ -334,6 +334,24 @@ def test_an_ordered_claim_walks_past_blocked_rows_no_transaction_touched_without
         assert [r.id for r in claim(engine, "A", batch=50, lease=30, ordered=True)] in ([62], [])
     assert ids_with_status(engine, "processing") == [62]
     assert set(_xmax(engine, list(range(2, 62)))) == {0}
+
+
+def test_blocked_rows_a_finished_transaction_locked_are_walked_past_without_a_lock(engine: Engine) -> None:
+    """Sixty events of X behind its dead head, locked FOR KEY SHARE (a foreign key check's lock) by a
+    transaction that committed before the claims: their xmax is that transaction's, which no claim's snapshot
+    sees running, so each claim tests them before the lock and leaves them as they are. Locking every row
+    with an xmax first locked them on every claim, and each claim's own xid left there made the next claim
+    lock them again (10,050 WAL records per claim with 10,000 such rows)."""
+    seed_events(engine, 61, aggregate="X")  # 1 … 61
+    seed_events(engine, 1, aggregate="Y")  # 62
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead' WHERE id = 1"))
+        conn.execute(text("SELECT id FROM outbox WHERE id BETWEEN 2 AND 61 FOR KEY SHARE"))
+    locked = _xmax(engine, list(range(2, 62)))
+    assert 0 not in locked
+    assert [r.id for r in claim(engine, "A", batch=50, lease=30, ordered=True)] == [62]
+    assert claim(engine, "A", batch=50, lease=30, ordered=True) == []
+    assert _xmax(engine, list(range(2, 62))) == locked
 
 
 def test_an_ordered_claim_does_not_probe_the_rows_another_claim_holds(engine: Engine) -> None:

@@ -441,21 +441,29 @@ def test_unique_running_across_two_open_claims(engine: Engine) -> None:
     assert claim(engine, unique_running=True) == []
 
 
-def test_unique_running_tests_a_replaced_job_above_the_row_lock(engine: Engine) -> None:
-    """A job replaced by ``on_conflict="replace"`` carries the updater's lock in its xmax, so the claim locks it
-    before testing its key (the test runs above the lock for any row a transaction has touched): while the
-    key's retry runs it is locked, turned down and left queued; once the retry is done it is claimed."""
-    _seed_keyed(engine, ("sync:a", 1))  # 1: a retry of key sync:a (holds no key)
-    assert claim(engine, unique_running=True) == [1]
+def test_unique_running_walks_past_replaced_jobs_without_locking_them(engine: Engine) -> None:
+    """Jobs replaced by ``on_conflict="replace"`` carry the updater's xid in their xmax (ON CONFLICT's update
+    leaves it there): while their keys' retries run, claims turn them down without locking them — their xmax
+    stays the updater's, claim after claim — and once a retry is done its key's job is claimed. (Locking every
+    row with an xmax before testing it locked each such job on every claim and left the claim's own xid for
+    the next one: a reviewer's script, 2,040 WAL records per claim against 40 with 2,000 of them.)"""
+    keys = [f"sync:{i}" for i in range(20)]
+    _seed_keyed(engine, *[(key, 1) for key in keys])  # 1 … 20: a retry of each key (holds no key)
+    assert claim(engine, batch=20, unique_running=True) == list(range(1, 21))
     for v in (1, 2):
         with Session(engine) as s, s.begin():
-            enqueue(s, Job, "sync", {"v": v}, unique_key="sync:a", on_conflict="replace")
+            for key in keys:
+                enqueue(s, Job, "sync", {"v": v}, unique_key=key, on_conflict="replace")
+    xmax = text("SELECT xmax::text::bigint FROM jobs WHERE id > 20 ORDER BY id")
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT xmax::text::bigint <> 0 FROM jobs WHERE id = 2")).scalar_one()
-    assert claim(engine, unique_running=True) == []
-    assert [r.status for r in jobs(engine)] == ["running", "queued"]
+        replaced = list(conn.execute(xmax).scalars())
+    assert len(replaced) == 20 and 0 not in replaced
+    for _ in range(2):
+        assert claim(engine, unique_running=True) == []
+    with engine.connect() as conn:
+        assert list(conn.execute(xmax).scalars()) == replaced
     finish(engine, 1)
-    assert claim(engine, unique_running=True) == [2]
+    assert claim(engine, unique_running=True) == [21]
 
 
 def test_a_unique_running_claim_does_not_probe_the_jobs_another_claim_holds(engine: Engine) -> None:
