@@ -432,12 +432,21 @@ def claim_statement(
         # against 40 with 2,000 replaced jobs waiting behind their keys' running jobs. A row with a live xmax is
         # locked first (SKIP LOCKED) and probed above the lock, in the subquery's caller; a row locked and then
         # turned down stays locked until the claim commits, and is not counted in the batch (the LIMIT is
-        # above the probes). Which place a row's probe runs in is only a matter of cost: the subquery's filter
-        # and its "untouched" column compute the same expression from the same row version and the same
-        # snapshot, so every row the claim returns was probed once, on the version it locked.
+        # above the probes).
+        #
+        # The filter skips the probe when it reads a live xmax; the caller skips it when "untouched" — xmax = 0,
+        # read again when the row is projected — is true. xmax is not part of the row version: a locker writes
+        # it in place, on the page the scan has pinned, between the two reads (a second KEY SHARE turns a live
+        # xid into a MultiXact id, which reads as not live). So "untouched" is not the filter's test read again
+        # — that let a row through untested (a reviewer's script: 123 jobs of running keys claimed in 60 s) —
+        # but xmax = 0, which holds at the second read only if it held at the first: a locker sets xmax in
+        # place, only VACUUM's freezing clears it, and freezing needs the page with no other pin. A row the
+        # filter probed may be probed again above the lock (a head whose xmax a finished transaction left);
+        # no row is returned unprobed.
         live = _live_xmax(t)
+        untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
         candidate = (
-            select(c.id, not_(live).label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
+            select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
             .where(*ready, or_(live, and_(*eligible(c))))
             .order_by(*spec.claim_order())
             # (a subquery with OFFSET is never merged into the query around it, nor given its conditions)

@@ -466,6 +466,63 @@ def test_unique_running_walks_past_replaced_jobs_without_locking_them(engine: En
     assert claim(engine, unique_running=True) == [21]
 
 
+def test_unique_running_holds_while_other_transactions_lock_the_waiting_jobs(engine: Engine) -> None:
+    """300 keys, each with a running job and a queued one behind it; two sessions keep taking FOR KEY SHARE on
+    the queued jobs (what a foreign key into ``jobs`` does) while a claimer loops for 8 s: no queued job may
+    start. A locker writes xmax in place, so it can change between two reads of one row in one claim: when
+    the claim skipped the key test because it read a live locker and then read "not live" (a MultiXact id) for
+    the row's place above the lock, the job went through untested — 32 in 30 s on this machine."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, payload, unique_key, status, locked_at, lease_version) "
+                "SELECT 't', '{}', 'k' || g, 'running', now(), 1 FROM generate_series(1, 300) g"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, payload, unique_key, run_at) "
+                "SELECT 't', '{}', 'k' || g, now() - interval '1 minute' FROM generate_series(1, 300) g"
+            )
+        )
+    stop = time.monotonic() + 8
+    claimed: list[int] = []
+    errors: list[BaseException] = []
+
+    def locker(seed: int) -> None:
+        rnd = random.Random(seed)
+        try:
+            with engine.connect() as conn:
+                while time.monotonic() < stop:
+                    conn.execute(
+                        text(
+                            "SELECT count(*) FROM (SELECT 1 FROM jobs WHERE status = 'queued' FOR KEY SHARE) s"
+                        )
+                    )
+                    time.sleep(rnd.random() * 0.004)
+                    conn.commit()
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    def claimer() -> None:
+        try:
+            while time.monotonic() < stop:
+                claimed.extend(claim(engine, batch=10, unique_running=True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=locker, args=(i,)) for i in range(2)] + [
+        threading.Thread(target=claimer)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert claimed == []
+    assert [r.status for r in jobs(engine, "id > 300")] == ["queued"] * 300
+
+
 def test_a_unique_running_claim_does_not_probe_the_jobs_another_claim_holds(engine: Engine) -> None:
     """A claim in progress holds 50 jobs of 50 keys: a second unique_running claim skips them at the lock and
     looks up only the keys of the 50 jobs it takes (two lookups each). Looking before the lock, it looked up
