@@ -440,9 +440,12 @@ def claim_statement(
         # xid into a MultiXact id, which reads as not live). So "untouched" is not the filter's test read again
         # — that let a row through untested (a reviewer's script: 123 jobs of running keys claimed in 60 s) —
         # but xmax = 0, which holds at the second read only if it held at the first: a locker sets xmax in
-        # place, only VACUUM's freezing clears it, and freezing needs the page with no other pin. A row the
-        # filter probed may be probed again above the lock (a head whose xmax a finished transaction left);
-        # no row is returned unprobed.
+        # place, only freezing clears it (VACUUM's, also for a MultiXact whose lockers have all finished), and
+        # freezing needs the page with no other pin — the scan holds one from the filter to the projection. A
+        # row the filter probed may be probed again above the lock (a head whose xmax a finished transaction
+        # left); no row is returned unprobed. (A MultiXact id compares as an xid: where the MultiXact counter
+        # runs ahead of the xid counter, every such row reads as live and is locked before its probe — a cost,
+        # not a risk.)
         live = _live_xmax(t)
         untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
         candidate = (
