@@ -476,7 +476,7 @@ def _settle_detached(
             conn, spec, name, lower, upper, archive=archive, keep_dead=keep_dead, report=report
         )
     except DBAPIError:
-        if _still_retiring(conn, spec.table, name):
+        if name in _retiring(conn, spec.table):
             raise
 
 
@@ -516,14 +516,7 @@ def _resume_retiring(
     """Finish the retires a process left half done: a partition detached (``DETACH … CONCURRENTLY`` completes
     on the server even when its client is gone) but neither counted again nor dropped. Its rows may include a
     late producer's unfinished ones, which only an attached partition lets the loops see."""
-    table = spec.table
-    prefix = f"{_sql.RETIRING}"
-    rows = conn.execute(_sql.RETIRING_TABLES, {"schema": table.schema or "public", "prefix": prefix}).all()
-    for name, comment in rows:
-        fields = comment[len(prefix) :].split("|", 3)
-        if len(fields) != 4 or fields[3] != table.fullname:
-            continue  # another table's
-        mode, lower_text, upper_text, _ = fields
+    for name, (mode, lower_text, upper_text) in _retiring(conn, spec.table).items():
         try:
             _settle_detached(
                 conn, spec, name, datetime.fromisoformat(lower_text), datetime.fromisoformat(upper_text),
@@ -533,12 +526,17 @@ def _resume_retiring(
             report.errors.append(f"{name}: could not finish its interrupted retire: {_one_line(exc)}")
 
 
-def _still_retiring(conn: Connection, table: Table, name: str) -> bool:
-    """Whether ``name`` is still a detached table of ``table`` carrying the retiring mark."""
+def _retiring(conn: Connection, table: Table) -> dict[str, tuple[str, str, str]]:
+    """The detached tables of ``table`` that carry the retiring mark: name -> (mode, lower, upper) as marked."""
+    found: dict[str, tuple[str, str, str]] = {}
     rows = conn.execute(
         _sql.RETIRING_TABLES, {"schema": table.schema or "public", "prefix": _sql.RETIRING}
     ).all()
-    return any(n == name and comment.endswith(f"|{table.fullname}") for n, comment in rows)
+    for name, comment in rows:
+        fields = comment[len(_sql.RETIRING) :].split("|", 3)
+        if len(fields) == 4 and fields[3] == table.fullname:  # (not another table's)
+            found[name] = (fields[0], fields[1], fields[2])
+    return found
 
 
 def _held(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool) -> dict[str, int] | None:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, MetaData, insert, inspect, select, text, update
+from sqlalchemy import Connection, Engine, MetaData, insert, inspect, select, text, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -109,6 +109,20 @@ def add_events(engine: Engine, n: int, *, created_at: datetime | None = None, st
     ]  # fmt: skip
     with engine.begin() as conn:
         return list(conn.execute(insert(PEvent).returning(PEvent.id), rows).scalars())
+
+
+def yesterday_with_a_late_producer(engine: Engine) -> tuple[str, Connection, Any]:
+    """Yesterday's partition holding two done events, and a producer whose transaction has written a pending
+    "Late" event into it and is still open: (the partition's name, the producer's connection, its transaction)."""
+    name, start = add_past_partition(engine, PEvent, 1)
+    add_events(engine, 2, created_at=start, status="done")
+    producer = engine.connect()
+    tx = producer.begin()
+    producer.execute(
+        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
+                              created_at=start)
+    )  # fmt: skip
+    return name, producer, tx
 
 
 def detach_waits(engine: Engine, seconds: float = 30) -> bool:
@@ -419,14 +433,7 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
     server completes the detach once the producer commits, so the producer's pending row sits in a table that
     is no partition any more. The next run finds it by its mark, counts again and attaches it back: the row is
     delivered. (Before the mark, the row was orphaned: no later run, status or doctor saw it.)"""
-    name, start = add_past_partition(pengine, PEvent, 1)
-    add_events(pengine, 2, created_at=start, status="done")
-    producer = pengine.connect()
-    tx = producer.begin()
-    producer.execute(
-        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
-                              created_at=start)
-    )  # fmt: skip
+    name, producer, tx = yesterday_with_a_late_producer(pengine)
     code = (
         "from sqlalchemy import create_engine\n"
         "from sa_outbox import maintain_partitions\n"
@@ -463,14 +470,7 @@ def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(p
     way the loser's failed DETACH is no failure of its run (the model-based suite met it: "could not finish an
     interrupted detach: … is not a partition of …"; the other order: "could not retire it: …"): the partition
     is attached again for the producer's row, and the row is delivered."""
-    name, start = add_past_partition(pengine, PEvent, 1)
-    add_events(pengine, 2, created_at=start, status="done")
-    producer = pengine.connect()
-    tx = producer.begin()
-    producer.execute(
-        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
-                              created_at=start)
-    )  # fmt: skip
+    name, producer, tx = yesterday_with_a_late_producer(pengine)
     reports: dict[str, Any] = {}
     first = threading.Thread(target=lambda: reports.update(first=maintain_partitions(pengine, PEvent)))
     second = threading.Thread(target=lambda: reports.update(second=maintain_partitions(pengine, PEvent)))
