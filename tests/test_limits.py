@@ -233,7 +233,8 @@ def test_a_limited_claim_on_a_terminated_connection_is_a_fault_the_loop_rides_ou
         assert w.run_once() == 1
         with log.connect() as conn:
             killed = conn.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                       "WHERE application_name = 'limited-fault'")).scalar_one()  # fmt: skip
+                                       "WHERE application_name = 'limited-fault' "
+                                       "AND datname = current_database()")).scalar_one()  # fmt: skip
         assert killed >= 1
         w.run(until_idle=True, install_signal_handlers=False)
         assert statuses(log, "jobs") == {"done": 4} and w.stats.db_errors >= 1

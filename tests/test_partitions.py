@@ -133,7 +133,7 @@ def detach_waits(engine: Engine, seconds: float = 30) -> bool:
             waiting = watcher.execute(
                 text(
                     "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
-                    "AND wait_event_type = 'Lock'"
+                    "AND wait_event_type = 'Lock' AND datname = current_database()"
                 )
             ).scalar_one()
             watcher.rollback()
@@ -485,7 +485,10 @@ def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(p
         with pengine.connect() as watcher:  # the second's FINALIZE is under way
             while time.monotonic() < deadline:
                 waiting = watcher.execute(
-                    text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH%FINALIZE%'")
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH%FINALIZE%' "
+                        "AND datname = current_database()"
+                    )
                 ).scalar_one()
                 watcher.rollback()
                 if waiting:

@@ -478,7 +478,10 @@ def test_a_job_whose_row_a_transaction_held_past_stale_after_is_not_rescued_the_
 def _guards_held(conn: Any) -> set[int]:
     """The ids whose lease guard some session holds (the two-int4 advisory locks of guard_statement)."""
     rows = conn.execute(
-        text("SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted")
+        text(
+            "SELECT objid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
     ).scalars()
     ids = {int(r) for r in rows}
     conn.rollback()
