@@ -1321,6 +1321,12 @@ class Worker(WorkerBase):
         Not while a claim in flight uses the loop's connection."""
         if not self._rescuer.due(time.monotonic()):
             return
+        if self._inflight is not None and isinstance(self._inflight.future, _SentAhead):
+            # A claim sent ahead holds the connection until it is read: when its result has arrived, read it now
+            # (its rows join the jobs in hand at the loop's next turn, its error is raised there) rather than leave
+            # the step — and a pause — waiting for the rest of the batch, however long a job in hand runs. Never
+            # waits: a claim still at the server (waiting on a lock) leaves the jobs in hand running, as before.
+            self._inflight.future.read_if_ready(self._db.result_ready)
         if self._inflight is not None and self._inflight.holds_connection():
             return
         try:

@@ -779,3 +779,57 @@ def test_the_models_default_max_attempts_is_used(engine: Engine) -> None:
         session.add(ThreeTries(task="t", payload={}, max_attempts=5))
     with engine.connect() as conn:
         assert list(conn.execute(text("SELECT max_attempts FROM jobs ORDER BY id")).scalars()) == [3, 3, 5]
+
+
+def test_a_claim_sent_ahead_does_not_hold_back_the_pause_for_the_rest_of_the_batch(engine: Engine) -> None:
+    """A concurrency-1 worker sends its next claim ahead of its last jobs in hand, on its own connection, and
+    reads it after them; the once-a-second step between two jobs needs that connection. When a job in hand
+    runs long and the queue is paused meanwhile, the step reads the claim first rather than wait for the end
+    of the batch: the job after the long one is given back, not started 2 s into the pause (as it was — the
+    model suite once saw a start 4.0 s into a pause), and so are the jobs the claim brought."""
+    seed_jobs(engine, 10, task="t")
+    starts: dict[int, float] = {}
+    paused_at: list[float] = []
+    long_started = threading.Event()
+
+    def handler(job: Any) -> None:
+        starts[job.id] = time.monotonic()
+        if job.id == 4:
+            long_started.set()
+            time.sleep(2.5)
+
+    w = Worker(engine, Job, {"t": handler}, batch=5, listen=False, poll_interval=0.1)
+    sent_ahead: list[bool] = []
+    send = w._send_claim
+
+    def spy(want: int, *, on_thread: bool = True) -> None:
+        sent_ahead.append(not on_thread)
+        send(want, on_thread=on_thread)
+
+    w._send_claim = spy  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False), daemon=True)
+    thread.start()
+    try:
+        assert long_started.wait(10)
+        time.sleep(0.2)
+        assert any(sent_ahead), "no claim was sent ahead of the long job (test premise)"
+        assert row(engine, "jobs", 6).status == "running", (
+            "the claim ahead has not taken job 6 (test premise)"
+        )
+        pause_queue(engine, Job, "default")
+        paused_at.append(time.monotonic())
+        assert wait_until(lambda: row(engine, "jobs", 4).status == "done", 10)
+        time.sleep(1.5)
+        late = {i: round(at - paused_at[0], 2) for i, at in starts.items() if at - paused_at[0] > 1.5}
+        assert not late, f"jobs started this long after the pause: {late}"
+        assert sorted(starts) == [1, 2, 3, 4]
+        for i in range(5, 11):
+            r = row(engine, "jobs", i)
+            assert (r.status, r.attempts, r.last_error) == ("queued", 0, "released: queue paused"), (i, r)
+        resume_queue(engine, Job, "default")
+        assert wait_until(lambda: len(starts) == 10, 10)
+    finally:
+        w.stop()
+        thread.join(30)
+    w.close()
+    assert statuses(engine, "jobs") == {"done": 10}
