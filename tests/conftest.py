@@ -99,11 +99,14 @@ def shared_engine(db_url: URL) -> Iterator[Engine]:
 
 
 def empty_tables(engine: Engine) -> None:
-    """Empty the outbox/jobs tables (and their siblings, the inbox, the demo models) and reset identities."""
+    """Empty the outbox/jobs tables (and their siblings, the schedules, the inbox, the demo models) and reset
+    identities: every table of the test database but alembic's, so no test sees what another left (the test
+    processes take tests in no fixed order)."""
     with engine.begin() as conn:
         conn.execute(
             text(
-                "TRUNCATE outbox, jobs, jobs_queues, jobs_starts, inbox, orders, order_lines RESTART IDENTITY"
+                "TRUNCATE outbox, jobs, jobs_queues, jobs_starts, schedules, inbox, orders, order_lines "
+                "RESTART IDENTITY"
             )
         )
 

@@ -60,8 +60,8 @@ def test_cli_metrics_port_while_a_dispatcher_runs(engine: Engine, db_url: URL) -
     env = dict(os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False))
     with engine.begin() as conn:
         conn.exec_driver_sql(
-            "CREATE TABLE IF NOT EXISTS deliveries (message_id bigint, pid int, at timestamptz)"
-        )
+            "CREATE TABLE IF NOT EXISTS deliveries (message_id bigint, pid int, at timestamptz DEFAULT clock_timestamp())"
+        )  # (the shape tests/test_processes.py gives it: whichever module runs first creates it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sa_outbox", "dispatch", "tests.targets:dispatcher", "--metrics-port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
