@@ -113,8 +113,11 @@ def empty_tables(engine: Engine) -> None:
 
 @pytest.fixture
 def engine(shared_engine: Engine) -> Engine:
-    """The test database with empty outbox/jobs tables and identities reset."""
+    """The test database with empty outbox/jobs tables and identities reset, on fresh connections: what an
+    earlier test left on a pooled session (prepared statements, settings) does not reach this one — the test
+    processes take tests in no fixed order."""
     empty_tables(shared_engine)
+    shared_engine.dispose()
     return shared_engine
 
 

@@ -116,6 +116,13 @@ def probes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def index_probes(plan: dict[str, Any]) -> int:
+    """How many times the claim's subplans descended an index: one per probe, whatever the plan's shape (an
+    Index Scan is one node per probe; a Bitmap Heap Scan over a Bitmap Index Scan, which leftover statistics
+    can bring, is two)."""
+    return sum(scan["Actual Loops"] for scan in probes(plan) if "Index Name" in scan)
+
+
 def assert_probes_read(plan: dict[str, Any], index: str, *columns: str) -> None:
     """Every probe is a scan of ``index`` whose index condition names each of ``columns``: a lookup, not a
     walk of the primary key, another partial index or the table."""
