@@ -1318,7 +1318,8 @@ class Worker(WorkerBase):
     def _maintain_between_jobs(self) -> None:
         """The once-a-second maintenance, between two inline jobs when it is due: a batch of jobs in hand does
         not hold back a rescue or a pause (the jobs of a queue paused meanwhile are given back, not started).
-        Not while a claim in flight uses the loop's connection."""
+        Not while a claim in flight uses the loop's connection — a claim sent ahead whose result has arrived is
+        read first, which frees it."""
         if not self._rescuer.due(time.monotonic()):
             return
         if self._inflight is not None and isinstance(self._inflight.future, _SentAhead):

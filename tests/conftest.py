@@ -100,8 +100,8 @@ def shared_engine(db_url: URL) -> Iterator[Engine]:
 
 def empty_tables(engine: Engine) -> None:
     """Empty the outbox/jobs tables (and their siblings, the schedules, the inbox, the demo models) and reset
-    identities: every table of the test database but alembic's, so no test sees what another left (the test
-    processes take tests in no fixed order)."""
+    identities — every table the migrations and the test models create, so no test sees what another left (the
+    test processes take tests in no fixed order; side tables a test creates for itself, it empties itself)."""
     with engine.begin() as conn:
         conn.execute(
             text(
