@@ -1089,13 +1089,18 @@ class Worker(WorkerBase):
                 self._lifecycle("stopped")
         self._raise_fatal()
 
-    def beat_once(self) -> None:
-        """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
+    def _read_landed_ahead(self) -> None:
+        """Read a claim sent ahead on the loop's connection once its result has arrived — from the heartbeat or
+        between two inline jobs, whichever asks first — instead of after the jobs in hand, however long one of
+        them runs: its rows are held (renewed) from then on, its error is kept for :meth:`_landed`, and the
+        connection is free again. Never waits: a claim still at the server (on a lock) is left to be read later."""
         inflight = self._inflight
         if inflight is not None and isinstance(inflight.future, _SentAhead):
-            # a claim sent ahead and not read yet, behind a job that runs long: read once it has landed (so its
-            # rows are renewed from now on); not waiting for it (it may wait on a lock)
             inflight.future.read_if_ready(self._db.result_ready)
+
+    def beat_once(self) -> None:
+        """Renew the leases of the jobs in hand now (the heartbeat thread calls this every ``heartbeat``)."""
+        self._read_landed_ahead()  # (so a claim's rows that landed behind a long job are renewed from now on)
         pairs = self._beat_pairs()
         if pairs:
             with self._beat_lock:
@@ -1322,12 +1327,7 @@ class Worker(WorkerBase):
         read first, which frees it."""
         if not self._rescuer.due(time.monotonic()):
             return
-        if self._inflight is not None and isinstance(self._inflight.future, _SentAhead):
-            # A claim sent ahead holds the connection until it is read: when its result has arrived, read it now
-            # (its rows join the jobs in hand at the loop's next turn, its error is raised there) rather than leave
-            # the step — and a pause — waiting for the rest of the batch, however long a job in hand runs. Never
-            # waits: a claim still at the server (waiting on a lock) leaves the jobs in hand running, as before.
-            self._inflight.future.read_if_ready(self._db.result_ready)
+        self._read_landed_ahead()  # (frees the connection: the step, and a pause, need not wait for the batch)
         if self._inflight is not None and self._inflight.holds_connection():
             return
         try:
