@@ -541,6 +541,11 @@ class Model:
     pauses: dict[str, list[list[float]]] = field(default_factory=lambda: defaultdict(list))  # [start, end]
     yesterday: set[int] = field(default_factory=set)  # committed events written into yesterday's partition
 
+    def paused(self, queue: str) -> bool:
+        """Whether ``queue`` is paused now (its last pause window has not ended)."""
+        windows = self.pauses[queue]
+        return bool(windows) and windows[-1][1] == float("inf")
+
 
 #: rule_hold_job_row's pick: a running job's row, locked as a user's transaction would lock it.
 _JOB_STATE = text(
@@ -628,6 +633,12 @@ class Scenario:
     def _payload(self, p: Planned) -> dict[str, Any]:
         return {"seq": p.seq, "plan": p.plan, "poison": p.poison, "price": 0.1, "note": PAYLOAD_NOTE}
 
+    def _outbox_row(self, p: Planned, **extra: Any) -> Any:
+        """The outbox row of a planned event (``extra``: created_at, available_at)."""
+        assert p.aggregate is not None
+        return self.Outbox(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1], event_type=p.event_type,
+                           payload=self._payload(p), **extra)  # fmt: skip
+
     def _commit_or_not(self) -> bool:
         return self.rng.random() < 0.85
 
@@ -650,10 +661,7 @@ class Scenario:
         extra = {"created_at": datetime.now(UTC) - timedelta(days=1)} if yesterday else {}
         with Session(self.engine) as s:
             s.begin()
-            for p in planned:
-                assert p.aggregate is not None
-                s.add(self.Outbox(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1],
-                                  event_type=p.event_type, payload=self._payload(p), **extra))  # fmt: skip
+            s.add_all(self._outbox_row(p, **extra) for p in planned)
             try:
                 s.flush()
             except DBAPIError as exc:
@@ -698,12 +706,10 @@ class Scenario:
             self._event(("acct", self.rng.choice(STRING_AGGREGATES))) for _ in range(self.rng.randint(1, 2))
         ]
         with Session(self.engine) as s, s.begin():
-            s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
-                                  payload=self._payload(p)) for p in outer if p.aggregate)  # fmt: skip
+            s.add_all(self._outbox_row(p) for p in outer)
             s.flush()
             nested = s.begin_nested()
-            s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1], event_type=p.event_type,
-                                  payload=self._payload(p)) for p in inner if p.aggregate)  # fmt: skip
+            s.add_all(self._outbox_row(p) for p in inner)
             s.flush()
             nested.rollback()
         self._remember(outer, True)
@@ -744,9 +750,7 @@ class Scenario:
             try:
                 async with AsyncSession(aengine) as s:
                     await s.begin()
-                    s.add_all(self.Outbox(aggregate_type="acct", aggregate_id=p.aggregate[1],
-                                          event_type=p.event_type, payload=self._payload(p))
-                              for p in planned if p.aggregate)  # fmt: skip
+                    s.add_all(self._outbox_row(p) for p in planned)
                     await s.flush()
                     await (s.commit() if commit else s.rollback())
             finally:
@@ -1030,7 +1034,7 @@ class Scenario:
         """An operator pauses a queue, or resumes a paused one."""
         queue = self.rng.choice(QUEUES)
         windows = self.model.pauses[queue]
-        if windows and windows[-1][1] == float("inf"):
+        if self.model.paused(queue):
             resume_queue(self.engine, Job, queue)
             windows[-1][1] = time.monotonic()
             self.log.append(f"resume {queue}")
@@ -1054,10 +1058,7 @@ class Scenario:
         # a queue no pause holds, at the front of it: the hold happens in every run of a seed that draws this
         # rule, not only when the workers happen to reach the job within the holder's look (the fixed seeds'
         # coverage of I9 depended on the machine's speed)
-        running = [
-            q for q in QUEUES if not (self.model.pauses[q] and self.model.pauses[q][-1][1] == float("inf"))
-        ]
-        queue = self.rng.choice(running or QUEUES)
+        queue = self.rng.choice([q for q in QUEUES if not self.model.paused(q)] or QUEUES)
         key = self.rng.choice(KEYS) if queue == LIMITED and self.limit is not None else None
         with Session(self.engine) as s, s.begin():
             enqueue(
@@ -1144,11 +1145,7 @@ class Scenario:
             for _ in range(n)
         ]  # fmt: skip
         with Session(self.engine) as s, s.begin():
-            for p in planned:
-                assert p.aggregate is not None
-                s.add(self.Outbox(aggregate_type=p.aggregate[0], aggregate_id=p.aggregate[1],
-                                  event_type=p.event_type, payload=self._payload(p),
-                                  available_at=func.now() + timedelta(seconds=0.1)))  # fmt: skip
+            s.add_all(self._outbox_row(p, available_at=func.now() + timedelta(seconds=0.1)) for p in planned)
         self._remember(planned, True)
         self.log.append(f"wrote events {[p.seq for p in planned]} due in 0.1 s to lock")
 
@@ -1247,7 +1244,7 @@ class Scenario:
         """Faults off, queues resumed, one loop of each kind at least, until every row is finished or blocked."""
         self.outage.clear()
         for queue, windows in self.model.pauses.items():
-            if windows and windows[-1][1] == float("inf"):
+            if self.model.paused(queue):
                 resume_queue(self.engine, Job, queue)
                 windows[-1][1] = time.monotonic()
         if not self.dispatchers:
