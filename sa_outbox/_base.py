@@ -133,6 +133,28 @@ class RunPolicy:
         return delay
 
 
+class _StopFlag:
+    """A flag that is only ever set, and sets without a lock: :meth:`LoopBase.stop` runs in signal handlers.
+
+    A ``threading.Event`` takes its condition's lock to set; a signal that lands while the same thread is inside
+    ``set()`` — a second SIGTERM during the first one's handler (the supervisor's death sends two: the kernel's
+    PR_SET_PDEATHSIG and the lifeline's), or a SIGTERM while a job calls ``stop()`` — runs the handler there,
+    and its ``set()`` waits forever for the lock the interrupted one holds. A plain attribute write cannot be
+    interrupted half-way, and is seen by every thread (nothing waits on the flag: the loop's waiter is
+    poked)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class LoopBase:
     """Options and shared steps of a Dispatcher/Worker of either flavour (see the module docs)."""
 
@@ -188,7 +210,7 @@ class LoopBase:
         self.stats = LoopStats()
         #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
         self.observer: Callable[[str, float], None] | None = None
-        self._stop = threading.Event()
+        self._stop = _StopFlag()
         self._rescuer = Rescuer()
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)

@@ -107,6 +107,31 @@ def test_sigterm_right_after_start_up_exits_zero(side_tables: Engine, db_url: UR
     assert code == 0, out
 
 
+@pytest.mark.parametrize("kind", ["worker", "dispatcher"])
+def test_a_second_sigterm_at_any_line_of_the_first_ones_handler_still_stops_the_loop(
+    engine: Engine, db_url: URL, kind: str
+) -> None:
+    """Two SIGTERMs close together — a supervisor's death sends two (the kernel's PR_SET_PDEATHSIG and the
+    lifeline's), as does Ctrl-C pressed twice. The child sends the second at each line of the first one's
+    handler in turn (tests/second_signal.py). Before, the handler's ``stop()`` set a ``threading.Event``: a
+    second handler run while the first held the Event's lock waited for it forever (the dispatcher hung in
+    round 10; a pool's children outlived their killed supervisor)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.second_signal", db_url.render_as_string(hide_password=False), kind],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # SIGKILL: a deadlocked handler never runs a SIGTERM's
+        out, _ = proc.communicate()
+        rounds = [line for line in out.splitlines() if line.startswith("round ")]
+        raise AssertionError(f"hung in the round after {rounds[-1:] or 'the calibration'}") from None
+    assert proc.returncode == 0, out[-3000:]
+    lines = int(out.split("handler lines ", 1)[1].split()[0])
+    assert out.count(" stopped\n") == lines, out[-3000:]  # a round for every line of the handler
+
+
 def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
     side_tables: Engine, db_url: URL
 ) -> None:
