@@ -211,6 +211,7 @@ class LoopBase:
         #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
         self.observer: Callable[[str, float], None] | None = None
         self._stop = _StopFlag()
+        self._stop_signal: int | None = None  # set by the signal handler, logged by _stopped()
         self._rescuer = Rescuer()
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
@@ -236,6 +237,16 @@ class LoopBase:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def _stopped(self) -> bool:
+        """Whether a stop was asked for — what the loops check — and, the first time they see a stop a signal
+        asked for, the log line saying so (written here, never in the signal handler)."""
+        if not self._stop.is_set():
+            return False
+        signum, self._stop_signal = self._stop_signal, None
+        if signum is not None:
+            self._log.info("signal %s: finishing what is in hand, then stopping", signum)
+        return True
+
     def _poke(self) -> None:
         """Wake the loop's waiter (each flavour has its own)."""
         raise NotImplementedError
@@ -246,7 +257,11 @@ class LoopBase:
             return None
 
         def handler(signum: int, frame: FrameType | None) -> None:
-            self._log.info("signal %s: finishing what is in hand, then stopping", signum)
+            # Nothing here takes a lock: the handler runs at any bytecode of the main thread, also inside a
+            # lock that thread holds. So it does not log either (a QueueHandler's queue.put holding its
+            # mutex, interrupted, hung here on the same mutex): the loop logs the signal when it next looks
+            # (_stopped), from its own code.
+            self._stop_signal = signum
             self.stop()
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -211,7 +211,7 @@ class DispatcherBase(LoopBase):
         return claimed_at + (self.lease - self.publish_timeout).total_seconds()
 
     def _want(self, *, one_shot: bool) -> int:
-        if self._stop.is_set() or self._fatal is not None:
+        if self._stopped() or self._fatal is not None:
             return 0
         return self.batch if one_shot else self._circuit.want(self.batch, time.monotonic())
 
@@ -288,7 +288,7 @@ class DispatcherBase(LoopBase):
 
     def _publish_blocking(self, messages: list[Message], claimed_at: float) -> list[Outcome]:
         """Publish a claimed batch with a blocking publisher; one outcome per message. Never raises."""
-        if self._stop.is_set():
+        if self._stopped():
             return self._released(messages, _STOPPING)
         budget_end = self._budget_end(claimed_at)
         if self._batch_publish:
@@ -313,8 +313,8 @@ class DispatcherBase(LoopBase):
         results: list[tuple[Message, BaseException | None]] = []
         rest: list[Outcome] = []
         for i, msg in enumerate(messages):
-            if self._stop.is_set() or time.monotonic() > budget_end:
-                rest = self._released(messages[i:], _STOPPING if self._stop.is_set() else _BUDGET)
+            if self._stopped() or time.monotonic() > budget_end:
+                rest = self._released(messages[i:], _STOPPING if self._stopped() else _BUDGET)
                 break
             started = time.perf_counter()
             error = self._publish_one_blocking(msg)
@@ -444,7 +444,7 @@ class Dispatcher(DispatcherBase):
         batches = 0
         self._lifecycle("started")
         try:
-            while not self._stop.is_set() and self._fatal is None:
+            while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = self._turn(one_shot=False)
                     policy.succeeded()
@@ -636,7 +636,7 @@ class AsyncDispatcher(DispatcherBase):
         batches = 0
         self._lifecycle("started")
         try:
-            while not self._stop.is_set() and self._fatal is None:
+            while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = await self._turn(one_shot=False)
                     policy.succeeded()
@@ -780,7 +780,7 @@ class AsyncDispatcher(DispatcherBase):
         """Publish a batch with an async publisher, ``publish_concurrency`` at a time; the whole batch is bounded
         by the lease budget (what is still running then is cancelled and retried, what has not started is
         released). One outcome per message; never raises."""
-        if self._stop.is_set():
+        if self._stopped():
             return self._released(messages, _STOPPING)
         remaining = self._budget_end(claimed_at) - time.monotonic()
         if remaining <= 0:
@@ -813,7 +813,7 @@ class AsyncDispatcher(DispatcherBase):
         async def one(i: int, msg: Message) -> None:
             nonlocal unavailable
             async with gate:
-                if unavailable or self._stop.is_set():
+                if unavailable or self._stopped():
                     return
                 results[i] = "running"
                 started = time.perf_counter()
@@ -848,7 +848,7 @@ class AsyncDispatcher(DispatcherBase):
         published: list[tuple[Message, BaseException | None]] = []
         for msg, result in zip(messages, results, strict=True):
             if result == "unstarted":
-                reason = _UNAVAILABLE if unavailable else (_STOPPING if self._stop.is_set() else _BUDGET)
+                reason = _UNAVAILABLE if unavailable else (_STOPPING if self._stopped() else _BUDGET)
                 outcomes.append(self._release(msg.id, msg.lease_version, reason))
             elif result == "running":
                 published.append((msg, self._over_budget()))

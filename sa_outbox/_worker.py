@@ -775,7 +775,7 @@ class WorkerBase(LoopBase):
         log.warning("maintenance between jobs failed: %s", exc, extra={"error": str(exc)})
 
     def _may_start(self) -> bool:
-        return not self._stop.is_set() and self._fatal is None
+        return not self._stopped() and self._fatal is None
 
     def _beat_pairs(self) -> list[tuple[int, int]]:
         return self._held.pairs()
@@ -1060,7 +1060,7 @@ class Worker(WorkerBase):
         self._begin(long_run=True)
         self._lifecycle("started")
         try:
-            while not self._stop.is_set() and self._fatal is None:
+            while not self._stopped() and self._fatal is None:
                 # no claim ahead of the last batch max_batches allows
                 self._prefetch = max_batches is None or batches + 1 < max_batches
                 try:
@@ -1546,7 +1546,7 @@ class AsyncWorker(WorkerBase):
         self._begin()
         self._lifecycle("started")
         try:
-            while not self._stop.is_set() and self._fatal is None:
+            while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = await self._turn()
                     policy.succeeded()

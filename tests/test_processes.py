@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,17 +108,21 @@ def test_sigterm_right_after_start_up_exits_zero(side_tables: Engine, db_url: UR
     assert code == 0, out
 
 
+@pytest.mark.parametrize("mode", ["second", "in-log"])
 @pytest.mark.parametrize("kind", ["worker", "dispatcher"])
-def test_a_second_sigterm_at_any_line_of_the_first_ones_handler_still_stops_the_loop(
-    engine: Engine, db_url: URL, kind: str
+def test_a_sigterm_at_any_line_of_the_handler_or_of_a_log_call_still_stops_the_loop(
+    engine: Engine, db_url: URL, kind: str, mode: str
 ) -> None:
-    """Two SIGTERMs close together — a supervisor's death sends two (the kernel's PR_SET_PDEATHSIG and the
-    lifeline's), as does Ctrl-C pressed twice. The child sends the second at each line of the first one's
-    handler in turn (tests/second_signal.py). Before, the handler's ``stop()`` set a ``threading.Event``: a
-    second handler run while the first held the Event's lock waited for it forever (the dispatcher hung in
-    round 10; a pool's children outlived their killed supervisor)."""
+    """A signal runs its handler at whatever line the main thread is on, also inside a lock that thread
+    holds. The child (tests/second_signal.py, logging through a QueueHandler) sends a SIGTERM at each line in
+    turn of a watched call: ``second`` — a second SIGTERM inside the first one's handler (a supervisor's
+    death sends two: the kernel's PR_SET_PDEATHSIG and the lifeline's; Ctrl-C twice); ``in-log`` — the one
+    SIGTERM inside the loop's own log call. Before, the handler set a ``threading.Event`` and logged: its
+    ``set()`` waited for the lock of the ``set()`` it interrupted, its log call for the QueueHandler's queue
+    lock — forever (a pool's children outlived their killed supervisor). Every round must stop, and the loop
+    still logs the signal, from its own code."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.second_signal", db_url.render_as_string(hide_password=False), kind],
+        [sys.executable, "-m", "tests.second_signal", db_url.render_as_string(hide_password=False), kind, mode],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -128,8 +133,12 @@ def test_a_second_sigterm_at_any_line_of_the_first_ones_handler_still_stops_the_
         rounds = [line for line in out.splitlines() if line.startswith("round ")]
         raise AssertionError(f"hung in the round after {rounds[-1:] or 'the calibration'}") from None
     assert proc.returncode == 0, out[-3000:]
-    lines = int(out.split("handler lines ", 1)[1].split()[0])
-    assert out.count(" stopped\n") == lines, out[-3000:]  # a round for every line of the handler
+    # (the child's log records and its progress lines share the pipe, and may share a line)
+    lines = int(re.findall(r"watched lines (\d+)", out)[0])
+    rounds = [int(k) for k in re.findall(r"round (\d+) stopped", out)]
+    assert lines >= 3 and rounds == list(range(1, lines + 1)), out[-3000:]  # a round for every line
+    # calibration (3) and every round logged its signal, once its loop looked
+    assert out.count("signal 15: finishing what is in hand, then stopping") >= lines + 3, out[-3000:]
 
 
 def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
