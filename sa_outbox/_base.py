@@ -602,17 +602,23 @@ def stray_cancellation(exc: asyncio.CancelledError) -> RuntimeError | None:
 
 
 def install_async_signals(stop: Callable[[], None]) -> Callable[[], None] | None:
-    """SIGTERM/SIGINT call ``stop`` from the running event loop (where the platform allows it)."""
+    """SIGTERM/SIGINT call ``stop`` from the running event loop (where the platform allows it). The returned
+    ``restore`` puts back the handlers that were there before: ``loop.remove_signal_handler`` alone resets
+    them to the defaults, which silently dropped a program's own SIGTERM handler after ``run()``."""
     loop = asyncio.get_running_loop()
-    installed = []
+    installed: dict[int, Any] = {}
     for s in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(s)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(s, stop)
-            installed.append(s)
+            installed[s] = previous
 
     def restore() -> None:
-        for s in installed:
+        for s, previous in installed.items():
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(s)
+            if previous is not None:  # None: installed outside Python; nothing to put back
+                with contextlib.suppress(ValueError, TypeError, OSError):
+                    signal.signal(s, previous)
 
     return restore if installed else None

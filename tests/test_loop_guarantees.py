@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -645,3 +647,42 @@ def test_ctrl_c_while_a_dispatcher_waits_for_its_publisher_records_the_batch(
     rows = [row(engine, "outbox", i) for i in (1, 2, 3)]
     assert statuses(engine, "outbox").get("processing") is None
     assert "KeyboardInterrupt" in rows[0].last_error and rows[0].status == "pending"
+
+
+def test_run_with_signal_handlers_stops_on_sigterm_and_puts_the_callers_handlers_back(
+    runner: Runner, engine: Engine
+) -> None:
+    """``run(install_signal_handlers=True)`` of each flavour takes SIGTERM while it runs, and afterwards the
+    caller's own handlers are in place again. Before, the asyncio loops reset them to the defaults
+    (``loop.remove_signal_handler``): a program's SIGTERM handler was gone after ``run()``, and its next
+    SIGTERM killed it (a hostile review's script, exit 143)."""
+    seen: list[int] = []
+
+    def mine(signum: int, frame: Any) -> None:
+        seen.append(signum)
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        for make in (
+            lambda: runner.dispatcher(RecordingPublisher()),
+            lambda: runner.worker({"t": lambda j: None}),
+        ):
+            lp = make()
+            kill = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+            rescue = threading.Timer(10, lp.stop)  # (if the loop's handler did not take it: fail, not hang)
+            kill.start()
+            rescue.start()
+            runner.run(lp, install_signal_handlers=True)
+            rescue.cancel()
+            assert seen == [], "the caller's handler took the SIGTERM meant for the loop"
+            assert signal.getsignal(signal.SIGTERM) is mine
+            assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGTERM)  # the caller's handler is back
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGTERM]
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
