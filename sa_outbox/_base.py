@@ -12,6 +12,7 @@ the async ones on the event loop, and both run the same steps (the async ones th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -211,7 +212,8 @@ class LoopBase:
         #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
         self.observer: Callable[[str, float], None] | None = None
         self._stop = _StopFlag()
-        self._stop_signal: int | None = None  # set by the signal handler, logged by _stopped()
+        #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
+        self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
@@ -238,14 +240,16 @@ class LoopBase:
         return self._stop.is_set()
 
     def _stopped(self) -> bool:
-        """Whether a stop was asked for — what the loops check — and, the first time they see a stop a signal
-        asked for, the log line saying so (written here, never in the signal handler)."""
+        """Whether a stop was asked for — what the loops check — and a log line for each signal the handler took
+        since the last look (written here, never in the signal handler)."""
         if not self._stop.is_set():
             return False
-        signum, self._stop_signal = self._stop_signal, None
-        if signum is not None:
+        while True:  # (any thread may look: each signal is taken, and logged, once)
+            try:
+                signum = self._stop_signals.popleft()
+            except IndexError:
+                return True
             self._log.info("signal %s: finishing what is in hand, then stopping", signum)
-        return True
 
     def _poke(self) -> None:
         """Wake the loop's waiter (each flavour has its own)."""
@@ -261,7 +265,7 @@ class LoopBase:
             # lock that thread holds. So it does not log either (a QueueHandler's queue.put holding its
             # mutex, interrupted, hung here on the same mutex): the loop logs the signal when it next looks
             # (_stopped), from its own code.
-            self._stop_signal = signum
+            self._stop_signals.append(signum)
             self.stop()
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
