@@ -134,28 +134,6 @@ class RunPolicy:
         return delay
 
 
-class _StopFlag:
-    """A flag that is only ever set, and sets without a lock: :meth:`LoopBase.stop` runs in signal handlers.
-
-    A ``threading.Event`` takes its condition's lock to set; a signal that lands while the same thread is inside
-    ``set()`` — a second SIGTERM during the first one's handler (the supervisor's death sends two: the kernel's
-    PR_SET_PDEATHSIG and the lifeline's), or a SIGTERM while a job calls ``stop()`` — runs the handler there,
-    and its ``set()`` waits forever for the lock the interrupted one holds. A plain attribute write cannot be
-    interrupted half-way, and is seen by every thread (nothing waits on the flag: the loop's waiter is
-    poked)."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-
 class LoopBase:
     """Options and shared steps of a Dispatcher/Worker of either flavour (see the module docs)."""
 
@@ -211,7 +189,11 @@ class LoopBase:
         self.stats = LoopStats()
         #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
         self.observer: Callable[[str, float], None] | None = None
-        self._stop = _StopFlag()
+        # A plain attribute, not a threading.Event: stop() runs in signal handlers, and Event.set() takes a lock
+        # that a handler interrupting another set() on the same thread (a second SIGTERM during the first's
+        # handling: a supervisor's death sends two, PR_SET_PDEATHSIG's and the lifeline's) waited on forever.
+        # Nothing waits on it: the loop's waiter is poked.
+        self._stop_requested = False
         #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
@@ -232,17 +214,17 @@ class LoopBase:
 
         A stop is final for this loop object: one that lands before :meth:`run` begins (a signal during
         start-up) makes that ``run()`` return without claiming anything. To run again, build a new loop."""
-        self._stop.set()
+        self._stop_requested = True
         self._poke()
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
+        return self._stop_requested
 
     def _stopped(self) -> bool:
         """Whether a stop was asked for — what the loops check — and a log line for each signal the handler took
         since the last look (written here, never in the signal handler)."""
-        if not self._stop.is_set():
+        if not self._stop_requested:
             return False
         while True:  # (any thread may look: each signal is taken, and logged, once)
             try:
