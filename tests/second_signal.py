@@ -30,13 +30,9 @@ from typing import Any
 
 from sqlalchemy import create_engine
 
-from sa_outbox import Dispatcher, Message, Worker
+from sa_outbox import Dispatcher, Worker
 from sa_outbox.models import Job, OutboxEvent
-
-
-class _Quiet:
-    def publish(self, message: Message) -> None:
-        return None
+from sa_outbox.testing import RecordingPublisher
 
 
 def _handler_code() -> CodeType | None:
@@ -49,7 +45,7 @@ def _round(engine: Any, kind: str, mode: str, send_at: int | None) -> int:
     loop: Worker | Dispatcher = (
         Worker(engine, Job, {"t": lambda job: None}, listen=False, poll_interval=0.01, heartbeat=0)
         if kind == "worker"
-        else Dispatcher(engine, OutboxEvent, _Quiet(), listen=False, poll_interval=0.01)
+        else Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False, poll_interval=0.01)
     )
     watched: Callable[[], CodeType | None] = (
         _handler_code if mode == "second" else lambda: logging.Logger.handle.__code__

@@ -125,18 +125,22 @@ def test_a_sigterm_at_any_line_of_the_handler_or_of_a_log_call_still_stops_the_l
         [sys.executable, "-m", "tests.second_signal", db_url.render_as_string(hide_password=False), kind, mode],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+
+    # (the child's log records and its progress lines share the pipe, and may share a line)
+    def rounds(out: str) -> list[int]:
+        return [int(k) for k in re.findall(r"round (\d+) stopped", out)]
+
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()  # SIGKILL: a deadlocked handler never runs a SIGTERM's
         out, _ = proc.communicate()
-        rounds = [line for line in out.splitlines() if line.startswith("round ")]
-        raise AssertionError(f"hung in the round after {rounds[-1:] or 'the calibration'}") from None
+        raise AssertionError(
+            f"hung in the round after round {rounds(out)[-1:] or 'the calibration'}"
+        ) from None
     assert proc.returncode == 0, out[-3000:]
-    # (the child's log records and its progress lines share the pipe, and may share a line)
     lines = int(re.findall(r"watched lines (\d+)", out)[0])
-    rounds = [int(k) for k in re.findall(r"round (\d+) stopped", out)]
-    assert lines >= 3 and rounds == list(range(1, lines + 1)), out[-3000:]  # a round for every line
+    assert lines >= 3 and rounds(out) == list(range(1, lines + 1)), out[-3000:]  # a round for every line
     # calibration (3) and every round logged its signal, once its loop looked
     assert out.count("signal 15: finishing what is in hand, then stopping") >= lines + 3, out[-3000:]
 
