@@ -356,8 +356,17 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
             raise
         # (a FINALIZE that failed for a reason of its own leaves the detach pending; a DETACH … CONCURRENTLY
         # refused before it marked the partition, e.g. for want of a privilege, leaves it attached: told apart
-        # from the race by its SQLSTATE — the race's "is not a partition of" is undefined_table)
-        if mode == "finalize" or getattr(exc.orig, "sqlstate", None) == "42P01":
+        # from the race by its SQLSTATE — the race's "is not a partition of" is undefined_table. When the other
+        # maintainer's FINALIZE and its attach-again both land while this DETACH waits, its second step finds
+        # the partition attached with no detach pending: object_not_in_prerequisite_state, told apart from
+        # other refusals of that state by its detail, "There's no pending concurrent detach." — on a server
+        # whose messages are not in English that case stays a reported error, and a later run decides)
+        sqlstate = getattr(exc.orig, "sqlstate", None)
+        diag = getattr(exc.orig, "diag", None)
+        no_pending = sqlstate == "55000" and "no pending concurrent detach" in (
+            getattr(diag, "message_detail", None) or ""
+        )
+        if mode == "finalize" or sqlstate == "42P01" or no_pending:
             return False
         raise
 
