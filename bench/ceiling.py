@@ -12,8 +12,12 @@ Two things differ from the loop, both forced by pgbench, both small:
   becomes a CTE and the outer ``SELECT`` builds the next outcome arrays from it (a few µs of server CPU, and
   one row on the wire instead of up to ``2 × batch``);
 * pgbench cannot bind a NULL: the statement's two internal parameters whose value is NULL (the lease columns
-  a finalize clears) are written in as typed NULLs. Every other parameter is a bound parameter, as psycopg
-  sends it.
+  a finalize clears) are written in as typed NULLs, and so, at batch 1, are the one outcome's delay, error
+  and result (the loop binds them as NULL parameters; at larger batches they are arrays of NULLs, bound).
+  Every other parameter is a bound parameter, as psycopg sends it.
+
+At batch 1 the statement is its one-outcome form (``single=True``), the one the loop sends when a statement
+carries exactly one outcome; at larger batches the array form.
 
 Each client runs ``jobs / (clients × batch)`` claiming statements plus one that finalizes its last batch, so
 with every claim full the table drains exactly; the rate is the rows found ``done`` over pgbench's own
@@ -48,16 +52,21 @@ def pgbench() -> str | None:
 
 
 def script(batch: int) -> tuple[str, dict[str, Any]]:
-    """(pgbench script, the -D variables) for the library's finalize + claim at ``batch``."""
+    """(pgbench script, the -D variables) for the library's finalize + claim at ``batch``. At batch 1 each
+    statement carries one outcome, so the loop sends the statement's one-outcome form (plain parameters,
+    ``_steps._single``): so does the ceiling."""
     spec = _sql.spec_for(Job)
-    compiled = _sql.finalize_and_claim_statement(spec, limit=batch).compile(dialect=psycopg_dialect())
-    sql = str(compiled)
-    dynamic = set(_steps._claim_params(spec, "ceiling", batch, None, "default", None)) | set(
-        _steps._outcome_params(spec, [])
+    single = batch == 1
+    compiled = _sql.finalize_and_claim_statement(spec, limit=batch, single=single).compile(
+        dialect=psycopg_dialect()
     )
+    sql = str(compiled)
+    one = [_steps.done_outcome(0, 0, spec.done)] if single else []
+    outcome_names = set(_steps._outcome_params(spec, one))
+    dynamic = set(_steps._claim_params(spec, "ceiling", batch, None, "default", None)) | outcome_names
     values: dict[str, Any] = {}
     for name, value in compiled.construct_params(_check=False).items():
-        if name in dynamic:
+        if name in dynamic and not (single and name in ("o_delay", "o_error", "o_result")):
             continue
         if value is None:  # pgbench binds text only: a NULL goes in as a typed NULL literal
             sql = re.sub(rf"%\({name}\)s", "NULL", sql)
@@ -67,20 +76,30 @@ def script(batch: int) -> tuple[str, dict[str, Any]]:
         raise RuntimeError("finalize_and_claim_statement changed shape: update bench/ceiling.py")
     head, tail = sql.split(_TAIL)
     # The loop's statement as a CTE; the next round's outcomes (all 'done') built from its claimed rows.
-    sql = (
-        f"{head}, result AS (SELECT 'f' AS k{tail})\n"
-        "SELECT coalesce(array_agg(id) FILTER (WHERE k = 'c'), '{}') AS ids,\n"
-        "       coalesce(array_agg(lease_version) FILTER (WHERE k = 'c'), '{}') AS versions,\n"
-        "       coalesce(array_agg('done'::text) FILTER (WHERE k = 'c'), '{}') AS statuses,\n"
-        "       coalesce(array_agg(NULL::float8) FILTER (WHERE k = 'c'), '{}') AS delays,\n"
-        "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS errors,\n"
-        "       coalesce(array_agg(0) FILTER (WHERE k = 'c'), '{}') AS refunds,\n"
-        "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS results\n"
-        "  FROM result"
-    )
+    if single:
+        outcomes = (
+            "SELECT coalesce(max(id) FILTER (WHERE k = 'c'), 0) AS o_id,\n"
+            "       coalesce(max(lease_version) FILTER (WHERE k = 'c'), 0) AS o_version\n"
+        )
+    else:
+        outcomes = (
+            "SELECT coalesce(array_agg(id) FILTER (WHERE k = 'c'), '{}') AS ids,\n"
+            "       coalesce(array_agg(lease_version) FILTER (WHERE k = 'c'), '{}') AS versions,\n"
+            "       coalesce(array_agg('done'::text) FILTER (WHERE k = 'c'), '{}') AS statuses,\n"
+            "       coalesce(array_agg(NULL::float8) FILTER (WHERE k = 'c'), '{}') AS delays,\n"
+            "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS errors,\n"
+            "       coalesce(array_agg(0) FILTER (WHERE k = 'c'), '{}') AS refunds,\n"
+            "       coalesce(array_agg(NULL::text) FILTER (WHERE k = 'c'), '{}') AS results\n"
+        )
+    sql = f"{head}, result AS (SELECT 'f' AS k{tail})\n{outcomes}  FROM result"
     sql = re.sub(r"%\((\w+)\)s", r":\1", sql).replace("%%", "%")
-    values.update(owner="ceiling", queue_name="default", ids="{}", versions="{}", statuses="{}", delays="{}",
-                  errors="{}", refunds="{}", results="{}")  # fmt: skip
+    values.update(owner="ceiling", queue_name="default")
+    if single:  # the first statement's outcome matches no row (as the first empty arrays do)
+        values.update(o_id=0, o_version=0, o_status="done", o_refund=0)
+    else:
+        values.update(
+            ids="{}", versions="{}", statuses="{}", delays="{}", errors="{}", refunds="{}", results="{}"
+        )
     return sql + "\n\\gset\n", values
 
 

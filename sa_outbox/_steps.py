@@ -217,7 +217,22 @@ def _claim_shape(
 
 
 def _outcome_params(spec: QueueSpec, outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    """The outcome arrays of the finalize statement (one element per row, unnested in the database)."""
+    """The outcome arrays of the finalize statement (one element per row, unnested in the database); for
+    exactly one outcome, its values as plain parameters (the statement's ``single`` form, see
+    :func:`_single`)."""
+    if _single(outcomes):
+        (o,) = outcomes
+        params: dict[str, Any] = {
+            "o_id": o.id,
+            "o_version": o.lease_version,
+            "o_status": o.status,
+            "o_delay": o.delay,
+            "o_error": _storable(o.error),
+            "o_refund": o.refund,
+        }
+        if spec.kind == "jobs":
+            params["o_result"] = o.result
+        return params
     params = {
         "ids": [o.id for o in outcomes],
         "versions": [o.lease_version for o in outcomes],
@@ -229,6 +244,12 @@ def _outcome_params(spec: QueueSpec, outcomes: Sequence[Outcome]) -> dict[str, A
     if spec.kind == "jobs":
         params["results"] = [o.result for o in outcomes]
     return params
+
+
+def _single(outcomes: Sequence[Outcome]) -> bool:
+    """Whether the finalize takes the one-outcome form (:func:`_sql.finalize_statement`): a worker at batch 1,
+    and any loop whose statement carries one outcome."""
+    return len(outcomes) == 1
 
 
 def _storable(error: str | None) -> str | None:
@@ -302,7 +323,8 @@ def finalize(conn: Connection, spec: QueueSpec, outcomes: Iterable[Outcome]) -> 
     items = list(outcomes)
     if not items:
         return set()
-    return {r[0] for r in run(conn, _sql.finalize_statement(spec), _outcome_params(spec, items))}
+    stmt = _sql.finalize_statement(spec, single=_single(items))
+    return {r[0] for r in run(conn, stmt, _outcome_params(spec, items))}
 
 
 def finalize_and_claim(
@@ -379,7 +401,7 @@ def _finalize_and_claim_call(
         **_claim_params(spec, owner, batch, lease, queue, ordered_types),
         **_outcome_params(spec, outcomes),
     }
-    return _sql.finalize_and_claim_statement(spec, **shape), params
+    return _sql.finalize_and_claim_statement(spec, **shape, single=_single(outcomes)), params
 
 
 def _tagged(rows: list[Any]) -> tuple[set[int], list[Any]]:

@@ -64,6 +64,8 @@ CLAIM = {"owner": "w", "batch": 50, "lease": timedelta(seconds=60)}
 JOBS_CLAIM = {"owner": "w", "batch": 50, "queue_name": "default"}
 OUTCOMES = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
             "errors": [None, None], "refunds": [0, 0], "results": [None, None]}  # fmt: skip
+ONE_OUTCOME = {"o_id": 1, "o_version": 1, "o_status": "done", "o_delay": None, "o_error": None, "o_refund": 0,
+               "o_result": None}  # fmt: skip
 STATEMENTS = {
     "outbox claim": (_sql.claim_statement(OUTBOX), CLAIM),
     "outbox ordered claim": (_sql.claim_statement(OUTBOX, ordered=True), CLAIM),
@@ -94,6 +96,13 @@ STATEMENTS = {
         _sql.finalize_and_claim_statement(JOBS, limit=1),
         {**JOBS_CLAIM, **OUTCOMES},
     ),
+    # a statement with exactly one outcome (a worker at batch 1): the outcome's columns as plain parameters
+    "jobs finalize+claim, one outcome, batch 1 written in": (
+        _sql.finalize_and_claim_statement(JOBS, limit=1, single=True),
+        {**JOBS_CLAIM, **ONE_OUTCOME},
+    ),
+    "outbox finalize, one outcome": (_sql.finalize_statement(OUTBOX, single=True), ONE_OUTCOME),
+    "jobs finalize, one outcome": (_sql.finalize_statement(JOBS, single=True), ONE_OUTCOME),
 }
 
 
@@ -305,8 +314,13 @@ def test_the_unique_running_claim_looks_up_keys_through_their_index(table_shape:
 
 
 @pytest.mark.parametrize(
-    "label", ["outbox finalize", "jobs finalize", "outbox extend", "jobs extend", "jobs finalize+claim"]
-)
+    "label",
+    [
+        "outbox finalize", "jobs finalize", "outbox extend", "jobs extend", "jobs finalize+claim",
+        "outbox finalize, one outcome", "jobs finalize, one outcome",
+        "jobs finalize+claim, one outcome, batch 1 written in",
+    ],
+)  # fmt: skip
 def test_fenced_updates_find_their_rows_by_primary_key(table_shape: Engine, label: str) -> None:
     """A finalize/heartbeat of n rows costs n key lookups — never a walk over every leased row compared
     with every outcome (what a generic plan did with statistics taken when few rows were leased)."""

@@ -316,6 +316,7 @@ def test_the_generic_plan_of_the_claim_reads_the_ready_index_of_each_partition(p
 
 
 @pytest.mark.parametrize("which", ["outbox rescue", "jobs rescue", "outbox finalize", "jobs finalize",
+                                   "outbox finalize, one outcome", "jobs finalize, one outcome",
                                    "outbox extend", "ordered claim"])  # fmt: skip
 def test_generic_plans_of_the_other_statements_never_read_a_partition_whole(
     pengine: Engine, which: str
@@ -334,11 +335,15 @@ def test_generic_plans_of_the_other_statements_never_read_a_partition_whole(
     ev, jobs = _sql.spec_for(PEvent), _sql.spec_for(PJob)
     outcomes = {"ids": [1, 2], "versions": [1, 1], "statuses": ["done", "done"], "delays": [None, None],
                 "errors": [None, None], "refunds": [0, 0], "results": [None, None]}  # fmt: skip
+    one = {"o_id": 1, "o_version": 1, "o_status": "done", "o_delay": None, "o_error": None, "o_refund": 0,
+           "o_result": None}  # fmt: skip
     stmt, params = {
         "outbox rescue": (_sql.rescue_statement(ev), {"limit": 1000, "max_attempts": 12}),
         "jobs rescue": (_sql.rescue_statement(jobs), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
         "outbox finalize": (_sql.finalize_statement(ev), outcomes),
         "jobs finalize": (_sql.finalize_statement(jobs), outcomes),
+        "outbox finalize, one outcome": (_sql.finalize_statement(ev, single=True), one),
+        "jobs finalize, one outcome": (_sql.finalize_statement(jobs, single=True), one),
         "outbox extend": (_sql.extend_statement(ev), {"lease": timedelta(seconds=60), "ids": [1], "versions": [1]}),
         "ordered claim": (_sql.claim_statement(ev, ordered=True), {"owner": "w", "batch": 50,
                                                                     "lease": timedelta(seconds=60)}),

@@ -188,6 +188,73 @@ def test_stale_worker_cannot_finalize_a_reaped_and_reclaimed_job(engine: Engine)
     ) or r.status == "done"
 
 
+_OUTCOME_KINDS: dict[str, Any] = {
+    "done with a result": lambda spec, i, v: eng.done_outcome(i, v, spec.done, '{"ok": [1, "é"]}'),
+    "done": lambda spec, i, v: eng.done_outcome(i, v, spec.done),
+    "retry after 90 s": lambda spec, i, v: eng.Outcome(i, v, spec.ready, delay=90.0, error="boom\nline 2"),
+    "dead": lambda spec, i, v: eng.Outcome(i, v, spec.dead, error="NUL \x00 here " + "x" * 5000),
+    "released": lambda spec, i, v: eng.release(spec, i, v, "shutting down"),
+    "cancelled": lambda spec, i, v: eng.cancelled(spec, i, v, "by operator"),
+}
+
+
+@pytest.mark.parametrize(
+    ("table", "kind"),
+    [(t, k) for t in ("jobs", "outbox") for k in sorted(_OUTCOME_KINDS) if (t, k) != ("outbox", "cancelled")],
+)
+def test_one_outcome_alone_writes_what_it_writes_in_a_batch(engine: Engine, table: str, kind: str) -> None:
+    """A statement with exactly one outcome takes its own form (plain parameters, no unnest): each kind of
+    outcome written alone leaves its row exactly as the batch form leaves a twin row — status, due time,
+    attempts, error, finish time, result, lease — and a stale lease version is fenced out by both."""
+    spec = JOBS if table == "jobs" else OUTBOX
+    if table == "jobs":
+        seed_jobs(engine, 3)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET cancel_requested_at = now() WHERE id = 3"))
+    else:
+        seed_events(engine, 3)
+    with engine.begin() as conn:
+        if table == "jobs":
+            held = [(j.id, j.lease_version) for j in claim_jobs(conn, "w", batch=3)]
+        else:
+            held = [
+                (r[0], r[1]) for r in eng.claim(conn, OUTBOX, owner="w", batch=3, lease=timedelta(seconds=60))
+            ]
+    (a, va), (b, vb), (c, vc) = sorted(held)
+    make = _OUTCOME_KINDS[kind]
+    with engine.begin() as conn:  # the one-outcome form, and a stale version fenced out by it
+        assert eng.finalize(conn, spec, [make(spec, a, va + 1)]) == set()
+        assert eng.finalize(conn, spec, [make(spec, a, va)]) == {a}
+    with engine.begin() as conn:  # the batch form: b as a twin of a, c beside it
+        assert eng.finalize(conn, spec, [make(spec, b, vb), make(spec, c, vc)]) == {b, c}
+    skip = {"id", "payload", "aggregate_id", "created_at", "available_at", "run_at", "finished_at", "done_at"}
+    ra, rb = row(engine, table, a), row(engine, table, b)
+    assert {k: v for k, v in ra._mapping.items() if k not in skip} == {
+        k: v for k, v in rb._mapping.items() if k not in skip
+    }
+    due = spec.due.name
+    with engine.connect() as conn:  # the times: set (or kept) alike, each from its own statement's now()
+        times = conn.execute(
+            text(
+                f"SELECT id, {due} - created_at AS wait, {spec.finished.name} IS NULL AS open "
+                f"FROM {table} WHERE id IN (:a, :b) ORDER BY id"
+            ),
+            {"a": a, "b": b},
+        ).all()
+    assert times[0].open == times[1].open, times
+    assert abs((times[0].wait - times[1].wait).total_seconds()) < 30, times  # 90 s delay vs kept: apart
+    if kind == "retry after 90 s":
+        assert times[0].wait.total_seconds() > 80, times
+    if kind == "released":
+        assert (ra.status, ra.attempts, ra.lease_owner if table == "outbox" else ra.locked_by) == (
+            spec.ready,
+            0,
+            None,
+        )
+    if table == "jobs" and kind == "retry after 90 s":  # a retry of a job whose cancellation was asked
+        assert row(engine, "jobs", c).status == "cancelled"
+
+
 def test_reaper_fails_a_stale_job_out_of_attempts_and_appends_the_reason(engine: Engine) -> None:
     seed_jobs(engine, 1, max_attempts=1)
     with engine.begin() as conn:
