@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from tenacity import retry_if_exception, stop_after_delay
 
 from . import _steps
@@ -197,6 +198,8 @@ class LoopBase:
         #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
+        #: Whether the table's planner statistics need no more looking after (the maintenance step's first job).
+        self._statistics_settled = False
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
@@ -391,7 +394,18 @@ class LoopBase:
             step.start_thread(self.engine)
 
     def _rescue_on(self, conn: Connection) -> None:
-        """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages)."""
+        """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages); and, until
+        the table has planner statistics, see that it gets them (:func:`_steps.ensure_statistics`)."""
+        if not self._statistics_settled:
+            try:
+                self._statistics_settled = _steps.ensure_statistics(conn, self.spec)
+            except DBAPIError as exc:
+                if is_connection_error(exc):
+                    raise
+                self._statistics_settled = True  # (a catalog we may not read: autovacuum will do it)
+                self._log.warning(
+                    "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
+                )
         rows = _steps.rescue(conn, self.spec, **self._rescue_params())
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)

@@ -47,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql import ColumnElement, Select, Update
-from sqlalchemy.sql.elements import ColumnClause, conv
+from sqlalchemy.sql.elements import ColumnClause, TextClause, conv
 
 from .errors import SchemaError
 
@@ -1231,6 +1231,33 @@ def forget_starts_statement(spec: QueueSpec) -> Any:
         starts.c.at
         < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("rate_window", type_=Float)),
     )
+
+
+# --- planner statistics --------------------------------------------------------------------------------------
+
+#: Whether ``:t`` has planner statistics on its ``status`` column (``pg_stats``: what the role may read); NULL
+#: when there is no such table. A table that autovacuum has not analyzed yet has none, and without them the
+#: ordered claim's plan reads and sorts every ready row, probing each (155 ms per claim over 4,000 events).
+STATISTICS_PRESENT = text(
+    """
+    SELECT EXISTS (SELECT FROM pg_stats s
+                    WHERE s.schemaname = n.nspname AND s.tablename = c.relname AND s.attname = 'status')
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.oid = to_regclass(:t)
+    """
+)
+
+
+def any_row_statement(spec: QueueSpec) -> Select[Any]:
+    """One row of the table, if it has any (whatever its status)."""
+    return select(literal(1)).select_from(spec.table).limit(1)
+
+
+def analyze_statement(name: str) -> TextClause:
+    """``ANALYZE (SKIP_LOCKED)`` of the table ``name`` (quoted, as :func:`_partitions.regclass_name` gives
+    it): never waits for a lock someone else holds (autovacuum's ANALYZE, a DDL), and only warns when the
+    role may not analyze the table."""
+    return text(f"ANALYZE (SKIP_LOCKED) {name}")
 
 
 # --- partitions (the partitioned layout: docs/partitioning.md) ------------------------------------------------

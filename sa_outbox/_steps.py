@@ -21,6 +21,7 @@ from ._backoff import Backoff
 from ._execute import compile_ahead, control, in_block, run, send, transaction
 from ._limits import Limit
 from ._messages import slot_setters
+from ._partitions import regclass_name
 from ._sql import QueueSpec
 from .errors import Defer, PermanentError
 
@@ -418,6 +419,36 @@ def _tagged(rows: list[Any]) -> tuple[set[int], list[Any]]:
 
 
 _first = itemgetter(0)
+
+
+def ensure_statistics(conn: Connection, spec: QueueSpec) -> bool:
+    """Give a table that holds rows but has no planner statistics its first ``ANALYZE`` — a new table before
+    autovacuum reaches it (up to a minute, and never with autovacuum off). Without statistics the ordered
+    claim's plan reads and sorts every ready row and probes each one's aggregate: 155 ms and 113,000 buffers per
+    claim over 4,000 events, against 0.2 ms once analyzed. True when nothing is left to do for this table
+    (statistics present, ``ANALYZE`` run or refused, a partitioned table — whose partitions autovacuum analyzes
+    — or no such table); False while the table is empty (ask again later)."""
+    if spec.period is not None:
+        return True
+    name = regclass_name(conn, spec.table)
+    present = conn.execute(_sql.STATISTICS_PRESENT, {"t": name}).scalar()
+    if present is None or present:
+        return True
+    if conn.execute(_sql.any_row_statement(spec)).first() is None:
+        return False
+    conn.execute(_sql.analyze_statement(name))
+    if conn.execute(_sql.STATISTICS_PRESENT, {"t": name}).scalar():
+        log.info(
+            "analyzed %s: it held rows but no planner statistics yet (autovacuum had not reached it)", name,
+            extra={"table": spec.table.name},
+        )  # fmt: skip
+    else:  # not the owner (nor MAINTAIN), or autovacuum held the lock: it will do it
+        log.warning(
+            "%s has no planner statistics yet and this role could not ANALYZE it: until autovacuum does, "
+            "ordered and unique_running claims read every ready row (run ANALYZE %s, or grant MAINTAIN on "
+            "PostgreSQL 17+)", name, name, extra={"table": spec.table.name},
+        )  # fmt: skip
+    return True
 
 
 def extend(

@@ -17,6 +17,10 @@ Two table shapes that production makes and that each broke a form of the probes 
   Scan of its whole key (4,000 entries): ANALYZE stored the type's one distinct value among two rows as a
   ratio, so on the grown table every aggregate type looked unique and each probe expected to find nothing.
 
+* **never analyzed** — a new table took a backlog before autovacuum analyzed it (no statistics at all): the
+  ordered claim read and sorted every ready row, probing each (113,000 buffers for one claim over 4,000
+  events). No form of the statement avoids that; the loops' maintenance step analyzes such a table once.
+
 The partitioned outbox keeps the plain NOT EXISTS (see ``claim_statement``); these shapes are not built for it.
 
 Asserted on what the database reports — which index each probe reads and on which conditions, the buffers of
@@ -25,16 +29,21 @@ one claim — never on a timing. Autovacuum is off on both tables while a shape 
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import Executable
 
-from sa_outbox import _sql
-from sa_outbox.models import Job, OutboxEvent
+from sa_outbox import Dispatcher, Worker, _sql
+from sa_outbox.models import Base, Job, OutboxEvent
+from sa_outbox.testing import RecordingPublisher
 
 from .test_explain import nodes
 
@@ -237,3 +246,134 @@ def test_a_plain_jobs_claim_stays_a_walk_of_the_dequeue_index(shaped: tuple[str,
     assert touched < 5_000, f"one claim of 50 touched {touched:,} buffers"
     finished = SHAPES[shape][1]
     assert sorted(r.id for r in rows) == list(range(finished + 1, finished + 51))
+
+
+# --- never analyzed ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def never_analyzed(server_url: URL) -> Iterator[Engine]:
+    """A database of its own with the library's tables, autovacuum off on them, and rows but no planner
+    statistics: 4,000 pending events over 200 aggregates and 4,000 queued jobs over 200 unique keys — a new
+    table that took a backlog before autovacuum reached it."""
+    name = f"sa_outbox_stats_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = create_engine(server_url.set(database=name), poolclass=NullPool)
+    try:
+        Base.metadata.create_all(engine)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for table in ("outbox", "jobs"):
+                conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _backlog(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                "SELECT 'order', 'agg-' || (g % 200), 'E', '{}' FROM generate_series(1, 4000) g"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, payload, unique_key, lease_version) "
+                "SELECT 'noop', '{}', 'key-' || (g % 200), 1 FROM generate_series(1, 4000) g"
+            )
+        )
+
+
+def _has_statistics(engine: Engine, table: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(_sql.STATISTICS_PRESENT, {"t": table}).scalar_one())
+
+
+def _ordered_claim(engine: Engine) -> tuple[dict[str, Any], list[Any]]:
+    params = {"owner": "w", "lease": timedelta(seconds=60)}
+    return analyzed(engine, _sql.claim_statement(OUTBOX, ordered=True, limit=50), params)
+
+
+def test_a_loop_gives_a_table_with_rows_but_no_statistics_its_first_analyze(never_analyzed: Engine) -> None:
+    """Without statistics the ordered claim reads and sorts every ready row, probing each (the premise, checked
+    first: 113,000 buffers for one claim over 4,000 events). A loop's first maintenance step analyzes the table;
+    the claim then walks the ready index to the 50 heads."""
+    engine = never_analyzed
+    _backlog(engine)
+    plan, rows = _ordered_claim(engine)
+    touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
+    assert touched > 20_000, f"the premise: without statistics one claim touched only {touched:,} buffers"
+    assert sorted(r.id for r in rows) == list(range(1, 51))
+    assert not _has_statistics(engine, "outbox") and not _has_statistics(engine, "jobs")
+
+    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
+    worker = Worker(engine, Job, {"noop": lambda job: None}, listen=False, unique_running=True)
+    try:
+        dispatcher.run(install_signal_handlers=False, max_batches=1)
+        worker.run(install_signal_handlers=False, max_batches=1)
+    finally:
+        dispatcher.close()
+        worker.close()
+    assert _has_statistics(engine, "outbox") and _has_statistics(engine, "jobs")
+    plan, rows = _ordered_claim(engine)
+    touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
+    assert touched < 2_000, f"one claim of 50 touched {touched:,} buffers after ANALYZE"
+    assert len(rows) == 50  # the next heads (the dispatcher delivered the first 50)
+
+
+def test_an_empty_table_is_left_alone_and_analyzed_once_rows_arrive(never_analyzed: Engine) -> None:
+    """ANALYZE of an empty table stores nothing: the loop waits for rows, asking again at each step."""
+    engine = never_analyzed
+    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
+    try:
+        dispatcher.run(install_signal_handlers=False, max_batches=1)
+        assert not _has_statistics(engine, "outbox")
+        _backlog(engine)
+        time.sleep(dispatcher._rescuer.every)  # the next maintenance step is due
+        dispatcher.run(install_signal_handlers=False, max_batches=1)
+    finally:
+        dispatcher.close()
+    assert _has_statistics(engine, "outbox")
+
+
+def test_a_role_that_may_not_analyze_says_so_once_and_delivers_all_the_same(
+    never_analyzed: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The dispatcher's documented grants (SELECT, UPDATE) do not allow ANALYZE: PostgreSQL skips it with a
+    warning, and the loop says once what to run, then goes on delivering."""
+    engine = never_analyzed
+    _backlog(engine)
+    role = f"sa_outbox_noanalyze_{uuid.uuid4().hex[:6]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA public TO {role}"))
+        conn.execute(text(f"GRANT SELECT, UPDATE ON outbox TO {role}"))
+    limited = create_engine(engine.url.set(username=role, password=None), poolclass=NullPool)
+    pub = RecordingPublisher()
+    try:
+        with caplog.at_level("WARNING", logger="sa_outbox"):
+            dispatcher = Dispatcher(limited, OutboxEvent, pub, listen=False)
+            try:
+                dispatcher.run(install_signal_handlers=False, max_batches=3)
+                time.sleep(dispatcher._rescuer.every)
+                dispatcher.run(install_signal_handlers=False, max_batches=3)
+            finally:
+                dispatcher.close()
+    finally:
+        limited.dispose()
+        with engine.begin() as conn:
+            conn.execute(
+                text(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'")
+            )
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+    assert len(pub.ids) == 6 * 50
+    assert not _has_statistics(engine, "outbox")
+    said = [r.getMessage() for r in caplog.records if "could not ANALYZE" in r.getMessage()]
+    assert len(said) == 1 and "(run ANALYZE outbox" in said[0], said
