@@ -41,6 +41,7 @@ from sqlalchemy import (
     select,
     table,
     text,
+    true,
     tuple_,
     update,
 )
@@ -312,6 +313,49 @@ def _live_xmax(t: Table) -> ColumnElement[bool]:
     return and_(xmax != literal_column("0", Integer), or_(xmax == any_(func.array(running)), began_after))
 
 
+def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause: Any) -> Select[Any]:
+    """The ordered claim's other form: the heads found aggregate by aggregate, not by walking the ready rows.
+
+    The walk (the usual form) reads the ready rows in claim order and probes each one's aggregate until it has
+    ``batch`` heads. When fewer heads than that exist, it reads every ready row: a backlog of 20,000 events
+    of one aggregate cost ~220 ms per claim, one event each (4 events/s). This form reads, through
+    ``ix_<outbox>_aggregate``, the first unfinished row (pending, processing or dead) of each aggregate id in
+    turn — a recursive CTE, one index descent per aggregate — and claims those that are ready, in claim
+    order. A first unfinished row is the head of its aggregate: no earlier row of its id is unfinished,
+    whatever its type (of two types sharing an id, the later one's head waits for the earlier's row — order
+    kept, fairness a little less). Its cost is one descent per aggregate with unfinished rows, so a dispatcher
+    uses it only after a claim that found fewer heads than it asked for, and goes back to the walk after one
+    that filled its batch (:class:`sa_outbox.Dispatcher`)."""
+    t, c = spec.table, spec.c
+    unfinished = [const(spec.ready), const(spec.active), const(spec.dead)]
+    seed = t.alias("first_unfinished")
+    firsts = (
+        select(seed.c.aggregate_id, seed.c.id)
+        .where(seed.c.status.in_(unfinished))
+        .order_by(seed.c.aggregate_id, seed.c.id)
+        .limit(literal_column("1", Integer))
+        .cte("firsts", recursive=True)
+    )
+    after = t.alias("next_unfinished")
+    following = (
+        select(after.c.aggregate_id, after.c.id)
+        .where(after.c.status.in_(unfinished), after.c.aggregate_id > firsts.c.aggregate_id)
+        .order_by(after.c.aggregate_id, after.c.id)
+        .limit(literal_column("1", Integer))
+        .lateral("following")
+    )
+    firsts = firsts.union_all(
+        select(following.c.aggregate_id, following.c.id).select_from(firsts.join(following, true()))
+    )
+    return (
+        select(c.id)
+        .where(*ready, c.id == any_(func.array(select(firsts.c.id).scalar_subquery())))
+        .order_by(*spec.claim_order())
+        .limit(limit_clause)
+        .with_for_update(skip_locked=True, key_share=spec.key_share)
+    )
+
+
 #: The columns the claim's probes read from a candidate row (see the lock-first form in :func:`claim_statement`).
 _PROBED_COLUMNS = frozenset({"aggregate_type", "aggregate_id", "event_type", "unique_key"})
 
@@ -324,6 +368,7 @@ def claim_statement(
     ordered_types: bool = False,
     limit: int | None = None,
     unique_running: bool = False,
+    heads: bool = False,
 ) -> Update:
     """Claim up to ``:batch`` ready rows that are due — or up to ``limit``, written into the statement: one
     statement, committed before any publish.
@@ -351,6 +396,8 @@ def claim_statement(
     """
     if unique_running and spec.kind != "jobs":
         raise ValueError("unique_running is a jobs claim option (the outbox has ordered=True)")
+    if heads and not (ordered and not ordered_types and spec.kind == "outbox" and spec.period is None):
+        raise ValueError("heads is a form of the ordered outbox claim (every type ordered, not partitioned)")
     t, c = spec.table, spec.c
     partitioned = spec.period is not None
     ready: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
@@ -444,7 +491,9 @@ def claim_statement(
         return found
 
     picked: Select[Any]
-    if (ordered or unique_running) and not partitioned:
+    if heads:
+        picked = _heads_pick(spec, ready, limit_clause)
+    elif (ordered or unique_running) and not partitioned:
         # The probes run before the row lock on a row whose xmax is no transaction in progress for the claim's
         # snapshot, after the lock on any other. Run before the lock (the plain form), every claimer probed the
         # rows the others were claiming and those claimed since its snapshot, only to skip them at the lock:
@@ -904,6 +953,7 @@ def finalize_and_claim_statement(
     limit: int | None = None,
     unique_running: bool = False,
     single: bool = False,
+    heads: bool = False,
 ) -> Any:
     """The previous batch's fenced finalize and the next batch's claim, as one statement (one round trip);
     ``single``: the finalize of exactly one outcome (:func:`finalize_statement`).
@@ -918,7 +968,12 @@ def finalize_and_claim_statement(
 
     finalized = finalize_statement(spec, single=single).cte("finalized")
     claimed = claim_statement(
-        spec, ordered=ordered, ordered_types=ordered_types, limit=limit, unique_running=unique_running
+        spec,
+        ordered=ordered,
+        ordered_types=ordered_types,
+        limit=limit,
+        unique_running=unique_running,
+        heads=heads,
     ).cte("claimed")
     cols = claim_returning(spec)
     applied = select(

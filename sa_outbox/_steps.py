@@ -207,10 +207,12 @@ def _claim_shape(
     ordered_types: Sequence[str] | None,
     fixed_batch: bool,
     unique_running: bool = False,
+    heads: bool = False,
 ) -> dict[str, Any]:
     """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
     return {
         "ordered": ordered,
+        "heads": heads,
         "ordered_types": ordered_types is not None,
         "limit": batch if fixed_batch else None,
         "unique_running": unique_running,
@@ -273,12 +275,13 @@ def claim(
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
+    heads: bool = False,
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
     :func:`_sql.claim_statement`); other sizes are a parameter. ``unique_running``: at most one running job
-    per unique key (jobs)."""
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
+    per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``)."""
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
     rows = run(
         conn,
         _sql.claim_statement(spec, **shape),
@@ -341,11 +344,12 @@ def finalize_and_claim(
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
+    heads: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
     stmt, params = _finalize_and_claim_call(
         spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
-        ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running,
+        ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
     )  # fmt: skip
     return _tagged(run(conn, stmt, params))
 
@@ -363,6 +367,7 @@ def send_claim(
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
+    heads: bool = False,
 ) -> Callable[[], tuple[set[int], list[Any]]] | None:
     """Send the claim of the next batch — with ``outcomes`` finalized in the same statement when there are
     any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
@@ -371,11 +376,11 @@ def send_claim(
     if outcomes:
         stmt, params = _finalize_and_claim_call(
             spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
-            ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running,
+            ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
         )  # fmt: skip
     else:
         stmt = _sql.claim_statement(
-            spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
+            spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
         )
         params = _claim_params(spec, owner, batch, lease, queue, ordered_types)
     receive = send(conn, stmt, params)
@@ -395,9 +400,9 @@ def send_claim(
 def _finalize_and_claim_call(
     spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
     queue: str | None, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
-    unique_running: bool,
+    unique_running: bool, heads: bool = False,
 ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running)
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
     params = {
         **_claim_params(spec, owner, batch, lease, queue, ordered_types),
         **_outcome_params(spec, outcomes),

@@ -224,6 +224,89 @@ def test_ordered_claim_takes_only_each_aggregates_head(engine: Engine) -> None:
     assert [r.id for r in claim(engine, "A", batch=10, lease=30, ordered=True)] == [2, 5]
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["walk", "heads"])
+def test_both_forms_of_the_ordered_claim_take_only_heads_that_are_due(engine: Engine, heads: bool) -> None:
+    """The walk of the ready rows and the aggregate-by-aggregate form claim the same rows: each aggregate's
+    head when it is pending and due — never behind a processing, dead or not-yet-due predecessor."""
+    seed_events(engine, 3, aggregate="X")  # 1, 2, 3
+    seed_events(engine, 2, aggregate="Y")  # 4, 5
+    seed_events(engine, 2, aggregate="Z")  # 6, 7
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET available_at = now() + interval '1 hour' WHERE id = 6"))
+    first = claim(engine, "A", batch=10, lease=30, ordered=True, heads=heads)
+    assert [r.id for r in first] == [1, 4]
+    assert claim(engine, "B", batch=10, lease=30, ordered=True, heads=heads) == []  # heads in flight
+    for r in first:
+        assert mark_done(engine, r)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead' WHERE id = 2"))
+    second = claim(engine, "A", batch=10, lease=30, ordered=True, heads=heads)
+    assert [r.id for r in second] == [5]  # X waits behind its dead event, Z behind its not-yet-due one
+    assert mark_done(engine, second[0])
+    assert claim(engine, "A", batch=10, lease=30, ordered=True, heads=heads) == []
+    assert claim(engine, "A", batch=1, lease=30, ordered=True, heads=heads) == []
+
+
+def test_the_heads_form_reads_one_index_entry_per_aggregate_not_the_backlog(engine: Engine) -> None:
+    """One aggregate with 5,000 pending events and three quiet ones: the walk reads every ready row to learn
+    that only four heads exist; the other form descends the aggregate index once per aggregate."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                "SELECT 'order', CASE WHEN g <= 3 THEN 'quiet-' || g ELSE 'hot' END, 'E', '{}' "
+                "FROM generate_series(1, 5003) g"
+            )
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE outbox"))
+    found = {}
+    for heads in (False, True):
+        stmt = eng._sql.claim_statement(OUTBOX, ordered=True, limit=50, heads=heads)
+        with engine.connect() as conn:
+            compiled = stmt.compile(dialect=conn.dialect)
+            sql = str(compiled)
+            bound = compiled.construct_params({"owner": "w", "lease": timedelta(seconds=60)})
+            plan = conn.exec_driver_sql("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, bound).scalar_one()
+            conn.rollback()
+            rows = conn.exec_driver_sql(sql, bound).all()
+            conn.rollback()
+        found[heads] = (plan[0]["Plan"]["Shared Hit Blocks"], sorted(r[0] for r in rows))
+    assert found[False][1] == found[True][1] == [1, 2, 3, 4], found
+    assert found[False][0] > 5_000, found  # the premise: the walk reads the backlog
+    assert found[True][0] < 200, found
+
+
+def test_a_dead_event_of_one_type_does_not_hold_back_another_type_sharing_its_id(engine: Engine) -> None:
+    """The aggregate-by-aggregate form sees one head per aggregate id: "order 42" dead hides "customer 42".
+    A claim that finds nothing is always a walk, and a dispatcher in that form walks once a second: every
+    customer event is delivered, in order, and the dead order blocks only its own aggregate."""
+    rows = [
+        ("order", "42", "E"),
+        ("customer", "42", "C1"),
+        ("customer", "42", "C2"),
+        ("customer", "42", "C3"),
+    ]
+    rows += [("order", "hot", f"H{i}") for i in range(40)]
+    with engine.begin() as conn:
+        for aggregate_type, aggregate_id, event_type in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES (:t, :a, :e, '{}')"
+                ),
+                {"t": aggregate_type, "a": aggregate_id, "e": event_type},
+            )
+    pub = RecordingPublisher(fail=lambda m: PermanentError("bad order") if m.event_type == "E" else None)
+    d = dispatcher(engine, pub, batch=10, ordered=True)
+    drain(d)
+    assert ids_with_status(engine, "pending") == [], [(m.id, m.event_type) for m in pub.messages]
+    assert ids_with_status(engine, "dead") == [1]
+    assert statuses(engine) == {"dead": 1, "done": 43}
+    published = [m.event_type for m in pub.messages]
+    assert [e for e in published if e.startswith("C")] == ["C1", "C2", "C3"]
+    assert [e for e in published if e.startswith("H")] == [f"H{i}" for i in range(40)]
+
+
 def test_ordered_30_rows_of_one_aggregate_across_4_dispatchers_finalize_in_id_order(engine: Engine) -> None:
     seed_events(engine, 30, aggregate="X")
     pub = RecordingPublisher()

@@ -102,6 +102,15 @@ STATEMENTS = {
         {**JOBS_CLAIM, **ONE_OUTCOME},
     ),
     "outbox finalize, one outcome": (_sql.finalize_statement(OUTBOX, single=True), ONE_OUTCOME),
+    # the ordered claim's aggregate-by-aggregate form (after a claim that found fewer heads than its batch)
+    "outbox ordered claim, heads form": (
+        _sql.claim_statement(OUTBOX, ordered=True, limit=50, heads=True),
+        CLAIM,
+    ),
+    "outbox ordered finalize+claim, heads form": (
+        _sql.finalize_and_claim_statement(OUTBOX, ordered=True, limit=50, heads=True),
+        {**CLAIM, **OUTCOMES},
+    ),
     "jobs finalize, one outcome": (_sql.finalize_statement(JOBS, single=True), ONE_OUTCOME),
 }
 

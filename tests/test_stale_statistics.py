@@ -225,6 +225,21 @@ def test_an_ordered_claim_looks_each_candidates_aggregate_up(
     assert sorted(r.id for r in rows) == heads(shape)  # the heads of the aggregates, and only those
 
 
+def test_the_heads_form_descends_the_aggregate_index_once_per_aggregate(shaped: tuple[str, Engine]) -> None:
+    """The ordered claim's other form reads the first unfinished row of each aggregate through
+    ix_outbox_aggregate — a few buffers per aggregate, whatever the statistics — and claims the same heads."""
+    shape, engine = shaped
+    keys, _, _, _ = SHAPES[shape]
+    plan, rows = analyzed(
+        engine,
+        _sql.claim_statement(OUTBOX, ordered=True, limit=50, heads=True),
+        {"owner": "w", "lease": timedelta(seconds=60)},
+    )
+    touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
+    assert touched < 20 * keys + 1_000, f"one claim over {keys} aggregates touched {touched:,} buffers"
+    assert sorted(r.id for r in rows) == heads(shape)
+
+
 def test_a_unique_running_claim_looks_each_candidates_key_up(shaped: tuple[str, Engine]) -> None:
     shape, engine = shaped
     plan, rows = analyzed(
