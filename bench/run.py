@@ -37,6 +37,7 @@ SCENARIOS = {
     "slowjobs": "drains:scenario_slow_jobs",
     "longjobs": "drains:scenario_long_jobs",
     "outbox": "drains:scenario_outbox",
+    "hotagg": "drains:scenario_hot_aggregates",
     "async": "drains:scenario_async",
     "producer": "latency:scenario_producer",
     "wakeup": "latency:scenario_wakeup",

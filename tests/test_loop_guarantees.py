@@ -92,6 +92,27 @@ def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
     assert pub.ids == list(range(1, 11))
 
 
+def test_a_deep_backlog_of_few_aggregates_is_claimed_aggregate_by_aggregate(
+    runner: Runner, engine: Engine
+) -> None:
+    """Fewer heads than the batch: after the first claim (a walk of every ready row) the dispatcher finds the
+    heads aggregate by aggregate — sync and async alike — and delivers each aggregate in order."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                "SELECT 'order', CASE WHEN g % 3 = 0 THEN 'B' ELSE 'A' END, 'E', '{}' FROM generate_series(1, 3000) g"
+            )
+        )
+    pub = RecordingPublisher()
+    d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
+    assert run_until(runner, d, lambda: len(pub.ids) >= 200, timeout=30)
+    assert d._heads  # the last claim found some heads but fewer than its batch
+    for aggregate in ("A", "B"):
+        ids = [m.id for m in pub.messages if m.aggregate_id == aggregate]
+        assert ids == sorted(ids) and len(ids) >= 50, (aggregate, ids[:10])
+
+
 @pytest.mark.parametrize("runner", ["async"], indirect=True)
 @pytest.mark.parametrize("exit_exc", [SystemExit, KeyboardInterrupt])
 @pytest.mark.parametrize("concurrency", [1, 4])
