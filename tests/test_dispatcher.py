@@ -307,6 +307,33 @@ def test_a_dead_event_of_one_type_does_not_hold_back_another_type_sharing_its_id
     assert [e for e in published if e.startswith("H")] == [f"H{i}" for i in range(40)]
 
 
+def test_the_heads_form_is_left_while_it_costs_more_than_the_walk_and_tried_again_later(
+    engine: Engine,
+) -> None:
+    """Its cost grows with every aggregate that has unfinished rows, dead letters included (100,000 of them made
+    it ~10x slower than the walk): after a short claim the dispatcher takes it only while its last claim was
+    not the slower of the two, and tries it again every HEADS_RETRY_EVERY seconds."""
+    import sa_outbox._dispatcher as dispatcher_module
+
+    d = dispatcher(engine, RecordingPublisher(), ordered=True, batch=50)
+    d._claimed(5, 50)
+    assert d._heads  # short, nothing measured yet: take it
+    d._cost.update({False: 0.01, True: 0.5})
+    d._heads_retry_at = time.monotonic() + 60
+    d._claimed(5, 50)
+    assert not d._heads  # slower than the walk
+    d._heads_retry_at = 0.0
+    d._claimed(5, 50)
+    assert d._heads and d._heads_retry_at > time.monotonic() + dispatcher_module.HEADS_RETRY_EVERY - 5
+    d._claimed(50, 50)
+    assert not d._heads  # full: the walk
+    d._claimed(0, 50)
+    assert not d._heads  # nothing: the walk
+    unordered = dispatcher(engine, RecordingPublisher(), ordered=["E"], batch=50)
+    unordered._claimed(5, 50)
+    assert not unordered._heads  # ordered types keep the walk
+
+
 def test_ordered_30_rows_of_one_aggregate_across_4_dispatchers_finalize_in_id_order(engine: Engine) -> None:
     seed_events(engine, 30, aggregate="X")
     pub = RecordingPublisher()
