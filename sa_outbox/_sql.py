@@ -328,33 +328,61 @@ def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause:
     that filled its batch (:class:`sa_outbox.Dispatcher`)."""
     t, c = spec.table, spec.c
     unfinished = [const(spec.ready), const(spec.active), const(spec.dead)]
+    one = literal_column("1", Integer)
     seed = t.alias("first_unfinished")
+    cols = ("aggregate_id", "id", "aggregate_type", "status")
     firsts = (
-        select(seed.c.aggregate_id, seed.c.id)
+        select(*[seed.c[n] for n in cols])
         .where(seed.c.status.in_(unfinished))
         .order_by(seed.c.aggregate_id, seed.c.id)
-        .limit(literal_column("1", Integer))
+        .limit(one)
         .cte("firsts", recursive=True)
     )
     after = t.alias("next_unfinished")
     following = (
-        select(after.c.aggregate_id, after.c.id)
+        select(*[after.c[n] for n in cols])
         .where(after.c.status.in_(unfinished), after.c.aggregate_id > firsts.c.aggregate_id)
         .order_by(after.c.aggregate_id, after.c.id)
-        .limit(literal_column("1", Integer))
+        .limit(one)
         .lateral("following")
     )
     firsts = firsts.union_all(
-        select(following.c.aggregate_id, following.c.id).select_from(firsts.join(following, true()))
+        select(*[following.c[n] for n in cols]).select_from(firsts.join(following, true()))
     )
+    # An id whose first unfinished row is dead blocks that row's type for good, not another type sharing the
+    # id: the first row of another type among the next HEADS_WINDOW unfinished rows of the id is that type's
+    # head (only the dead type's rows lie between them). Beyond the window the dispatcher's walks find it.
+    behind = t.alias("behind_dead")
+    window = (
+        select(behind.c.id, behind.c.aggregate_type)
+        .where(
+            behind.c.status.in_(unfinished),
+            tuple_(behind.c.aggregate_id) >= tuple_(firsts.c.aggregate_id),
+            tuple_(behind.c.aggregate_id, behind.c.id) > tuple_(firsts.c.aggregate_id, firsts.c.id),
+            tuple_(behind.c.aggregate_id) <= tuple_(firsts.c.aggregate_id),
+        )
+        .order_by(behind.c.aggregate_id, behind.c.id)
+        .limit(literal_column(str(HEADS_WINDOW), Integer))
+        .lateral("window")
+    )
+    other_type = (
+        select(func.min(window.c.id))
+        .select_from(firsts.join(window, true()))
+        .where(firsts.c.status == const(spec.dead), window.c.aggregate_type != firsts.c.aggregate_type)
+        .group_by(firsts.c.aggregate_id)
+    )
+    heads = select(firsts.c.id).union_all(other_type)
     return (
         select(c.id)
-        .where(*ready, c.id == any_(func.array(select(firsts.c.id).scalar_subquery())))
+        .where(*ready, c.id == any_(func.array(heads.scalar_subquery())))
         .order_by(*spec.claim_order())
         .limit(limit_clause)
         .with_for_update(skip_locked=True, key_share=spec.key_share)
     )
 
+
+#: How many unfinished rows behind an id's dead first row the heads form looks at for another type's head.
+HEADS_WINDOW = 50
 
 #: The columns the claim's probes read from a candidate row (see the lock-first form in :func:`claim_statement`).
 _PROBED_COLUMNS = frozenset({"aggregate_type", "aggregate_id", "event_type", "unique_key"})

@@ -247,6 +247,25 @@ def test_both_forms_of_the_ordered_claim_take_only_heads_that_are_due(engine: En
     assert claim(engine, "A", batch=1, lease=30, ordered=True, heads=heads) == []
 
 
+@pytest.mark.parametrize("heads", [False, True], ids=["walk", "heads"])
+def test_both_forms_take_the_head_of_a_type_whose_id_another_types_dead_event_blocks(
+    engine: Engine, heads: bool
+) -> None:
+    """A dead "order 42" blocks "order 42" only: "customer 42"'s head is claimed, by either form."""
+    rows = [("order", "dead"), ("order", "E"), ("customer", "C1"), ("order", "E"), ("customer", "C2")]
+    with engine.begin() as conn:
+        for aggregate_type, event_type in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status) "
+                    "VALUES (:t, '42', :e, '{}', CASE WHEN :e = 'dead' THEN 'dead' ELSE 'pending' END)"
+                ),
+                {"t": aggregate_type, "e": event_type},
+            )
+    assert [r.id for r in claim(engine, "A", batch=10, lease=30, ordered=True, heads=heads)] == [3]
+    assert claim(engine, "B", batch=10, lease=30, ordered=True, heads=heads) == []
+
+
 def test_the_heads_form_reads_one_index_entry_per_aggregate_not_the_backlog(engine: Engine) -> None:
     """One aggregate with 5,000 pending events and three quiet ones: the walk reads every ready row to learn
     that only four heads exist; the other form descends the aggregate index once per aggregate."""
