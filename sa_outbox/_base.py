@@ -198,7 +198,7 @@ class LoopBase:
         #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
-        #: Whether the table's planner statistics need no more looking after (the maintenance step's first job).
+        #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False
         self._held = Held()
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
@@ -394,15 +394,17 @@ class LoopBase:
             step.start_thread(self.engine)
 
     def _rescue_on(self, conn: Connection) -> None:
-        """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages); and, until
-        the table has planner statistics, see that it gets them (:func:`_steps.ensure_statistics`)."""
-        if not self._statistics_settled:
+        """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages); and, once
+        the loop's claims have found rows, see that the table has planner statistics (:func:`_steps.ensure_statistics`,
+        once per loop)."""
+        if not self._statistics_settled and self.stats.claimed:
+            self._statistics_settled = True
             try:
-                self._statistics_settled = _steps.ensure_statistics(conn, self.spec)
+                _steps.ensure_statistics(conn, self.spec)
             except DBAPIError as exc:
                 if is_connection_error(exc):
+                    self._statistics_settled = False  # (asked again at the next step)
                     raise
-                self._statistics_settled = True  # (a catalog we may not read: autovacuum will do it)
                 self._log.warning(
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )

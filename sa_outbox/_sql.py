@@ -1331,11 +1331,6 @@ STATISTICS_PRESENT = text(
 )
 
 
-def any_row_statement(spec: QueueSpec) -> Select[Any]:
-    """One row of the table, if it has any (whatever its status)."""
-    return select(literal(1)).select_from(spec.table).limit(1)
-
-
 def analyze_statement(name: str) -> TextClause:
     """``ANALYZE (SKIP_LOCKED)`` of the table ``name`` (quoted, as :func:`_partitions.regclass_name` gives
     it): never waits for a lock someone else holds (autovacuum's ANALYZE, a DDL), and only warns when the

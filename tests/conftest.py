@@ -7,6 +7,7 @@ own database, migrates it with the project's alembic environment, and drops it a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -43,6 +44,21 @@ def server_url() -> Iterator[URL]:
 
 def _admin(url: URL) -> Engine:
     return create_engine(url, isolation_level="AUTOCOMMIT")
+
+
+@contextlib.contextmanager
+def scratch_database(server_url: URL, prefix: str) -> Iterator[URL]:
+    """A new empty database on the server (``<prefix>_<random>``), dropped — its sessions ended — at the end."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = _admin(server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield server_url.set(database=name)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,21 +17,13 @@ from sqlalchemy.engine import URL
 
 from sa_outbox.models import Base
 
-from .conftest import ROOT, _admin, migrate
+from .conftest import ROOT, migrate, scratch_database
 
 
 @pytest.fixture
 def scratch_url(server_url: URL) -> Iterator[URL]:
-    name = f"sa_outbox_mig_{uuid.uuid4().hex[:8]}"
-    admin = _admin(server_url)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield server_url.set(database=name)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(server_url, "sa_outbox_mig") as url:
+        yield url
 
 
 def _tables(url: URL) -> set[str]:

@@ -45,6 +45,7 @@ from sa_outbox import Dispatcher, Worker, _sql
 from sa_outbox.models import Base, Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
+from .conftest import scratch_database
 from .test_explain import nodes
 
 OUTBOX = _sql.spec_for(OutboxEvent)
@@ -271,22 +272,16 @@ def never_analyzed(server_url: URL) -> Iterator[Engine]:
     """A database of its own with the library's tables, autovacuum off on them, and rows but no planner
     statistics: 4,000 pending events over 200 aggregates and 4,000 queued jobs over 200 unique keys — a new
     table that took a backlog before autovacuum reached it."""
-    name = f"sa_outbox_stats_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = create_engine(server_url.set(database=name), poolclass=NullPool)
-    try:
-        Base.metadata.create_all(engine)
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            for table in ("outbox", "jobs"):
-                conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(server_url, "sa_outbox_stats") as url:
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            Base.metadata.create_all(engine)
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                for table in ("outbox", "jobs"):
+                    conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def _backlog(engine: Engine) -> None:
@@ -332,6 +327,9 @@ def test_a_loop_gives_a_table_with_rows_but_no_statistics_its_first_analyze(neve
     try:
         dispatcher.run(install_signal_handlers=False, max_batches=1)
         worker.run(install_signal_handlers=False, max_batches=1)
+        time.sleep(dispatcher._rescuer.every)  # the first maintenance step after their claims is due
+        dispatcher.run(install_signal_handlers=False, max_batches=1)
+        worker.run(install_signal_handlers=False, max_batches=1)
     finally:
         dispatcher.close()
         worker.close()
@@ -343,13 +341,15 @@ def test_a_loop_gives_a_table_with_rows_but_no_statistics_its_first_analyze(neve
 
 
 def test_an_empty_table_is_left_alone_and_analyzed_once_rows_arrive(never_analyzed: Engine) -> None:
-    """ANALYZE of an empty table stores nothing: the loop waits for rows, asking again at each step."""
+    """ANALYZE of an empty table stores nothing: a loop that has claimed nothing asks nothing; once its claims
+    find rows, its next maintenance step analyzes."""
     engine = never_analyzed
     dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
     try:
         dispatcher.run(install_signal_handlers=False, max_batches=1)
         assert not _has_statistics(engine, "outbox")
         _backlog(engine)
+        dispatcher.run(install_signal_handlers=False, max_batches=1)  # claims the first rows
         time.sleep(dispatcher._rescuer.every)  # the next maintenance step is due
         dispatcher.run(install_signal_handlers=False, max_batches=1)
     finally:
