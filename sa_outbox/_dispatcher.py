@@ -59,7 +59,7 @@ from ._db import AsyncLoopConnection, LoopConnection
 from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
-from ._services import Circuit
+from ._services import Circuit, ClaimForms
 from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
@@ -68,12 +68,6 @@ from .errors import ConfigurationError, DestinationUnavailable, RetryableError
 __all__ = ["AsyncDispatcher", "Dispatcher"]
 
 log = logging.getLogger("sa_outbox.dispatcher")
-
-#: While a dispatcher claims in the aggregate-by-aggregate form, it walks the ready rows at least this often
-#: (seconds): that form sees one head per aggregate id (Dispatcher._heads_form).
-HEADS_WALK_EVERY = 1.0
-#: While the heads form's last claim took longer than the walk's, it is tried again this often (seconds).
-HEADS_RETRY_EVERY = 10.0
 
 _STOPPING = "released: dispatcher stopping"
 _BUDGET = "released: lease budget spent"
@@ -183,24 +177,9 @@ class DispatcherBase(LoopBase):
             raise ConfigurationError("ordered must be True/False or a collection of event type names")
         else:
             self.ordered, self.ordered_types = True, sorted(set(ordered))
-        # The ordered claim's two forms (_sql.claim_statement): the walk of the ready rows, which stops at
-        # `batch` heads, and the aggregate-by-aggregate form, which costs one index descent per aggregate with
-        # unfinished rows but never walks a backlog. After a claim that found fewer heads than it asked for
-        # (the walk then read every ready row: ~220 ms per claim over one aggregate's 20,000 events) the next
-        # takes the second form; after one that filled its batch, the walk again. The second form sees one
-        # head per aggregate id, whatever the types sharing it: so while it is in use, a claim walks at least
-        # once every HEADS_WALK_EVERY seconds, for the heads of a type whose id another type's rows block
-        # (an event of "order 42" dead must not hold back "customer 42").
-        self._heads_form = self.ordered and self.ordered_types is None and self.spec.period is None
-        self._heads = False
-        self._walk_at = 0.0
-        #: The form of the claim last sent (True: heads), and the time the last claim of each form took. The
-        #: heads form's cost grows with the aggregates that have unfinished rows — dead letters nobody cleared
-        #: included (100,000 of them: ~600 ms a claim, against ~60 ms for the walk over a 5,000-event backlog):
-        #: it is not taken while it was the slower of the two, but tried again every HEADS_RETRY_EVERY seconds.
-        self._form = False
-        self._cost: dict[bool, float] = {}
-        self._heads_retry_at = 0.0
+        #: The ordered claim's form for the next claim (the heads form only with every type ordered, not
+        #: partitioned).
+        self._forms = ClaimForms(self.ordered and self.ordered_types is None and self.spec.period is None)
         self.enforce_publish_timeout = bool(enforce_publish_timeout)
         self.give_up_after: float | None = (
             None
@@ -222,44 +201,14 @@ class DispatcherBase(LoopBase):
     # -- decisions -------------------------------------------------------------------------------------
 
     def _claim_params(self) -> list[dict[str, Any]]:
-        heads = self._heads
-        if heads:
-            now = time.monotonic()
-            if now >= self._walk_at:  # this claim walks (see _heads_form)
-                heads, self._walk_at = False, now + HEADS_WALK_EVERY
-        self._form = heads
         return [
             {
                 "lease": self.lease,
                 "ordered": self.ordered,
                 "ordered_types": self.ordered_types,
-                "heads": heads,
+                "heads": self._forms.next(),
             }
         ]
-
-    def _walk_before_nothing(self) -> bool:
-        """Whether a turn whose claims found nothing must walk once more before it says so: when they took the
-        aggregate-by-aggregate form, which does not see a type's head whose id another type's rows block."""
-        if not self._heads:
-            return False
-        self._heads = False
-        return True
-
-    def _claimed(self, got: int, want: int) -> None:
-        """Which form the next ordered claim takes, from what this one found (see ``_heads_form``): the
-        aggregate-by-aggregate form after a claim that found some heads but fewer than it asked for; the walk
-        after one that filled its batch or found nothing. "Nothing to claim" (what ``run(until_idle=True)`` stops
-        on) is always the walk's answer, which sees every type's heads (:meth:`_walk_before_nothing`)."""
-        if not self._heads_form:
-            return
-        self._heads = 0 < got < want
-        walk, heads = self._cost.get(False), self._cost.get(True)
-        if self._heads and walk is not None and heads is not None and heads > walk:
-            now = time.monotonic()
-            if now < self._heads_retry_at:
-                self._heads = False
-            else:  # try it again: the costs move as backlogs drain and dead letters are cleared
-                self._heads_retry_at = now + HEADS_RETRY_EVERY
 
     def _rescue_params(self) -> dict[str, Any]:
         return {"max_attempts": self.max_attempts, "limit": self.rescue_limit}
@@ -579,7 +528,7 @@ class Dispatcher(DispatcherBase):
         except BaseException:
             self._done.add(outcomes)
             raise
-        self._cost[self._form] = time.perf_counter() - started
+        self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
         if self.ordered and applied and len(rows) < want:
             # The claim shared the finalize's snapshot: heads it just unblocked are claimable only now.
@@ -589,9 +538,9 @@ class Dispatcher(DispatcherBase):
                 if not is_connection_error(exc):
                     raise
             rows.sort(key=lambda r: r[0])
-        if not rows and self._walk_before_nothing():
+        if not rows and self._forms.walk_before_nothing():
             rows = self._db.run(lambda c: self._claim_on(c, want, []))[1]
-        self._claimed(len(rows), want)
+        self._forms.claimed(len(rows), want)
         return rows
 
     def _flush(self) -> None:
@@ -794,7 +743,7 @@ class AsyncDispatcher(DispatcherBase):
         except BaseException:
             self._done.add(outcomes)
             raise
-        self._cost[self._form] = time.perf_counter() - started
+        self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
         if self.ordered and applied and len(rows) < want:
             try:
@@ -803,9 +752,9 @@ class AsyncDispatcher(DispatcherBase):
                 if not is_connection_error(exc):
                     raise
             rows.sort(key=lambda r: r[0])
-        if not rows and self._walk_before_nothing():
+        if not rows and self._forms.walk_before_nothing():
             rows = (await self._db.run(lambda c: self._claim_on(c, want, [])))[1]
-        self._claimed(len(rows), want)
+        self._forms.claimed(len(rows), want)
         return rows
 
     async def _flush(self) -> None:

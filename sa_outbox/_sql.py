@@ -325,7 +325,7 @@ def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause:
     whatever its type (of two types sharing an id, the later one's head waits for the earlier's row — order
     kept, fairness a little less). Its cost is one descent per aggregate with unfinished rows, so a dispatcher
     uses it only after a claim that found fewer heads than it asked for, and goes back to the walk after one
-    that filled its batch (:class:`sa_outbox.Dispatcher`)."""
+    that filled its batch (:class:`sa_outbox._services.ClaimForms`)."""
     t, c = spec.table, spec.c
     unfinished = [const(spec.ready), const(spec.active), const(spec.dead)]
     one = literal_column("1", Integer)

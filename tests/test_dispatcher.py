@@ -331,26 +331,24 @@ def test_the_heads_form_is_left_while_it_costs_more_than_the_walk_and_tried_agai
 ) -> None:
     """Its cost grows with every aggregate that has unfinished rows, dead letters included (100,000 of them made
     it ~10x slower than the walk): after a short claim the dispatcher takes it only while its last claim was
-    not the slower of the two, and tries it again every HEADS_RETRY_EVERY seconds."""
-    import sa_outbox._dispatcher as dispatcher_module
-
-    d = dispatcher(engine, RecordingPublisher(), ordered=True, batch=50)
-    d._claimed(5, 50)
-    assert d._heads  # short, nothing measured yet: take it
-    d._cost.update({False: 0.01, True: 0.5})
-    d._heads_retry_at = time.monotonic() + 60
-    d._claimed(5, 50)
-    assert not d._heads  # slower than the walk
-    d._heads_retry_at = 0.0
-    d._claimed(5, 50)
-    assert d._heads and d._heads_retry_at > time.monotonic() + dispatcher_module.HEADS_RETRY_EVERY - 5
-    d._claimed(50, 50)
-    assert not d._heads  # full: the walk
-    d._claimed(0, 50)
-    assert not d._heads  # nothing: the walk
-    unordered = dispatcher(engine, RecordingPublisher(), ordered=["E"], batch=50)
-    unordered._claimed(5, 50)
-    assert not unordered._heads  # ordered types keep the walk
+    not the slower of the two, and tries it again every ``retry_every`` seconds."""
+    forms = dispatcher(engine, RecordingPublisher(), ordered=True, batch=50)._forms
+    forms.claimed(5, 50)
+    assert forms.heads  # short, nothing measured yet: take it
+    forms.cost.update({False: 0.01, True: 0.5})
+    forms._retry_at = time.monotonic() + 60
+    forms.claimed(5, 50)
+    assert not forms.heads  # slower than the walk
+    forms._retry_at = 0.0
+    forms.claimed(5, 50)
+    assert forms.heads and forms._retry_at > time.monotonic() + forms.retry_every - 5
+    forms.claimed(50, 50)
+    assert not forms.heads  # full: the walk
+    forms.claimed(0, 50)
+    assert not forms.heads  # nothing: the walk
+    unordered = dispatcher(engine, RecordingPublisher(), ordered=["E"], batch=50)._forms
+    unordered.claimed(5, 50)
+    assert not unordered.heads  # ordered types keep the walk
 
 
 def test_ordered_30_rows_of_one_aggregate_across_4_dispatchers_finalize_in_id_order(engine: Engine) -> None:

@@ -107,7 +107,7 @@ def test_a_deep_backlog_of_few_aggregates_is_claimed_aggregate_by_aggregate(
     pub = RecordingPublisher()
     d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
     assert run_until(runner, d, lambda: len(pub.ids) >= 200, timeout=30)
-    assert d._heads  # the last claim found some heads but fewer than its batch
+    assert d._forms.heads  # the last claim found some heads but fewer than its batch
     for aggregate in ("A", "B"):
         ids = [m.id for m in pub.messages if m.aggregate_id == aggregate]
         assert ids == sorted(ids) and len(ids) >= 50, (aggregate, ids[:10])
