@@ -13,10 +13,10 @@ is *released* (back to pending, attempt refunded) instead of published on a leas
 A publisher's ``publish_many`` (sync or async) is bounded by the same budget as a whole: what is unfinished
 then is retried. The same release happens on :meth:`stop`.
 
-**Ordered mode.** Only the head of each aggregate is claimable. The claim that writes a batch's outcomes shares
-their snapshot and still sees the just-finished predecessors as ``processing``, so after outcomes were written
-the dispatcher claims once more at once: a hot aggregate is delivered at the publisher's speed, not one event
-per poll.
+**Ordered mode.** Only the head of each aggregate is claimable. The statement that writes a batch's outcomes
+also claims the events that its ``done`` outcomes unblocked (its probes read the finalize's RETURNING: the
+shared snapshot still shows those rows as ``processing``), so a hot aggregate is delivered at the publisher's
+speed, one statement per batch, not one event per poll.
 
 **Outages.** A :class:`~sa_outbox.DestinationUnavailable` (every shipped publisher raises it when its broker
 cannot be reached) refunds the attempt, releases the rest of the batch untouched and opens the dispatcher's
@@ -265,6 +265,13 @@ class DispatcherBase(LoopBase):
             if fatal is not None and self._fatal is None:
                 self._fatal = fatal
         return outcomes
+
+    def _released_now(self, outcomes: Sequence[Outcome], applied: set[int]) -> bool:
+        """Whether the statement that just ran put back rows that are due at once (a batch released when its
+        lease budget ran short). They are claimable only from the next statement on — the claim shared the
+        finalize's snapshot — so the dispatcher claims again at once rather than wait a poll interval. (Rows
+        finished ``done`` no longer need this: the same statement claims what they unblocked.)"""
+        return bool(applied) and any(o.kind == "release" and o.id in applied for o in outcomes)
 
     def _probed_nothing(self) -> None:
         """A probe claimed no row (another dispatcher delivered the backlog): nothing shows the destination is
@@ -530,8 +537,7 @@ class Dispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if self.ordered and applied and len(rows) < want:
-            # The claim shared the finalize's snapshot: heads it just unblocked are claimable only now.
+        if len(rows) < want and self._released_now(outcomes, applied):
             try:
                 rows += self._db.run(lambda c: self._claim_on(c, want - len(rows), []))[1]
             except Exception as exc:
@@ -745,7 +751,7 @@ class AsyncDispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if self.ordered and applied and len(rows) < want:
+        if len(rows) < want and self._released_now(outcomes, applied):
             try:
                 rows += (await self._db.run(lambda c: self._claim_on(c, want - len(rows), [])))[1]
             except Exception as exc:

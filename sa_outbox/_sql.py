@@ -8,6 +8,7 @@ parameters. Each statement carries a comment naming the guarantee it gives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -26,6 +27,7 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
+    all_,
     and_,
     any_,
     bindparam,
@@ -313,7 +315,12 @@ def _live_xmax(t: Table) -> ColumnElement[bool]:
     return and_(xmax != literal_column("0", Integer), or_(xmax == any_(func.array(running)), began_after))
 
 
-def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause: Any) -> Select[Any]:
+def _heads_pick(
+    spec: QueueSpec,
+    ready: list[ColumnElement[bool]],
+    limit_clause: Any,
+    not_finished: Callable[[Any], list[ColumnElement[bool]]],
+) -> Select[Any]:
     """The ordered claim's other form: the heads found aggregate by aggregate, not by walking the ready rows.
 
     The walk (the usual form) reads the ready rows in claim order and probes each one's aggregate until it has
@@ -333,7 +340,7 @@ def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause:
     cols = ("aggregate_id", "id", "aggregate_type", "status")
     firsts = (
         select(*[seed.c[n] for n in cols])
-        .where(seed.c.status.in_(unfinished))
+        .where(seed.c.status.in_(unfinished), *not_finished(seed))
         .order_by(seed.c.aggregate_id, seed.c.id)
         .limit(one)
         .cte("firsts", recursive=True)
@@ -341,7 +348,9 @@ def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause:
     after = t.alias("next_unfinished")
     following = (
         select(*[after.c[n] for n in cols])
-        .where(after.c.status.in_(unfinished), after.c.aggregate_id > firsts.c.aggregate_id)
+        .where(
+            after.c.status.in_(unfinished), after.c.aggregate_id > firsts.c.aggregate_id, *not_finished(after)
+        )
         .order_by(after.c.aggregate_id, after.c.id)
         .limit(one)
         .lateral("following")
@@ -357,6 +366,7 @@ def _heads_pick(spec: QueueSpec, ready: list[ColumnElement[bool]], limit_clause:
         select(behind.c.id, behind.c.aggregate_type)
         .where(
             behind.c.status.in_(unfinished),
+            *not_finished(behind),
             tuple_(behind.c.aggregate_id) >= tuple_(firsts.c.aggregate_id),
             tuple_(behind.c.aggregate_id, behind.c.id) > tuple_(firsts.c.aggregate_id, firsts.c.id),
             tuple_(behind.c.aggregate_id) <= tuple_(firsts.c.aggregate_id),
@@ -422,6 +432,24 @@ def claim_statement(
       take one each; the older queued job blocks the younger in every snapshot until it has run. Read
       through ``ix_<jobs>_unique_active``. Every worker of those queues must claim this way.
     """
+    return _claim_statement(
+        spec, ordered=ordered, ordered_types=ordered_types, limit=limit, unique_running=unique_running,
+        heads=heads, finished=None,
+    )  # fmt: skip
+
+
+def _claim_statement(
+    spec: QueueSpec,
+    *,
+    ordered: bool,
+    ordered_types: bool,
+    limit: int | None,
+    unique_running: bool,
+    heads: bool,
+    finished: ColumnElement[Any] | None,
+) -> Update:
+    """:func:`claim_statement`; ``finished``: the ids of rows this statement's own finalize has just finished
+    (an array, see :func:`finalize_and_claim_statement`), which the probes then no longer count as blocking."""
     if unique_running and spec.kind != "jobs":
         raise ValueError("unique_running is a jobs claim option (the outbox has ordered=True)")
     if heads and not (ordered and not ordered_types and spec.kind == "outbox" and spec.period is None):
@@ -434,6 +462,10 @@ def claim_statement(
     limit_clause: Any = (
         bindparam("batch", type_=Integer) if limit is None else literal_column(str(int(limit)), Integer)
     )
+
+    def not_finished(other: Any) -> list[ColumnElement[bool]]:
+        # A row this statement's finalize has just finished is still unfinished in the statement's snapshot.
+        return [] if finished is None else [other.c.id != all_(finished)]
 
     def eligible(cand: Any) -> list[ColumnElement[bool]]:
         """The probes' conditions on a candidate row (``cand``: the table's columns or the locked subquery's)."""
@@ -459,6 +491,7 @@ def claim_statement(
             before_it = [
                 *same_type,
                 prev.c.status.in_([const(spec.ready), const(spec.active), const(spec.dead)]),
+                *not_finished(prev),
                 *(
                     [prev.c.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))]
                     if ordered_types
@@ -507,7 +540,7 @@ def claim_statement(
             running = _keyed_probe(
                 mine,
                 [(mine.c.unique_key, cand.unique_key), (mine.c.status, const(spec.active))],
-                where=[*unfinished(mine), mine.c.id != cand.id],
+                where=[*unfinished(mine), mine.c.id != cand.id, *not_finished(mine)],
             )
             waiting = _keyed_probe(
                 older,
@@ -520,7 +553,7 @@ def claim_statement(
 
     picked: Select[Any]
     if heads:
-        picked = _heads_pick(spec, ready, limit_clause)
+        picked = _heads_pick(spec, ready, limit_clause, not_finished)
     elif (ordered or unique_running) and not partitioned:
         # The probes run before the row lock on a row whose xmax is no transaction in progress for the claim's
         # snapshot, after the lock on any other. Run before the lock (the plain form), every claimer probed the
@@ -734,7 +767,7 @@ def _fenced(
 
 
 @cache
-def finalize_statement(spec: QueueSpec, *, single: bool = False) -> Update:
+def finalize_statement(spec: QueueSpec, *, single: bool = False, with_status: bool = False) -> Update:
     """Apply a whole batch of outcomes in one statement, each row fenced by its own lease version
     (``single``: exactly one outcome, its columns as plain parameters — see :func:`_outcome_rows`).
 
@@ -746,6 +779,7 @@ def finalize_statement(spec: QueueSpec, *, single: bool = False) -> Update:
     Outcome columns: new status; delay in seconds from the database's now() for the next attempt (NULL keeps
     the due time); error text (NULL keeps the previous one; done clears it on the outbox); refund (1 gives the claim's
     attempt back: Defer and release); for jobs, the handler's result (JSON text, stored with ``done``).
+    Returns each applied row's id (``with_status``: and its new status).
     """
     t, c = spec.table, spec.c
     o = _outcome_rows(spec, single=single)
@@ -776,7 +810,13 @@ def finalize_statement(spec: QueueSpec, *, single: bool = False) -> Update:
     }
     if spec.kind == "jobs":
         values["result"] = case((o.c.status == spec.done, sa_cast(o.c.result, JSONB)), else_=c.result)
-    return update(t).where(*_fenced(spec, o.c.id, o.c.version, single=single)).values(values).returning(c.id)
+    returned = [c.id, *([c.status] if with_status else [])]
+    return (
+        update(t)
+        .where(*_fenced(spec, o.c.id, o.c.version, single=single))
+        .values(values)
+        .returning(*returned)
+    )
 
 
 # --- the lease guard ---------------------------------------------------------------------------------
@@ -987,21 +1027,41 @@ def finalize_and_claim_statement(
     ``single``: the finalize of exactly one outcome (:func:`finalize_statement`).
 
     Both are data-modifying CTEs over disjoint rows (finalize touches leased rows, the claim ready ones) and
-    keep every guarantee of :func:`finalize_statement` and :func:`claim_statement`; they share one snapshot,
-    so a row finalized here is claimable (and an ordered aggregate's next message eligible) from the next
-    statement on. Rows come back tagged: ``('f', id, NULL…)`` for each applied outcome, ``('c', <claim row>)``
-    for each claimed row.
+    keep every guarantee of :func:`finalize_statement` and :func:`claim_statement`. They share one snapshot: a
+    row finalized here (retried, released) is claimable from the next statement on; but an ordered aggregate's
+    next event behind a row finalized ``done`` here — a unique key's next job behind its running job finished
+    here — is claimable in this one (the claim's probes read the finalize's RETURNING). Rows come back
+    tagged: ``('f', id, NULL…)`` for each applied outcome, ``('c', <claim row>)`` for each claimed row.
     """
     from sqlalchemy import null, union_all
 
-    finalized = finalize_statement(spec, single=single).cte("finalized")
-    claimed = claim_statement(
+    finished: ColumnElement[Any] | None = None
+    if ordered or unique_running:
+        # The rows this finalize finishes for good (done; for jobs also failed or cancelled): the claim's
+        # snapshot still sees them leased, so without this an ordered aggregate's next event (a key's next job)
+        # became claimable only from the next statement on, and a dispatcher claimed a second time after each
+        # turn: two statements per event of a hot aggregate. A dead event still blocks its aggregate; a retried
+        # one is pending again; an outcome fenced out (a lost lease) is not returned at all.
+        finalized = finalize_statement(spec, single=single, with_status=True).cte("finalized")
+        blocking = [
+            const(spec.ready),
+            const(spec.active),
+            *([const(spec.dead)] if spec.kind == "outbox" else []),
+        ]
+        finished = func.array(
+            select(finalized.c.id).where(finalized.c.status.not_in(blocking)).scalar_subquery(),
+            type_=ARRAY(BigInteger),
+        )
+    else:
+        finalized = finalize_statement(spec, single=single).cte("finalized")
+    claimed = _claim_statement(
         spec,
         ordered=ordered,
         ordered_types=ordered_types,
         limit=limit,
         unique_running=unique_running,
         heads=heads,
+        finished=finished,
     ).cte("claimed")
     cols = claim_returning(spec)
     applied = select(

@@ -266,6 +266,95 @@ def test_both_forms_take_the_head_of_a_type_whose_id_another_types_dead_event_bl
     assert claim(engine, "B", batch=10, lease=30, ordered=True, heads=heads) == []
 
 
+FORMS = {
+    "walk": {"ordered": True},
+    "heads": {"ordered": True, "heads": True},
+    "ordered types": {"ordered": True, "ordered_types": ["E"]},
+}
+
+
+def _finalize_and_claim(
+    engine: Engine, outcomes: list[eng.Outcome], batch: int, form: str
+) -> tuple[set[int], list[int]]:
+    with engine.begin() as conn:
+        applied, rows = eng.finalize_and_claim(
+            conn, OUTBOX, outcomes, owner="A", batch=batch, lease=timedelta(seconds=30), **FORMS[form]
+        )
+    return applied, [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("single", [True, False], ids=["one outcome", "batch"])
+def test_the_statement_that_finishes_a_head_claims_the_next_event_of_its_aggregate(
+    engine: Engine, form: str, single: bool
+) -> None:
+    """A head finalized ``done`` lets the same statement claim its successor: the claim's snapshot still sees
+    the head as processing, but not as blocking once the finalize has applied its outcome (a hot aggregate:
+    one statement per event, not two). A lost lease, a retry or a dead letter keeps the successor blocked."""
+    seed_events(engine, 4, aggregate="X")  # 1-4
+    seed_events(engine, 1, aggregate="Y")  # 5
+    first = claim(engine, "A", batch=10, lease=30, ordered=True)
+    assert [r.id for r in first] == [1, 5]
+    x, y = first
+    outcomes = [eng.Outcome(x.id, x.lease_version, "done")]
+    if not single:
+        outcomes.append(eng.Outcome(y.id, y.lease_version, "done"))
+    assert _finalize_and_claim(engine, outcomes, 10, form) == ({1} if single else {1, 5}, [2])
+    assert (
+        claim(engine, "peek", batch=10, lease=30, ordered=True) == []
+    )  # 2 is in flight, X has no other head
+    version = row(engine, "outbox", 2).lease_version
+    # a stale version (a lost lease): nothing applied, 3 stays blocked behind 2
+    assert _finalize_and_claim(engine, [eng.Outcome(2, version - 1, "done")], 10, form) == (set(), [])
+    # a retry puts 2 back: 3 stays blocked (and 2 itself is claimable from the next statement on)
+    assert _finalize_and_claim(engine, [eng.Outcome(2, version, "pending", delay=0)], 10, form) == ({2}, [])
+    assert [r.id for r in claim(engine, "A", batch=10, lease=30, ordered=True)] == [2]
+    version = row(engine, "outbox", 2).lease_version
+    # a dead letter blocks its aggregate
+    assert _finalize_and_claim(engine, [eng.Outcome(2, version, "dead")], 10, form) == ({2}, [])
+    assert claim(engine, "A", batch=10, lease=30, ordered=True) == []
+    left = (
+        {"done": 1, "dead": 1, "pending": 2, "processing": 1}
+        if single
+        else {"done": 2, "dead": 1, "pending": 2}
+    )
+    assert statuses(engine) == left
+
+
+def test_the_statement_that_finishes_a_keys_running_job_claims_its_next_job(engine: Engine) -> None:
+    """``unique_running``: the running job of a key finalized ``done`` or ``failed`` lets the same statement
+    claim the key's next job; a retry (queued again, the older job) or a lost lease does not."""
+    with engine.begin() as conn:
+        for _ in range(4):
+            conn.execute(
+                text("INSERT INTO jobs (task, payload, unique_key, lease_version) VALUES ('t', '{}', 'k', 1)")
+            )
+    jobs = _sql.spec_for(Job)
+
+    def step(outcome: eng.Outcome) -> tuple[set[int], list[int]]:
+        with engine.begin() as conn:
+            applied, rows = eng.finalize_and_claim(
+                conn, jobs, [outcome], owner="w", batch=10, queue="default", unique_running=True
+            )
+        return applied, [r[0] for r in rows]
+
+    with engine.begin() as conn:
+        [first] = eng.claim(conn, jobs, owner="w", batch=10, queue="default", unique_running=True)
+    assert first[0] == 1
+
+    def version(job_id: int) -> int:
+        return int(row(engine, "jobs", job_id).lease_version)
+
+    assert step(eng.Outcome(1, version(1), "done")) == ({1}, [2])
+    assert step(eng.Outcome(2, version(2) - 1, "done")) == (set(), [])  # stale: 2 still runs
+    assert step(eng.Outcome(2, version(2), "queued", delay=0)) == ({2}, [])  # retried: 2 is the older job
+    with engine.begin() as conn:
+        assert [
+            r[0] for r in eng.claim(conn, jobs, owner="w", batch=10, queue="default", unique_running=True)
+        ] == [2]
+    assert step(eng.Outcome(2, version(2), "failed")) == ({2}, [3])
+
+
 def test_the_heads_form_reads_one_index_entry_per_aggregate_not_the_backlog(engine: Engine) -> None:
     """One aggregate with 5,000 pending events and three quiet ones: the walk reads every ready row to learn
     that only four heads exist; the other form descends the aggregate index once per aggregate."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, event, text
 
 from sa_outbox import Backoff, ClaimedJob, Message
 from sa_outbox.testing import RecordingPublisher
@@ -84,12 +84,26 @@ def test_a_hung_handler_never_delays_or_fails_the_jobs_after_it(runner: Runner, 
 def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
     runner: Runner, engine: Engine
 ) -> None:
-    """The next event of an aggregate is claimed as soon as its predecessor is finalized — not a poll later."""
+    """The next event of an aggregate is claimed as soon as its predecessor is finalized — not a poll later —
+    and by the statement that finalizes it: one claim per event, not two (the finalize-and-claim statement, then
+    a second claim to see what its own finalize unblocked)."""
     seed_events(engine, 10, aggregate="A")
     pub = RecordingPublisher()
     d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
-    assert run_until(runner, d, lambda: len(pub.ids) == 10, timeout=20)
+    claims: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "picked AS MATERIALIZED" in statement:  # a claim, with or without outcomes
+            claims.append(statement)
+
+    watched = runner.aengine.sync_engine if runner.aengine is not None else engine
+    event.listen(watched, "before_cursor_execute", count)
+    try:
+        assert run_until(runner, d, lambda: len(pub.ids) == 10, timeout=20)
+    finally:
+        event.remove(watched, "before_cursor_execute", count)
     assert pub.ids == list(range(1, 11))
+    assert 10 <= len(claims) <= 12, len(claims)  # the first claim, nine that finalize and claim, then nothing
 
 
 def test_a_deep_backlog_of_few_aggregates_is_claimed_aggregate_by_aggregate(
