@@ -1076,7 +1076,7 @@ class Worker(WorkerBase):
                     if max_batches is not None and batches >= max_batches:
                         break
                 idle = not claimed and not self._queue and not self._running
-                if until_idle and idle and wanted:
+                if until_idle and idle and wanted and not len(self._done):
                     break
                 self._wait(claimed, wanted)
         finally:
@@ -1208,6 +1208,8 @@ class Worker(WorkerBase):
         else:
             idle = not self._queue and not self._running
             if idle and len(self._done):
+                if self._may_start():
+                    return  # written by the next turn's claim, which also takes what they unblocked
                 self._flush()
             timeout = self._next_deadline(poll=not self._queue and len(self._running) < self.concurrency)
         deadlines = [r.deadline for r in self._running.values() if r.deadline is not None]
@@ -1560,7 +1562,7 @@ class AsyncWorker(WorkerBase):
                     if max_batches is not None and batches >= max_batches:
                         break
                 idle = not claimed and not self._queue and not self._running
-                if until_idle and idle and wanted:
+                if until_idle and idle and wanted and not len(self._done):
                     break
                 await self._wait(claimed, wanted)
         finally:
@@ -1634,6 +1636,8 @@ class AsyncWorker(WorkerBase):
             return  # more may be waiting: claim again at once (writing these outcomes on the way)
         idle = not self._queue and not self._running
         if idle and len(self._done):
+            if self._may_start():
+                return  # written by the next turn's claim, which also takes what they unblocked
             await self._flush()
         poll = not self._queue and len(self._running) < self.concurrency
         if await self._waker.wait(self._next_deadline(poll=poll)) == "notify":

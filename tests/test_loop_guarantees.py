@@ -106,6 +106,25 @@ def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
     assert 10 <= len(claims) <= 12, len(claims)  # the first claim, nine that finalize and claim, then nothing
 
 
+def test_a_unique_running_worker_runs_a_keys_next_job_as_soon_as_the_last_one_is_finalized(
+    runner: Runner, engine: Engine
+) -> None:
+    """30 jobs of one key, ``unique_running``, a worker polling once a minute: the statement that writes a key's
+    running job's outcome claims the key's next job (the claim reads the finalize's RETURNING). Before, an idle
+    worker wrote the outcome alone and slept until its next maintenance step: one job of the key a second."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(  # as retries (lease_version 1): a key may then have many queued jobs
+                "INSERT INTO jobs (task, payload, unique_key, lease_version) "
+                "SELECT 't', '{}', 'k', 1 FROM generate_series(1, 30)"
+            )
+        )
+    ran: list[int] = []
+    w = runner.worker({"t": lambda j: ran.append(j.id)}, unique_running=True, poll_interval=60)
+    assert run_until(runner, w, lambda: len(ran) == 30, timeout=15), ran
+    assert ran == list(range(1, 31))
+
+
 def test_a_deep_backlog_of_few_aggregates_is_claimed_aggregate_by_aggregate(
     runner: Runner, engine: Engine
 ) -> None:
