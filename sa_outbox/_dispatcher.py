@@ -266,12 +266,21 @@ class DispatcherBase(LoopBase):
                 self._fatal = fatal
         return outcomes
 
-    def _released_now(self, outcomes: Sequence[Outcome], applied: set[int]) -> bool:
-        """Whether the statement that just ran put back rows that are due at once (a batch released when its
-        lease budget ran short). They are claimable only from the next statement on — the claim shared the
-        finalize's snapshot — so the dispatcher claims again at once rather than wait a poll interval. (Rows
-        finished ``done`` no longer need this: the same statement claims what they unblocked.)"""
-        return bool(applied) and any(o.kind == "release" and o.id in applied for o in outcomes)
+    def _requeued_now(self, outcomes: Sequence[Outcome], applied: set[int]) -> bool:
+        """Whether the statement that just ran put back rows that are due at once: a batch released when its
+        lease budget ran short, a ``Defer(0)``. They are claimable only from the next statement on — the claim
+        shared the finalize's snapshot — so the dispatcher claims again at once: ``run(until_idle=True)`` must
+        not stop before them, nor a running loop wait a poll interval. (Rows finished ``done`` need no second
+        claim: the same statement claims what they unblocked. Rows a destination outage gave back wait for the
+        circuit.)"""
+        ready = self.spec.ready
+        return bool(applied) and any(
+            o.status == ready
+            and o.kind != "unavailable"
+            and (o.delay is None or o.delay <= 0)
+            and o.id in applied
+            for o in outcomes
+        )
 
     def _probed_nothing(self) -> None:
         """A probe claimed no row (another dispatcher delivered the backlog): nothing shows the destination is
@@ -537,7 +546,7 @@ class Dispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if len(rows) < want and self._released_now(outcomes, applied):
+        if len(rows) < want and self._requeued_now(outcomes, applied):
             try:
                 rows += self._db.run(lambda c: self._claim_on(c, want - len(rows), []))[1]
             except Exception as exc:
@@ -751,7 +760,7 @@ class AsyncDispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if len(rows) < want and self._released_now(outcomes, applied):
+        if len(rows) < want and self._requeued_now(outcomes, applied):
             try:
                 rows += (await self._db.run(lambda c: self._claim_on(c, want - len(rows), [])))[1]
             except Exception as exc:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, text
 
-from sa_outbox import Backoff, ClaimedJob, Message
+from sa_outbox import Backoff, ClaimedJob, Defer, Message
 from sa_outbox.testing import RecordingPublisher
 
 from .factories import Runner
@@ -104,6 +104,28 @@ def test_ordered_delivery_of_one_hot_aggregate_runs_at_publisher_speed(
         event.remove(watched, "before_cursor_execute", count)
     assert pub.ids == list(range(1, 11))
     assert 10 <= len(claims) <= 12, len(claims)  # the first claim, nine that finalize and claim, then nothing
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "plain"])
+def test_run_until_idle_delivers_an_event_deferred_for_zero_seconds(
+    runner: Runner, engine: Engine, ordered: bool
+) -> None:
+    """``Defer(0)`` puts the event back due at once; the statement that writes that outcome claims in the
+    finalize's snapshot and cannot see it, so the dispatcher claims once more: ``run(until_idle=True)`` does
+    not stop with a due event (and, ordered, its aggregate's next one) left behind."""
+    seed_events(engine, 2, aggregate="A")
+    deferred: list[int] = []
+
+    class DeferOnce(RecordingPublisher):
+        def publish(self, message: Message) -> None:
+            if message.id not in deferred:
+                deferred.append(message.id)
+                raise Defer(0)
+            super().publish(message)
+
+    pub = DeferOnce()
+    runner.run(runner.dispatcher(pub, ordered=ordered, batch=1), until_idle=True)
+    assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
 
 
 def test_a_unique_running_worker_runs_a_keys_next_job_as_soon_as_the_last_one_is_finalized(

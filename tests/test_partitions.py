@@ -236,6 +236,36 @@ def test_claim_and_ordered_claim_across_partitions(pengine: Engine) -> None:
     assert Dispatcher(pengine, PEvent, plain, batch=10, listen=False).run_once() == 5
 
 
+def test_the_statement_that_finishes_a_head_claims_its_successor_across_partitions(pengine: Engine) -> None:
+    """The partitioned layout's ordered probe (a plain NOT EXISTS) also skips the rows the statement's own
+    finalize finished: the successor is claimed by the statement that writes its predecessor's ``done`` — in
+    the same partition and across two — and not by one whose outcome the fence turned away."""
+    from sa_outbox import _steps
+
+    spec = _sql.spec_for(PEvent)
+    _, yesterday = add_past_partition(pengine, PEvent, 1)
+    old = add_events(pengine, 2, created_at=yesterday + timedelta(hours=1), aggregate="X")
+    new = add_events(pengine, 1, aggregate="X")
+
+    def turn(outcome: Any) -> tuple[set[int], list[Any]]:
+        with pengine.begin() as conn:
+            return _steps.finalize_and_claim(
+                conn, spec, [outcome], owner="A", batch=10, lease=timedelta(seconds=30), ordered=True
+            )
+
+    with pengine.begin() as conn:
+        [head] = _steps.claim(conn, spec, owner="A", batch=10, lease=timedelta(seconds=30), ordered=True)
+    assert head[0] == old[0]
+    assert turn(_steps.Outcome(head[0], head[1] - 1, "done")) == (
+        set(),
+        [],
+    )  # fenced out: old[1] stays blocked
+    applied, [second] = turn(_steps.Outcome(head[0], head[1], "done"))
+    assert applied == {old[0]} and second[0] == old[1]
+    applied, [third] = turn(_steps.Outcome(second[0], second[1], "done"))
+    assert applied == {old[1]} and third[0] == new[0]  # in today's partition
+
+
 def test_rescue_and_dead_retry_on_the_partitioned_layout(pengine: Engine) -> None:
     add_past_partition(pengine, PJob, 2)
     with pengine.begin() as conn:
