@@ -39,7 +39,7 @@ from ._durations import Duration, positive_int, to_seconds
 from ._messages import json_loads_of
 from ._names import channel_for
 from ._partitions import PartitionMaintainer
-from ._services import Completer, Held, Rescuer
+from ._services import Completer, Held, Requeued, Rescuer
 from ._sql import QueueSpec, spec_for
 from ._steps import Outcome
 from .errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
@@ -198,6 +198,7 @@ class LoopBase:
         #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
+        self._requeued = Requeued()
         #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False
         self._held = Held()
@@ -505,11 +506,13 @@ class LoopBase:
                 )  # fmt: skip
             elif o.kind == "retry":
                 self.stats.retried += 1
+                self._requeued.put(o.delay or 0.0, time.monotonic())
                 self._log.info(
                     "%s %s -> %s, retry in %.2fs: %s", kind, o.id, o.status, o.delay, o.error, extra=extra
                 )
             elif o.kind == "defer":
                 self.stats.deferred += 1
+                self._requeued.put(o.delay or 0.0, time.monotonic())
                 self._log.info("%s %s deferred %.2fs: %s", kind, o.id, o.delay, o.error, extra=extra)
             elif o.kind == "cancelled":
                 self.stats.cancelled += 1
@@ -536,7 +539,8 @@ class LoopBase:
 
     def _next_deadline(self, *, poll: bool) -> float:
         """Seconds the loop may wait: until outcomes must be written, the next rescue, or — when it would
-        claim if work appeared (``poll``) — the next poll (NOTIFY usually comes first)."""
+        claim if work appeared (``poll``) — the next poll (NOTIFY usually comes first) or the moment a row it
+        put back for later (retry, ``Defer``) becomes due."""
         now = time.monotonic()
         limits = [self._rescuer.next_due()]
         flush = self._done.next_due()
@@ -544,6 +548,9 @@ class LoopBase:
             limits.append(flush)
         if poll:
             limits.append(now + self.poll_interval)
+            requeued = self._requeued.next_due(now)
+            if requeued is not None:
+                limits.append(requeued)
         return max(0.0, min(limits) - now)
 
 

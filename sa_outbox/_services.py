@@ -4,11 +4,13 @@ and ``job_rescuer``): the loops run their statements, these decide *what* and *w
 * :class:`Completer` — outcomes decided but not yet written, and when they must be written;
 * :class:`Held` — the rows this loop holds (claimed and not yet finalized), for the heartbeat;
 * :class:`Rescuer` — when the next rescue of expired leases is due;
+* :class:`Requeued` — when the rows this loop put back for later (retry, ``Defer``) become due;
 * :class:`Circuit` — whether a dispatcher may claim while its destination is unavailable.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -16,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from ._backoff import DESTINATION_OUTAGE
 from ._steps import Outcome
 
-__all__ = ["Circuit", "Completer", "Held", "Rescuer"]
+__all__ = ["Circuit", "Completer", "Held", "Requeued", "Rescuer"]
 
 
 class Completer:
@@ -98,6 +100,31 @@ class Rescuer:
 
     def next_due(self) -> float:
         return self._last + self.every
+
+
+class Requeued:
+    """When the rows this loop put back for later — a retry's backoff, a ``Defer`` — become due again, so that an
+    idle loop wakes up then rather than at its next poll or maintenance step (up to a second late with the
+    default backoff, whose jittered delays start near zero). Only the times within ``horizon`` seconds are kept
+    (a poll comes before the others), at most ``limit`` of them. Waking up for a row another loop has claimed
+    meanwhile costs one claim that finds nothing."""
+
+    def __init__(self, horizon: float = 60.0, limit: int = 1024) -> None:
+        self.horizon = horizon
+        self.limit = limit
+        self._due: list[float] = []
+
+    def put(self, delay: float, now: float) -> None:
+        """A row written back to be due ``delay`` seconds after ``now`` (the loop's clock when it learnt the
+        outcome was applied: never earlier than the database's due time)."""
+        if 0 < delay <= self.horizon and len(self._due) < self.limit:
+            heapq.heappush(self._due, now + delay)
+
+    def next_due(self, now: float) -> float | None:
+        """The soonest time still ahead; the times passed are dropped (the turn after them has claimed)."""
+        while self._due and self._due[0] <= now:
+            heapq.heappop(self._due)
+        return self._due[0] if self._due else None
 
 
 def lost(outcomes: Sequence[Outcome], applied: set[int]) -> list[Outcome]:

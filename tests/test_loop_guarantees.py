@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, text
 
-from sa_outbox import Backoff, ClaimedJob, Defer, Message
+from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError
 from sa_outbox.testing import RecordingPublisher
 
 from .factories import Runner
@@ -126,6 +126,41 @@ def test_run_until_idle_delivers_an_event_deferred_for_zero_seconds(
     pub = DeferOnce()
     runner.run(runner.dispatcher(pub, ordered=ordered, batch=1), until_idle=True)
     assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
+
+
+def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner, engine: Engine) -> None:
+    """A retry's backoff or a ``Defer`` puts the row back for later: the loop's next wait ends when the row is
+    due (0.4 s here), not at its next poll (60 s) or maintenance step (up to a second late), and only once —
+    after that moment the wait is the poll's again. A destination outage's circuit is not cut short."""
+    seed_events(engine, 1)
+    failed: list[int] = []
+
+    def fail_once(message: Message) -> BaseException | None:
+        if failed:
+            return None
+        failed.append(message.id)
+        return RetryableError("try again soon")
+
+    pub = RecordingPublisher(fail=fail_once)
+    d = runner.dispatcher(pub, poll_interval=60, backoff=Backoff(base=0.2, jitter=False))
+    assert runner.run_once(d) == 1 and failed == [1] and pub.ids == []
+    wait = d._next_deadline(poll=True)
+    assert 0 < wait <= 0.4, wait  # base · 2 ** attempts, from the moment the outcome was written
+    assert d._next_deadline(poll=False) > wait  # (only a loop that would claim wakes up for it)
+    time.sleep(wait)
+    assert d._requeued.next_due(time.monotonic()) is None  # passed: the rescue step's or the poll's again
+    assert runner.run_once(d) == 1 and pub.ids == [1]
+    seed_jobs(engine, 1, task="later")
+    deferred: list[int] = []
+
+    def later(job: ClaimedJob) -> None:
+        if not deferred:
+            deferred.append(job.id)
+            raise Defer(0.3)
+
+    w = runner.worker({"later": later}, poll_interval=60)
+    assert runner.run_once(w) == 1 and deferred == [1]
+    assert 0 < w._next_deadline(poll=True) <= 0.3
 
 
 def test_a_unique_running_worker_runs_a_keys_next_job_as_soon_as_the_last_one_is_finalized(
