@@ -1192,6 +1192,25 @@ class Scenario:
         counter = StatementCounter()
         self.log.append(f"limit of {LIMITED}: {self.limit or 'none: unique keys and unique_running'}")
         self.sampler.start()
+        try:
+            self._run_rules(names, weights, counter)
+            self.check_always()
+            self.check_final()
+        finally:
+            # (also when a rule or a check failed: connections this scenario's engines still hold would otherwise
+            # be collected during the next scenario, and fail it with "connections left open")
+            with self.engine.begin() as conn:
+                conn.execute(text("DROP TABLE model_effects"))
+                if self.partitioned:
+                    conn.execute(text(f"DROP TABLE {PARTITIONED_TABLE} CASCADE"))
+            if self.timed_out():
+                time.sleep(
+                    HANG
+                )  # abandoned handler calls give their connections back before the engines close
+            self.engine.dispose()
+            self.loop_engine.dispose()
+
+    def _run_rules(self, names: list[str], weights: list[int], counter: StatementCounter) -> None:
         with counter.installed():
             try:
                 for step in range(self.profile.steps):
@@ -1221,20 +1240,6 @@ class Scenario:
                 for lt in self.dispatchers + self.workers:
                     lt.stop()
                 self.sampler.stop()
-        try:
-            self.check_always()
-            self.check_final()
-        finally:
-            with self.engine.begin() as conn:
-                conn.execute(text("DROP TABLE model_effects"))
-                if self.partitioned:
-                    conn.execute(text(f"DROP TABLE {PARTITIONED_TABLE} CASCADE"))
-            if self.timed_out():
-                time.sleep(
-                    HANG
-                )  # abandoned handler calls give their connections back before the engines close
-            self.engine.dispose()
-            self.loop_engine.dispose()
 
     def timed_out(self) -> int:
         return sum(
@@ -1372,9 +1377,10 @@ class Scenario:
         time.sleep(2.0)
         after = counter.snapshot()
         busiest = max(((after[t] - before[t]) for t in after), default=0)
-        assert busiest <= 30, (
-            f"an idle loop sent {busiest} statements in 2 s"
-        )  # 2 queues x ~3 polls/s + rescue
+        # An idle worker of q1, q2 and a limited q3 polling every 0.3 s sends a claim per queue (the limited one's
+        # pick and claim are two) ~3 times a second, plus its maintenance step (rescue, the rate window's
+        # cleanup, the paused queues): ~16 a second, measured up to 31 in 2 s. A hot loop would send thousands.
+        assert busiest <= 60, f"an idle loop sent {busiest} statements in 2 s"
 
     def check_final(self) -> None:
         rec = self.record.snapshot()
