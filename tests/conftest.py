@@ -64,24 +64,9 @@ def scratch_database(server_url: URL, prefix: str) -> Iterator[URL]:
 @pytest.fixture(scope="session")
 def db_url(server_url: URL) -> Iterator[URL]:
     """A fresh database migrated to head with the project's alembic environment; dropped at the end."""
-    name = f"sa_outbox_test_{uuid.uuid4().hex[:10]}"
-    admin = _admin(server_url)
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = server_url.set(database=name)
-    try:
+    with scratch_database(server_url, "sa_outbox_test") as url:
         migrate(url, "head")
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
-                ),
-                {"d": name},
-            )
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
 
 
 def alembic_config(url: URL) -> Config:

@@ -61,13 +61,14 @@ import sys
 import tomllib
 import traceback
 import types
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .conftest import scratch_database
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [Path("README.md"), *sorted(p.relative_to(ROOT) for p in (ROOT / "docs").glob("*.md"))]
@@ -415,28 +416,11 @@ def _dispose_engines(module: types.ModuleType) -> None:
 # --- the tests ----------------------------------------------------------------------------------------------
 
 
-def _page_database(server_url: Any) -> Iterator[Any]:
-    from sqlalchemy import create_engine, text
-
-    name = f"sa_outbox_docs_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield server_url.set(database=name)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(
-                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"), {"d": name}
-            )
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
-
-
 @pytest.fixture
 def page_url(server_url: Any) -> Iterator[Any]:
     """A fresh, empty database for one page (dropped afterwards)."""
-    yield from _page_database(server_url)
+    with scratch_database(server_url, "sa_outbox_docs") as url:
+        yield url
 
 
 @pytest.mark.parametrize("page", PAGES, ids=str)
