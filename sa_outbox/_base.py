@@ -291,6 +291,7 @@ class LoopBase:
         (ids whose outcome was applied, claimed rows by id). ``claim_params``: :meth:`_claim_params` taken
         beforehand (by the loop's thread, when the claim itself runs on another)."""
         started = time.perf_counter()
+        self._requeued.claiming(time.monotonic())
         applied: set[int] = set()
         rows: list[Any] = []
         pending = list(outcomes)
@@ -360,6 +361,7 @@ class LoopBase:
         if left <= 0:
             return None
         started = time.perf_counter()
+        self._requeued.claiming(time.monotonic())
         receive = _steps.send_claim(
             conn, self.spec, outcomes, owner=self.owner, batch=left, fixed_batch=left == self.batch, **params
         )
@@ -506,13 +508,13 @@ class LoopBase:
                 )  # fmt: skip
             elif o.kind == "retry":
                 self.stats.retried += 1
-                self._requeued.put(o.delay or 0.0, time.monotonic())
+                self._requeued.put(o.delay, time.monotonic())
                 self._log.info(
                     "%s %s -> %s, retry in %.2fs: %s", kind, o.id, o.status, o.delay, o.error, extra=extra
                 )
             elif o.kind == "defer":
                 self.stats.deferred += 1
-                self._requeued.put(o.delay or 0.0, time.monotonic())
+                self._requeued.put(o.delay, time.monotonic())
                 self._log.info("%s %s deferred %.2fs: %s", kind, o.id, o.delay, o.error, extra=extra)
             elif o.kind == "cancelled":
                 self.stats.cancelled += 1
@@ -527,6 +529,7 @@ class LoopBase:
                 self._log.error("%s %s -> %s: %s", kind, o.id, o.status, o.error, extra=extra)
             else:
                 self.stats.released += 1
+                self._requeued.put(o.delay, time.monotonic())
                 self._log.info("%s %s released: %s", kind, o.id, o.error, extra=extra)
 
     def _observe_handled(self, seconds: float, created_at: Any) -> None:
@@ -537,10 +540,14 @@ class LoopBase:
 
     # -- when the loop wakes up next -------------------------------------------------------------------------
 
+    def _put_back_due(self) -> bool:
+        """Whether a row this loop put back is due and no claim has looked since: not idle yet."""
+        return self._requeued.due(time.monotonic())
+
     def _next_deadline(self, *, poll: bool) -> float:
         """Seconds the loop may wait: until outcomes must be written, the next rescue, or — when it would
         claim if work appeared (``poll``) — the next poll (NOTIFY usually comes first) or the moment a row it
-        put back for later (retry, ``Defer``) becomes due."""
+        put back (retry, ``Defer``, release) becomes due."""
         now = time.monotonic()
         limits = [self._rescuer.next_due()]
         flush = self._done.next_due()
@@ -548,7 +555,7 @@ class LoopBase:
             limits.append(flush)
         if poll:
             limits.append(now + self.poll_interval)
-            requeued = self._requeued.next_due(now)
+            requeued = self._requeued.next_due()
             if requeued is not None:
                 limits.append(requeued)
         return max(0.0, min(limits) - now)

@@ -56,7 +56,6 @@ from ._base import (
     through_cancellation,
 )
 from ._db import AsyncLoopConnection, LoopConnection
-from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit, ClaimForms
@@ -266,22 +265,6 @@ class DispatcherBase(LoopBase):
                 self._fatal = fatal
         return outcomes
 
-    def _requeued_now(self, outcomes: Sequence[Outcome], applied: set[int]) -> bool:
-        """Whether the statement that just ran put back rows that are due at once: a batch released when its
-        lease budget ran short, a ``Defer(0)``. They are claimable only from the next statement on — the claim
-        shared the finalize's snapshot — so the dispatcher claims again at once: ``run(until_idle=True)`` must
-        not stop before them, nor a running loop wait a poll interval. (Rows finished ``done`` need no second
-        claim: the same statement claims what they unblocked. Rows a destination outage gave back wait for the
-        circuit.)"""
-        ready = self.spec.ready
-        return bool(applied) and any(
-            o.status == ready
-            and o.kind != "unavailable"
-            and (o.delay is None or o.delay <= 0)
-            and o.id in applied
-            for o in outcomes
-        )
-
     def _probed_nothing(self) -> None:
         """A probe claimed no row (another dispatcher delivered the backlog): nothing shows the destination is
         still down, so the circuit closes."""
@@ -483,7 +466,7 @@ class Dispatcher(DispatcherBase):
                     batches += 1
                     if max_batches is not None and batches >= max_batches:
                         break
-                if until_idle and wanted and not claimed and not len(self._done):
+                if until_idle and wanted and not claimed and not len(self._done) and not self._put_back_due():
                     break
                 self._wait(claimed, wanted)
         finally:
@@ -546,13 +529,6 @@ class Dispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if len(rows) < want and self._requeued_now(outcomes, applied):
-            try:
-                rows += self._db.run(lambda c: self._claim_on(c, want - len(rows), []))[1]
-            except Exception as exc:
-                if not is_connection_error(exc):
-                    raise
-            rows.sort(key=lambda r: r[0])
         if not rows and self._forms.walk_before_nothing():
             rows = self._db.run(lambda c: self._claim_on(c, want, []))[1]
         self._forms.claimed(len(rows), want)
@@ -679,7 +655,7 @@ class AsyncDispatcher(DispatcherBase):
                     batches += 1
                     if max_batches is not None and batches >= max_batches:
                         break
-                if until_idle and wanted and not claimed and not len(self._done):
+                if until_idle and wanted and not claimed and not len(self._done) and not self._put_back_due():
                     break
                 await self._wait(claimed, wanted)
         finally:
@@ -760,13 +736,6 @@ class AsyncDispatcher(DispatcherBase):
             raise
         self._forms.took(time.perf_counter() - started)
         self._report(outcomes, applied)
-        if len(rows) < want and self._requeued_now(outcomes, applied):
-            try:
-                rows += (await self._db.run(lambda c: self._claim_on(c, want - len(rows), [])))[1]
-            except Exception as exc:
-                if not is_connection_error(exc):
-                    raise
-            rows.sort(key=lambda r: r[0])
         if not rows and self._forms.walk_before_nothing():
             rows = (await self._db.run(lambda c: self._claim_on(c, want, [])))[1]
         self._forms.claimed(len(rows), want)

@@ -4,7 +4,7 @@ and ``job_rescuer``): the loops run their statements, these decide *what* and *w
 * :class:`Completer` — outcomes decided but not yet written, and when they must be written;
 * :class:`Held` — the rows this loop holds (claimed and not yet finalized), for the heartbeat;
 * :class:`Rescuer` — when the next rescue of expired leases is due;
-* :class:`Requeued` — when the rows this loop put back for later (retry, ``Defer``) become due;
+* :class:`Requeued` — when the rows this loop put back (retry, ``Defer``, release) become due;
 * :class:`Circuit` — whether a dispatcher may claim while its destination is unavailable.
 """
 
@@ -103,28 +103,43 @@ class Rescuer:
 
 
 class Requeued:
-    """When the rows this loop put back for later — a retry's backoff, a ``Defer`` — become due again, so that an
-    idle loop wakes up then rather than at its next poll or maintenance step (up to a second late with the
-    default backoff, whose jittered delays start near zero). Only the times within ``horizon`` seconds are kept
-    (a poll comes before the others), at most ``limit`` of them. Waking up for a row another loop has claimed
-    meanwhile costs one claim that finds nothing."""
+    """When the rows this loop put back become due again — at once (a ``Defer(0)``, a batch released when its
+    lease budget ran short) or after a retry's backoff or a ``Defer`` — so that the loop claims then, rather than
+    at its next poll or maintenance step, and ``run(until_idle=True)`` does not stop before them. The statement
+    that wrote such an outcome claimed in the finalize's snapshot and could not see the row; a claim sent at or
+    after the row's due time can, and forgets it. Only the times within ``horizon`` seconds are kept (a poll
+    comes before the others), at most ``limit`` of them; waking up for a row another loop has claimed meanwhile
+    costs one claim that finds nothing. Thread-safe (a worker's claim thread sends claims too)."""
 
     def __init__(self, horizon: float = 60.0, limit: int = 1024) -> None:
         self.horizon = horizon
         self.limit = limit
         self._due: list[float] = []
+        self._lock = threading.Lock()
 
-    def put(self, delay: float, now: float) -> None:
-        """A row written back to be due ``delay`` seconds after ``now`` (the loop's clock when it learnt the
-        outcome was applied: never earlier than the database's due time)."""
-        if 0 < delay <= self.horizon and len(self._due) < self.limit:
-            heapq.heappush(self._due, now + delay)
+    def put(self, delay: float | None, now: float) -> None:
+        """A row written back, due ``delay`` seconds (None: at once) after ``now`` — the loop's clock when it
+        learnt the outcome was applied, after the statement that wrote it was sent."""
+        wait = max(0.0, delay or 0.0)
+        with self._lock:
+            if wait <= self.horizon and len(self._due) < self.limit:
+                heapq.heappush(self._due, now + wait)
 
-    def next_due(self, now: float) -> float | None:
-        """The soonest time still ahead; the times passed are dropped (the turn after them has claimed)."""
-        while self._due and self._due[0] <= now:
-            heapq.heappop(self._due)
-        return self._due[0] if self._due else None
+    def claiming(self, sent: float) -> None:
+        """A claim is sent at ``sent``: it sees every row due by then."""
+        with self._lock:
+            while self._due and self._due[0] <= sent:
+                heapq.heappop(self._due)
+
+    def next_due(self) -> float | None:
+        """The soonest due time no claim has been sent since (it may have passed: claim now)."""
+        with self._lock:
+            return self._due[0] if self._due else None
+
+    def due(self, now: float) -> bool:
+        """Whether a row put back is due and no claim has been sent since."""
+        soonest = self.next_due()
+        return soonest is not None and soonest <= now
 
 
 def lost(outcomes: Sequence[Outcome], applied: set[int]) -> list[Outcome]:

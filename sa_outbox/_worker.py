@@ -1076,7 +1076,7 @@ class Worker(WorkerBase):
                     if max_batches is not None and batches >= max_batches:
                         break
                 idle = not claimed and not self._queue and not self._running
-                if until_idle and idle and wanted and not len(self._done):
+                if until_idle and idle and wanted and not len(self._done) and not self._put_back_due():
                     break
                 self._wait(claimed, wanted)
         finally:
@@ -1562,7 +1562,7 @@ class AsyncWorker(WorkerBase):
                     if max_batches is not None and batches >= max_batches:
                         break
                 idle = not claimed and not self._queue and not self._running
-                if until_idle and idle and wanted and not len(self._done):
+                if until_idle and idle and wanted and not len(self._done) and not self._put_back_due():
                     break
                 await self._wait(claimed, wanted)
         finally:

@@ -126,6 +126,17 @@ def test_run_until_idle_delivers_an_event_deferred_for_zero_seconds(
     pub = DeferOnce()
     runner.run(runner.dispatcher(pub, ordered=ordered, batch=1), until_idle=True)
     assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
+    # a worker alike (the same mechanism, LoopBase's): a job deferred for 0 s runs before until_idle stops
+    seed_jobs(engine, 1, task="later")
+    ran: list[int] = []
+
+    def later(job: ClaimedJob) -> None:
+        ran.append(job.id)
+        if len(ran) == 1:
+            raise Defer(0)
+
+    runner.run(runner.worker({"later": later}, batch=1), until_idle=True)
+    assert ran == [1, 1] and statuses(engine, "jobs") == {"done": 1}
 
 
 def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner, engine: Engine) -> None:
@@ -148,8 +159,8 @@ def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner
     assert 0 < wait <= 0.4, wait  # base · 2 ** attempts, from the moment the outcome was written
     assert d._next_deadline(poll=False) > wait  # (only a loop that would claim wakes up for it)
     time.sleep(wait)
-    assert d._requeued.next_due(time.monotonic()) is None  # passed: the rescue step's or the poll's again
     assert runner.run_once(d) == 1 and pub.ids == [1]
+    assert d._requeued.next_due() is None  # a claim was sent after it: the rescue step's or the poll's again
     seed_jobs(engine, 1, task="later")
     deferred: list[int] = []
 
