@@ -264,6 +264,9 @@ def test_children_stop_gracefully_when_the_supervisor_is_killed(job_calls: Engin
         kids = _running_workers(pool, 2)
         wait_for(lambda: scalar(engine, "SELECT count(*) FROM job_calls") >= 40, 60, "jobs flowing")
         os.kill(pool.proc.pid, signal.SIGKILL)
+        # Counted once the supervisor is gone (reaped), not when the SIGKILL is sent: on a loaded machine the
+        # killed process may take a while to exit, and its children, rightly, work on until it has.
+        pool.proc.wait(30)
         at_kill = scalar(engine, "SELECT count(*) FROM job_calls")
         wait_for(
             lambda: not any(alive(c) for c in kids), 30, f"children {sorted(kids)} gone after the parent"
