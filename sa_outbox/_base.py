@@ -277,7 +277,8 @@ class LoopBase:
     # -- the steps of one turn, on a Connection -----------------------------------------------------------
 
     def _claim_params(self) -> list[dict[str, Any]]:
-        """Keyword arguments of one claim call each (the worker makes one per queue)."""
+        """Keyword arguments of one claim call each (a worker: one per run of queues without a Limit, one per
+        limited queue)."""
         raise NotImplementedError
 
     def _rescue_params(self) -> dict[str, Any]:
@@ -301,6 +302,8 @@ class LoopBase:
             left = want - len(rows) if room is None else min(want - len(rows), room)
             if left <= 0:
                 continue
+            if "rooms" in params:  # several queues, each with its room: none takes more than the batch's
+                params["rooms"] = [min(left, r) for r in params["rooms"]]
             fixed = left == self.batch
             committed = bool(rows) or bool(applied)
             try:
@@ -350,7 +353,7 @@ class LoopBase:
     def _send_claim_on(
         self, conn: Connection, want: int, outcomes: Sequence[Outcome], claim_params: list[dict[str, Any]]
     ) -> Callable[[], tuple[set[int], list[Any]]] | None:
-        """Send the claim :meth:`_claim_on` would make — when it is one statement (one queue, not limited)
+        """Send the claim :meth:`_claim_on` would make — when it is one statement (no limited queue)
         that ``conn`` can send ahead (:func:`_steps.send_claim`) — and return the call that reads it (counted
         and observed as a claim then). None: nothing was sent."""
         if len(claim_params) != 1 or "limit" in claim_params[0]:
@@ -360,6 +363,8 @@ class LoopBase:
         left = want if room is None else min(want, room)
         if left <= 0:
             return None
+        if "rooms" in params:
+            params["rooms"] = [min(left, r) for r in params["rooms"]]
         started = time.perf_counter()
         self._requeued.claiming(time.monotonic())
         receive = _steps.send_claim(

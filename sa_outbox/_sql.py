@@ -45,6 +45,7 @@ from sqlalchemy import (
     text,
     true,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy import cast as sa_cast
@@ -407,6 +408,8 @@ def claim_statement(
     limit: int | None = None,
     unique_running: bool = False,
     heads: bool = False,
+    queues: int = 1,
+    rooms: bool = False,
 ) -> Update:
     """Claim up to ``:batch`` ready rows that are due — or up to ``limit``, written into the statement: one
     statement, committed before any publish.
@@ -431,10 +434,15 @@ def claim_statement(
       needed: "none running" alone lets two claimers that see two queued jobs of one key in their snapshots
       take one each; the older queued job blocks the younger in every snapshot until it has run. Read
       through ``ix_<jobs>_unique_active``. Every worker of those queues must claim this way.
+    * Jobs: one queue (``:queue_name``), or ``queues`` of them in strict priority (``:queue_name_0`` …): each
+      queue's pick as the one-queue claim makes it, appended in that order under the batch's LIMIT, so a
+      queue is read only while the queues before it left the batch short (EXPLAIN: "never executed"), and no
+      row is locked beyond the batch. ``rooms``: each queue's pick also stops at ``:batch_<i>`` (a worker's
+      ``shares``). One statement, one round trip, for a worker of many queues as for one.
     """
     return _claim_statement(
         spec, ordered=ordered, ordered_types=ordered_types, limit=limit, unique_running=unique_running,
-        heads=heads, finished=None,
+        heads=heads, finished=None, queues=queues, rooms=rooms,
     )  # fmt: skip
 
 
@@ -447,6 +455,8 @@ def _claim_statement(
     unique_running: bool,
     heads: bool,
     finished: ColumnElement[Any] | None,
+    queues: int = 1,
+    rooms: bool = False,
 ) -> Update:
     """:func:`claim_statement`; ``finished``: the ids of rows this statement's own finalize has just finished
     (an array, see :func:`finalize_and_claim_statement`), which the probes then no longer count as blocking."""
@@ -454,11 +464,14 @@ def _claim_statement(
         raise ValueError("unique_running is a jobs claim option (the outbox has ordered=True)")
     if heads and not (ordered and not ordered_types and spec.kind == "outbox" and spec.period is None):
         raise ValueError("heads is a form of the ordered outbox claim (every type ordered, not partitioned)")
+    if (queues != 1 or rooms) and (spec.kind != "jobs" or queues < 1 or (rooms and queues < 2)):
+        raise ValueError("queues/rooms: a jobs claim of two or more queues")
     t, c = spec.table, spec.c
     partitioned = spec.period is not None
-    ready: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
-    if spec.kind == "jobs":
-        ready.append(c.queue == bindparam("queue_name", type_=Text))
+    due: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
+    ready = due
+    if spec.kind == "jobs" and queues == 1:
+        ready = [*due, c.queue == bindparam("queue_name", type_=Text)]
     limit_clause: Any = (
         bindparam("batch", type_=Integer) if limit is None else literal_column(str(int(limit)), Integer)
     )
@@ -551,66 +564,83 @@ def _claim_statement(
             found.append(or_(cand.unique_key.is_(None), and_(not_(running), not_(waiting))))
         return found
 
-    picked: Select[Any]
-    if heads:
-        picked = _heads_pick(spec, ready, limit_clause, not_finished)
-    elif (ordered or unique_running) and not partitioned:
-        # The probes run before the row lock on a row whose xmax is no transaction in progress for the claim's
-        # snapshot, after the lock on any other. Run before the lock (the plain form), every claimer probed the
-        # rows the others were claiming and those claimed since its snapshot, only to skip them at the lock:
-        # 68,530 probes for 20,000 events with 4 dispatchers, 20,000 with one. Run after the lock on every row,
-        # the claim locked each blocked row it walked past — a heap write and a WAL record each, for every claim
-        # walking a backlog (10,000 per claim of 10 heads over 10 aggregates). Run after the lock on every row
-        # with an xmax, it did so for each blocked row some transaction had ever locked or updated (a foreign
-        # key's KEY SHARE; a jobs row an ON CONFLICT "replace" wrote, whose new version carries the updater's
-        # xid), and left its own xid there, for the next claim to lock again: 2,040 WAL records per claim
-        # against 40 with 2,000 replaced jobs waiting behind their keys' running jobs. A row with a live xmax is
-        # locked first (SKIP LOCKED) and probed above the lock, in the subquery's caller; a row locked and then
-        # turned down stays locked until the claim commits, and is not counted in the batch (the LIMIT is
-        # above the probes).
-        #
-        # The filter skips the probe when it reads a live xmax; the caller skips it when "untouched" — xmax = 0,
-        # read again when the row is projected — is true. xmax is not part of the row version: a locker writes
-        # it in place, on the page the scan has pinned, between the two reads (a second KEY SHARE turns a live
-        # xid into a MultiXact id, which reads as not live). So "untouched" is not the filter's test read again
-        # — that let a row through untested (a reviewer's script: 123 jobs of running keys claimed in 60 s) —
-        # but xmax = 0, which holds at the second read only if it held at the first: a locker sets xmax in
-        # place, only freezing clears it (VACUUM's, also for a MultiXact whose lockers have all finished), and
-        # freezing needs the page with no other pin — the scan holds one from the filter to the projection. A
-        # row the filter probed may be probed again above the lock (a head whose xmax a finished transaction
-        # left); no row is returned unprobed. (A MultiXact id compares as an xid: where the MultiXact counter
-        # runs ahead of the xid counter, every such row reads as live and is locked before its probe — a cost,
-        # not a risk.)
-        live = _live_xmax(t)
-        untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
-        candidate = (
-            select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
-            .where(*ready, or_(live, and_(*eligible(c))))
-            .order_by(*spec.claim_order())
-            # (a subquery with OFFSET is never merged into the query around it, nor given its conditions)
-            .offset(literal_column("0", Integer))
-            .with_for_update(skip_locked=True, key_share=spec.key_share)
-            .subquery("candidate")
-        )
-        # No ORDER BY here: the locked rows come up in the claim order, and an ORDER BY at this level would make
-        # PostgreSQL plan the subquery for reading every ready row (it passes the LIMIT down only to a query
-        # with nothing to sort, join or group).
-        picked = (
-            select(candidate.c.id)
-            .where(or_(candidate.c.untouched, and_(*eligible(candidate.c))))
-            .limit(limit_clause)
-        )
-    else:
+    def pick(ready: list[ColumnElement[bool]], limit_clause: Any, suffix: str = "") -> Select[Any]:
+        """The rows of one queue (or the outbox) to claim, locked, in the claim order, up to ``limit_clause``."""
+        if heads:
+            return _heads_pick(spec, ready, limit_clause, not_finished)
+        if (ordered or unique_running) and not partitioned:
+            # The probes run before the row lock on a row whose xmax is no transaction in progress for the claim's
+            # snapshot, after the lock on any other. Run before the lock (the plain form), every claimer probed the
+            # rows the others were claiming and those claimed since its snapshot, only to skip them at the lock:
+            # 68,530 probes for 20,000 events with 4 dispatchers, 20,000 with one. Run after the lock on every row,
+            # the claim locked each blocked row it walked past — a heap write and a WAL record each, for every claim
+            # walking a backlog (10,000 per claim of 10 heads over 10 aggregates). Run after the lock on every row
+            # with an xmax, it did so for each blocked row some transaction had ever locked or updated (a foreign
+            # key's KEY SHARE; a jobs row an ON CONFLICT "replace" wrote, whose new version carries the updater's
+            # xid), and left its own xid there, for the next claim to lock again: 2,040 WAL records per claim
+            # against 40 with 2,000 replaced jobs waiting behind their keys' running jobs. A row with a live xmax is
+            # locked first (SKIP LOCKED) and probed above the lock, in the subquery's caller; a row locked and then
+            # turned down stays locked until the claim commits, and is not counted in the batch (the LIMIT is
+            # above the probes).
+            #
+            # The filter skips the probe when it reads a live xmax; the caller skips it when "untouched" — xmax = 0,
+            # read again when the row is projected — is true. xmax is not part of the row version: a locker writes
+            # it in place, on the page the scan has pinned, between the two reads (a second KEY SHARE turns a live
+            # xid into a MultiXact id, which reads as not live). So "untouched" is not the filter's test read again
+            # — that let a row through untested (a reviewer's script: 123 jobs of running keys claimed in 60 s) —
+            # but xmax = 0, which holds at the second read only if it held at the first: a locker sets xmax in
+            # place, only freezing clears it (VACUUM's, also for a MultiXact whose lockers have all finished), and
+            # freezing needs the page with no other pin — the scan holds one from the filter to the projection. A
+            # row the filter probed may be probed again above the lock (a head whose xmax a finished transaction
+            # left); no row is returned unprobed. (A MultiXact id compares as an xid: where the MultiXact counter
+            # runs ahead of the xid counter, every such row reads as live and is locked before its probe — a cost,
+            # not a risk.)
+            live = _live_xmax(t)
+            untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
+            candidate = (
+                select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
+                .where(*ready, or_(live, and_(*eligible(c))))
+                .order_by(*spec.claim_order())
+                # (a subquery with OFFSET is never merged into the query around it, nor given its conditions)
+                .offset(literal_column("0", Integer))
+                .with_for_update(skip_locked=True, key_share=spec.key_share)
+                .subquery(f"candidate{suffix}")
+            )
+            # No ORDER BY here: the locked rows come up in the claim order, and an ORDER BY at this level would make
+            # PostgreSQL plan the subquery for reading every ready row (it passes the LIMIT down only to a query
+            # with nothing to sort, join or group).
+            return (
+                select(candidate.c.id)
+                .where(or_(candidate.c.untouched, and_(*eligible(candidate.c))))
+                .limit(limit_clause)
+            )
         # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time,
         # to the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans
         # Removed"), instead of probing the primary key of every partition for every id.
-        picked = (
+        return (
             select(c.id, *([c.created_at] if partitioned else []))
             .where(*ready, *eligible(c))
             .order_by(*spec.claim_order())
             .limit(limit_clause)
             .with_for_update(skip_locked=True, key_share=spec.key_share)
         )
+
+    picked: Select[Any]
+    if queues == 1:
+        picked = pick(ready, limit_clause)
+    else:
+        # Strict priority in one statement: the queues' picks appended in order under the batch's LIMIT. A pick
+        # is a subquery (FOR UPDATE is not allowed in a UNION's own branches); the Append asks a queue's pick
+        # for rows only while those before it left the batch short, and a locking pick locks only the rows
+        # it is asked for.
+        branches = []
+        for i in range(queues):
+            queue_limit = bindparam(f"batch_{i}", type_=Integer) if rooms else limit_clause
+            one = pick([*due, c.queue == bindparam(f"queue_name_{i}", type_=Text)], queue_limit, f"_{i}")
+            branch = one.subquery(f"queue_{i}")
+            branches.append(select(*branch.c))
+        appended = union_all(*branches).subquery("queues")
+        picked = select(*appended.c).limit(limit_clause)
     cte = picked.cte("picked").prefix_with("MATERIALIZED")
     values: dict[str, Any] = {
         "status": const(spec.active),
@@ -1022,6 +1052,8 @@ def finalize_and_claim_statement(
     unique_running: bool = False,
     single: bool = False,
     heads: bool = False,
+    queues: int = 1,
+    rooms: bool = False,
 ) -> Any:
     """The previous batch's fenced finalize and the next batch's claim, as one statement (one round trip);
     ``single``: the finalize of exactly one outcome (:func:`finalize_statement`).
@@ -1033,7 +1065,7 @@ def finalize_and_claim_statement(
     here — is claimable in this one (the claim's probes read the finalize's RETURNING). Rows come back
     tagged: ``('f', id, NULL…)`` for each applied outcome, ``('c', <claim row>)`` for each claimed row.
     """
-    from sqlalchemy import null, union_all
+    from sqlalchemy import null
 
     finished: ColumnElement[Any] | None = None
     if ordered or unique_running:
@@ -1062,6 +1094,8 @@ def finalize_and_claim_statement(
         unique_running=unique_running,
         heads=heads,
         finished=finished,
+        queues=queues,
+        rooms=rooms,
     ).cte("claimed")
     cols = claim_returning(spec)
     applied = select(

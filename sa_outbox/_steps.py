@@ -187,15 +187,36 @@ def rescue(
     return rows
 
 
+#: A claim's queue: one name, or two or more in strict priority (one statement, see :func:`_sql.claim_statement`).
+Queues = str | Sequence[str] | None
+
+
+def _queue_count(queue: Queues, rooms: Sequence[int] | None) -> int:
+    if queue is None or isinstance(queue, str):
+        if rooms is not None:
+            raise ValueError("rooms go with two or more queues (one queue's room is its batch)")
+        return 1
+    if len(queue) < 2 or (rooms is not None and len(rooms) != len(queue)):
+        raise ValueError(
+            f"a claim of several queues needs two or more, and one room each: {queue!r}, {rooms!r}"
+        )
+    return len(queue)
+
+
 def _claim_params(
-    spec: QueueSpec, owner: str, batch: int, lease: timedelta | None, queue: str | None,
-    ordered_types: Sequence[str] | None,
+    spec: QueueSpec, owner: str, batch: int, lease: timedelta | None, queue: Queues,
+    ordered_types: Sequence[str] | None, rooms: Sequence[int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     params: dict[str, Any] = {"owner": owner, "batch": batch}
     if spec.kind == "outbox":
         params["lease"] = lease
-    else:
+    elif queue is None or isinstance(queue, str):
         params["queue_name"] = queue
+    else:
+        for i, name in enumerate(queue):
+            params[f"queue_name_{i}"] = name
+        for i, room in enumerate(rooms or ()):
+            params[f"batch_{i}"] = room
     if ordered_types is not None:
         params["ordered_types"] = list(ordered_types)
     return params
@@ -208,6 +229,8 @@ def _claim_shape(
     fixed_batch: bool,
     unique_running: bool = False,
     heads: bool = False,
+    queue: Queues = None,
+    rooms: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
     return {
@@ -216,7 +239,22 @@ def _claim_shape(
         "ordered_types": ordered_types is not None,
         "limit": batch if fixed_batch else None,
         "unique_running": unique_running,
+        "queues": _queue_count(queue, rooms),
+        "rooms": rooms is not None,
     }
+
+
+_QUEUE = 5  # a jobs claim row's queue (see _sql.claim_returning)
+
+
+def _in_claim_order(rows: list[Any], queue: Queues) -> list[Any]:
+    """Claimed rows by id — and, claimed from several queues, the first queue's before the next's (strict
+    priority, as separate claims would have handed them over)."""
+    rows.sort(key=_first)
+    if not (queue is None or isinstance(queue, str)):
+        rank = {name: i for i, name in enumerate(queue)}
+        rows.sort(key=lambda row: rank[row[_QUEUE]])
+    return rows
 
 
 def _outcome_params(spec: QueueSpec, outcomes: Sequence[Outcome]) -> dict[str, Any]:
@@ -270,25 +308,27 @@ def claim(
     owner: str,
     batch: int,
     lease: timedelta | None = None,
-    queue: str | None = None,
+    queue: Queues = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
     heads: bool = False,
+    rooms: Sequence[int] | None = None,
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
     :func:`_sql.claim_statement`); other sizes are a parameter. ``unique_running``: at most one running job
-    per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``)."""
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
+    per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``).
+    ``queue``: a list claims those queues in strict priority, in one statement (rows: the first queue's
+    first); ``rooms``: at most that many of each."""
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms)
     rows = run(
         conn,
         _sql.claim_statement(spec, **shape),
-        _claim_params(spec, owner, batch, lease, queue, ordered_types),
+        _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
     )
-    rows.sort(key=_first)
-    return rows
+    return _in_claim_order(rows, queue)
 
 
 def claim_limited(
@@ -339,19 +379,22 @@ def finalize_and_claim(
     owner: str,
     batch: int,
     lease: timedelta | None = None,
-    queue: str | None = None,
+    queue: Queues = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
     heads: bool = False,
+    rooms: Sequence[int] | None = None,
 ) -> tuple[set[int], list[Any]]:
-    """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows by id)."""
+    """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows as
+    :func:`claim` orders them)."""
     stmt, params = _finalize_and_claim_call(
         spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
         ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
+        rooms=rooms,
     )  # fmt: skip
-    return _tagged(run(conn, stmt, params))
+    return _tagged(run(conn, stmt, params), queue)
 
 
 def send_claim(
@@ -362,12 +405,13 @@ def send_claim(
     owner: str,
     batch: int,
     lease: timedelta | None = None,
-    queue: str | None = None,
+    queue: Queues = None,
     ordered: bool = False,
     ordered_types: Sequence[str] | None = None,
     fixed_batch: bool = False,
     unique_running: bool = False,
     heads: bool = False,
+    rooms: Sequence[int] | None = None,
 ) -> Callable[[], tuple[set[int], list[Any]]] | None:
     """Send the claim of the next batch — with ``outcomes`` finalized in the same statement when there are
     any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
@@ -377,41 +421,42 @@ def send_claim(
         stmt, params = _finalize_and_claim_call(
             spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
             ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
+            rooms=rooms,
         )  # fmt: skip
     else:
         stmt = _sql.claim_statement(
-            spec, **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
+            spec,
+            **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms),
         )
-        params = _claim_params(spec, owner, batch, lease, queue, ordered_types)
+        params = _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms)
     receive = send(conn, stmt, params)
     if receive is None:
         return None
     if outcomes:
-        return lambda: _tagged(receive())
+        return lambda: _tagged(receive(), queue)
 
     def claimed() -> tuple[set[int], list[Any]]:
-        rows = receive()
-        rows.sort(key=_first)
-        return set(), rows
+        return set(), _in_claim_order(receive(), queue)
 
     return claimed
 
 
 def _finalize_and_claim_call(
     spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
-    queue: str | None, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
-    unique_running: bool, heads: bool = False,
+    queue: Queues, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
+    unique_running: bool, heads: bool = False, rooms: Sequence[int] | None = None,
 ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads)
+    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms)
     params = {
-        **_claim_params(spec, owner, batch, lease, queue, ordered_types),
+        **_claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
         **_outcome_params(spec, outcomes),
     }
     return _sql.finalize_and_claim_statement(spec, **shape, single=_single(outcomes)), params
 
 
-def _tagged(rows: list[Any]) -> tuple[set[int], list[Any]]:
-    """The rows of :func:`_sql.finalize_and_claim_statement`, apart: (applied ids, claimed rows by id)."""
+def _tagged(rows: list[Any], queue: Queues = None) -> tuple[set[int], list[Any]]:
+    """The rows of :func:`_sql.finalize_and_claim_statement`, apart: (applied ids, claimed rows in the order
+    of :func:`_in_claim_order`)."""
     applied: set[int] = set()
     claimed: list[Any] = []
     for row in rows:
@@ -419,8 +464,7 @@ def _tagged(rows: list[Any]) -> tuple[set[int], list[Any]]:
             applied.add(row[1])
         else:
             claimed.append(row[1:])
-    claimed.sort(key=_first)
-    return applied, claimed
+    return applied, _in_claim_order(claimed, queue)
 
 
 _first = itemgetter(0)

@@ -373,8 +373,8 @@ def _invoke_in_transaction(
 class WorkerBase(LoopBase):
     """Options, validation and decisions of :class:`Worker` and :class:`AsyncWorker` (no loop of its own).
 
-    Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order, default
-    ``("default",)``); ``batch`` (most jobs per claim statement, default 10); ``stale_after`` (a running job
+    Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order — strict
+    priority — by one statement, default ``("default",)``); ``batch`` (most jobs per claim statement, default 10); ``stale_after`` (a running job
     whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
     disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
     shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
@@ -534,7 +534,8 @@ class WorkerBase(LoopBase):
     # -- decisions -------------------------------------------------------------------------------------
 
     def _claim_params(self) -> list[dict[str, Any]]:
-        """One claim per queue that is not paused: limited queues with their Limit, and with the mapping form
+        """The claims of a turn, over the queues that are not paused: one statement for each run of queues
+        without a Limit (``queue``: one name or a list of them), one per limited queue; with the mapping form
         each queue's room (its share minus its jobs in hand). A list is claimed in its order (strict priority);
         with the mapping form the queues take turns being first, so a flood in one starves no other."""
         queues = [q for q in self.queues if q not in self._paused]
@@ -546,17 +547,35 @@ class WorkerBase(LoopBase):
             for job in list(self._queue) + [r.job for r in self._running_jobs()]:
                 in_hand[job.queue] = in_hand.get(job.queue, 0) + 1
         params: list[dict[str, Any]] = []
-        for q in queues:
-            p: dict[str, Any] = {"queue": q}
-            if q in self.limits:
-                p["limit"] = self.limits[q]
-            elif self.unique_running:
+        run: list[str] = []  # consecutive queues without a Limit: claimed by one statement
+        rooms: list[int] = []
+
+        def end_run() -> None:
+            if not run:
+                return
+            p: dict[str, Any] = {"queue": run[0] if len(run) == 1 else list(run)}
+            if self.unique_running:
                 p["unique_running"] = True
             if self.shares is not None:
-                p["room"] = self.shares[q] - in_hand.get(q, 0)
-                if p["room"] <= 0:
-                    continue
+                p.update({"room": rooms[0]} if len(run) == 1 else {"rooms": list(rooms)})
             params.append(p)
+            run.clear()
+            rooms.clear()
+
+        for q in queues:
+            room = None if self.shares is None else self.shares[q] - in_hand.get(q, 0)
+            if room is not None and room <= 0:
+                continue
+            if q in self.limits:
+                end_run()
+                params.append(
+                    {"queue": q, "limit": self.limits[q], **({} if room is None else {"room": room})}
+                )
+            else:
+                run.append(q)
+                if room is not None:
+                    rooms.append(room)
+        end_run()
         return params
 
     def _running_jobs(self) -> list[_Running]:

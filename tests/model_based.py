@@ -9,7 +9,8 @@ database, real threads with their own connections, real backend terminations. Ru
   an ``AsyncSession``, inside a savepoint that is rolled back; each transaction commits or rolls back;
 * enqueue jobs;
 * start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off;
-  often a sync inline worker with instant handlers, whose claims go out ahead of the jobs in hand;
+  often a sync inline worker with instant handlers on one or two queues, whose claims go out ahead of the
+  jobs in hand;
   a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully, cancel an async
   one's ``run()`` (once, or twice a few ms apart);
 * terminate every backend of the loops (``pg_terminate_backend``);
@@ -913,8 +914,13 @@ class Scenario:
         queues: Any = QUEUES
         if self.rng.random() < 0.3:  # fair shares; the concurrency stays the one chosen above
             queues = {q: self.rng.randint(1, 2) for q in QUEUES}
-        if fast and not every_queue:  # one unlimited queue (more than one: one claim per queue, never ahead)
-            queues = (BURST,) if burst else (self.rng.choice([q for q in QUEUES if q != LIMITED]),)
+        if (
+            fast and not every_queue
+        ):  # one unlimited queue, or two: one claim statement either way, sent ahead
+            plain = [q for q in QUEUES if q != LIMITED]
+            queues = (
+                (BURST,) if burst else tuple(plain) if self.rng.random() < 0.4 else (self.rng.choice(plain),)
+            )
         if self.limit is None:
             options["unique_running"] = True
         elif LIMITED in queues:

@@ -14,14 +14,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, event, insert, text
 from sqlalchemy.engine import URL
 
-from sa_outbox import ConfigurationError, Limit, Worker
+from sa_outbox import ConfigurationError, Limit, Worker, _sql
+from sa_outbox import _steps as eng
 from sa_outbox.models import Job
 
 from .factories import Runner, expire_leases
-from .helpers import statuses, wait_for_lock_wait
+from .helpers import JOBS, seed_jobs, statuses, wait_for_lock_wait
 from .limit_targets import run_worker
 
 CTX = multiprocessing.get_context("spawn")
@@ -320,3 +321,97 @@ def test_rows_an_earlier_queue_claimed_are_renewed_while_a_limited_queues_claim_
     assert statuses(engine, "jobs") == {"done": 7}
     assert sorted(runs) == list(range(1, 8)) and set(runs.values()) == {1}, dict(runs)  # each job once
     assert w.stats.rescued == 0 and w.stats.lost_leases == 0
+
+
+def _claimed(engine: Engine, owner: str, batch: int, queues: list[str], **kw: Any) -> list[tuple[int, str]]:
+    with engine.begin() as conn:
+        return [(r[0], r[5]) for r in eng.claim(conn, JOBS, owner=owner, batch=batch, queue=queues, **kw)]
+
+
+def test_several_queues_are_claimed_by_one_statement_in_strict_priority(engine: Engine) -> None:
+    """One claim statement takes a worker's queues in the list's order: the first queue's jobs first, a later
+    queue's only to fill what the earlier ones left of the batch, whatever their priorities; nothing beyond
+    the batch is locked, so another claimer takes the rest; ``rooms`` caps each queue (the mapping form)."""
+    seed_jobs(engine, 3, queue="b")  # ids 1-3
+    seed_jobs(engine, 4, queue="c", priority=9)  # ids 4-7: a higher priority does not jump a queue's turn
+    assert _claimed(engine, "w", 5, ["a", "b", "c"]) == [(1, "b"), (2, "b"), (3, "b"), (4, "c"), (5, "c")]
+    assert _claimed(engine, "x", 5, ["a", "b", "c"]) == [(6, "c"), (7, "c")]
+    assert _claimed(engine, "y", 5, ["a", "b", "c"]) == []
+    seed_jobs(engine, 3, queue="a")  # ids 8-10
+    seed_jobs(engine, 3, queue="b")  # ids 11-13
+    assert _claimed(engine, "w", 10, ["b", "a"], rooms=[2, 1]) == [(11, "b"), (12, "b"), (8, "a")]
+    with pytest.raises(ValueError, match="one room each"):
+        _claimed(engine, "w", 10, ["b", "a"], rooms=[2])
+    with pytest.raises(ValueError, match="two or more"):
+        _claimed(engine, "w", 10, ["b"])
+
+
+def test_a_queue_after_one_that_fills_the_batch_is_never_read(engine: Engine) -> None:
+    seed_jobs(engine, 20, queue="a")
+    seed_jobs(engine, 20, queue="b")
+    stmt = _sql.claim_statement(JOBS, limit=10, queues=3)
+    params = {"owner": "w", "queue_name_0": "a", "queue_name_1": "b", "queue_name_2": "c"}
+    with engine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        plan = conn.exec_driver_sql(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + str(compiled), compiled.construct_params(params)
+        ).scalar_one()[0]["Plan"]
+        locked = conn.execute(text("SELECT count(*) FROM jobs WHERE status = 'running'")).scalar_one()
+        conn.rollback()
+
+    def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    picks = {n["Alias"]: n for n in nodes(plan) if n.get("Alias", "").startswith("queue_")}
+    assert set(picks) == {"queue_0", "queue_1", "queue_2"}, picks.keys()
+    assert picks["queue_0"]["Actual Rows"] == 10
+    assert picks["queue_1"]["Actual Loops"] == 0 and picks["queue_2"]["Actual Loops"] == 0  # never executed
+    assert locked == 10
+
+
+@pytest.mark.parametrize("unique_running", [False, True], ids=["plain", "unique_running"])
+def test_a_worker_of_three_queues_sends_one_claim_statement_per_batch(
+    runner: Runner, engine: Engine, unique_running: bool
+) -> None:
+    """The first queue empty, the second short: before, each turn sent a claim per queue (three round trips);
+    now one statement claims across them, and an inline worker can send it ahead as for one queue."""
+    seed_jobs(engine, 7, queue="b", task="t")
+    seed_jobs(engine, 33, queue="c", task="t")
+    order: list[str] = []
+    w = runner.worker(
+        {"t": lambda j: order.append(j.queue)},
+        queues=["a", "b", "c"],
+        batch=10,
+        unique_running=unique_running,
+    )
+    claims: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "picked AS MATERIALIZED" in statement:
+            claims.append(statement)
+
+    watched = runner.aengine.sync_engine if runner.aengine is not None else engine
+    event.listen(watched, "before_cursor_execute", count)
+    try:
+        runner.drain(w)
+    finally:
+        event.remove(watched, "before_cursor_execute", count)
+    assert order == ["b"] * 7 + ["c"] * 33
+    assert statuses(engine, "jobs") == {"done": 40}
+    assert 4 <= len(claims) <= 6, len(claims)  # four batches and an empty claim (3 per batch before: 13+)
+    assert all("queue_2" in c for c in claims)
+
+
+def test_unique_running_holds_across_the_queues_of_one_claim(engine: Engine) -> None:
+    """A key's job in one queue waits for the key's running job in another when one statement claims both."""
+    seed_jobs(engine, 1, queue="a", unique_key="k")  # id 1
+    seed_jobs(engine, 1, queue="b")  # id 2: no key
+    assert _claimed(engine, "w", 10, ["b", "a"], unique_running=True) == [(2, "b"), (1, "a")]
+    seed_jobs(engine, 1, queue="b", unique_key="k")  # id 3: k's job 1 runs
+    seed_jobs(engine, 1, queue="b", unique_key="j")  # id 4
+    assert _claimed(engine, "w", 10, ["a", "b"], unique_running=True) == [(4, "b")]
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'done' WHERE id = 1"))
+    assert _claimed(engine, "w", 10, ["a", "b"], unique_running=True) == [(3, "b")]
