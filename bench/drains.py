@@ -259,6 +259,31 @@ def scenario_hot_aggregates(url: str, engine: Engine, cfg: argparse.Namespace) -
     return rows
 
 
+def scenario_queues(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dict[str, Any]]:
+    """A worker of three queues (strict priority) whose jobs all wait in the last one, against a worker of
+    that one queue: 4 processes, batch 10, no-op jobs. The worker claims its queues with one statement; when
+    it sent one claim per queue, two empty queues cost two round trips per batch."""
+    n, procs = cfg.jobs, JOBS_PROCESSES
+    three = LoopOptions(batch=10, queues=("first", "second", "default"))
+    contenders: dict[str, Callable[[], Any]] = {
+        "one": lambda: library_drain(url, engine, n, procs, LoopOptions(batch=10)),
+        "three": lambda: library_drain(url, engine, n, procs, three),
+    }
+    runs: dict[str, list[Any]] = {"one": [], "three": []}
+    for i in range(cfg.runs):
+        for name, result in rotated(contenders, i).items():
+            runs[name].append(result)
+    many, one = ([n / r.seconds for r in runs[k]] for k in ("three", "one"))
+    return [
+        row(
+            f"jobs drain, {n:,} no-op jobs, {procs} processes, batch 10: a worker of three queues (the jobs in "
+            "the last) vs a worker of that queue",
+            summary(many), reference=summary(one), reference_name="one queue", ratio=paired_ratio(many, one),
+            target="(reported)", rss=rss_of(runs["three"]), cpu=cpu_per_row(runs["three"]),
+        )
+    ]  # fmt: skip
+
+
 def scenario_async(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dict[str, Any]]:
     """The same drains through AsyncWorker / AsyncDispatcher beside the sync classes, batch 50: with the
     sync no-op handler/publisher (run off the event loop) and with an ``async def`` one."""

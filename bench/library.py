@@ -28,9 +28,13 @@ class LoopOptions:
     job_seconds: float = 0.0  # the handler's sleep (0: a no-op)
     ordered: bool = False  # dispatcher only
     sample_every: int = 0  # RSS sample every N rows (0: none)
+    queues: tuple[str, ...] | None = None  # worker only; None: the library's default ("default",)
 
     def loop_kwargs(self) -> dict[str, Any]:
-        return {} if self.batch is None else {"batch": self.batch}
+        kw: dict[str, Any] = {} if self.batch is None else {"batch": self.batch}
+        if self.queues is not None:
+            kw["queues"] = self.queues
+        return kw
 
 
 class Counter:

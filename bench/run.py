@@ -38,6 +38,7 @@ SCENARIOS = {
     "longjobs": "drains:scenario_long_jobs",
     "outbox": "drains:scenario_outbox",
     "hotagg": "drains:scenario_hot_aggregates",
+    "queues": "drains:scenario_queues",
     "async": "drains:scenario_async",
     "producer": "latency:scenario_producer",
     "wakeup": "latency:scenario_wakeup",
