@@ -24,7 +24,8 @@ SQLAlchemy's ``examples/versioned_history``, the producer is a few session liste
    aggregate's events the same way (from the instance, or from strings). Code outside this library that writes
    to the outbox takes the same lock with :func:`lock_aggregate` (the instance, or the two strings) first.
 3. **Lock** (:func:`_lock_rows`): the row locks, one statement per aggregate table in primary-key order; the
-   advisory locks in key order (two producers locking {A, B} cannot deadlock), riding on step 4.
+   advisory locks in key order (two producers locking {A, B} in one flush each cannot deadlock; over several
+   flushes in opposite orders they can, as with any lock), riding on step 4.
 4. **Insert and notify** (:func:`_insert_events`): the events in the order the code added them (``id`` order =
    write order within the transaction); plain events (only the four event columns set) as one
    ``INSERT … SELECT … FROM unnest(…)`` that also takes the advisory locks and sends the NOTIFYs, others with

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,6 +135,50 @@ def test_without_the_lock_a_later_id_commits_first(engine: Engine) -> None:
     assert early and commits == ["T2", "T1"]
     ids = _ids_by_payload(engine)
     assert ids[1] < ids[2]
+
+
+def test_producers_deadlock_only_over_several_flushes_and_the_loser_is_rolled_back_whole(
+    engine: Engine,
+) -> None:
+    """One flush takes its aggregates' locks in key order: two transactions writing events of A and B in
+    opposite orders, one flush each, both commit. Over two flushes (A, then B; B, then A) they deadlock, as with
+    any lock, as docs/writing-events.md says: PostgreSQL rolls one back whole and the other commits."""
+
+    def run(flushes: list[list[str]], tag: str, gate: threading.Barrier, errors: list[str]) -> None:
+        try:
+            with Session(engine) as s, s.begin():
+                for i, aggregates in enumerate(flushes):
+                    for agg in aggregates:
+                        s.add(
+                            OutboxEvent(aggregate_type="order", aggregate_id=agg, event_type=tag, payload={})
+                        )
+                    s.flush()
+                    if i == 0:
+                        gate.wait(10)  # both hold their first flush's locks
+        except Exception as exc:
+            errors.append(f"{tag}: {exc}")
+
+    for shape in ("one flush", "two flushes"):
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
+        gate, errors = threading.Barrier(2), []
+        if shape == "one flush":
+            plans, gate = {"T1": [["A", "B"]], "T2": [["B", "A"]]}, threading.Barrier(1)
+        else:
+            plans = {"T1": [["A"], ["B"]], "T2": [["B"], ["A"]]}
+        threads = [threading.Thread(target=run, args=(p, t, gate, errors)) for t, p in plans.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        with engine.connect() as conn:
+            written = conn.execute(text("SELECT event_type, count(*) FROM outbox GROUP BY 1")).all()
+        if shape == "one flush":
+            assert errors == [] and sorted(written) == [("T1", 2), ("T2", 2)], (errors, written)
+        else:
+            assert len(errors) == 1 and "deadlock detected" in errors[0], errors
+            loser = errors[0].split(":")[0]
+            assert written == [("T2" if loser == "T1" else "T1", 2)], written  # the loser wrote nothing
 
 
 def test_mapped_aggregate_row_lock_orders_commits(engine: Engine) -> None:
