@@ -417,6 +417,10 @@ class LoopBase:
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )
         rows = _steps.rescue(conn, self.spec, **self._rescue_params())
+        if any(status == self.spec.ready for _, status, _ in rows):
+            # claimable at once, but a worker's turn claims before its rescue: the loop claims again now, and
+            # run(until_idle=True) does not stop before it has (it stopped with the rescued rows still ready)
+            self._requeued.put(None, time.monotonic())
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
         self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")

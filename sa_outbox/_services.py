@@ -108,8 +108,10 @@ class Requeued:
     at its next poll or maintenance step, and ``run(until_idle=True)`` does not stop before them. The statement
     that wrote such an outcome claimed in the finalize's snapshot and could not see the row; a claim sent at or
     after the row's due time can, and forgets it. Only the times within ``horizon`` seconds are kept (a poll
-    comes before the others), at most ``limit`` of them; waking up for a row another loop has claimed meanwhile
-    costs one claim that finds nothing. Thread-safe (a worker's claim thread sends claims too)."""
+    comes before the others), at most ``limit`` of them: past that, the later half is forgotten — never the
+    soonest, which is the one the loop waits for (a forgotten row is claimed at a poll, or by a claim sent for
+    an earlier one). Waking up for a row another loop has claimed meanwhile costs one claim that finds nothing.
+    Thread-safe (a worker's claim thread sends claims too)."""
 
     def __init__(self, horizon: float = 60.0, limit: int = 1024) -> None:
         self.horizon = horizon
@@ -121,9 +123,13 @@ class Requeued:
         """A row written back, due ``delay`` seconds (None: at once) after ``now`` — the loop's clock when it
         learnt the outcome was applied, after the statement that wrote it was sent."""
         wait = max(0.0, delay or 0.0)
+        if wait > self.horizon:
+            return
         with self._lock:
-            if wait <= self.horizon and len(self._due) < self.limit:
-                heapq.heappush(self._due, now + wait)
+            if len(self._due) >= self.limit:
+                # (a sorted list is a heap; halving keeps a burst of puts at O(log n) each)
+                self._due = heapq.nsmallest(self.limit // 2, self._due)
+            heapq.heappush(self._due, now + wait)
 
     def claiming(self, sent: float) -> None:
         """A claim is sent at ``sent``: it sees every row due by then."""

@@ -19,9 +19,10 @@ import pytest
 from sqlalchemy import Engine, event, text
 
 from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError
+from sa_outbox._services import Requeued
 from sa_outbox.testing import RecordingPublisher
 
-from .factories import Runner
+from .factories import Runner, expire_leases
 from .helpers import row, seed_events, seed_jobs, statuses
 
 
@@ -137,6 +138,68 @@ def test_run_until_idle_delivers_an_event_deferred_for_zero_seconds(
 
     runner.run(runner.worker({"later": later}, batch=1), until_idle=True)
     assert ran == [1, 1] and statuses(engine, "jobs") == {"done": 1}
+
+
+def test_a_row_put_back_at_once_is_claimed_after_a_thousand_put_back_for_later(
+    runner: Runner, engine: Engine
+) -> None:
+    """A loop keeps at most 1,024 due times of the rows it put back; past that it forgets the later ones,
+    never the soonest. A hostile reviewer's script: 1,099 events deferred for 30 s, then one for 0 s —
+    ``run(until_idle=True)`` returned with that one due and unclaimed (the 1,025th time was dropped), for the
+    dispatcher and the worker alike, direct or through PgBouncer."""
+    n = 1100
+    seed_events(engine, n)
+    seed_jobs(engine, n, task="t")
+
+    def delay(row_id: int, lease_version: int) -> None:
+        if lease_version == 1:
+            raise Defer(0 if row_id == n else 30)
+
+    class Deferring(RecordingPublisher):
+        def publish(self, message: Message) -> None:
+            delay(message.id, message.lease_version)
+            super().publish(message)
+
+    pub = Deferring()
+    runner.run(runner.dispatcher(pub, batch=100, poll_interval=60), until_idle=True)
+    assert pub.ids == [n]
+    ran: list[int] = []
+
+    def handler(job: ClaimedJob) -> None:
+        delay(job.id, job.lease_version)
+        ran.append(job.id)
+
+    runner.run(runner.worker({"t": handler}, batch=100, poll_interval=60), until_idle=True)
+    assert ran == [n]
+    put_back = Requeued(limit=8)
+    for i in range(20):
+        put_back.put(30 + i, now=0.0)
+    put_back.put(0, now=0.0)
+    assert put_back.next_due() == 0.0 and len(put_back._due) <= 8
+
+
+def test_a_loop_claims_the_rows_its_rescue_put_back_at_once(runner: Runner, engine: Engine) -> None:
+    """A worker's turn claims, then rescues: the rows its rescue put back were claimed only at its next
+    maintenance step (a second later; a reviewer's log: rescued at .928, started at 1.009 s later), and
+    ``run(until_idle=True)`` stopped with them still queued. Now the rescue's rows are due at once for the loop
+    (its :class:`Requeued`), whichever loop it is."""
+    seed_jobs(engine, 2, task="t")
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE jobs SET status = 'running', locked_by = 'gone', attempts = 1, lease_version = 1")
+        )
+    expire_leases(engine, "jobs")
+    ran: list[int] = []
+    runner.run(runner.worker({"t": lambda j: ran.append(j.id)}, poll_interval=60), until_idle=True)
+    assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
+    seed_events(engine, 2)
+    pub = RecordingPublisher()
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'processing', lease_owner = 'gone', attempts = 1, "
+                          "lease_version = 1"))  # fmt: skip
+    expire_leases(engine, "outbox")
+    runner.run(runner.dispatcher(pub, poll_interval=60), until_idle=True)
+    assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
 
 
 def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner, engine: Engine) -> None:
