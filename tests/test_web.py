@@ -8,6 +8,7 @@ Screenshots of every page are saved under a temporary directory (its path is pri
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import re
@@ -392,9 +393,12 @@ def test_the_overview_says_when_deliveries_fail_because_the_destination_is_down(
 
 def test_the_overview_refreshes_itself_in_place(engine: Engine, tab: Tab) -> None:
     """The script re-reads the page every 10 s and swaps the figures in, without a navigation. (The page's
-    clock is Playwright's: the test moves it on by the 10 s instead of waiting for them; the re-read itself is
-    a real request.)"""
-    tab.page.clock.install()
+    clock is Playwright's, paused before the page loads: the test moves it on by the 10 s instead of waiting
+    for them; the re-read itself is a real request. Installed but not paused, it ran on in real time between
+    the page's load and the first step, and on a loaded machine the re-read came before the 9 s step ended.)"""
+    start = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+    tab.page.clock.install(time=start)
+    tab.page.clock.pause_at(start + dt.timedelta(seconds=1))
     page = tab.go("/")
     page.evaluate("window.sameDocument = true")
     dead = page.locator('section.card[data-table="outbox"] [data-status="dead"] .n')
