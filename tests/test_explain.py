@@ -107,6 +107,27 @@ def test_jobs_claim_uses_the_dequeue_index(big: Engine) -> None:
     assert_locking_index_scan(p, "ix_jobs_dequeue")
 
 
+@pytest.mark.parametrize("unique_running", [False, True], ids=["plain", "unique_running"])
+def test_a_claim_of_several_queues_locks_through_the_dequeue_index_in_each(
+    big: Engine, unique_running: bool
+) -> None:
+    """One statement over three queues (the first one empty): each queue's pick is a LockRows over the
+    dequeue index, as the one-queue claim's, under one Limit; nothing reads the table sequentially."""
+    params = {
+        "owner": "w",
+        "batch": 50,
+        "queue_name_0": "none",
+        "queue_name_1": "mail",
+        "queue_name_2": "default",
+    }
+    p = plan(big, _sql.claim_statement(JOBS, queues=3, unique_running=unique_running), params)
+    assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] == "jobs"], scans(p)
+    locks = [n for n in nodes(p) if n["Node Type"] == "LockRows"]
+    assert len(locks) == 3, scans(p)  # one per queue
+    for lock in locks:
+        assert [s[2] for s in scans(lock) if s[2] == "ix_jobs_dequeue"] == ["ix_jobs_dequeue"], scans(lock)
+
+
 def test_jobs_reaper_uses_the_running_index(big: Engine) -> None:
     p = plan(big, _sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)})
     assert "ix_jobs_running" in {s[2] for s in scans(p)}
