@@ -11,6 +11,7 @@ and ``job_rescuer``): the loops run their statements, these decide *what* and *w
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -104,19 +105,25 @@ class Rescuer:
 
 class Requeued:
     """When the rows this loop put back become due again — at once (a ``Defer(0)``, a batch released when its
-    lease budget ran short) or after a retry's backoff or a ``Defer`` — so that the loop claims then, rather than
-    at its next poll or maintenance step, and ``run(until_idle=True)`` does not stop before them. The statement
-    that wrote such an outcome claimed in the finalize's snapshot and could not see the row; a claim sent at or
-    after the row's due time can, and forgets it. Only the times within ``horizon`` seconds are kept (a poll
-    comes before the others), at most ``limit`` of them: past that, the later half is forgotten — never the
-    soonest, which is the one the loop waits for (a forgotten row is claimed at a poll, or by a claim sent for
-    an earlier one). Waking up for a row another loop has claimed meanwhile costs one claim that finds nothing.
-    Thread-safe (a worker's claim thread sends claims too)."""
+    lease budget ran short, a rescue) or after a retry's backoff or a ``Defer`` — so that the loop claims then,
+    rather than at its next poll or maintenance step, and ``run(until_idle=True)`` does not stop before them.
+    The statement that wrote such an outcome claimed in the finalize's snapshot and could not see the row; a
+    claim sent at or after the row's due time can, and forgets it. Waking up for a row another loop has
+    claimed meanwhile costs one claim that finds nothing. Thread-safe (a worker's claim thread sends claims
+    too).
 
-    def __init__(self, horizon: float = 60.0, limit: int = 1024) -> None:
+    Times in one ``resolution`` slot share an entry (the latest of them: never early) — a batch
+    deferred for 30 s is one entry, not one per row — and only times within ``horizon`` seconds are kept (a
+    poll comes before the others). At most ``limit`` entries: past that the later half is forgotten, never the
+    soonest, which is the one the loop waits for (a forgotten row is claimed by the loop's next turn: a claim
+    sent for an earlier row, its maintenance step within a second, or a poll)."""
+
+    def __init__(self, horizon: float = 60.0, limit: int = 8192, resolution: float = 0.001) -> None:
         self.horizon = horizon
         self.limit = limit
-        self._due: list[float] = []
+        self.resolution = resolution
+        self._due: list[int] = []  # a heap of slots: due times in units of ``resolution``, rounded down
+        self._at: dict[int, float] = {}  # each slot's latest due time
         self._lock = threading.Lock()
 
     def put(self, delay: float | None, now: float) -> None:
@@ -125,22 +132,30 @@ class Requeued:
         wait = max(0.0, delay or 0.0)
         if wait > self.horizon:
             return
+        due = now + wait
+        slot = math.floor(due / self.resolution)
         with self._lock:
+            known = self._at.get(slot)
+            if known is not None:
+                self._at[slot] = max(known, due)
+                return
             if len(self._due) >= self.limit:
                 # (a sorted list is a heap; halving keeps a burst of puts at O(log n) each)
                 self._due = heapq.nsmallest(self.limit // 2, self._due)
-            heapq.heappush(self._due, now + wait)
+                self._at = {kept: self._at[kept] for kept in self._due}
+            heapq.heappush(self._due, slot)
+            self._at[slot] = due
 
     def claiming(self, sent: float) -> None:
         """A claim is sent at ``sent``: it sees every row due by then."""
         with self._lock:
-            while self._due and self._due[0] <= sent:
-                heapq.heappop(self._due)
+            while self._due and self._at[self._due[0]] <= sent:
+                del self._at[heapq.heappop(self._due)]
 
     def next_due(self) -> float | None:
         """The soonest due time no claim has been sent since (it may have passed: claim now)."""
         with self._lock:
-            return self._due[0] if self._due else None
+            return self._at[self._due[0]] if self._due else None
 
     def due(self, now: float) -> bool:
         """Whether a row put back is due and no claim has been sent since."""

@@ -464,6 +464,8 @@ class WorkerBase(LoopBase):
                     "slots are unique keys, which a partitioned jobs table cannot enforce (docs/partitioning.md)"
                 )
         self._turn_of = 0
+        #: The job a sync inline loop is running now (in hand, but in neither the queue nor the running table).
+        self._inline_job: ClaimedJob | None = None
         self.handlers: TaskRegistry = TaskRegistry()
         for name, fn in (handlers or {}).items():
             self._check_handler(name, fn)
@@ -544,7 +546,10 @@ class WorkerBase(LoopBase):
             queues = queues[self._turn_of :] + queues[: self._turn_of]
         in_hand: dict[str, int] = {}
         if self.shares is not None:
-            for job in list(self._queue) + [r.job for r in self._running_jobs()]:
+            running = [r.job for r in self._running_jobs()]
+            if self._inline_job is not None:  # (the one an inline loop runs: in hand, in neither list)
+                running.append(self._inline_job)
+            for job in list(self._queue) + running:
                 in_hand[job.queue] = in_hand.get(job.queue, 0) + 1
         params: list[dict[str, Any]] = []
         run: list[str] = []  # consecutive queues without a Limit: claimed by one statement
@@ -1251,8 +1256,10 @@ class Worker(WorkerBase):
         """Send a claim (with the outcomes due) on the claim thread, whose result :meth:`_landed` takes; or, not
         ``on_thread``, from this thread on the loop's own connection, read by :meth:`_landed` after the inline
         jobs run meanwhile — when the connection cannot, nothing is sent (the loop claims after them)."""
-        outcomes = self._done.take()
         params = self._claim_params()  # here: it reads the jobs in hand, which this thread changes
+        if not on_thread and (len(params) != 1 or "limit" in params[0]):
+            return  # not one statement now (a limited queue's transaction; no room left): after the jobs in hand
+        outcomes = self._done.take()
         sent = time.monotonic()
         if not on_thread:
             try:
@@ -1362,6 +1369,7 @@ class Worker(WorkerBase):
             self._maintain_between_jobs()
             if (job := self._next_to_start()) is None:
                 break
+            self._inline_job = job
             if self._prefetch and self._inflight is None:
                 # the next jobs are claimed — with the outcomes due — while the jobs in hand run, instead of one
                 # round trip after them (when handlers are short enough to claim ahead at all)
@@ -1371,10 +1379,13 @@ class Worker(WorkerBase):
                     if ahead:
                         self._send_claim(ahead, on_thread=how == "thread")
             handler = self._handler_for(job)
-            if isinstance(handler, PermanentError | Defer):
-                self._finish(job, _Ran(handler, 0.0))
-            else:
-                self._finish(job, self._call(handler, job, no_provider))
+            try:
+                if isinstance(handler, PermanentError | Defer):
+                    self._finish(job, _Ran(handler, 0.0))
+                else:
+                    self._finish(job, self._call(handler, job, no_provider))
+            finally:
+                self._inline_job = None
 
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:

@@ -176,6 +176,10 @@ def test_a_row_put_back_at_once_is_claimed_after_a_thousand_put_back_for_later(
         put_back.put(30 + i, now=0.0)
     put_back.put(0, now=0.0)
     assert put_back.next_due() == 0.0 and len(put_back._due) <= 8
+    batch = Requeued()
+    for i in range(100):  # a batch deferred for 30 s: one time to wake up at, kept to the millisecond
+        batch.put(30, now=5.0 + i * 1e-6)
+    assert len(batch._due) == 1 and 35.0 <= (batch.next_due() or 0) <= 35.001
 
 
 def test_a_loop_claims_the_rows_its_rescue_put_back_at_once(runner: Runner, engine: Engine) -> None:
