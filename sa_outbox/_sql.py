@@ -400,15 +400,9 @@ def _priority_levels(spec: QueueSpec, queue: Any, suffix: str) -> Any:
     (queue, priority, run_at) that ends where the level's due jobs end. Read in the index's order across all
     levels, ``run_at <= now()`` was a filter: a claim that found fewer due jobs than its batch read every job
     scheduled for later — 3.7 ms and 640 buffers per claim with 100,000 of them, 0.12 ms and 67 buffers level
-    by level (PostgreSQL 15; 18's skip scan does the same on its own).
-
-    Each level costs two descents, one to find it and one to read its due jobs: over a queue whose every job
-    has a priority of its own, 100,000 jobs for later and three due cost 541 ms a claim read level by level,
-    against 10 ms walked. So the CTE stops after ``PRIORITY_LEVELS`` levels, and the claim reads the queue's
-    lower priorities as before, in the index's order (only when the levels left its batch short; it finds
-    nothing when there were fewer levels)."""
+    by level (PostgreSQL 15; 18's skip scan does the same on its own)."""
     c = spec.c
-    top = select(func.max(c.priority).label("priority"), literal_column("1", Integer).label("depth")).where(
+    top = select(func.max(c.priority).label("priority")).where(
         c.status == const(spec.ready), c.queue == queue
     )
     levels = top.cte(f"levels{suffix}", recursive=True)
@@ -420,17 +414,7 @@ def _priority_levels(spec: QueueSpec, queue: Any, suffix: str) -> Any:
         )
         .scalar_subquery()
     )
-    deeper = levels.c.depth < literal_column(str(PRIORITY_LEVELS), Integer)
-    return levels.union_all(
-        select(below, levels.c.depth + literal_column("1", Integer)).where(
-            levels.c.priority.is_not(None), deeper
-        )
-    )
-
-
-#: How many priority levels of a queue a claim reads one at a time (:func:`_priority_levels`) before it reads
-#: the rest of the queue in the index's order.
-PRIORITY_LEVELS = 16
+    return levels.union_all(select(below).where(levels.c.priority.is_not(None)))
 
 
 #: How many unfinished rows behind an id's dead first row the heads form looks at for another type's head.
@@ -604,23 +588,12 @@ def _claim_statement(
 
     def pick(queue: Any, limit_clause: Any, suffix: str = "") -> Select[Any]:
         """The rows of one queue (``queue``: its name's parameter; None for the outbox) to claim, locked, in the
-        claim order, up to ``limit_clause``: a jobs queue's first priority levels one at a time, then the rest
-        of it (:func:`_priority_levels`)."""
+        claim order, up to ``limit_clause``."""
         if queue is None:
-            return locked(due, None, limit_clause, suffix)
-        level = _priority_levels(spec, queue, suffix)
-        by_level = locked(
-            [*due, c.queue == queue, c.priority == level.c.priority], level, limit_clause, suffix
-        )
-        floor = select(func.min(level.c.priority)).scalar_subquery()
-        rest = locked([*due, c.queue == queue, c.priority < floor], None, limit_clause, f"{suffix}_rest")
-        first, then = by_level.subquery(f"by_level{suffix}"), rest.subquery(f"below_levels{suffix}")
-        both = union_all(select(*first.c), select(*then.c)).subquery(f"levels_then_rest{suffix}")
-        return select(*both.c).limit(limit_clause)
-
-    def locked(ready: list[ColumnElement[bool]], level: Any, limit_clause: Any, suffix: str) -> Select[Any]:
-        """The pick of the rows ``ready`` selects, locked, in the claim order; for each row of ``level`` (a
-        lateral pick per priority level) when it is given."""
+            ready, level = due, None
+        else:
+            level = _priority_levels(spec, queue, suffix)
+            ready = [*due, c.queue == queue, c.priority == level.c.priority]
         if heads:
             return _heads_pick(spec, ready, limit_clause, not_finished)
         if (ordered or unique_running) and not partitioned:
@@ -660,26 +633,18 @@ def _claim_statement(
                 .offset(literal_column("0", Integer))
                 .with_for_update(skip_locked=True, key_share=spec.key_share)
             )
-            # (per level, the level's priority comes from the levels the lateral pick around it is joined to)
             candidate = (
                 unlocked.subquery(f"candidate{suffix}")
                 if level is None
-                else unlocked.correlate(level).lateral(f"candidate{suffix}")
+                else unlocked.lateral(f"candidate{suffix}")
             )
             # No ORDER BY here: the locked rows come up in the claim order, and an ORDER BY at this level would make
             # PostgreSQL plan the subquery for reading every ready row (it passes the LIMIT down only to a query
-            # with nothing to sort, join or group). Per priority level, the same query is the lateral pick of each
-            # level, so that its LIMIT is right above the candidates (joined to the levels, the candidates were
-            # planned for every ready row of a level: a sort of them all, a bitmap scan).
-            above = (
-                select(candidate.c.id)
-                .where(or_(candidate.c.untouched, and_(*eligible(candidate.c))))
-                .limit(limit_clause)
-            )
-            if level is None:
-                return above
-            each = above.lateral(f"level_pick{suffix}")
-            return select(each.c.id).select_from(level.join(each, true())).limit(limit_clause)
+            # with nothing to sort, join or group).
+            above = select(candidate.c.id)
+            if level is not None:
+                above = above.select_from(level.join(candidate, true()))
+            return above.where(or_(candidate.c.untouched, and_(*eligible(candidate.c)))).limit(limit_clause)
         # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time,
         # to the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans
         # Removed"), instead of probing the primary key of every partition for every id.

@@ -119,7 +119,7 @@ def test_a_claim_of_several_queues_locks_through_the_dequeue_index_in_each(
     p = plan(big, _sql.claim_statement(JOBS, queues=3, unique_running=unique_running), params)
     assert not [s for s in scans(p) if s[0] == "Seq Scan" and s[1] == "jobs"], scans(p)
     locks = [n for n in nodes(p) if n["Node Type"] == "LockRows"]
-    assert len(locks) == 6, scans(p)  # two per queue: its first priority levels', then the rest of it
+    assert len(locks) == 3, scans(p)  # one per queue
     for lock in locks:
         assert [s[2] for s in scans(lock) if s[2] == "ix_jobs_dequeue"] == ["ix_jobs_dequeue"], scans(lock)
 
@@ -154,9 +154,8 @@ def test_unique_running_claim_uses_the_dequeue_and_unique_active_indexes(big: En
         )
         assert_locking_index_scan(p, "ix_jobs_dequeue")
         names = [s[2] for s in scans(p)]
-        # (each lookup twice: before the row lock for a row no transaction touched, above it for any other; and
-        # all of it twice: in the pick of the queue's first priority levels, and in the pick of the rest)
-        assert names.count("ix_jobs_unique_active") == 8 and "ix_jobs_running" not in names, scans(p)
+        # (each lookup twice: before the row lock for a row no transaction touched, above it for any other)
+        assert names.count("ix_jobs_unique_active") == 4 and "ix_jobs_running" not in names, scans(p)
     finally:
         keyed(
             "UPDATE jobs SET unique_key = NULL, lease_version = lease_version - 1 WHERE unique_key IS NOT NULL"

@@ -1270,36 +1270,3 @@ def test_a_claim_short_of_due_jobs_does_not_read_the_jobs_scheduled_for_later(
     touched = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"].get("Shared Read Blocks", 0)
     assert touched < 120, touched  # (about 60 here; 500-750 before)
     assert [(r[0], r[7]) for r in rows] == [(50001, 0), (50002, 1), (50003, 2)]  # the three due, by id
-
-
-def test_a_claim_reads_a_bounded_number_of_priority_levels(engine: Engine) -> None:
-    """Every job its own priority (20,000 for tomorrow, three due now): level by level, a claim would take two
-    descents per priority (541 ms a claim with 100,000); it reads ``PRIORITY_LEVELS`` levels so, then the rest
-    of the queue in the index's order, and still claims exactly the due jobs."""
-    with engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO jobs (task, payload, run_at, priority) "
-            "SELECT 'noop', '{}', now() + interval '1 day', g FROM generate_series(1, 20000) g"
-        ))  # fmt: skip
-        conn.execute(
-            text(
-                "INSERT INTO jobs (task, payload, priority) SELECT 'noop', '{}', g FROM generate_series(0, 2) g"
-            )
-        )
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE jobs"))
-    stmt = eng._sql.claim_statement(JOBS, limit=10)
-    with engine.connect() as conn:
-        compiled = stmt.compile(dialect=conn.dialect)
-        plan = conn.exec_driver_sql(
-            "EXPLAIN (ANALYZE, FORMAT JSON) " + str(compiled),
-            compiled.construct_params({"owner": "w", "queue_name": "default"}),
-        ).scalar_one()[0]["Plan"]
-        conn.rollback()
-
-    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-        return [node, *(n for child in node.get("Plans", []) for n in nodes(child))]
-
-    (levels,) = [n for n in nodes(plan) if n["Node Type"] == "Recursive Union"]
-    assert levels["Actual Rows"] == eng._sql.PRIORITY_LEVELS, levels["Actual Rows"]
-    assert plan["Actual Rows"] == 3
