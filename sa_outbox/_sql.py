@@ -392,31 +392,6 @@ def _heads_pick(
     )
 
 
-def _priority_levels(spec: QueueSpec, queue: Any, suffix: str) -> Any:
-    """The priorities of a queue's queued jobs, highest first: a recursive CTE, one descent of the dequeue
-    index per level (``max(priority) … < previous``), computed only as far as the claim asks.
-
-    A jobs claim reads one level at a time, ``priority = level AND run_at <= now()``: an index condition on
-    (queue, priority, run_at) that ends where the level's due jobs end. Read in the index's order across all
-    levels, ``run_at <= now()`` was a filter: a claim that found fewer due jobs than its batch read every job
-    scheduled for later — 3.7 ms and 640 buffers per claim with 100,000 of them, 0.12 ms and 67 buffers level
-    by level (PostgreSQL 15; 18's skip scan does the same on its own)."""
-    c = spec.c
-    top = select(func.max(c.priority).label("priority")).where(
-        c.status == const(spec.ready), c.queue == queue
-    )
-    levels = top.cte(f"levels{suffix}", recursive=True)
-    lower = spec.table.alias(f"lower_level{suffix}")
-    below = (
-        select(func.max(lower.c.priority))
-        .where(
-            lower.c.status == const(spec.ready), lower.c.queue == queue, lower.c.priority < levels.c.priority
-        )
-        .scalar_subquery()
-    )
-    return levels.union_all(select(below).where(levels.c.priority.is_not(None)))
-
-
 #: How many unfinished rows behind an id's dead first row the heads form looks at for another type's head.
 HEADS_WINDOW = 50
 
@@ -494,6 +469,9 @@ def _claim_statement(
     t, c = spec.table, spec.c
     partitioned = spec.period is not None
     due: list[ColumnElement[bool]] = [c.status == const(spec.ready), spec.due <= func.now()]
+    ready = due
+    if spec.kind == "jobs" and queues == 1:
+        ready = [*due, c.queue == bindparam("queue_name", type_=Text)]
     limit_clause: Any = (
         bindparam("batch", type_=Integer) if limit is None else literal_column(str(int(limit)), Integer)
     )
@@ -586,14 +564,8 @@ def _claim_statement(
             found.append(or_(cand.unique_key.is_(None), and_(not_(running), not_(waiting))))
         return found
 
-    def pick(queue: Any, limit_clause: Any, suffix: str = "") -> Select[Any]:
-        """The rows of one queue (``queue``: its name's parameter; None for the outbox) to claim, locked, in the
-        claim order, up to ``limit_clause``."""
-        if queue is None:
-            ready, level = due, None
-        else:
-            level = _priority_levels(spec, queue, suffix)
-            ready = [*due, c.queue == queue, c.priority == level.c.priority]
+    def pick(ready: list[ColumnElement[bool]], limit_clause: Any, suffix: str = "") -> Select[Any]:
+        """The rows of one queue (or the outbox) to claim, locked, in the claim order, up to ``limit_clause``."""
         if heads:
             return _heads_pick(spec, ready, limit_clause, not_finished)
         if (ordered or unique_running) and not partitioned:
@@ -625,44 +597,37 @@ def _claim_statement(
             # not a risk.)
             live = _live_xmax(t)
             untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
-            unlocked = (
+            candidate = (
                 select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
                 .where(*ready, or_(live, and_(*eligible(c))))
                 .order_by(*spec.claim_order())
                 # (a subquery with OFFSET is never merged into the query around it, nor given its conditions)
                 .offset(literal_column("0", Integer))
                 .with_for_update(skip_locked=True, key_share=spec.key_share)
-            )
-            candidate = (
-                unlocked.subquery(f"candidate{suffix}")
-                if level is None
-                else unlocked.lateral(f"candidate{suffix}")
+                .subquery(f"candidate{suffix}")
             )
             # No ORDER BY here: the locked rows come up in the claim order, and an ORDER BY at this level would make
             # PostgreSQL plan the subquery for reading every ready row (it passes the LIMIT down only to a query
             # with nothing to sort, join or group).
-            above = select(candidate.c.id)
-            if level is not None:
-                above = above.select_from(level.join(candidate, true()))
-            return above.where(or_(candidate.c.untouched, and_(*eligible(candidate.c)))).limit(limit_clause)
+            return (
+                select(candidate.c.id)
+                .where(or_(candidate.c.untouched, and_(*eligible(candidate.c))))
+                .limit(limit_clause)
+            )
         # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time,
         # to the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans
         # Removed"), instead of probing the primary key of every partition for every id.
-        plain = (
+        return (
             select(c.id, *([c.created_at] if partitioned else []))
             .where(*ready, *eligible(c))
             .order_by(*spec.claim_order())
             .limit(limit_clause)
             .with_for_update(skip_locked=True, key_share=spec.key_share)
         )
-        if level is None:
-            return plain
-        each = plain.lateral(f"level_pick{suffix}")
-        return select(*each.c).select_from(level.join(each, true())).limit(limit_clause)
 
     picked: Select[Any]
     if queues == 1:
-        picked = pick(bindparam("queue_name", type_=Text) if spec.kind == "jobs" else None, limit_clause)
+        picked = pick(ready, limit_clause)
     else:
         # Strict priority in one statement: the queues' picks appended in order under the batch's LIMIT. A pick
         # is a subquery (FOR UPDATE is not allowed in a UNION's own branches); the Append asks a queue's pick
@@ -671,7 +636,7 @@ def _claim_statement(
         branches = []
         for i in range(queues):
             queue_limit = bindparam(f"batch_{i}", type_=Integer) if rooms else limit_clause
-            one = pick(bindparam(f"queue_name_{i}", type_=Text), queue_limit, f"_{i}")
+            one = pick([*due, c.queue == bindparam(f"queue_name_{i}", type_=Text)], queue_limit, f"_{i}")
             branch = one.subquery(f"queue_{i}")
             branches.append(select(*branch.c))
         appended = union_all(*branches).subquery("queues")

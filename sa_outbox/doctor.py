@@ -133,10 +133,8 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
         )
         tables |= {p.name for p in _partitions.list_partitions(conn, model, counts=False)}
     seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in tables]
-    # (a jobs claim's Limit over LockRows is its pick of one priority level, inside the claim's outer Limit)
-    limits = [n for n in nodes if n["Node Type"] == "Limit" and n.get("Plans")]
-    locking = [n["Plans"][0] for n in limits if n["Plans"][0]["Node Type"] == "LockRows"]
-    lock_rows = locking[0] if locking else limits[0]["Plans"][0] if limits else {}
+    limits = [n for n in nodes if n["Node Type"] == "Limit"]
+    lock_rows = limits[0]["Plans"][0] if limits and limits[0].get("Plans") else {}
     uses_index = any(n.get("Index Name") in indexes for n in _nodes(lock_rows)) if lock_rows else False
     if lock_rows.get("Node Type") == "LockRows" and uses_index and not seq:
         return Finding("claim plan", name, "ok", f"claim: LockRows under Limit on an index scan of {index}")

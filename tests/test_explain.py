@@ -53,14 +53,18 @@ def scans(p: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
 
 
 def locking_scan(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The claim's LockRows node, and the Subquery Scan right above it when the claim probes its candidates
-    above the lock (ordered, unique_running); None for a plain claim. (A jobs claim reads its queue level by
-    level: the LockRows is in the lateral pick of a level, under the pick's Limit.)"""
-    parents = {id(child): n for n in nodes(p) for child in n.get("Plans", [])}
-    locks = [n for n in nodes(p) if n["Node Type"] == "LockRows"]
-    assert locks, p
-    above = parents.get(id(locks[0]))
-    return locks[0], above if above is not None and above["Node Type"] == "Subquery Scan" else None
+    """The claim's LockRows node under its Limit, and the Subquery Scan between the two when the claim probes
+    its candidates above the lock (ordered, unique_running); None for a plain claim."""
+    limits = [n for n in nodes(p) if n["Node Type"] == "Limit"]
+    assert limits, p
+
+    def outer(n: dict[str, Any]) -> dict[str, Any]:  # (not an InitPlan or a SubPlan)
+        return next(c for c in n["Plans"] if c.get("Parent Relationship") in ("Outer", "Subquery"))
+
+    below = outer(limits[0])
+    if below["Node Type"] == "Subquery Scan":
+        return outer(below), below
+    return below, None
 
 
 def assert_locking_index_scan(p: dict[str, Any], index: str) -> None:

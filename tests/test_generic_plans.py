@@ -233,7 +233,7 @@ def test_running_workers_keep_the_generic_plan(shared_engine: Engine) -> None:
                     sessions[threading.get_ident()]
                     .execute(
                         "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-                        "WHERE statement LIKE 'WITH %finalized AS%' AND statement LIKE '%LIMIT 1 %'"
+                        "WHERE statement LIKE 'WITH finalized%' AND statement LIKE '%LIMIT 1 %'"
                     )
                     .fetchall()
                 )

@@ -128,14 +128,13 @@ def analyzed(engine: Engine, stmt: Executable, params: dict[str, Any]) -> tuple[
 
 
 def probes(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The scans inside the claim's subplans (the per-candidate probes; not a jobs claim's look-up of its
-    queue's next priority level, ``_sql._priority_levels``)."""
+    """The scans inside the claim's subplans (the per-candidate probes)."""
     return [
         scan
         for sub in nodes(plan)
         if sub.get("Parent Relationship") == "SubPlan"
         for scan in nodes(sub)
-        if "Scan" in scan["Node Type"] and not scan.get("Alias", "").startswith("lower_level")
+        if "Scan" in scan["Node Type"]
     ]
 
 
