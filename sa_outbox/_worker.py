@@ -374,8 +374,8 @@ class WorkerBase(LoopBase):
     """Options, validation and decisions of :class:`Worker` and :class:`AsyncWorker` (no loop of its own).
 
     Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order — strict
-    priority — by one statement, default ``("default",)``); ``batch`` (most jobs per claim statement, default 10); ``stale_after`` (a running job
-    whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
+    priority — by one statement, default ``("default",)``); ``batch`` (most jobs per claim statement,
+    default 10); ``stale_after`` (a running job whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
     disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
     shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
     ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``;
