@@ -296,14 +296,11 @@ class LoopBase:
         applied: set[int] = set()
         rows: list[Any] = []
         pending = list(outcomes)
-        for params in self._claim_params() if claim_params is None else claim_params:
-            params = dict(params)
-            room, limit = params.pop("room", None), params.pop("limit", None)
-            left = want - len(rows) if room is None else min(want - len(rows), room)
+        for call in self._claim_params() if claim_params is None else claim_params:
+            params, left = sized_claim(call, want - len(rows))
             if left <= 0:
                 continue
-            if "rooms" in params:  # several queues, each with its room: none takes more than the batch's
-                params["rooms"] = [min(left, r) for r in params["rooms"]]
+            limit = params.pop("limit", None)
             fixed = left == self.batch
             committed = bool(rows) or bool(applied)
             try:
@@ -356,15 +353,11 @@ class LoopBase:
         """Send the claim :meth:`_claim_on` would make — when it is one statement (no limited queue)
         that ``conn`` can send ahead (:func:`_steps.send_claim`) — and return the call that reads it (counted
         and observed as a claim then). None: nothing was sent."""
-        if len(claim_params) != 1 or "limit" in claim_params[0]:
+        if not one_statement(claim_params):
             return None
-        params = dict(claim_params[0])
-        room = params.pop("room", None)
-        left = want if room is None else min(want, room)
+        params, left = sized_claim(claim_params[0], want)
         if left <= 0:
             return None
-        if "rooms" in params:
-            params["rooms"] = [min(left, r) for r in params["rooms"]]
         started = time.perf_counter()
         self._requeued.claiming(time.monotonic())
         receive = _steps.send_claim(
@@ -568,6 +561,24 @@ class LoopBase:
             if requeued is not None:
                 limits.append(requeued)
         return max(0.0, min(limits) - now)
+
+
+def one_statement(claim_params: Sequence[dict[str, Any]]) -> bool:
+    """Whether a turn's claims (:meth:`LoopBase._claim_params`) are one statement — one call, no limited
+    queue's transaction — which a loop can send ahead of the jobs in hand."""
+    return len(claim_params) == 1 and "limit" not in claim_params[0]
+
+
+def sized_claim(call: dict[str, Any], left: int) -> tuple[dict[str, Any], int]:
+    """One claim call's keyword arguments and how many rows it may take: at most ``left``, and with shares at
+    most its queue's room (``room``), each of its queues' picks at most its own (``rooms``)."""
+    params = dict(call)
+    room = params.pop("room", None)
+    if room is not None:
+        left = min(left, room)
+    if "rooms" in params:
+        params["rooms"] = [min(left, r) for r in params["rooms"]]
+    return params, left
 
 
 #: How long a cancelled run waits for a claim statement in flight before cutting it off (then the server

@@ -54,6 +54,7 @@ from ._base import (
     RunPolicy,
     install_async_signals,
     is_async_callable,
+    one_statement,
     stray_cancellation,
     through_cancellation,
 )
@@ -1257,7 +1258,7 @@ class Worker(WorkerBase):
         ``on_thread``, from this thread on the loop's own connection, read by :meth:`_landed` after the inline
         jobs run meanwhile — when the connection cannot, nothing is sent (the loop claims after them)."""
         params = self._claim_params()  # here: it reads the jobs in hand, which this thread changes
-        if not on_thread and (len(params) != 1 or "limit" in params[0]):
+        if not on_thread and not one_statement(params):
             return  # not one statement now (a limited queue's transaction; no room left): after the jobs in hand
         outcomes = self._done.take()
         sent = time.monotonic()
