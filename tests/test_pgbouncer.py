@@ -624,6 +624,29 @@ def test_inbox_receive_through_pgbouncer(pengine: Engine, engine: Engine) -> Non
     assert apply("9") is Receipt.NEW
 
 
+def test_a_worker_of_several_queues_claims_them_in_one_statement_through_pgbouncer(
+    prunner: PooledRunner, engine: Engine
+) -> None:
+    """The claim of several queues (one statement, each queue's pick under the batch's LIMIT) through the
+    pooler: strict priority with a list, caps with shares, ``unique_running`` across queues, inline (a claim
+    sent ahead is refused there: claimed after the jobs in hand) and with threads."""
+    seed_jobs(engine, 6, task="t", queue="b")
+    seed_jobs(engine, 6, task="t", queue="c")
+    seed_jobs(engine, 1, task="t", queue="c", unique_key="k")
+    order: list[str] = []
+    inline = prunner.worker({"t": lambda j: order.append(j.queue)}, queues=["a", "b", "c"], batch=4,
+                            unique_running=True)  # fmt: skip
+    assert prunner.drain(inline) == 13
+    assert order == ["b"] * 6 + ["c"] * 7
+    seed_jobs(engine, 6, task="t", queue="a")
+    seed_jobs(engine, 6, task="t", queue="b")
+    seen: list[str] = []
+    shared = prunner.worker({"t": lambda j: seen.append(j.queue)}, queues={"a": 1, "b": 2}, batch=10)
+    assert prunner.drain(shared) == 12
+    assert sorted(seen) == ["a"] * 6 + ["b"] * 6
+    assert statuses(engine, "jobs") == {"done": 25}
+
+
 def test_cancel_and_pause_through_pgbouncer(prunner: PooledRunner, engine: Engine) -> None:
     pooled_engine = prunner.engine
     seed_jobs(engine, 2, task="mail")
