@@ -71,6 +71,12 @@ def explain_claim(conn: Connection, model: type[Any], *, ordered: bool = False) 
     return plan
 
 
+def _outer(node: dict[str, Any]) -> dict[str, Any]:
+    """A node's input, its InitPlans aside (the outbox claim's snapshot values hang under its Limit)."""
+    inputs = [n for n in node.get("Plans", []) if n.get("Parent Relationship") != "InitPlan"]
+    return inputs[0] if inputs else {}
+
+
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     out = [node]
     for child in node.get("Plans", []):
@@ -134,7 +140,7 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
         tables |= {p.name for p in _partitions.list_partitions(conn, model, counts=False)}
     seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in tables]
     limits = [n for n in nodes if n["Node Type"] == "Limit"]
-    lock_rows = limits[0]["Plans"][0] if limits and limits[0].get("Plans") else {}
+    lock_rows = _outer(limits[0]) if limits else {}
     uses_index = any(n.get("Index Name") in indexes for n in _nodes(lock_rows)) if lock_rows else False
     if lock_rows.get("Node Type") == "LockRows" and uses_index and not seq:
         return Finding("claim plan", name, "ok", f"claim: LockRows under Limit on an index scan of {index}")
