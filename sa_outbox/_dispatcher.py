@@ -176,9 +176,11 @@ class DispatcherBase(LoopBase):
             raise ConfigurationError("ordered must be True/False or a collection of event type names")
         else:
             self.ordered, self.ordered_types = True, sorted(set(ordered))
-        #: The ordered claim's form for the next claim (the heads form only with every type ordered, not
-        #: partitioned).
-        self._forms = ClaimForms(self.ordered and self.ordered_types is None and self.spec.period is None)
+        #: The next claim's form: the ordered claim's walk or heads (only with every type ordered, not
+        #: partitioned); passing over or locking the rows other transactions hold.
+        self._forms = ClaimForms(
+            self.ordered and self.ordered_types is None and self.spec.period is None, settle=True
+        )
         self.enforce_publish_timeout = bool(enforce_publish_timeout)
         self.give_up_after: float | None = (
             None
@@ -206,6 +208,7 @@ class DispatcherBase(LoopBase):
                 "ordered": self.ordered,
                 "ordered_types": self.ordered_types,
                 "heads": self._forms.next(),
+                "settle": self._forms.settle(),
             }
         ]
 

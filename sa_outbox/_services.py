@@ -169,10 +169,11 @@ def lost(outcomes: Sequence[Outcome], applied: set[int]) -> list[Outcome]:
 
 
 class ClaimForms:
-    """Which form an ordered dispatcher's next claim takes (:func:`sa_outbox._sql.claim_statement`): the walk
-    of the ready rows, which stops at ``batch`` heads, or the heads found aggregate by aggregate
-    (``heads=True``), which costs one index descent per aggregate with unfinished rows but never walks a
-    backlog.
+    """Which form a dispatcher's next claim takes (:func:`sa_outbox._sql.claim_statement`).
+
+    **Heads** (an ordered dispatcher, every type ordered, not partitioned): the walk of the ready rows, which
+    stops at ``batch`` heads, or the heads found aggregate by aggregate (``heads=True``), which costs one
+    index descent per aggregate with unfinished rows but never walks a backlog.
 
     * After a claim that found some heads but fewer than it asked for (the walk then read every ready row:
       ~220 ms per claim over one aggregate's 20,000 events) the heads form; after one that filled its batch
@@ -183,10 +184,23 @@ class ClaimForms:
     * Its cost grows with the aggregates that have unfinished rows, dead letters nobody cleared included
       (100,000 of them: ~600 ms a claim against ~60 ms for the walk over a 5,000-event backlog): it is not
       taken while its last claim was slower than the walk's last, but tried again every ``retry_every``
-      seconds."""
+      seconds.
 
-    def __init__(self, enabled: bool, *, walk_every: float = 1.0, retry_every: float = 10.0) -> None:
+    **Settled** (every outbox dispatcher, ``settle=True``): a claim that passes over the rows whose ``xmax`` is
+    another transaction in progress for its snapshot (``settle=True`` in the statement) or one that locks them
+    (SKIP LOCKED). Passing over spares the rows another dispatcher has just claimed a lock that would make its
+    finalize wait; but a MultiXact id in ``xmax`` (two transactions share-locked the row, as foreign keys into
+    the outbox do) can read as such a transaction until the xid counter passes it — on a quiet database, for
+    good. So the first claim locks, a claim that came back short (or found nothing) is followed by a locking
+    one, and one claim at least every ``walk_every`` seconds locks: such a row waits at most that long while
+    claims come back full, and no longer than the next claim when they do not. (``run(until_idle=True)`` may
+    stop on a settled claim that found nothing while such a row waits: the next run's first claim takes it.)"""
+
+    def __init__(
+        self, enabled: bool, *, settle: bool = False, walk_every: float = 1.0, retry_every: float = 10.0
+    ) -> None:
         self.enabled = enabled
+        self.settle_enabled = settle
         self.walk_every = walk_every
         self.retry_every = retry_every
         self.heads = False  # the form the next claim takes, before the periodic walk
@@ -194,6 +208,9 @@ class ClaimForms:
         self.cost: dict[bool, float] = {}  # seconds the last claim of each form took
         self._walk_at = 0.0
         self._retry_at = 0.0
+        self.lock_next = True  # the next claim locks (the first one, and after a short claim)
+        self.sent_settled = False  # whether the claim last sent passed over rows
+        self._lock_at = 0.0
 
     def next(self) -> bool:
         """The form of the claim about to be sent (True: heads)."""
@@ -204,6 +221,15 @@ class ClaimForms:
                 heads, self._walk_at = False, now + self.walk_every
         self.sent = heads
         return heads
+
+    def settle(self) -> bool:
+        """Whether the claim about to be sent passes over rows another transaction holds (``settle``)."""
+        now = time.monotonic()
+        settled = self.settle_enabled and not self.lock_next and now < self._lock_at
+        if not settled:  # (a locking claim: the next one is due walk_every from now)
+            self._lock_at = now + self.walk_every
+        self.sent_settled = settled
+        return settled
 
     def took(self, seconds: float) -> None:
         """The claim last sent took ``seconds``."""
@@ -218,6 +244,7 @@ class ClaimForms:
 
     def claimed(self, got: int, want: int) -> None:
         """A turn's claims found ``got`` of the ``want`` rows asked for: choose the next form."""
+        self.lock_next = got < want
         if not self.enabled:
             return
         self.heads = 0 < got < want

@@ -428,6 +428,7 @@ def claim_statement(
     heads: bool = False,
     queues: int = 1,
     rooms: bool = False,
+    settle: bool = True,
 ) -> Update:
     """Claim up to ``:batch`` ready rows that are due — or up to ``limit``, written into the statement: one
     statement, committed before any publish.
@@ -447,7 +448,10 @@ def claim_statement(
     * The outbox passes over, unlocked, every row whose ``xmax`` is a transaction in progress for the claim's
       snapshot: one another dispatcher is claiming or claimed after the snapshot. Locking it would lock its
       newest version (READ COMMITTED's recheck) and hold that until the claim commits, while its owner waits
-      to finalize it. A row passed over is claimable from the next claim on.
+      to finalize it. ``settle=False`` locks such rows as a jobs claim does (SKIP LOCKED): a MultiXact id in
+      ``xmax`` can read as a transaction that began after the snapshot until the xid counter passes it, and
+      only a locking claim takes such a row then (a dispatcher sends one after a claim that came back short,
+      and at least once a second: :class:`sa_outbox._services.ClaimForms`).
     * A loop claims its configured batch with ``limit`` written in: the plan's estimates then match the
       real batch and PostgreSQL keeps the prepared statement's generic plan instead of planning every claim
       (planning was half of the server's CPU per claim at batch 1).
@@ -464,7 +468,7 @@ def claim_statement(
     """
     return _claim_statement(
         spec, ordered=ordered, ordered_types=ordered_types, limit=limit, unique_running=unique_running,
-        heads=heads, finished=None, queues=queues, rooms=rooms,
+        heads=heads, finished=None, queues=queues, rooms=rooms, settle=settle,
     )  # fmt: skip
 
 
@@ -479,6 +483,7 @@ def _claim_statement(
     finished: ColumnElement[Any] | None,
     queues: int = 1,
     rooms: bool = False,
+    settle: bool = True,
 ) -> Update:
     """:func:`claim_statement`; ``finished``: the ids of rows this statement's own finalize has just finished
     (an array, see :func:`finalize_and_claim_statement`), which the probes then no longer count as blocking."""
@@ -602,7 +607,7 @@ def _claim_statement(
     # (doctor's "claim plan" check failed); a test for NULL on an expression counts as 99.5 %.
     settled = (
         [case((_live_xmax(t), null()), else_=literal_column("1", Integer)).is_not(None)]
-        if spec.kind == "outbox"
+        if spec.kind == "outbox" and settle
         else []
     )
 
@@ -637,11 +642,7 @@ def _claim_statement(
             # row the filter probed may be probed again above the lock (a head whose xmax a finished transaction
             # left); no row is returned unprobed. (A MultiXact id compares as an xid: see `_live_xmax`.)
             untouched = column("xmax", _selectable=t) == literal_column("0", Integer)
-            unlocked = (
-                [*settled, *eligible(c)]
-                if spec.kind == "outbox"
-                else [or_(_live_xmax(t), and_(*eligible(c)))]
-            )
+            unlocked = [*settled, *eligible(c)] if settled else [or_(_live_xmax(t), and_(*eligible(c)))]
             candidate = (
                 select(c.id, untouched.label("untouched"), *[col for col in c if col.name in _PROBED_COLUMNS])
                 .where(*ready, *unlocked)
@@ -1099,6 +1100,7 @@ def finalize_and_claim_statement(
     heads: bool = False,
     queues: int = 1,
     rooms: bool = False,
+    settle: bool = True,
 ) -> Any:
     """The previous batch's fenced finalize and the next batch's claim, as one statement (one round trip);
     ``single``: the finalize of exactly one outcome (:func:`finalize_statement`).
@@ -1139,6 +1141,7 @@ def finalize_and_claim_statement(
         finished=finished,
         queues=queues,
         rooms=rooms,
+        settle=settle,
     ).cte("claimed")
     cols = claim_returning(spec)
     applied = select(

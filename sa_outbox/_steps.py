@@ -231,9 +231,11 @@ def _claim_shape(
     heads: bool = False,
     queue: Queues = None,
     rooms: Sequence[int] | None = None,
+    settle: bool = True,
 ) -> dict[str, Any]:
     """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
     return {
+        "settle": settle,
         "ordered": ordered,
         "heads": heads,
         "ordered_types": ordered_types is not None,
@@ -315,6 +317,7 @@ def claim(
     unique_running: bool = False,
     heads: bool = False,
     rooms: Sequence[int] | None = None,
+    settle: bool = True,
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
@@ -322,7 +325,9 @@ def claim(
     per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``).
     ``queue``: a list claims those queues in strict priority, in one statement (rows: the first queue's
     first); ``rooms``: at most that many of each."""
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms)
+    shape = _claim_shape(
+        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+    )
     rows = run(
         conn,
         _sql.claim_statement(spec, **shape),
@@ -386,13 +391,14 @@ def finalize_and_claim(
     unique_running: bool = False,
     heads: bool = False,
     rooms: Sequence[int] | None = None,
+    settle: bool = True,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows as
     :func:`claim` orders them)."""
     stmt, params = _finalize_and_claim_call(
         spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
         ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
-        rooms=rooms,
+        rooms=rooms, settle=settle,
     )  # fmt: skip
     return _tagged(run(conn, stmt, params), queue)
 
@@ -412,6 +418,7 @@ def send_claim(
     unique_running: bool = False,
     heads: bool = False,
     rooms: Sequence[int] | None = None,
+    settle: bool = True,
 ) -> Callable[[], tuple[set[int], list[Any]]] | None:
     """Send the claim of the next batch — with ``outcomes`` finalized in the same statement when there are
     any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
@@ -421,12 +428,14 @@ def send_claim(
         stmt, params = _finalize_and_claim_call(
             spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
             ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
-            rooms=rooms,
+            rooms=rooms, settle=settle,
         )  # fmt: skip
     else:
         stmt = _sql.claim_statement(
             spec,
-            **_claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms),
+            **_claim_shape(
+                batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+            ),
         )
         params = _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms)
     receive = send(conn, stmt, params)
@@ -444,9 +453,11 @@ def send_claim(
 def _finalize_and_claim_call(
     spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
     queue: Queues, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
-    unique_running: bool, heads: bool = False, rooms: Sequence[int] | None = None,
+    unique_running: bool, heads: bool = False, rooms: Sequence[int] | None = None, settle: bool = True,
 ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
-    shape = _claim_shape(batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms)
+    shape = _claim_shape(
+        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+    )
     params = {
         **_claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
         **_outcome_params(spec, outcomes),

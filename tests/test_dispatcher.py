@@ -652,6 +652,75 @@ def test_a_claim_does_not_lock_the_rows_another_claim_took_after_its_snapshot(
     assert ids_with_status(engine, "done") == list(range(1, 12))
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["plain", "ordered"])
+def test_the_locking_form_claims_the_rows_the_settled_form_passes_over(engine: Engine, ordered: bool) -> None:
+    """Rows whose xmax reads as a transaction in progress for the claim's snapshot although none holds them
+    (here: a KEY SHARE lock that ended after the snapshot; for good, a MultiXact id just ahead of the xid
+    counter — a hostile review's pg_resetwal'd cluster kept an event from a dispatcher for 65,000
+    transactions): the settled form passes over them, the locking form (``settle=False``) takes them."""
+    seed_events(engine, 3)  # 1, 2, 3: each the head of its own aggregate
+    lease = timedelta(seconds=30)
+    for settle, expected in ((True, [1]), (False, [1, 2, 3])):
+        with engine.connect() as holder, engine.connect() as conn:
+            holder.execute(text("SELECT id FROM outbox WHERE id IN (2, 3) FOR KEY SHARE"))
+            conn.execution_options(isolation_level="REPEATABLE READ")
+            conn.execute(text("SELECT 1"))  # the claim's snapshot: the lock's transaction is live
+            holder.commit()
+            rows = eng.claim(conn, OUTBOX, owner="A", batch=10, lease=lease, ordered=ordered, settle=settle)
+            conn.rollback()
+        assert [r[0] for r in rows] == expected, settle
+
+
+def _claim_forms(engine: Engine, monkeypatch: pytest.MonkeyPatch, events: int) -> list[tuple[bool, int]]:
+    """(settle, rows) of each claim a dispatcher (batch 50) sends draining ``events`` until idle."""
+    sent: list[bool] = []
+    shape = eng._claim_shape
+
+    def spy(*args: Any) -> dict[str, Any]:
+        out = shape(*args)
+        sent.append(out["settle"])
+        return out
+
+    got: list[int] = []
+    claim_on = Dispatcher._claim_on
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        applied, rows = claim_on(self, *args, **kwargs)
+        got.append(len(rows))
+        return applied, rows
+
+    monkeypatch.setattr(eng, "_claim_shape", spy)
+    monkeypatch.setattr(Dispatcher, "_claim_on", counted)
+    seed_events(engine, events)
+    d = dispatcher(engine, RecordingPublisher(), batch=50)
+    assert drain(d) == events
+    assert d.run_once() == 0  # (the next turn)
+    return list(zip(sent, got, strict=True))
+
+
+def test_a_dispatcher_claims_with_a_lock_after_a_short_claim_and_passes_over_after_a_full_one(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first claim locks; a full one is followed by the settled form; a short one by a locking claim,
+    which is what finds the rows the settled form would pass over for good (a MultiXact id read as a live
+    xid) when claims come back short or empty."""
+    assert _claim_forms(engine, monkeypatch, 120) == [
+        (False, 50),
+        (True, 50),
+        (True, 20),
+        (False, 0),
+        (False, 0),
+    ]
+
+
+def test_the_claim_after_one_that_found_nothing_locks(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A settled claim that finds nothing ends ``run(until_idle=True)``; the loop's next claim locks, and takes
+    what the settled form passed over."""
+    assert _claim_forms(engine, monkeypatch, 50) == [(False, 50), (True, 0), (False, 0)]
+
+
 def test_an_ordered_claim_does_not_probe_the_rows_another_claim_holds(engine: Engine) -> None:
     """A claim in progress holds the heads of 50 aggregates: a second ordered claim skips them at the lock and
     runs the predecessor test only on the 50 rows it takes. Testing before the lock, it tested the other
