@@ -199,6 +199,9 @@ class LoopBase:
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
         self._requeued = Requeued()
+        #: Whether the last claim came back short of what it asked for (a worker's next claim then reads its
+        #: queues level by level: see ``WorkerBase._claim_params``).
+        self._claimed_short = False
         #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False
         self._held = Held()
@@ -296,6 +299,7 @@ class LoopBase:
         applied: set[int] = set()
         rows: list[Any] = []
         pending = list(outcomes)
+        short = False
         for call in self._claim_params() if claim_params is None else claim_params:
             params, left = sized_claim(call, want - len(rows))
             if left <= 0:
@@ -331,7 +335,9 @@ class LoopBase:
                                   params.get("queue"), exc)  # fmt: skip
                 break
             rows += got
+            short = short or len(got) < left
             self._in_hand_now(got, applied)
+        self._claimed_short = short
         if pending:  # no claim call at all: write the outcomes on their own
             applied |= _steps.finalize(conn, self.spec, pending)
         if rows:
@@ -370,6 +376,7 @@ class LoopBase:
         def read() -> tuple[set[int], list[Any]]:
             reading = time.perf_counter()
             applied, rows = receive()
+            self._claimed_short = len(rows) < left
             if rows:
                 self.stats.batches += 1
                 self.stats.claimed += len(rows)

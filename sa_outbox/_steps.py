@@ -232,10 +232,12 @@ def _claim_shape(
     queue: Queues = None,
     rooms: Sequence[int] | None = None,
     settle: bool = True,
+    levels: bool = False,
 ) -> dict[str, Any]:
     """Which cached claim statement a call needs (the values go in as parameters, see ``_claim_params``)."""
     return {
         "settle": settle,
+        "levels": levels,
         "ordered": ordered,
         "heads": heads,
         "ordered_types": ordered_types is not None,
@@ -318,6 +320,7 @@ def claim(
     heads: bool = False,
     rooms: Sequence[int] | None = None,
     settle: bool = True,
+    levels: bool = False,
 ) -> list[Any]:
     """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
@@ -326,7 +329,7 @@ def claim(
     ``queue``: a list claims those queues in strict priority, in one statement (rows: the first queue's
     first); ``rooms``: at most that many of each."""
     shape = _claim_shape(
-        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle, levels
     )
     rows = run(
         conn,
@@ -392,13 +395,14 @@ def finalize_and_claim(
     heads: bool = False,
     rooms: Sequence[int] | None = None,
     settle: bool = True,
+    levels: bool = False,
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows as
     :func:`claim` orders them)."""
     stmt, params = _finalize_and_claim_call(
         spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
         ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
-        rooms=rooms, settle=settle,
+        rooms=rooms, settle=settle, levels=levels,
     )  # fmt: skip
     return _tagged(run(conn, stmt, params), queue)
 
@@ -419,6 +423,7 @@ def send_claim(
     heads: bool = False,
     rooms: Sequence[int] | None = None,
     settle: bool = True,
+    levels: bool = False,
 ) -> Callable[[], tuple[set[int], list[Any]]] | None:
     """Send the claim of the next batch — with ``outcomes`` finalized in the same statement when there are
     any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
@@ -428,13 +433,22 @@ def send_claim(
         stmt, params = _finalize_and_claim_call(
             spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
             ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
-            rooms=rooms, settle=settle,
+            rooms=rooms, settle=settle, levels=levels,
         )  # fmt: skip
     else:
         stmt = _sql.claim_statement(
             spec,
             **_claim_shape(
-                batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+                batch,
+                ordered,
+                ordered_types,
+                fixed_batch,
+                unique_running,
+                heads,
+                queue,
+                rooms,
+                settle,
+                levels,
             ),
         )
         params = _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms)
@@ -454,9 +468,10 @@ def _finalize_and_claim_call(
     spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
     queue: Queues, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
     unique_running: bool, heads: bool = False, rooms: Sequence[int] | None = None, settle: bool = True,
+    levels: bool = False,
 ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     shape = _claim_shape(
-        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle
+        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle, levels
     )
     params = {
         **_claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),

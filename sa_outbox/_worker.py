@@ -540,7 +540,8 @@ class WorkerBase(LoopBase):
         """The claims of a turn, over the queues that are not paused: one statement for each run of queues
         without a Limit (``queue``: one name or a list of them), one per limited queue; with the mapping form
         each queue's room (its share minus its jobs in hand). A list is claimed in its order (strict priority);
-        with the mapping form the queues take turns being first, so a flood in one starves no other."""
+        with the mapping form the queues take turns being first, so a flood in one starves no other. After a
+        claim that came back short, the runs are claimed in the levels form (``_sql._priority_levels``)."""
         queues = [q for q in self.queues if q not in self._paused]
         if self.shares is not None and len(queues) > 1:
             self._turn_of = (self._turn_of + 1) % len(queues)
@@ -562,6 +563,11 @@ class WorkerBase(LoopBase):
             p: dict[str, Any] = {"queue": run[0] if len(run) == 1 else list(run)}
             if self.unique_running:
                 p["unique_running"] = True
+            if self._claimed_short:
+                # The due jobs did not fill the last claim: the queues may hold jobs scheduled for later,
+                # which the usual claim reads through to the end (_sql._priority_levels); read level by level
+                # until a claim comes back full again.
+                p["levels"] = True
             if self.shares is not None:
                 p.update({"room": rooms[0]} if len(run) == 1 else {"rooms": list(rooms)})
             params.append(p)

@@ -1233,3 +1233,144 @@ def test_an_async_workers_sync_engine_check_cut_short_by_the_timeout_leaves_no_c
     finally:
         gc.enable()
         event.remove(Pool, "connect", slow)
+
+
+# --- the levels form: jobs scheduled for later are not walked after a short claim -------------------------
+
+
+def _far_future_jobs(engine: Engine, later: int, priorities: str) -> None:
+    """``later`` jobs scheduled for tomorrow (priority: ``priorities``, an SQL expression of g) and three due
+    now, of priorities 0, 1 and 2; vacuumed and analyzed."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO jobs (task, payload, run_at, priority) "
+            f"SELECT 'noop', '{{}}', now() + interval '1 day', {priorities} FROM generate_series(1, :n) g"
+        ), {"n": later})  # fmt: skip
+        conn.execute(
+            text(
+                "INSERT INTO jobs (task, payload, priority) SELECT 'noop', '{}', g FROM generate_series(0, 2) g"
+            )
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE jobs"))
+
+
+def _analyzed_claim(engine: Engine, **shape: Any) -> dict[str, Any]:
+    stmt = eng._sql.claim_statement(JOBS, limit=10, **shape)
+    with engine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        plan: dict[str, Any] = conn.exec_driver_sql(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + str(compiled),
+            compiled.construct_params({"owner": "w", "queue_name": "default"}),
+        ).scalar_one()[0]["Plan"]
+        conn.rollback()
+    return plan
+
+
+@pytest.mark.parametrize("unique_running", [False, True], ids=["plain", "unique_running"])
+def test_the_levels_form_of_a_claim_short_of_due_jobs_does_not_read_the_jobs_scheduled_for_later(
+    engine: Engine, unique_running: bool
+) -> None:
+    """50,000 jobs scheduled for tomorrow over three priorities, three due now: the levels form of a claim of
+    10 takes the three and stops. The usual form reads the dequeue index across priorities, where
+    ``run_at <= now()`` is only a filter: a claim that finds fewer due jobs than its batch reads every job
+    scheduled for later (500-750 buffers here on PostgreSQL 15; 18's skip scan spares it)."""
+    _far_future_jobs(engine, 50_000, "g % 3")
+    plan = _analyzed_claim(engine, levels=True, unique_running=unique_running)
+    assert plan["Actual Rows"] == 3
+    touched = plan["Shared Hit Blocks"] + plan.get("Shared Read Blocks", 0)
+    assert touched < 120, touched  # (about 60)
+    with engine.begin() as conn:
+        rows = eng.claim(
+            conn, JOBS, owner="w", batch=10, queue="default", unique_running=unique_running, levels=True
+        )
+    assert [(r[0], r[7]) for r in rows] == [(50001, 0), (50002, 1), (50003, 2)]
+
+
+def test_the_levels_form_reads_a_bounded_number_of_priority_levels(engine: Engine) -> None:
+    """Every job its own priority (20,000 for tomorrow, three due now): level by level, a claim would take two
+    descents per priority (541 ms a claim with 100,000); the levels form reads ``PRIORITY_LEVELS`` levels so,
+    then the rest of the queue in the index's order, and still claims exactly the due jobs."""
+    _far_future_jobs(engine, 20_000, "g")
+    plan = _analyzed_claim(engine, levels=True)
+
+    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node, *(n for child in node.get("Plans", []) for n in nodes(child))]
+
+    (levels,) = [n for n in nodes(plan) if n["Node Type"] == "Recursive Union"]
+    assert levels["Actual Rows"] == eng._sql.PRIORITY_LEVELS, levels["Actual Rows"]
+    assert plan["Actual Rows"] == 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_levels_form_claims_what_the_usual_form_claims(engine: Engine, seed: int) -> None:
+    """Random queues, priorities, due and later jobs, unique keys: for one queue or three (with and without
+    rooms), plain and unique_running, the levels form claims exactly the rows of the usual form, in the same
+    order (each claim in a transaction rolled back)."""
+    import random
+
+    rnd = random.Random(seed)
+
+    def add(conn: Any, n: int) -> None:
+        # (at most one waiting job per unique key: ux_jobs_unique; ON CONFLICT leaves the key's first)
+        for _ in range(n):
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (task, payload, queue, priority, run_at, unique_key) VALUES "
+                    "('noop', '{}', :q, :p, now() + make_interval(secs => :d), :k) ON CONFLICT DO NOTHING"
+                ),
+                {
+                    "q": rnd.choice(["a", "b", "c"]),
+                    "p": rnd.choice([-5, 0, 0, 1, 3, 7, *range(20, 40)]),
+                    "d": rnd.choice([-60, -1, 0, 3600]),
+                    "k": rnd.choice([None, None, None, "k1", "k2", "k3", "k4", "k5", "k6"]),
+                },
+            )
+
+    with engine.begin() as conn:
+        add(conn, rnd.randint(20, 200))
+        conn.execute(text("UPDATE jobs SET status = 'running', locked_at = now() WHERE id % 5 = 0"))
+        add(conn, rnd.randint(10, 60))  # (more waiting jobs, some of keys now running)
+    calls: list[dict[str, Any]] = [
+        {"queue": "a"},
+        {"queue": ["b", "a", "c"]},
+        {"queue": ["c", "b"], "rooms": [2, 30]},
+    ]
+    for call in calls:
+        for unique_running in (False, True):
+            for batch in (1, 7, 50):
+                got = {}
+                for levels in (False, True):
+                    with engine.connect() as conn:
+                        rows = eng.claim(conn, JOBS, owner="w", batch=batch, unique_running=unique_running,
+                                         levels=levels, **call)  # fmt: skip
+                        conn.rollback()
+                    got[levels] = [r[0] for r in rows]
+                assert got[True] == got[False], (call, unique_running, batch)
+
+
+def test_a_worker_claims_in_the_levels_form_after_a_short_claim_and_walks_after_a_full_one(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's claims: the first is the usual form; one that comes back short makes the next the levels
+    form; one that comes back full makes the next the usual form again."""
+    shapes: list[bool] = []
+    shape = eng._claim_shape
+
+    def spy(*args: Any) -> dict[str, Any]:
+        out = shape(*args)
+        shapes.append(out["levels"])
+        return out
+
+    monkeypatch.setattr(eng, "_claim_shape", spy)
+    seed_jobs(engine, 3, task="t")
+    w = Worker(engine, Job, {"t": lambda job: None}, batch=5, listen=False, poll_interval=0.05)
+    try:
+        assert w.run_once() == 3  # (asked 5, got 3: short)
+        seed_jobs(engine, 12, task="t")
+        assert w.run_once() == 5  # the levels form; full
+        assert w.run_once() == 5  # the usual form
+        assert shapes[:3] == [False, True, False], shapes
+    finally:
+        w.close()
+    assert statuses(engine, "jobs") == {"done": 13, "queued": 2}
