@@ -291,8 +291,8 @@ def _keyed_probe(
 _XIDS = 1 << 32  # the 32-bit xid of a row's xmax, against the 64-bit ids of pg_snapshot
 
 #: How far past the snapshot's next xid an xmax still reads as "began after it": far more transactions than
-#: any cluster starts during one claim, and the bound on how long a MultiXact id that happens to lie just
-#: ahead of the xid counter reads as live (see :func:`_live_xmax`).
+#: any cluster starts during one claim. (A MultiXact id just ahead of the xid counter reads as live until that
+#: counter passes it, which on a quiet database may be never: see :func:`_live_xmax`.)
 _BEGAN_AFTER_WINDOW = 1 << 20
 
 
@@ -302,10 +302,11 @@ def _live_xmax(t: Table) -> ColumnElement[bool]:
     ``_BEGAN_AFTER_WINDOW`` xids after it) — compared on 32 bits, as the column stores it.
 
     A MultiXact id (several lockers) is read as a plain xid, so the answer may be wrong either way. Wrong, it
-    only moves a jobs claim's probe before or after the row lock, and makes an outbox claim lock a row it
-    could have passed over or pass over a row until a later claim (see :func:`claim_statement`): a MultiXact
-    id reads as live only while it equals a running xid or lies within the window ahead of the xid counter,
-    which that counter leaves behind after at most ``_BEGAN_AFTER_WINDOW`` transactions.
+    only moves a jobs claim's probe before or after the row lock, and makes an outbox claim in the settled
+    form lock a row it could have passed over or pass over a row it could have taken — for as long as the id
+    lies within the window ahead of the xid counter, which on a quiet database may be for good: so a
+    dispatcher's claims are not all settled (:class:`sa_outbox._services.ClaimForms`, see
+    :func:`claim_statement`).
 
     The first two tests compare ``xid`` values as they are (``xid <> 0``, ``xid = ANY(xid[])``, the snapshot's
     64-bit ids cut to 32 by ``xid(xid8)``); only a row that passes both untested reaches the one test that needs
@@ -487,8 +488,9 @@ def claim_statement(
     * Ordered mode (outbox): only the head of each aggregate is eligible — no earlier row of the same
       aggregate may be pending, processing or dead (dead blocks the aggregate until an operator acts). The
       test runs before the row lock; a row whose ``xmax`` is a transaction in progress for the claim's
-      snapshot is passed over unlocked and untested (``unique_running``: locked first and tested above the
-      lock), so no claimer tests the rows another is taking, and none locks a blocked row to test it.
+      snapshot is passed over unlocked and untested (``settle=False`` and ``unique_running``: locked first
+      and tested above the lock), so no claimer tests the rows another is taking, and none locks a blocked
+      row to test it.
     * The outbox passes over, unlocked, every row whose ``xmax`` is a transaction in progress for the claim's
       snapshot: one another dispatcher is claiming or claimed after the snapshot. Locking it would lock its
       newest version (READ COMMITTED's recheck) and hold that until the claim commits, while its owner waits
