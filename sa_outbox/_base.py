@@ -199,8 +199,9 @@ class LoopBase:
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()
         self._requeued = Requeued()
-        #: Whether the last claim came back short of what it asked for (a worker's next claim then reads its
-        #: queues level by level: see ``WorkerBase._claim_params``).
+        #: Whether the last claim came back short of what it could take (a limited queue's aside, which its
+        #: Limit holds back): a worker's next claim then reads its queues level by level
+        #: (``WorkerBase._claim_params``).
         self._claimed_short = False
         #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False
@@ -335,7 +336,7 @@ class LoopBase:
                                   params.get("queue"), exc)  # fmt: skip
                 break
             rows += got
-            short = short or len(got) < left
+            short = short or (limit is None and len(got) < asked(params, left))
             self._in_hand_now(got, applied)
         self._claimed_short = short
         if pending:  # no claim call at all: write the outcomes on their own
@@ -376,7 +377,7 @@ class LoopBase:
         def read() -> tuple[set[int], list[Any]]:
             reading = time.perf_counter()
             applied, rows = receive()
-            self._claimed_short = len(rows) < left
+            self._claimed_short = len(rows) < asked(params, left)
             if rows:
                 self.stats.batches += 1
                 self.stats.claimed += len(rows)
@@ -574,6 +575,13 @@ def one_statement(claim_params: Sequence[dict[str, Any]]) -> bool:
     """Whether a turn's claims (:meth:`LoopBase._claim_params`) are one statement — one call, no limited
     queue's transaction — which a loop can send ahead of the jobs in hand."""
     return len(claim_params) == 1 and "limit" not in claim_params[0]
+
+
+def asked(params: dict[str, Any], left: int) -> int:
+    """How many rows a sized claim call (:func:`sized_claim`) can take: ``left``, or fewer when its queues'
+    rooms add up to less — a claim that took them all came back full, not short."""
+    rooms = params.get("rooms")
+    return left if rooms is None else min(left, sum(rooms))
 
 
 def sized_claim(call: dict[str, Any], left: int) -> tuple[dict[str, Any], int]:

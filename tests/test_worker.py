@@ -1374,3 +1374,30 @@ def test_a_worker_claims_in_the_levels_form_after_a_short_claim_and_walks_after_
     finally:
         w.close()
     assert statuses(engine, "jobs") == {"done": 13, "queued": 2}
+
+
+def test_a_worker_with_shares_claims_in_the_usual_form_while_its_rooms_fill(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker of two queues with shares of 2 each and batch 10 asks each claim for at most 4 rows (the rooms):
+    a claim that takes 4 is full, not short, and the next one stays in the usual form. Counted against the
+    batch, every such claim was short, and a review's drain of 4,000 jobs sent 966 of its 1,965 claims in the
+    levels form."""
+    shapes: list[bool] = []
+    shape = eng._claim_shape
+
+    def spy(*args: Any) -> dict[str, Any]:
+        out = shape(*args)
+        shapes.append(out["levels"])
+        return out
+
+    monkeypatch.setattr(eng, "_claim_shape", spy)
+    for queue in ("a", "b"):
+        seed_jobs(engine, 20, task="t", queue=queue)
+    w = Worker(engine, Job, {"t": lambda job: None}, queues={"a": 2, "b": 2}, batch=10, listen=False)
+    try:
+        w.run(install_signal_handlers=False, until_idle=True)
+    finally:
+        w.close()
+    assert statuses(engine, "jobs") == {"done": 40}
+    assert len(shapes) >= 10 and shapes.count(True) <= 2, shapes
