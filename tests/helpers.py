@@ -72,6 +72,21 @@ def claim_jobs(conn: Any, owner: str, batch: int = 1, queue: str = "default") ->
     return [ClaimedJob.from_row(r) for r in eng.claim(conn, JOBS, owner=owner, batch=batch, queue=queue)]
 
 
+def claim_forms_sent(monkeypatch: Any, key: str) -> list[bool]:
+    """Record, claim by claim, one field of the statement shape each claim call asks for (``"levels"``,
+    ``"settle"``): the real statement still runs; the list fills as the loop claims."""
+    sent: list[bool] = []
+    shape = eng._claim_shape
+
+    def spy(*args: Any) -> dict[str, Any]:
+        out = shape(*args)
+        sent.append(out[key])
+        return out
+
+    monkeypatch.setattr(eng, "_claim_shape", spy)
+    return sent
+
+
 def mark_done(engine: Engine, r: Any) -> bool:
     """The document's mark_done(): a fenced finalize; False = the lease was lost."""
     outcome = eng.Outcome(r.id, r.lease_version, "done")

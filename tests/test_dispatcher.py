@@ -26,7 +26,7 @@ from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases, make_due
-from .helpers import OUTBOX, claim, ids_with_status, mark_done, row, seed_events, statuses
+from .helpers import OUTBOX, claim, claim_forms_sent, ids_with_status, mark_done, row, seed_events, statuses
 
 
 def dispatcher(engine: Engine, publisher: Any, **kw: Any) -> Dispatcher:
@@ -673,14 +673,7 @@ def test_the_locking_form_claims_the_rows_the_settled_form_passes_over(engine: E
 
 def _claim_forms(engine: Engine, monkeypatch: pytest.MonkeyPatch, events: int) -> list[tuple[bool, int]]:
     """(settle, rows) of each claim a dispatcher (batch 50) sends draining ``events`` until idle."""
-    sent: list[bool] = []
-    shape = eng._claim_shape
-
-    def spy(*args: Any) -> dict[str, Any]:
-        out = shape(*args)
-        sent.append(out["settle"])
-        return out
-
+    sent = claim_forms_sent(monkeypatch, "settle")
     got: list[int] = []
     claim_on = Dispatcher._claim_on
 
@@ -689,7 +682,6 @@ def _claim_forms(engine: Engine, monkeypatch: pytest.MonkeyPatch, events: int) -
         got.append(len(rows))
         return applied, rows
 
-    monkeypatch.setattr(eng, "_claim_shape", spy)
     monkeypatch.setattr(Dispatcher, "_claim_on", counted)
     seed_events(engine, events)
     d = dispatcher(engine, RecordingPublisher(), batch=50)

@@ -37,7 +37,17 @@ from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
 from .factories import FAST, expire_leases
-from .helpers import JOBS, OUTBOX, claim_jobs, row, seed_events, seed_jobs, statuses, wait_for_lock_wait
+from .helpers import (
+    JOBS,
+    OUTBOX,
+    claim_forms_sent,
+    claim_jobs,
+    row,
+    seed_events,
+    seed_jobs,
+    statuses,
+    wait_for_lock_wait,
+)
 
 
 def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:
@@ -1354,15 +1364,7 @@ def test_a_worker_claims_in_the_levels_form_after_a_short_claim_and_walks_after_
 ) -> None:
     """A worker's claims: the first is the usual form; one that comes back short makes the next the levels
     form; one that comes back full makes the next the usual form again."""
-    shapes: list[bool] = []
-    shape = eng._claim_shape
-
-    def spy(*args: Any) -> dict[str, Any]:
-        out = shape(*args)
-        shapes.append(out["levels"])
-        return out
-
-    monkeypatch.setattr(eng, "_claim_shape", spy)
+    shapes = claim_forms_sent(monkeypatch, "levels")
     seed_jobs(engine, 3, task="t")
     w = Worker(engine, Job, {"t": lambda job: None}, batch=5, listen=False, poll_interval=0.05)
     try:
@@ -1383,15 +1385,7 @@ def test_a_worker_with_shares_claims_in_the_usual_form_while_its_rooms_fill(
     a claim that takes 4 is full, not short, and the next one stays in the usual form. Counted against the
     batch, every such claim was short, and a review's drain of 4,000 jobs sent 966 of its 1,965 claims in the
     levels form."""
-    shapes: list[bool] = []
-    shape = eng._claim_shape
-
-    def spy(*args: Any) -> dict[str, Any]:
-        out = shape(*args)
-        shapes.append(out["levels"])
-        return out
-
-    monkeypatch.setattr(eng, "_claim_shape", spy)
+    shapes = claim_forms_sent(monkeypatch, "levels")
     for queue in ("a", "b"):
         seed_jobs(engine, 20, task="t", queue=queue)
     w = Worker(engine, Job, {"t": lambda job: None}, queues={"a": 2, "b": 2}, batch=10, listen=False)
