@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -370,4 +371,7 @@ def test_cli_pool_serves_the_circuit_gauge_during_an_outage(engine: Engine, db_u
     assert proc.returncode == 0, out
     assert _gauge(during, 'sa_outbox_dead_total{kind="outbox",table="outbox"}') == 0.0
     assert _gauge(after, 'sa_outbox_dead_total{kind="outbox",table="outbox"}') == 0.0
-    assert "destination unavailable: not claiming" in out and "destination available again" in out
+    assert "destination unavailable: not claiming" in out, out
+    # the child whose circuit opened closes it by its probe's delivery, or (when the other child, which never
+    # met the outage, delivered the backlog first) because its probe found nothing left
+    assert re.search(r"destination (considered )?available again", out), out
