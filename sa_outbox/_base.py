@@ -201,7 +201,7 @@ class LoopBase:
         self._requeued = Requeued()
         #: Whether the last claim came back short of what it could take (a limited queue's aside, which its
         #: Limit holds back): a worker's next claim then reads its queues level by level
-        #: (``WorkerBase._claim_params``).
+        #: (``WorkerBase._claim_params``), a dispatcher's locks the rows it meets (``ClaimForms.settle``).
         self._claimed_short = False
         #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False

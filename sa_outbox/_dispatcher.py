@@ -208,7 +208,7 @@ class DispatcherBase(LoopBase):
                 "ordered": self.ordered,
                 "ordered_types": self.ordered_types,
                 "heads": self._forms.next(),
-                "settle": self._forms.settle(),
+                "settle": self._forms.settle(self._claimed_short),
             }
         ]
 

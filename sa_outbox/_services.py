@@ -208,9 +208,7 @@ class ClaimForms:
         self.cost: dict[bool, float] = {}  # seconds the last claim of each form took
         self._walk_at = 0.0
         self._retry_at = 0.0
-        self.lock_next = True  # the next claim locks (the first one, and after a short claim)
-        self.sent_settled = False  # whether the claim last sent passed over rows
-        self._lock_at = 0.0
+        self._lock_at = 0.0  # a locking claim is due from then on (the first claim locks)
 
     def next(self) -> bool:
         """The form of the claim about to be sent (True: heads)."""
@@ -222,13 +220,13 @@ class ClaimForms:
         self.sent = heads
         return heads
 
-    def settle(self) -> bool:
-        """Whether the claim about to be sent passes over rows another transaction holds (``settle``)."""
+    def settle(self, after_short: bool) -> bool:
+        """Whether the claim about to be sent passes over rows another transaction holds (``settle``);
+        ``after_short``: the loop's last claim came back short or empty (``LoopBase._claimed_short``)."""
         now = time.monotonic()
-        settled = self.settle_enabled and not self.lock_next and now < self._lock_at
+        settled = self.settle_enabled and not after_short and now < self._lock_at
         if not settled:  # (a locking claim: the next one is due walk_every from now)
             self._lock_at = now + self.walk_every
-        self.sent_settled = settled
         return settled
 
     def took(self, seconds: float) -> None:
@@ -244,7 +242,6 @@ class ClaimForms:
 
     def claimed(self, got: int, want: int) -> None:
         """A turn's claims found ``got`` of the ``want`` rows asked for: choose the next form."""
-        self.lock_next = got < want
         if not self.enabled:
             return
         self.heads = 0 < got < want
