@@ -219,9 +219,10 @@ def translated_spec(conn: Any, spec: QueueSpec) -> QueueSpec:
 
 def claim_returning(spec: QueueSpec) -> list[Any]:
     """What a claim hands back per row, in the order ``Message.from_row`` / ``ClaimedJob.from_row`` unpack
-    (``headers`` last: NULL reads back as an empty mapping), then ``age``: seconds since the row was written,
-    by the database's clock at the claim (the loops' time-based decisions — ``give_up_after``, the grace of a
-    task no handler knows yet — use it, never the worker's clock)."""
+    (``headers`` last: NULL reads back as an empty mapping); for jobs then ``run_at`` (with ``priority`` and
+    ``id``, the claim order the rows are handed over in: ``_steps._in_claim_order``); then ``age``: seconds
+    since the row was written, by the database's clock at the claim (the loops' time-based decisions —
+    ``give_up_after``, the grace of a task no handler knows yet — use it, never the worker's clock)."""
     c = spec.c
     if spec.kind == "outbox":
         names = ["id", "lease_version", "attempts", "aggregate_type", "aggregate_id", "event_type", "payload",
@@ -232,7 +233,8 @@ def claim_returning(spec: QueueSpec) -> list[Any]:
     age = sa_cast(func.extract("epoch", func.now() - c.created_at), Float).label("age")
     # the payload as its JSON text, decoded by ``from_row``: the driver's text decoding is C, its jsonb loader
     # Python (~1 µs less client CPU per row); the same value either way
-    return [*(sa_cast(c[n], Text).label(n) if n == "payload" else c[n] for n in names), age]
+    order = [c.run_at] if spec.kind == "jobs" else []
+    return [*(sa_cast(c[n], Text).label(n) if n == "payload" else c[n] for n in names), *order, age]
 
 
 def _keyed_probe(

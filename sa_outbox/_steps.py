@@ -248,13 +248,23 @@ def _claim_shape(
     }
 
 
-_QUEUE = 5  # a jobs claim row's queue (see _sql.claim_returning)
+_QUEUE, _PRIORITY, _RUN_AT = 5, 7, 10  # a jobs claim row's queue, priority and run_at (_sql.claim_returning)
 
 
-def _in_claim_order(rows: list[Any], queue: Queues) -> list[Any]:
-    """Claimed rows by id — and, claimed from several queues, the first queue's before the next's (strict
-    priority, as separate claims would have handed them over)."""
-    rows.sort(key=_first)
+def _job_order(row: Any) -> tuple[int, Any, int]:
+    return -row[_PRIORITY], row[_RUN_AT], row[0]
+
+
+def _in_claim_order(rows: list[Any], spec: QueueSpec, queue: Queues) -> list[Any]:
+    """Claimed rows in the order a loop hands them over: outbox rows by id; jobs in the claim's order —
+    priority (higher first), then run_at, then id — and, claimed from several queues, the first queue's before
+    the next's (strict priority, as separate claims would have handed them over). The statement returns them
+    in the order it updated them (by id): a worker running a batch one job at a time ran a priority-0 job
+    before the priority-20 job claimed with it."""
+    if spec.kind != "jobs":
+        rows.sort(key=_first)
+        return rows
+    rows.sort(key=_job_order)
     if not (queue is None or isinstance(queue, str)):
         rank = {name: i for i, name in enumerate(queue)}
         rows.sort(key=lambda row: rank[row[_QUEUE]])
@@ -322,7 +332,7 @@ def claim(
     settle: bool = True,
     levels: bool = False,
 ) -> list[Any]:
-    """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) sorted by id.
+    """Run the claim statement; rows (tuples in :func:`_sql.claim_returning` order) in :func:`_in_claim_order`.
     ``fixed_batch``: ``batch`` is the caller's usual size, written into the statement (see
     :func:`_sql.claim_statement`); other sizes are a parameter. ``unique_running``: at most one running job
     per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``).
@@ -336,7 +346,7 @@ def claim(
         _sql.claim_statement(spec, **shape),
         _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
     )
-    return _in_claim_order(rows, queue)
+    return _in_claim_order(rows, spec, queue)
 
 
 def claim_limited(
@@ -361,8 +371,7 @@ def claim_limited(
         if rate:
             params.update(rate_count=limit.rate_count, rate_window=limit.rate_window)
         rows = run(conn, claim_stmt, params)
-    rows.sort(key=lambda r: r[0])
-    return rows
+    return _in_claim_order(rows, spec, queue)
 
 
 def forget_starts(conn: Connection, spec: QueueSpec, queue: str, window: float) -> None:
@@ -404,7 +413,7 @@ def finalize_and_claim(
         ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
         rooms=rooms, settle=settle, levels=levels,
     )  # fmt: skip
-    return _tagged(run(conn, stmt, params), queue)
+    return _tagged(run(conn, stmt, params), spec, queue)
 
 
 def send_claim(
@@ -456,10 +465,10 @@ def send_claim(
     if receive is None:
         return None
     if outcomes:
-        return lambda: _tagged(receive(), queue)
+        return lambda: _tagged(receive(), spec, queue)
 
     def claimed() -> tuple[set[int], list[Any]]:
-        return set(), _in_claim_order(receive(), queue)
+        return set(), _in_claim_order(receive(), spec, queue)
 
     return claimed
 
@@ -480,7 +489,7 @@ def _finalize_and_claim_call(
     return _sql.finalize_and_claim_statement(spec, **shape, single=_single(outcomes)), params
 
 
-def _tagged(rows: list[Any], queue: Queues = None) -> tuple[set[int], list[Any]]:
+def _tagged(rows: list[Any], spec: QueueSpec, queue: Queues = None) -> tuple[set[int], list[Any]]:
     """The rows of :func:`_sql.finalize_and_claim_statement`, apart: (applied ids, claimed rows in the order
     of :func:`_in_claim_order`)."""
     applied: set[int] = set()
@@ -490,7 +499,7 @@ def _tagged(rows: list[Any], queue: Queues = None) -> tuple[set[int], list[Any]]
             applied.add(row[1])
         else:
             claimed.append(row[1:])
-    return applied, _in_claim_order(claimed, queue)
+    return applied, _in_claim_order(claimed, spec, queue)
 
 
 _first = itemgetter(0)

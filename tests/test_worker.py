@@ -1294,7 +1294,7 @@ def test_the_levels_form_of_a_claim_short_of_due_jobs_does_not_read_the_jobs_sch
         rows = eng.claim(
             conn, JOBS, owner="w", batch=10, queue="default", unique_running=unique_running, levels=True
         )
-    assert [(r[0], r[7]) for r in rows] == [(50001, 0), (50002, 1), (50003, 2)]
+    assert [(r[0], r[7]) for r in rows] == [(50003, 2), (50002, 1), (50001, 0)]  # (the claim order)
 
 
 def test_the_levels_form_reads_a_bounded_number_of_priority_levels(engine: Engine) -> None:
@@ -1357,6 +1357,34 @@ def test_the_levels_form_claims_what_the_usual_form_claims(engine: Engine, seed:
                         conn.rollback()
                     got[levels] = [r[0] for r in rows]
                 assert got[True] == got[False], (call, unique_running, batch)
+
+
+@pytest.mark.parametrize("batch", [3, 10])
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_batch_of_jobs_runs_in_priority_then_run_at_order_not_id_order(
+    runner: Any, engine: Engine, batch: int, limited: bool
+) -> None:
+    """Within a queue jobs run by priority (higher first), then run_at, then id — inside one claimed batch
+    too. The claim returned its rows by id: a worker of batch 10 and one handler at a time ran a priority-0
+    job before the priority-20 job claimed with it (a hostile review's script). Batch 3: the first claim and
+    the claims that write the previous batch's outcomes in the same statement; limited: a queue with a Limit,
+    claimed by its own statements."""
+    from sqlalchemy import func, insert
+
+    from sa_outbox import Limit
+
+    # (priority, seconds ago it became due), in id order: the run order is the ids 4, 3, 2, 5, 1, 6
+    shape = [(0, 1), (5, 1), (5, 10), (20, 1), (0, 5), (-1, 30)]
+    with engine.begin() as conn:
+        for priority, ago in shape:
+            conn.execute(insert(Job).values(task="t", queue="default", payload={}, priority=priority,
+                                            run_at=func.now() - timedelta(seconds=ago)))  # fmt: skip
+    ran: list[int] = []
+    kw: dict[str, Any] = {"limits": {"default": Limit(5)}} if limited else {}
+    w = runner.worker({"t": lambda job: ran.append(job.id)}, batch=batch, concurrency=1, **kw)
+    runner.drain(w)
+    assert ran == [4, 3, 2, 5, 1, 6]
+    assert statuses(engine, "jobs") == {"done": 6}
 
 
 def test_a_worker_claims_in_the_levels_form_after_a_short_claim_and_walks_after_a_full_one(
