@@ -235,7 +235,9 @@ def test_claimed_payloads_decode_as_json_loads_and_values_equal_the_constructors
         conn.execute(text("UPDATE jobs SET attempts = 7 + id, lease_version = 30 + id"))
         conn.execute(text("UPDATE outbox SET attempts = 7 + id, lease_version = 30 + id"))
     with engine.begin() as conn:
-        jobs = claim_jobs(conn, "w", batch=len(_PAYLOADS))
+        jobs = sorted(
+            claim_jobs(conn, "w", batch=len(_PAYLOADS)), key=lambda j: j.id
+        )  # (claimed by priority)
     events = claim(engine, "d", batch=len(_PAYLOADS), lease=30)
     with engine.connect() as conn:
         job_rows = conn.execute(text("SELECT *, payload::text AS stored FROM jobs ORDER BY id")).all()
