@@ -59,7 +59,7 @@ from ._db import AsyncLoopConnection, LoopConnection
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit, ClaimForms
-from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error
+from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error, passed_over
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
 from .errors import ConfigurationError, DestinationUnavailable, RetryableError
@@ -534,7 +534,7 @@ class Dispatcher(DispatcherBase):
         self._report(outcomes, applied)
         if not rows and self._forms.walk_before_nothing():
             rows = self._db.run(lambda c: self._claim_on(c, want, []))[1]
-        self._forms.claimed(len(rows), want)
+        self._forms.claimed(len(rows), want, passed_over(rows))
         return rows
 
     def _flush(self) -> None:
@@ -741,7 +741,7 @@ class AsyncDispatcher(DispatcherBase):
         self._report(outcomes, applied)
         if not rows and self._forms.walk_before_nothing():
             rows = (await self._db.run(lambda c: self._claim_on(c, want, [])))[1]
-        self._forms.claimed(len(rows), want)
+        self._forms.claimed(len(rows), want, passed_over(rows))
         return rows
 
     async def _flush(self) -> None:

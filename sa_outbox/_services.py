@@ -192,9 +192,10 @@ class ClaimForms:
     finalize wait; but a MultiXact id in ``xmax`` (two transactions share-locked the row, as foreign keys into
     the outbox do) can read as such a transaction until the xid counter passes it — on a quiet database, for
     good. So the first claim locks, a claim that came back short (or found nothing) is followed by a locking
-    one, and one claim at least every ``walk_every`` seconds locks: such a row waits at most that long while
-    claims come back full, and no longer than the next claim when they do not. (``run(until_idle=True)`` may
-    stop on a settled claim that found nothing while such a row waits: the next run's first claim takes it.)"""
+    one, and one claim at least every ``walk_every`` seconds locks; a locking claim that took any row the
+    settled form would have passed over is followed by another. Such rows wait at most ``walk_every`` while
+    claims come back full, then are taken a batch per claim; a turn whose settled claim found nothing claims once
+    more with a lock before it says so (what ``run(until_idle=True)`` stops on)."""
 
     def __init__(
         self, enabled: bool, *, settle: bool = False, walk_every: float = 1.0, retry_every: float = 10.0
@@ -209,6 +210,8 @@ class ClaimForms:
         self._walk_at = 0.0
         self._retry_at = 0.0
         self._lock_at = 0.0  # a locking claim is due from then on (the first claim locks)
+        self.sent_settled = False  # whether the claim last sent passed over rows
+        self.passed_over = False  # the last turn's claim took a row the settled form passes over
 
     def next(self) -> bool:
         """The form of the claim about to be sent (True: heads)."""
@@ -224,9 +227,10 @@ class ClaimForms:
         """Whether the claim about to be sent passes over rows another transaction holds (``settle``);
         ``after_short``: the loop's last claim came back short or empty (``LoopBase._claimed_short``)."""
         now = time.monotonic()
-        settled = self.settle_enabled and not after_short and now < self._lock_at
+        settled = self.settle_enabled and not (after_short or self.passed_over) and now < self._lock_at
         if not settled:  # (a locking claim: the next one is due walk_every from now)
             self._lock_at = now + self.walk_every
+        self.sent_settled = settled
         return settled
 
     def took(self, seconds: float) -> None:
@@ -234,14 +238,17 @@ class ClaimForms:
         self.cost[self.sent] = seconds
 
     def walk_before_nothing(self) -> bool:
-        """Whether a turn whose claims found nothing must walk once more before it says so."""
-        if not self.heads:
-            return False
-        self.heads = False
-        return True
+        """Whether a turn whose claims found nothing must claim once more before it says so: in the walk after
+        the heads form, with a lock after the settled form (which passes over rows it may have been wrong to)."""
+        again = self.sent_settled
+        if self.heads:
+            self.heads, again = False, True
+        return again
 
-    def claimed(self, got: int, want: int) -> None:
-        """A turn's claims found ``got`` of the ``want`` rows asked for: choose the next form."""
+    def claimed(self, got: int, want: int, passed_over: bool = False) -> None:
+        """A turn's claims found ``got`` of the ``want`` rows asked for, and (``passed_over``) took rows the
+        settled form passes over: choose the next form."""
+        self.passed_over = passed_over
         if not self.enabled:
             return
         self.heads = 0 < got < want

@@ -40,6 +40,7 @@ __all__ = [
     "forget_starts",
     "guard",
     "leased",
+    "passed_over",
     "release",
     "rescue",
     "run",
@@ -249,6 +250,15 @@ def _claim_shape(
 
 
 _QUEUE, _PRIORITY, _RUN_AT = 5, 7, 10  # a jobs claim row's queue, priority and run_at (_sql.claim_returning)
+
+
+_PASSED_OVER = 9  # an outbox claim row's passed_over (_sql.claim_returning): the same on every row
+
+
+def passed_over(rows: Sequence[Any]) -> bool:
+    """Whether the outbox claim that returned ``rows`` took a row the settled form passes over (the locking
+    form's mark, see ``_sql.claim_statement``)."""
+    return bool(rows) and bool(rows[0][_PASSED_OVER])
 
 
 def _job_order(row: Any) -> tuple[int, Any, int]:

@@ -20,7 +20,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,10 +115,13 @@ class LogicalCluster:
             )
         return result.stdout
 
-    def start(self) -> None:
+    def start(self, after_initdb: Callable[[LogicalCluster], None] | None = None) -> None:
+        """initdb, then ``after_initdb(self)`` (pg_resetwal …) when given, then start the server."""
         binaries = bin_dir()
         self.run(binaries / "initdb", "-D", self.datadir, "-U", "postgres", "--auth=trust", "-E", "UTF8",
                  "--no-sync", "--locale=C")  # fmt: skip
+        if after_initdb is not None:
+            after_initdb(self)
         settings = {**SETTINGS, "port": str(self.port), "unix_socket_directories": str(self.root)}
         known = self.run(binaries / "postgres", "--describe-config")
         if any(line.startswith("output_plugin_libraries\t") for line in known.splitlines()):
@@ -142,8 +145,9 @@ class LogicalCluster:
 
 
 @contextlib.contextmanager
-def logical_cluster() -> Iterator[LogicalCluster]:
-    """Start a throwaway cluster with ``wal_level=logical``; stop it and delete its directory afterwards."""
+def logical_cluster(after_initdb: Callable[[LogicalCluster], None] | None = None) -> Iterator[LogicalCluster]:
+    """Start a throwaway cluster with ``wal_level=logical``; stop it and delete its directory afterwards.
+    ``after_initdb``: run on the new data directory before the server starts."""
     user = _owner()
     root = Path(tempfile.mkdtemp(prefix="sa_outbox_logical_"))
     if user is not None:
@@ -151,7 +155,7 @@ def logical_cluster() -> Iterator[LogicalCluster]:
         os.chown(root, entry.pw_uid, entry.pw_gid)
     cluster = LogicalCluster(root, free_port(), user)
     try:
-        cluster.start()
+        cluster.start(after_initdb)
         yield cluster
     finally:
         cluster.stop()

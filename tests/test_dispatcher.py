@@ -669,6 +669,7 @@ def test_the_locking_form_claims_the_rows_the_settled_form_passes_over(engine: E
             rows = eng.claim(conn, OUTBOX, owner="A", batch=10, lease=lease, ordered=ordered, settle=settle)
             conn.rollback()
         assert [r[0] for r in rows] == expected, settle
+        assert eng.passed_over(rows) is not settle  # (the locking form says it took such rows)
 
 
 def _claim_forms(engine: Engine, monkeypatch: pytest.MonkeyPatch, events: int) -> list[tuple[bool, int]]:
@@ -708,9 +709,9 @@ def test_a_dispatcher_claims_with_a_lock_after_a_short_claim_and_passes_over_aft
 def test_the_claim_after_one_that_found_nothing_locks(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A settled claim that finds nothing ends ``run(until_idle=True)``; the loop's next claim locks, and takes
-    what the settled form passed over."""
-    assert _claim_forms(engine, monkeypatch, 50) == [(False, 50), (True, 0), (False, 0)]
+    """A settled claim that finds nothing is followed at once by a locking one, which takes what the settled
+    form passed over, before the turn says it found nothing (``run(until_idle=True)`` stops on that)."""
+    assert _claim_forms(engine, monkeypatch, 50) == [(False, 50), (True, 0), (False, 0), (False, 0)]
 
 
 def test_an_ordered_claim_does_not_probe_the_rows_another_claim_holds(engine: Engine) -> None:
@@ -809,7 +810,9 @@ def test_run_finalizes_each_batch_with_the_next_claim(
     d.run(install_signal_handlers=False, until_idle=True)
     assert statuses(engine) == {"done": 100}
     claims = [s for s in sent if "claim" in s]
-    assert len(claims) == 11  # 10 full batches + the empty claim that carried the last finalize
+    # 10 full batches, the empty (settled) claim that carried the last finalize, and the locking claim that
+    # confirms nothing was passed over (ClaimForms.walk_before_nothing)
+    assert len(claims) == 12
     assert len([s for s in sent if s.endswith("finalize")]) == 0  # no standalone finalize was needed
     assert d.stats.done == 100
 
