@@ -1387,6 +1387,26 @@ def test_a_batch_of_jobs_runs_in_priority_then_run_at_order_not_id_order(
     assert statuses(engine, "jobs") == {"done": 6}
 
 
+def test_a_batch_from_two_queues_runs_the_first_queues_jobs_first_each_queue_by_priority(
+    runner: Any, engine: Engine
+) -> None:
+    """A worker of queues ["a", "b"] (one statement claims both): a batch holding jobs of both runs a's first,
+    then b's, each queue's by priority. (With shares the queues take turns being first, and a worker runs at
+    least two jobs at once.)"""
+    from sqlalchemy import insert
+
+    with engine.begin() as conn:  # ids 1-6: b 0, a 0, b 9, a 9, b 5, a 5
+        for i in range(6):
+            conn.execute(
+                insert(Job).values(task="t", queue="ab"[(i + 1) % 2], payload={}, priority=(0, 9, 5)[i // 2])
+            )
+    ran: list[int] = []
+    w = runner.worker({"t": lambda job: ran.append(job.id)}, queues=["a", "b"], batch=6, concurrency=1)
+    runner.drain(w)
+    assert ran == [4, 6, 2, 3, 5, 1]
+    assert statuses(engine, "jobs") == {"done": 6}
+
+
 def test_a_worker_claims_in_the_levels_form_after_a_short_claim_and_walks_after_a_full_one(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
