@@ -377,7 +377,7 @@ class WorkerBase(LoopBase):
     Options (durations take a ``timedelta`` or seconds): ``queues`` (claimed in the given order — strict
     priority — by one statement, default ``("default",)``); ``batch`` (most jobs per claim statement,
     default 10); ``stale_after`` (a running job whose ``locked_at`` is older is reaped, default 60 s); ``heartbeat`` (default ``stale_after / 4``; ``0``
-    disables); ``concurrency`` (handlers at once, default 1); ``handler_timeout`` (default none; must be
+    disables); ``concurrency`` (handlers at once, default 1, or the shares' sum); ``handler_timeout`` (default none; must be
     shorter than ``stale_after``); ``backoff`` (default ``min(300 s, 2**attempts s)``); ``poll_interval``,
     ``listen``, ``listen_url`` (wake-ups), ``stop_on_unclassified``, ``rescue_limit``, ``owner``;
     ``queues`` may map each queue to its share — ``{"mail": 4, "reports": 1}``: at most that many of its
@@ -411,7 +411,7 @@ class WorkerBase(LoopBase):
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         backoff: Backoff | None = None,
         owner: str | None = None,
         poll_interval: Duration = 1.0,
@@ -476,9 +476,9 @@ class WorkerBase(LoopBase):
         if beat >= self.stale_after:
             raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
         self.heartbeat: float | None = beat.total_seconds() or None
+        if concurrency is None:  # (the shares' sum; a concurrency of 1 given with shares is kept)
+            concurrency = 1 if self.shares is None else sum(self.shares.values())
         self.concurrency = positive_int(concurrency, "concurrency")
-        if self.shares is not None and concurrency == 1:
-            self.concurrency = sum(self.shares.values())
         self.handler_timeout: float | None = (
             None
             if handler_timeout is None
@@ -995,7 +995,7 @@ class Worker(WorkerBase):
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         backoff: Backoff | None = None,
         owner: str | None = None,
         poll_interval: Duration = 1.0,
@@ -1506,7 +1506,7 @@ class AsyncWorker(WorkerBase):
         batch: int = 10,
         stale_after: Duration = 60.0,
         heartbeat: Duration | None = None,
-        concurrency: int = 1,
+        concurrency: int | None = None,
         backoff: Backoff | None = None,
         owner: str | None = None,
         poll_interval: Duration = 1.0,
