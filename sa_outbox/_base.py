@@ -409,7 +409,7 @@ class LoopBase:
         if not self._statistics_settled and self.stats.claimed:
             self._statistics_settled = True
             try:
-                _steps.ensure_statistics(conn, self.spec)
+                self._statistics_settled = _steps.ensure_statistics(conn, self.spec)
             except DBAPIError as exc:
                 if is_connection_error(exc):
                     self._statistics_settled = False  # (asked again at the next step)

@@ -1578,6 +1578,17 @@ STATISTICS_PRESENT = text(
 )
 
 
+#: Whether the current role may ANALYZE ``:t`` as its owner (a member of the owning role) or a superuser — so
+#: that an ``ANALYZE (SKIP_LOCKED)`` that left no statistics was skipped for a lock, not for a privilege.
+MAY_ANALYZE = text(
+    """
+    SELECT pg_has_role(c.relowner, 'USAGE') OR r.rolsuper
+      FROM pg_class c, pg_roles r
+     WHERE c.oid = to_regclass(:t) AND r.rolname = current_user
+    """
+)
+
+
 def analyze_statement(name: str) -> TextClause:
     """``ANALYZE (SKIP_LOCKED)`` of the table ``name`` (quoted, as :func:`_partitions.regclass_name` gives
     it): never waits for a lock someone else holds (autovacuum's ANALYZE, a DDL), and only warns when the

@@ -515,30 +515,39 @@ def _tagged(rows: list[Any], spec: QueueSpec, queue: Queues = None) -> tuple[set
 _first = itemgetter(0)
 
 
-def ensure_statistics(conn: Connection, spec: QueueSpec) -> None:
+def ensure_statistics(conn: Connection, spec: QueueSpec) -> bool:
     """Give a table without planner statistics its first ``ANALYZE`` — a new table that took rows before
     autovacuum reached it (up to a minute, and never with autovacuum off). Without statistics the ordered
     claim's plan reads and sorts every ready row and probes each one's aggregate: 155 ms and 113,000 buffers per
     claim over 4,000 events, against 0.2 ms once analyzed. A loop calls it once, after its claims found rows (so
     an idle loop over an empty table asks nothing); a partitioned table is left to autovacuum, which analyzes
-    its partitions."""
+    its partitions. Returns False when it should be asked again (another session held the table's lock)."""
     if spec.period is not None:
-        return
+        return True
     name = regclass_name(conn, spec.table)
     if conn.execute(_sql.STATISTICS_PRESENT, {"t": name}).scalar() is not False:
-        return  # present, or no such table
+        return True  # present, or no such table
     conn.execute(_sql.analyze_statement(name))
     if conn.execute(_sql.STATISTICS_PRESENT, {"t": name}).scalar():
         log.info(
             "analyzed %s: it held rows but no planner statistics yet (autovacuum had not reached it)", name,
             extra={"table": spec.table.name},
         )  # fmt: skip
-    else:  # not the owner (nor MAINTAIN), or autovacuum held the lock: it will do it
+    elif conn.execute(_sql.MAY_ANALYZE, {"t": name}).scalar():
+        # SKIP_LOCKED: another session holds a conflicting lock — another loop's or autovacuum's ANALYZE, most
+        # likely (several loops start at once), or a DDL. Not a privilege to warn about: asked again.
+        log.debug(
+            "ANALYZE of %s skipped: another session holds a lock on it (another ANALYZE, most likely)", name,
+            extra={"table": spec.table.name},
+        )  # fmt: skip
+        return False
+    else:  # not the owner (nor MAINTAIN): autovacuum will do it
         log.warning(
             "%s has no planner statistics yet and this role could not ANALYZE it: until autovacuum does, "
             "ordered and unique_running claims read every ready row (run ANALYZE %s, or grant MAINTAIN on "
             "PostgreSQL 17+)", name, name, extra={"table": spec.table.name},
         )  # fmt: skip
+    return True
 
 
 def extend(
