@@ -1579,12 +1579,23 @@ STATISTICS_PRESENT = text(
 
 
 #: Whether the current role may ANALYZE ``:t`` as its owner (a member of the owning role) or a superuser — so
-#: that an ``ANALYZE (SKIP_LOCKED)`` that left no statistics was skipped for a lock, not for a privilege.
+#: that an ``ANALYZE (SKIP_LOCKED)`` that left no statistics was not skipped for a privilege.
 MAY_ANALYZE = text(
     """
     SELECT pg_has_role(c.relowner, 'USAGE') OR r.rolsuper
       FROM pg_class c, pg_roles r
      WHERE c.oid = to_regclass(:t) AND r.rolname = current_user
+    """
+)
+
+#: Whether another session holds a lock on ``:t`` that ANALYZE (SHARE UPDATE EXCLUSIVE) conflicts with — what an
+#: ``ANALYZE (SKIP_LOCKED)`` skips for. (Otherwise an ANALYZE that left no statistics found no rows to sample.)
+ANALYZE_LOCKED = text(
+    """
+    SELECT EXISTS (SELECT FROM pg_locks l
+                    WHERE l.relation = to_regclass(:t) AND l.pid <> pg_backend_pid() AND l.granted
+                      AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock', 'ShareRowExclusiveLock',
+                                     'ExclusiveLock', 'AccessExclusiveLock'))
     """
 )
 

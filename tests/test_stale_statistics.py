@@ -383,6 +383,36 @@ def test_an_analyze_skipped_for_a_lock_is_no_privilege_warning_and_is_asked_agai
     assert _has_statistics(engine, "outbox")
 
 
+def test_a_table_emptied_before_its_first_analyze_is_analyzed_once_not_every_second(
+    never_analyzed: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's claims found rows, then the table was emptied (a purge) before its maintenance step: ANALYZE
+    finds nothing to sample and stores no statistics. That is no lock to wait out: a review saw eaf8611 run
+    ANALYZE every second for as long as the table stayed empty (12 in 12.7 s), logging a lock nobody held."""
+    engine = never_analyzed
+    analyzed: list[str] = []
+    real = _sql.analyze_statement
+
+    def counted(name: str) -> Any:
+        analyzed.append(name)
+        return real(name)
+
+    monkeypatch.setattr(_sql, "analyze_statement", counted)
+    _backlog(engine)
+    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
+    try:
+        dispatcher.run(install_signal_handlers=False, max_batches=1)  # claims rows
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM outbox"))
+        for _ in range(3):
+            time.sleep(dispatcher._rescuer.every)
+            dispatcher.run(install_signal_handlers=False, max_batches=1)  # a maintenance step each
+    finally:
+        dispatcher.close()
+    assert analyzed == ["outbox"]
+    assert not _has_statistics(engine, "outbox")
+
+
 def test_a_role_that_may_not_analyze_says_so_once_and_delivers_all_the_same(
     never_analyzed: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
