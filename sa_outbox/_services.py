@@ -211,7 +211,6 @@ class ClaimForms:
         self._retry_at = 0.0
         self._lock_at = 0.0  # a locking claim is due from then on (the first claim locks)
         self.sent_settled = False  # whether the claim last sent passed over rows
-        self.passed_over = False  # the last turn's claim took a row the settled form passes over
 
     def next(self) -> bool:
         """The form of the claim about to be sent (True: heads)."""
@@ -227,7 +226,7 @@ class ClaimForms:
         """Whether the claim about to be sent passes over rows another transaction holds (``settle``);
         ``after_short``: the loop's last claim came back short or empty (``LoopBase._claimed_short``)."""
         now = time.monotonic()
-        settled = self.settle_enabled and not (after_short or self.passed_over) and now < self._lock_at
+        settled = self.settle_enabled and not after_short and now < self._lock_at
         if not settled:  # (a locking claim: the next one is due walk_every from now)
             self._lock_at = now + self.walk_every
         self.sent_settled = settled
@@ -248,7 +247,8 @@ class ClaimForms:
     def claimed(self, got: int, want: int, passed_over: bool = False) -> None:
         """A turn's claims found ``got`` of the ``want`` rows asked for, and (``passed_over``) took rows the
         settled form passes over: choose the next form."""
-        self.passed_over = passed_over
+        if passed_over:  # more such rows may follow: the next claim locks too
+            self._lock_at = 0.0
         if not self.enabled:
             return
         self.heads = 0 < got < want
