@@ -754,10 +754,7 @@ def _claim_statement(
                 .where(or_(candidate.c.untouched, and_(*eligible(candidate.c))))
                 .limit(limit_clause)
             )
-            if level is None:
-                return above
-            each = above.lateral(f"level_pick{suffix}")
-            return select(each.c.id).select_from(level.join(each, true())).limit(limit_clause)
+            return per_level(above, level, limit_clause, suffix)
         # The partitioned layout also picks each row's created_at: the UPDATE below then prunes, at run time,
         # to the partitions between the oldest and the newest picked row (EXPLAIN ANALYZE: "Subplans
         # Removed"), instead of probing the primary key of every partition for every id.
@@ -768,9 +765,13 @@ def _claim_statement(
             .limit(limit_clause)
             .with_for_update(skip_locked=True, key_share=spec.key_share)
         )
+        return per_level(plain, level, limit_clause, suffix)
+
+    def per_level(one: Select[Any], level: Any, limit_clause: Any, suffix: str) -> Select[Any]:
+        """``one`` as it is, or — given the priority levels — as the lateral pick of each level, in their order."""
         if level is None:
-            return plain
-        each = plain.lateral(f"level_pick{suffix}")
+            return one
+        each = one.lateral(f"level_pick{suffix}")
         return select(*each.c).select_from(level.join(each, true())).limit(limit_clause)
 
     picked: Select[Any]
@@ -1578,24 +1579,19 @@ STATISTICS_PRESENT = text(
 )
 
 
-#: Whether the current role may ANALYZE ``:t`` as its owner (a member of the owning role) or a superuser — so
-#: that an ``ANALYZE (SKIP_LOCKED)`` that left no statistics was not skipped for a privilege.
-MAY_ANALYZE = text(
+#: Why an ``ANALYZE (SKIP_LOCKED)`` of ``:t`` may have left no statistics: whether the current role may analyze it
+#: as its owner (a member of the owning role) or a superuser (``may``), and whether another session holds a lock
+#: ANALYZE (SHARE UPDATE EXCLUSIVE) conflicts with (``locked``, what SKIP_LOCKED skips for). Neither: the
+#: ANALYZE ran and found no rows to sample.
+ANALYZE_SKIPPED = text(
     """
-    SELECT pg_has_role(c.relowner, 'USAGE') OR r.rolsuper
+    SELECT pg_has_role(c.relowner, 'USAGE') OR r.rolsuper AS may,
+           EXISTS (SELECT FROM pg_locks l
+                    WHERE l.relation = c.oid AND l.pid <> pg_backend_pid() AND l.granted
+                      AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock', 'ShareRowExclusiveLock',
+                                     'ExclusiveLock', 'AccessExclusiveLock')) AS locked
       FROM pg_class c, pg_roles r
      WHERE c.oid = to_regclass(:t) AND r.rolname = current_user
-    """
-)
-
-#: Whether another session holds a lock on ``:t`` that ANALYZE (SHARE UPDATE EXCLUSIVE) conflicts with — what an
-#: ``ANALYZE (SKIP_LOCKED)`` skips for. (Otherwise an ANALYZE that left no statistics found no rows to sample.)
-ANALYZE_LOCKED = text(
-    """
-    SELECT EXISTS (SELECT FROM pg_locks l
-                    WHERE l.relation = to_regclass(:t) AND l.pid <> pg_backend_pid() AND l.granted
-                      AND l.mode IN ('ShareUpdateExclusiveLock', 'ShareLock', 'ShareRowExclusiveLock',
-                                     'ExclusiveLock', 'AccessExclusiveLock'))
     """
 )
 

@@ -533,23 +533,24 @@ def ensure_statistics(conn: Connection, spec: QueueSpec) -> bool:
             "analyzed %s: it held rows but no planner statistics yet (autovacuum had not reached it)", name,
             extra={"table": spec.table.name},
         )  # fmt: skip
-    elif conn.execute(_sql.MAY_ANALYZE, {"t": name}).scalar():
-        if conn.execute(_sql.ANALYZE_LOCKED, {"t": name}).scalar():
-            # SKIP_LOCKED: another session holds a conflicting lock — another loop's or autovacuum's ANALYZE,
-            # most likely (several loops start at once), or a DDL. Not a privilege to warn about: asked again.
-            log.debug(
-                "ANALYZE of %s skipped: another session holds a lock on it (another ANALYZE, most likely)", name,
-                extra={"table": spec.table.name},
-            )  # fmt: skip
-            return False
-        # (analyzed, and no rows to sample: the table was emptied since the claims found rows — as before, not
-        # asked again; autovacuum analyzes it once it fills)
-    else:  # not the owner (nor MAINTAIN): autovacuum will do it
+        return True
+    why = conn.execute(_sql.ANALYZE_SKIPPED, {"t": name}).one()
+    if why.may and why.locked:
+        # SKIP_LOCKED: another session holds a conflicting lock — another loop's or autovacuum's ANALYZE, most
+        # likely (several loops start at once), or a DDL. Not a privilege to warn about: asked again.
+        log.debug(
+            "ANALYZE of %s skipped: another session holds a lock on it (another ANALYZE, most likely)", name,
+            extra={"table": spec.table.name},
+        )  # fmt: skip
+        return False
+    if not why.may:  # not the owner (nor MAINTAIN): autovacuum will do it
         log.warning(
             "%s has no planner statistics yet and this role could not ANALYZE it: until autovacuum does, "
             "ordered and unique_running claims read every ready row (run ANALYZE %s, or grant MAINTAIN on "
             "PostgreSQL 17+)", name, name, extra={"table": spec.table.name},
         )  # fmt: skip
+    # (else analyzed with no rows to sample: the table was emptied since the claims found rows — not asked
+    # again; autovacuum analyzes it once it fills)
     return True
 
 
