@@ -300,6 +300,14 @@ def _backlog(engine: Engine) -> None:
         )
 
 
+def _run(loop: Any, batches: int = 1, *, next_step: bool = False) -> None:
+    """One short run of a loop (``batches`` claims at most); ``next_step``: once its next maintenance step is
+    due (the step that looks after the table's statistics runs at most once per ``_rescuer.every``)."""
+    if next_step:
+        time.sleep(loop._rescuer.every)
+    loop.run(install_signal_handlers=False, max_batches=batches)
+
+
 def _has_statistics(engine: Engine, table: str) -> bool:
     with engine.connect() as conn:
         return bool(conn.execute(_sql.STATISTICS_PRESENT, {"t": table}).scalar_one())
@@ -325,11 +333,10 @@ def test_a_loop_gives_a_table_with_rows_but_no_statistics_its_first_analyze(neve
     dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
     worker = Worker(engine, Job, {"noop": lambda job: None}, listen=False, unique_running=True)
     try:
-        dispatcher.run(install_signal_handlers=False, max_batches=1)
-        worker.run(install_signal_handlers=False, max_batches=1)
-        time.sleep(dispatcher._rescuer.every)  # the first maintenance step after their claims is due
-        dispatcher.run(install_signal_handlers=False, max_batches=1)
-        worker.run(install_signal_handlers=False, max_batches=1)
+        _run(dispatcher)
+        _run(worker)
+        _run(dispatcher, next_step=True)  # the first maintenance step after their claims
+        _run(worker)
     finally:
         dispatcher.close()
         worker.close()
@@ -346,12 +353,11 @@ def test_an_empty_table_is_left_alone_and_analyzed_once_rows_arrive(never_analyz
     engine = never_analyzed
     dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
     try:
-        dispatcher.run(install_signal_handlers=False, max_batches=1)
+        _run(dispatcher)
         assert not _has_statistics(engine, "outbox")
         _backlog(engine)
-        dispatcher.run(install_signal_handlers=False, max_batches=1)  # claims the first rows
-        time.sleep(dispatcher._rescuer.every)  # the next maintenance step is due
-        dispatcher.run(install_signal_handlers=False, max_batches=1)
+        _run(dispatcher)  # claims the first rows
+        _run(dispatcher, next_step=True)
     finally:
         dispatcher.close()
     assert _has_statistics(engine, "outbox")
@@ -370,14 +376,12 @@ def test_an_analyze_skipped_for_a_lock_is_no_privilege_warning_and_is_asked_agai
     try:
         with engine.connect() as holder, caplog.at_level("WARNING", logger="sa_outbox"):
             holder.execute(text("LOCK TABLE outbox IN SHARE UPDATE EXCLUSIVE MODE"))  # (what ANALYZE takes)
-            dispatcher.run(install_signal_handlers=False, max_batches=2)
-            time.sleep(dispatcher._rescuer.every)
-            dispatcher.run(install_signal_handlers=False, max_batches=2)  # its maintenance step: skipped
+            _run(dispatcher, 2)
+            _run(dispatcher, 2, next_step=True)  # its maintenance step: skipped
             assert not _has_statistics(engine, "outbox")
             holder.rollback()
         assert not [r for r in caplog.records if "could not ANALYZE" in r.getMessage()]
-        time.sleep(dispatcher._rescuer.every)
-        dispatcher.run(install_signal_handlers=False, max_batches=2)  # asked again: analyzed
+        _run(dispatcher, 2, next_step=True)  # asked again: analyzed
     finally:
         dispatcher.close()
     assert _has_statistics(engine, "outbox")
@@ -401,12 +405,11 @@ def test_a_table_emptied_before_its_first_analyze_is_analyzed_once_not_every_sec
     _backlog(engine)
     dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
     try:
-        dispatcher.run(install_signal_handlers=False, max_batches=1)  # claims rows
+        _run(dispatcher)  # claims rows
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM outbox"))
         for _ in range(3):
-            time.sleep(dispatcher._rescuer.every)
-            dispatcher.run(install_signal_handlers=False, max_batches=1)  # a maintenance step each
+            _run(dispatcher, next_step=True)  # a maintenance step each
     finally:
         dispatcher.close()
     assert analyzed == ["outbox"]
@@ -431,9 +434,8 @@ def test_a_role_that_may_not_analyze_says_so_once_and_delivers_all_the_same(
         with caplog.at_level("WARNING", logger="sa_outbox"):
             dispatcher = Dispatcher(limited, OutboxEvent, pub, listen=False)
             try:
-                dispatcher.run(install_signal_handlers=False, max_batches=3)
-                time.sleep(dispatcher._rescuer.every)
-                dispatcher.run(install_signal_handlers=False, max_batches=3)
+                _run(dispatcher, 3)
+                _run(dispatcher, 3, next_step=True)
             finally:
                 dispatcher.close()
     finally:
