@@ -62,6 +62,9 @@ After every step
     I9  a job whose row a transaction held past ``stale_after`` is not rescued from the worker that holds
         its lease, neither while the row is held nor the moment it is released (its lease guard), unless
         backends were terminated meanwhile (the guard dies with its connection, as a dead worker's must);
+    I10 a worker takes each claimed batch in the claim's order — a queue's jobs by priority, higher first,
+        whatever form, queues, rooms or limit claimed them — and one that runs a job at a time starts the
+        batch's jobs in that order;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -123,6 +126,7 @@ from sa_outbox import (
     skip_dead,
 )
 from sa_outbox._sql import spec_for
+from sa_outbox._worker import WorkerBase
 from sa_outbox.admin import pause_queue, resume_queue
 from sa_outbox.migration import create_partitions
 from sa_outbox.models import Job, OutboxEvent, model_for
@@ -193,6 +197,9 @@ class Record:
         #: a publisher or handler got that decoded otherwise.
         self.float_type: type = float
         self.bad_payloads: list[str] = []
+        #: Each batch a worker took (I10): its concurrency and the batch's (seq, lease_version, queue, priority)
+        #: in the order it took them.
+        self.batches: list[tuple[int, list[tuple[int, int, str, int]]]] = []
 
     def check_payload(self, payload: Any) -> None:
         """I7: a claimed payload decodes as the loops' engine decodes JSON, to the value produced (the loops'
@@ -228,6 +235,26 @@ class Record:
     def snapshot(self) -> list[tuple[str, int, int, str]]:
         with self.lock:
             return list(self.events)
+
+    @contextmanager
+    def accepting(self) -> Iterator[None]:
+        """Record every batch a worker takes into its hands (``WorkerBase._accept``, which every claim path
+        ends in), in the order it takes them (I10)."""
+        real = WorkerBase._accept
+
+        def accept(worker: Any, rows: Any) -> int:
+            n = real(worker, rows)
+            taken = list(worker._queue)[len(worker._queue) - n :]
+            batch = [(j.payload["seq"], j.lease_version, j.queue, j.priority) for j in taken]
+            with self.lock:
+                self.batches.append((worker.concurrency, batch))
+            return n
+
+        WorkerBase._accept = accept  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            WorkerBase._accept = real  # type: ignore[method-assign]
 
 
 def _action(plan: list[str], lease_version: int) -> str:
@@ -1236,7 +1263,7 @@ class Scenario:
             self.loop_engine.dispose()
 
     def _run_rules(self, names: list[str], weights: list[int], counter: StatementCounter) -> None:
-        with counter.installed():
+        with counter.installed(), self.record.accepting():
             try:
                 for step in range(self.profile.steps):
                     rule = self.rng.choices(names, weights)[0]
@@ -1378,6 +1405,22 @@ class Scenario:
                 assert not (begin + PAUSE_GRACE <= at < end), (
                     f"job {seq} of queue {queue} started {at - begin:.1f}s into a pause"
                 )
+        # I10
+        with self.record.lock:
+            batches = list(self.record.batches)
+        started: dict[tuple[int, int], int] = {}
+        for position, (kind, seq, lv, _) in enumerate(rec):
+            if kind == "handle":
+                started.setdefault((seq, lv), position)
+        for concurrency, batch in batches:
+            for queue in {q for _, _, q, _ in batch}:
+                priorities = [p for _, _, q, p in batch if q == queue]
+                assert priorities == sorted(priorities, reverse=True), (
+                    f"a batch taken out of priority order: {batch}"
+                )
+            if concurrency == 1:
+                order = [started[(seq, lv)] for seq, lv, _, _ in batch if (seq, lv) in started]
+                assert order == sorted(order), f"a batch started out of the order it was taken in: {batch}"
         # I7
         assert not self.record.bad_payloads, f"payloads decoded otherwise: {self.record.bad_payloads[:5]}"
         # I6
