@@ -348,15 +348,12 @@ def claim(
     per unique key (jobs). ``heads``: the ordered claim's aggregate-by-aggregate form (``_sql._heads_pick``).
     ``queue``: a list claims those queues in strict priority, in one statement (rows: the first queue's
     first); ``rooms``: at most that many of each."""
-    shape = _claim_shape(
-        batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle, levels
-    )
-    rows = run(
-        conn,
-        _sql.claim_statement(spec, **shape),
-        _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
-    )
-    return _in_claim_order(rows, spec, queue)
+    stmt, params = _claim_call(
+        spec, (), owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
+        ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
+        rooms=rooms, settle=settle, levels=levels,
+    )  # fmt: skip
+    return _in_claim_order(run(conn, stmt, params), spec, queue)
 
 
 def claim_limited(
@@ -418,12 +415,13 @@ def finalize_and_claim(
 ) -> tuple[set[int], list[Any]]:
     """Finalize ``outcomes`` and claim the next batch in one statement: (applied ids, claimed rows as
     :func:`claim` orders them)."""
-    stmt, params = _finalize_and_claim_call(
+    stmt, params = _claim_call(
         spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
         ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
         rooms=rooms, settle=settle, levels=levels,
     )  # fmt: skip
-    return _tagged(run(conn, stmt, params), spec, queue)
+    rows = run(conn, stmt, params)
+    return _tagged(rows, spec, queue) if outcomes else (set(), _in_claim_order(rows, spec, queue))
 
 
 def send_claim(
@@ -448,29 +446,11 @@ def send_claim(
     any — without waiting for it: the returned call waits and gives what :func:`finalize_and_claim` (or, with
     no outcomes, :func:`claim`) would have returned. None, with nothing sent, where the connection cannot send
     ahead (see :func:`sa_outbox._execute.send`)."""
-    if outcomes:
-        stmt, params = _finalize_and_claim_call(
-            spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
-            ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
-            rooms=rooms, settle=settle, levels=levels,
-        )  # fmt: skip
-    else:
-        stmt = _sql.claim_statement(
-            spec,
-            **_claim_shape(
-                batch,
-                ordered,
-                ordered_types,
-                fixed_batch,
-                unique_running,
-                heads,
-                queue,
-                rooms,
-                settle,
-                levels,
-            ),
-        )
-        params = _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms)
+    stmt, params = _claim_call(
+        spec, outcomes, owner=owner, batch=batch, lease=lease, queue=queue, ordered=ordered,
+        ordered_types=ordered_types, fixed_batch=fixed_batch, unique_running=unique_running, heads=heads,
+        rooms=rooms, settle=settle, levels=levels,
+    )  # fmt: skip
     receive = send(conn, stmt, params)
     if receive is None:
         return None
@@ -483,20 +463,21 @@ def send_claim(
     return claimed
 
 
-def _finalize_and_claim_call(
+def _claim_call(
     spec: QueueSpec, outcomes: Sequence[Outcome], *, owner: str, batch: int, lease: timedelta | None,
     queue: Queues, ordered: bool, ordered_types: Sequence[str] | None, fixed_batch: bool,
-    unique_running: bool, heads: bool = False, rooms: Sequence[int] | None = None, settle: bool = True,
-    levels: bool = False,
+    unique_running: bool, heads: bool, rooms: Sequence[int] | None, settle: bool, levels: bool,
 ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """A claim's statement and parameters: :func:`_sql.claim_statement`, or with ``outcomes``
+    :func:`_sql.finalize_and_claim_statement` (the outcomes written in the same statement)."""
     shape = _claim_shape(
         batch, ordered, ordered_types, fixed_batch, unique_running, heads, queue, rooms, settle, levels
     )
-    params = {
-        **_claim_params(spec, owner, batch, lease, queue, ordered_types, rooms),
-        **_outcome_params(spec, outcomes),
-    }
-    return _sql.finalize_and_claim_statement(spec, **shape, single=_single(outcomes)), params
+    params = _claim_params(spec, owner, batch, lease, queue, ordered_types, rooms)
+    if not outcomes:
+        return _sql.claim_statement(spec, **shape), params
+    stmt = _sql.finalize_and_claim_statement(spec, **shape, single=_single(outcomes))
+    return stmt, {**params, **_outcome_params(spec, outcomes)}
 
 
 def _tagged(rows: list[Any], spec: QueueSpec, queue: Queues = None) -> tuple[set[int], list[Any]]:
