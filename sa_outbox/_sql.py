@@ -970,9 +970,15 @@ def finalize_statement(spec: QueueSpec, *, single: bool = False, with_status: bo
         finished_when.append((o.c.status == spec.dead, func.now()))
     status: ColumnElement[Any] = o.c.status
     if spec.kind == "jobs":
-        # A job whose cancellation was requested while it ran is not run again: a retry becomes cancelled.
+        # A job whose cancellation was requested while it ran is not run again: a retry — and a failure,
+        # whether its worker had learned of the request or not — becomes cancelled.
         status = case(
-            (and_(o.c.status == spec.ready, c.cancel_requested_at.is_not(None)), literal("cancelled")),
+            (
+                and_(
+                    or_(o.c.status == spec.ready, o.c.status == spec.dead), c.cancel_requested_at.is_not(None)
+                ),
+                literal("cancelled"),
+            ),
             else_=o.c.status,
         )
         finished_when.append((status == "cancelled", func.now()))
@@ -1139,6 +1145,9 @@ def requeue_statement(spec: QueueSpec) -> Update:
         spec.finished.name: None,
         "last_error": func.right(func.concat_ws("\n", c.last_error, "requeued by operator"), LAST_ERROR_MAX),
     }
+    if spec.kind == "jobs":
+        # (a job cancelled while it ran that then failed kept its request: the rerun would be cancelled at once)
+        values["cancel_requested_at"] = None
     return update(spec.table).where(*_still_dead(spec)).values(values).returning(c.id)
 
 
@@ -1308,13 +1317,39 @@ def job_selection(spec: QueueSpec, statuses: list[str], where: list[ColumnElemen
 
 def retry_jobs_statement(spec: QueueSpec, statuses: list[str]) -> Update:
     """Back to queued, attempts reset, due now, the cancel request cleared — for the rows of ``:ids`` still in
-    one of ``statuses`` (a row someone else changed meanwhile is left alone); recorded in last_error."""
+    one of ``statuses`` (a row someone else changed meanwhile is left alone); recorded in last_error.
+
+    A job that never started (``lease_version`` 0: cancelled while queued) and has a unique key would be a
+    waiting job of its key again (``ux_<jobs>_unique``): it is left alone when its key already has one, and of
+    several such jobs of one key in ``:ids`` only the first is requeued — at most one job per key waits, as at
+    enqueue (the caller reports the rest)."""
     c = spec.c
+    wanted = [const(s) for s in statuses]
+    waiting, sibling = spec.table.alias("waiting_same_key"), spec.table.alias("retried_same_key")
+    key_free = or_(
+        c.lease_version != literal_column("0", Integer),
+        c.unique_key.is_(None),
+        and_(
+            ~exists().where(
+                waiting.c.unique_key == c.unique_key,
+                waiting.c.status == const("queued"),
+                waiting.c.lease_version == literal_column("0", Integer),
+            ),
+            ~exists().where(
+                sibling.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+                sibling.c.id < c.id,
+                sibling.c.unique_key == c.unique_key,
+                sibling.c.lease_version == literal_column("0", Integer),
+                sibling.c.status.in_(wanted),
+            ),
+        ),
+    )
     return (
         update(spec.table)
         .where(
             c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-            c.status.in_([const(s) for s in statuses]),
+            c.status.in_(wanted),
+            key_free,
         )
         .values(
             status=const("queued"),

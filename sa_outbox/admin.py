@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, func, or_, select, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -249,7 +250,26 @@ def retry_jobs(
         selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
     if dry_run:
         return selected
-    return _in_batches(engine, _sql.retry_jobs_statement(spec, wanted), selected, batch_size)
+    changed = _in_batches(engine, _sql.retry_jobs_statement(spec, wanted), selected, batch_size, unique=True)
+    left = sorted(set(selected) - set(changed))
+    if left:
+        c = spec.c
+        with engine.connect() as conn:
+            keyed = list(
+                conn.execute(
+                    select(c.id).where(
+                        c.id.in_(left), c.status.in_(wanted), c.lease_version == 0, c.unique_key.is_not(None)
+                    )
+                ).scalars()
+            )
+        if keyed:
+            log.warning(
+                "left %d job(s) of %s %s: each never started and its unique key already has a job waiting (at "
+                "most one waits per key): %s", len(keyed), spec.table.fullname, "/".join(wanted),
+                ", ".join(map(str, keyed[:50])) + (f", … ({len(keyed) - 50} more)" if len(keyed) > 50 else ""),
+                extra={"table": spec.table.fullname, "left": len(keyed)},
+            )  # fmt: skip
+    return changed
 
 
 def update_jobs(
@@ -295,11 +315,24 @@ def _statuses(given: Iterable[str], allowed: tuple[str, ...]) -> list[str]:
     return wanted
 
 
-def _in_batches(engine: Engine, stmt: Any, selected: list[int], batch_size: int) -> list[int]:
+def _in_batches(
+    engine: Engine, stmt: Any, selected: list[int], batch_size: int, *, unique: bool = False
+) -> list[int]:
+    """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed.
+    ``unique``: the statement skips a job whose unique key has a waiting job, but one enqueued by a transaction
+    still open when the statement ran is found only at the unique index, as a violation — the batch is then run
+    again (which sees that job committed), up to three times."""
     changed: list[int] = []
     for start in range(0, len(selected), batch_size):
-        with engine.begin() as conn:
-            changed += conn.execute(stmt, {"ids": selected[start : start + batch_size]}).scalars()
+        ids = {"ids": selected[start : start + batch_size]}
+        for attempt in range(3):
+            try:
+                with engine.begin() as conn:
+                    changed += conn.execute(stmt, ids).scalars()
+                break
+            except IntegrityError as exc:
+                if not unique or attempt == 2 or getattr(exc.orig, "sqlstate", None) != "23505":
+                    raise
     return sorted(changed)
 
 

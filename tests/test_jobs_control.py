@@ -20,7 +20,17 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sa_outbox import AsyncWorker, ClaimedJob, RetryableError, Worker, cancel_jobs, job_result
+from sa_outbox import (
+    AsyncWorker,
+    ClaimedJob,
+    PermanentError,
+    RetryableError,
+    Worker,
+    cancel_jobs,
+    enqueue,
+    job_result,
+    retry_dead,
+)
 from sa_outbox.admin import list_queues, pause_queue, resume_queue, retry_jobs, update_jobs
 from sa_outbox.errors import ConfigurationError, JobCancelled
 from sa_outbox.models import Job
@@ -758,6 +768,75 @@ def test_a_job_that_fails_after_its_cancellation_was_requested_does_not_run_agai
     w = runner.worker({"t": fails}, heartbeat=0)
     runner.drain(w)
     assert runs == [1] and row(engine, "jobs", 1).status == "cancelled"
+
+
+@pytest.mark.parametrize("failure", ["permanent", "last attempt"])
+def test_a_job_that_fails_for_good_after_its_cancellation_was_requested_is_cancelled(
+    runner: Runner, engine: Engine, failure: str
+) -> None:
+    """jobs.md: a handler that raises after the request is recorded ``cancelled`` whether its worker learned of
+    the request or not — a PermanentError and a last attempt too, not ``failed`` with the request left set
+    (a hostile review: ``dead retry`` then requeued it with the request, and the rerun was cancelled)."""
+    seed_jobs(engine, 1, task="t", max_attempts=1 if failure == "last attempt" else 5)
+
+    def fails(job: ClaimedJob) -> None:
+        cancel_jobs(engine, Job, ids=[job.id])
+        raise PermanentError("downstream said no") if failure == "permanent" else RetryableError("503")
+
+    runner.drain(runner.worker({"t": fails}, heartbeat=0))
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts) == ("cancelled", 1) and r.finished_at is not None
+
+
+def test_retry_dead_clears_the_cancel_request_of_a_failed_job(runner: Runner, engine: Engine) -> None:
+    """A job that failed with a cancel request set (written so by hand here, as an older version left it)
+    and is requeued by the operator runs to done: the request is not carried into the rerun."""
+    seed_jobs(engine, 1, task="t")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE jobs SET status = 'failed', lease_version = 1, attempts = 1, finished_at = now(), "
+                "cancel_requested_at = now() WHERE id = 1"
+            )
+        )
+    assert retry_dead(engine, Job, ids=[1]) == [1]
+    assert row(engine, "jobs", 1).cancel_requested_at is None
+    runner.drain(runner.worker({"t": lambda j: time.sleep(0.3)}, heartbeat=0.05))
+    assert row(engine, "jobs", 1).status == "done"
+
+
+def test_retry_jobs_leaves_a_never_started_unique_job_whose_key_has_one_waiting(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancelled job that never started, retried while its unique key has a new waiting job, would be a
+    second waiting job of the key (the unique index): it is left cancelled and named, and every other job of
+    the selection is requeued — batch size 1 included (a hostile review: a raw unique violation, the batches
+    after it never tried). Of two such jobs of one key with the key free, only the oldest is requeued."""
+    plain, keyed, other, free_a, waiting, free_b = range(1, 7)  # the ids, in the order written
+    with Session(engine) as s, s.begin():
+        for n, key in ((plain, None), (keyed, "report:7"), (other, None), (free_a, "report:8")):
+            enqueue(s, Job, "report", {"n": n}, unique_key=key)
+            s.flush()
+    cancel_jobs(engine, Job, task="report")
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "report", {"n": waiting}, unique_key="report:7")
+        s.flush()
+        enqueue(s, Job, "report", {"n": free_b}, unique_key="report:8")
+    cancel_jobs(engine, Job, ids=[free_b])
+    for batch_size in (1, 1000):
+        with caplog.at_level("WARNING", logger="sa_outbox.admin"):
+            changed = retry_jobs(engine, Job, task="report", statuses=["cancelled"], batch_size=batch_size)
+        if batch_size == 1:
+            assert changed == [plain, other, free_a]
+            assert "left 2 job(s)" in caplog.text and f"{keyed}, {free_b}" in caplog.text
+            cancel_jobs(engine, Job, ids=[plain, other, free_a])
+            caplog.clear()
+        else:
+            assert changed == [plain, other, free_a]
+    with engine.connect() as conn:
+        got = dict(conn.execute(text("SELECT id, status FROM jobs")).all())
+    assert got == {plain: "queued", keyed: "cancelled", other: "queued", free_a: "queued",
+                   waiting: "queued", free_b: "cancelled"}  # fmt: skip
 
 
 def test_the_models_default_max_attempts_is_used(engine: Engine) -> None:
