@@ -515,13 +515,27 @@ def sync_schedules(
         clock = conn.execute(select(_CLOCK), {"now": now}).scalar_one()
         changed: set[str] = set()
         if given:
+            # A changed cron moves the schedule to its first slot after the clock — and after the last slot
+            # fired, which a worker may have fired after this transaction's now() (a deploy's transaction open
+            # across a slot): that slot would fire again. The rows are locked first, in name order (the upsert
+            # below locks them anyway), so that no slot fires between this read and the upsert.
+            c = table.c
+            lasts = dict(
+                conn.execute(
+                    select(c.name, c.last_run_at)
+                    .where(c.name.in_([s.name for s in given]))
+                    .order_by(c.name)
+                    .with_for_update()
+                ).all()
+            )
+            after = {s.name: max(clock, lasts.get(s.name) or clock) for s in given}
             params = {
                 "s_name": [s.name for s in given], "s_cron": [s.cron for s in given],
                 "s_timezone": [s.tz for s in given], "s_task": [s.task for s in given],
                 "s_payload": [json.dumps(s.payload, separators=(",", ":")) for s in given],
                 "s_queue": [s.queue for s in given], "s_priority": [s.priority for s in given],
                 "s_max_attempts": [s.max_attempts for s in given], "s_catch_up": [s.catch_up for s in given],
-                "s_next_run_at": [_next_after(s.cron, s.tz, clock) for s in given],
+                "s_next_run_at": [_next_after(s.cron, s.tz, after[s.name]) for s in given],
             }  # fmt: skip
             changed = {r[0] for r in conn.execute(_sync_statement(table), params)}
         if prune:

@@ -133,6 +133,24 @@ def test_sync_again_keeps_the_next_slot_and_a_pause_and_a_new_cron_moves_the_slo
     )  # fmt: skip
 
 
+def test_a_new_cron_synced_with_a_clock_before_the_last_fired_slot_never_fires_that_slot_again(
+    db: Engine,
+) -> None:
+    """A deploy's transaction that began before a slot syncs a changed cron after a worker fired that slot: the
+    schedule moves to the first slot after the fired one, not after the transaction's clock (a hostile review:
+    the slot fired twice, a second job with the same slot key)."""
+    sync_schedules(
+        db, JobSchedule, [Schedule("rep", "*/2 * * * * *", task="rep")], now=at("2024-06-01T12:00:01+00:00")
+    )
+    assert fire(db, "2024-06-01T12:00:02.5+00:00") == 1  # the 12:00:02 slot
+    every_second = Schedule("rep", "* * * * * *", task="rep")
+    assert sync_schedules(db, JobSchedule, [every_second], now=at("2024-06-01T12:00:01.5+00:00")) == ["rep"]
+    assert schedule_row(db, "rep").next_run_at == at("2024-06-01T12:00:03+00:00")
+    fire(db, "2024-06-01T12:00:03.5+00:00")
+    keys = [r.unique_key for r in fired(db)]
+    assert len(keys) == len(set(keys)) == 2, keys
+
+
 def test_sync_with_prune_deletes_schedules_no_longer_declared(db: Engine) -> None:
     a, b = Schedule("a", "* * * * *", task="t"), Schedule("b", "* * * * *", task="t")
     sync_schedules(db, JobSchedule, [a, b])
