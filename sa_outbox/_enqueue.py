@@ -21,7 +21,8 @@ its duplicates run at the same time — here ``Worker(…, unique_running=True)`
 
 The three rules, race-free across processes because the index decides:
 
-* ``skip``: ``ON CONFLICT DO NOTHING`` — the waiting job's row is neither written nor locked; its id is read
+* ``skip``: ``ON CONFLICT DO NOTHING`` — the waiting job's row is neither written nor locked (in a call that
+  also has replace or debounce rows: locked, see :func:`statement`); its id is read
   in the same statement. When the conflicting row committed after the statement's snapshot was taken (a
   concurrent enqueue of the same key) the statement cannot see it: :func:`write` then runs again for those
   rows only (a new snapshot in READ COMMITTED).
@@ -30,8 +31,8 @@ The three rules, race-free across processes because the index decides:
   call but never past the cap, so a key under constant traffic still runs at least every ``max_delay``
   (graphile-worker's debounce never fires under constant traffic). A job already past its cap stays due.
 
-Within one statement the keyed rows are written in key order, so concurrent batches lock their keys in the
-same order and cannot deadlock on each other.
+Within one statement the keyed rows are written in key order, in one ``INSERT`` (:func:`statement`), so
+concurrent batches take their keys in the same order and cannot deadlock on each other.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from sqlalchemy import (
     Integer,
     Table,
     Text,
+    all_,
     and_,
     any_,
     bindparam,
@@ -459,8 +461,12 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
     the column defaults). Rows come back as ``(id, unique_key, inserted)``.
 
     * plain rows only: one ``INSERT … RETURNING`` (ids in the given order, no ``ON CONFLICT``);
-    * otherwise a data-modifying CTE per rule over the rows of that rule — plain and skip rows share the
-      ``DO NOTHING`` one — plus, for skip rows, the waiting jobs they met, read through the unique index.
+    * otherwise a data-modifying CTE for the plain and skip rows (``DO NOTHING``) and one for the replace and
+      debounce rows (``DO UPDATE``) — plus, for skip rows, the waiting jobs they met, read through the unique
+      index. A shape with skip rows **and** replace or debounce rows writes every keyed row in the one
+      ``DO UPDATE`` (whose ``WHERE`` leaves a skip row's waiting job unwritten, though locked): each CTE takes
+      its keys in key order, but two of them would take a call's keys in two runs, and two calls meeting on
+      two keys deadlocked (a hostile review: 11 in 600 calls of skip/replace against replace/replace).
     """
     c = table.c
     u = _source(parts, optional)
@@ -471,10 +477,12 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
         )
     target = {"index_elements": [c.unique_key], "index_where": unique_waiting(table)}
     branches: list[Any] = []
-    if parts & {"plain", "skip"}:
-        mine = u.c.mode.in_([_word("plain"), _word("skip")])
+    updates = parts & {"replace", "debounce"}
+    one_pass = bool(updates) and "skip" in parts  # every keyed row in the DO UPDATE, in key order
+    if parts & {"plain", "skip"} and not (one_pass and "plain" not in parts):
+        mine = u.c.mode.in_([_word("plain")] if one_pass else [_word("plain"), _word("skip")])
         rows = _insert(table, u, optional, [mine], [u.c.unique_key.nulls_first(), u.c.ord])
-        if "skip" in parts:
+        if "skip" in parts and not one_pass:
             rows = rows.on_conflict_do_nothing(**target)
         kept = rows.returning(c.id, c.unique_key).cte("kept")
         branches.append(select(kept.c.id, kept.c.unique_key, literal_column("true", Boolean)))
@@ -482,16 +490,18 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
     # updater's lock in a new version's xmax) — the known way to tell the two apart before RETURNING OLD (PG 18);
     # tests/test_unique.py pins it, in the same transaction and across them.
     inserted = literal_column("xmax = 0", Boolean)
-    for rule in ("replace", "debounce"):
-        if rule not in parts:
-            continue
-        ins = _insert(table, u, optional, [u.c.mode == _word(rule)], [u.c.unique_key])
+    if updates:
+        # One upsert for the replace and the debounce rows together, in key order: two (one per rule) each
+        # locked their keys in order but not together, and two calls giving two keys opposite rules took them
+        # in opposite orders and deadlocked (a hostile review: 20 deadlocks in 473 calls).
+        keyed = [_word("replace"), _word("debounce"), *([_word("skip")] if one_pass else [])]
+        ins = _insert(table, u, optional, [u.c.mode.in_(keyed)], [u.c.unique_key])
         new = ins.excluded
         values: dict[str, Any] = {"payload": new.payload, "priority": new.priority, "run_at": new.run_at,
                                   "max_attempts": new.max_attempts, "headers": new.headers}  # fmt: skip
         if "concurrency_key" in optional:
             values["concurrency_key"] = new.concurrency_key
-        if rule == "debounce":
+        if "debounce" in parts:
             caps = (
                 func.unnest(
                     bindparam("j_cap_keys", type_=ARRAY(Text)), bindparam("j_caps", type_=ARRAY(Float))
@@ -505,11 +515,19 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
                 .where(caps.c.k == literal_column("excluded.unique_key", Text))
                 .scalar_subquery()
             )
+            # (a replace row's key is not among the caps: NULL, which least() ignores)
             values["run_at"] = func.least(new.run_at, c.created_at + cap)
+        # (a skip row that met its key's waiting job: locked, not written, not returned — the waiting branch
+        # below reads it, as after DO NOTHING)
+        not_skip = (
+            literal_column("excluded.unique_key", Text) != all_(bindparam("j_skip_keys", type_=ARRAY(Text)))
+            if one_pass
+            else None
+        )
         done = (
-            ins.on_conflict_do_update(**target, set_=values)
+            ins.on_conflict_do_update(**target, set_=values, where=not_skip)
             .returning(c.id, c.unique_key, inserted.label("inserted"))
-            .cte(f"{rule}d")
+            .cte("updated")
         )
         branches.append(select(done.c.id, done.c.unique_key, done.c.inserted))
     if "skip" in parts:

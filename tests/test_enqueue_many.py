@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import threading
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -210,3 +212,61 @@ def test_concurrency_keys_in_a_batch_and_with_a_unique_key(engine: Engine) -> No
         ):
             enqueue_many(s, Job, [{"task": "t", "payload": {}, "concurrency_key": "x" * 5000}])
     assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [
+        (("replace", "debounce"), ("debounce", "replace")),
+        (("replace", "skip"), ("replace", "replace")),
+        (("skip", "debounce"), ("replace", "skip")),
+    ],
+    ids=["replace-debounce", "skip-replace", "skip-debounce"],
+)
+def test_two_calls_giving_two_keys_other_rules_never_deadlock(
+    engine: Engine, mine: tuple[str, str], theirs: tuple[str, str]
+) -> None:
+    """Two callers enqueue the same two keys (x before y) at the same moment, each with its own rule per key:
+    the calls take the keys in one order, whatever rules they mix (a hostile review: a replace and a debounce
+    upsert each locked their keys in order but not together — 3 deadlocks in 300 calls; skip rows beside
+    replace rows, 11 in 600). Each key ends with one waiting job."""
+    rounds = 60
+    start = threading.Barrier(2, timeout=30)
+    deadlocks: list[str] = []
+
+    def call(rules: tuple[str, str]) -> None:
+        for i in range(rounds):
+            items = [
+                {
+                    "task": "t",
+                    "payload": {"i": i},
+                    "unique_key": f"{key}{i}",
+                    "on_conflict": rule,
+                    "debounce": 1,
+                }
+                if rule == "debounce"
+                else {"task": "t", "payload": {"i": i}, "unique_key": f"{key}{i}", "on_conflict": rule}
+                for key, rule in zip(("x", "y"), rules, strict=True)
+            ]
+            start.wait()
+            try:
+                with Session(engine) as s, s.begin():
+                    enqueue_many(s, Job, items)
+                    s.execute(
+                        text("SELECT pg_sleep(0.002)")
+                    )  # hold the keys a moment, as a caller's work does
+            except DBAPIError as exc:
+                if getattr(exc.orig, "sqlstate", None) != "40P01":
+                    raise
+                deadlocks.append(str(exc.orig))
+
+    threads = [threading.Thread(target=call, args=(rules,)) for rules in (mine, theirs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert deadlocks == []
+    with engine.connect() as conn:
+        per_key = conn.execute(text("SELECT unique_key, count(*) FROM jobs GROUP BY 1")).all()
+    assert len(per_key) == 2 * rounds and {n for _, n in per_key} == {1}
