@@ -14,6 +14,12 @@ Duration = timedelta | int | float
 __all__ = ["Duration", "parse_duration", "positive_int", "to_seconds", "to_timedelta"]
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+#: The longest duration any option takes: about 1,000 years. A time this far from now is still a timestamp
+#: Python can read back (a delay of 300,000,000 days made a job whose row no query could load), and any
+#: interval PostgreSQL can add to now().
+MAX_DAYS = 365_000
+_MAX_SECONDS = MAX_DAYS * 86400.0
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
 
@@ -28,6 +34,10 @@ def to_timedelta(value: Duration, *, name: str = "duration", allow_zero: bool = 
         raise ConfigurationError(f"{name} must be a finite duration, got {value!r}")
     if seconds < 0 or (seconds == 0 and not allow_zero):
         raise ConfigurationError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, got {seconds:g}")
+    if seconds > _MAX_SECONDS:
+        raise ConfigurationError(
+            f"{name} must be at most {MAX_DAYS:,} days (about 1,000 years), got {seconds:g} seconds"
+        )
     return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
@@ -43,7 +53,10 @@ def parse_duration(text: str) -> timedelta:
             f"invalid duration {text!r}: use seconds or a number with a unit (90, 30s, 5m, 3h, 7d)"
         )
     number, unit = match.groups()
-    return timedelta(seconds=float(number) * _UNITS[unit or "s"])
+    seconds = float(number) * _UNITS[unit or "s"]
+    if seconds > _MAX_SECONDS:
+        raise ConfigurationError(f"invalid duration {text!r}: at most {MAX_DAYS:,} days (about 1,000 years)")
+    return timedelta(seconds=seconds)
 
 
 def positive_int(value: object, name: str) -> int:

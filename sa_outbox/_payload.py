@@ -103,6 +103,19 @@ _CONVERTING = json.JSONEncoder(default=_default, allow_nan=False, separators=(",
 # A NUL character is encoded as \u0000 after an even number of backslashes (0, 2, …); the text "\u0000" is
 # encoded as \\u0000 (the backslash escaped), which is ordinary text.
 _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# In the encoded text: an escaped backslash, a surrogate pair, or a surrogate escape on its own (a lone one,
+# which Python strings may hold and jsonb refuses).
+_SURROGATES = re.compile(r"\\\\|\\u(?:d[89ab][0-9a-f]{2})\\u(?:d[c-f][0-9a-f]{2})|\\u(d[89a-f][0-9a-f]{2})")
+
+
+def _lone_surrogate(encoded: str) -> str | None:
+    """The first lone surrogate escaped in ``encoded`` (its hex digits), or None."""
+    for found in _SURROGATES.finditer(encoded):
+        if found.group(1):
+            return found.group(1)
+    return None
+
+
 _UNORDERABLE = re.compile(r"'<' not supported between instances of '(\w+)' and '(\w+)'")
 
 
@@ -131,6 +144,11 @@ def encode_payload(
         raise PayloadError(f"{describe(what)}: payload refused: {exc}") from None
     except TypeError as exc:  # dict keys of an unsupported type, or of types that could collide
         raise PayloadError(f"{describe(what)}: payload refused: {_key_problem(exc)}") from None
+    if "\\ud" in encoded and _lone_surrogate(encoded):
+        raise PayloadError(
+            f"{describe(what)}: payload refused: a lone surrogate character (\\u{_lone_surrogate(encoded)}) is "
+            "not valid Unicode and cannot be stored in jsonb"
+        )
     if "\\u0000" in encoded and _NUL.search(encoded):
         raise PayloadError(
             f"{describe(what)}: payload refused: the NUL character (\\u0000) cannot be stored in jsonb"
@@ -183,7 +201,7 @@ def check_payload(
 
 def require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
     """``value`` as non-empty text without NUL (an int is taken as its decimal text), or PayloadError."""
-    if type(value) is str and value and not value.isspace() and "\x00" not in value:
+    if type(value) is str and value and not value.isspace() and "\x00" not in value and value.isascii():
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
@@ -191,6 +209,20 @@ def require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
         raise PayloadError(f"{describe(what)}: {name} must be a non-empty string, got {value!r}")
     if "\x00" in value:
         raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
+    return check_encodable(value, what, name)
+
+
+def check_encodable(value: str, what: str | Callable[[], str], name: str) -> str:
+    """``value`` if it is text PostgreSQL can store (no NUL, valid Unicode: no lone surrogate), or
+    PayloadError."""
+    if "\x00" in value:
+        raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PayloadError(
+            f"{describe(what)}: {name} is not valid Unicode ({exc.reason} at character {exc.start})"
+        ) from None
     return value
 
 
@@ -409,7 +441,10 @@ def check_headers(
                 f"{describe(what)}: the value of header {name!r} contains a control character (only TAB is "
                 "allowed: CR/LF would split a header line and NUL cannot be stored)"
             )
-        size += len(name) + (len(value) if value.isascii() else len(value.encode()))
+        if value.isascii():
+            size += len(name) + len(value)
+        else:
+            size += len(name) + len(check_encodable(value, what, f"the value of header {name!r}").encode())
     if size > max_bytes:
         raise PayloadError(
             f"{describe(what)}: headers are {size} bytes (names and values, UTF-8), over the limit of "

@@ -94,6 +94,7 @@ from ._enqueue import NOTIFY_SQL, Enqueued, OnConflict
 from ._execute import run
 from ._names import channel_for
 from ._payload import (
+    check_encodable,
     check_headers,
     check_index_entries,
     check_int,
@@ -489,6 +490,7 @@ def _validate_event(ev: _Event, context: Mapping[str, str]) -> tuple[str, str | 
         and 0 < len(atype) + len(aid) + len(etype) <= index_safe_chars(table)
         and atype and aid and etype and not (atype.isspace() or aid.isspace() or etype.isspace())
         and "\x00" not in atype and "\x00" not in aid and "\x00" not in etype
+        and atype.isascii() and aid.isascii() and etype.isascii()  # (other text: require_text checks it is UTF-8)
     ):  # fmt: skip
         what = functools.partial(_what_event, etype, atype, aid)
         payload, encoded = check_payload(given, what=what, max_bytes=model.sa_outbox_max_payload_bytes)
@@ -555,6 +557,11 @@ def _checked_job(
     what = f"job {task!r:.80} on queue {queue!r:.80}"
     out["task"] = require_text(task, what, "task")
     out["queue"] = require_text("default" if queue is None else queue, what, "queue")
+    group = values.get("concurrency_key")
+    if group is not None:
+        if not isinstance(group, str):
+            raise PayloadError(f"{what}: concurrency_key must be a string, got {group!r:.80}")
+        check_encodable(group, what, "concurrency_key")
     if sum(len(v) for v in out.values() if type(v) is str) > index_safe_chars(table):  # else: fits, surely
         check_index_entries(table, out, what=what)
     for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
@@ -1451,7 +1458,7 @@ def enqueue(
     if concurrency_key is not None:
         if not isinstance(concurrency_key, str):
             raise PayloadError(f"job {task!r}: concurrency_key must be a string, got {concurrency_key!r}")
-        values["concurrency_key"] = concurrency_key
+        values["concurrency_key"] = check_encodable(concurrency_key, f"job {task!r:.80}", "concurrency_key")
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:

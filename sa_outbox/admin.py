@@ -290,7 +290,9 @@ def update_jobs(
             raise ConfigurationError(f"priority must be a 32-bit integer, got {priority!r}")
         values["priority"] = priority
     if max_attempts is not None:
-        values["max_attempts"] = positive_int(max_attempts, "max_attempts")
+        if positive_int(max_attempts, "max_attempts") >= 2**31:
+            raise ConfigurationError(f"max_attempts must be a 32-bit integer, got {max_attempts!r}")
+        values["max_attempts"] = max_attempts
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import signal
 import threading
 import time
@@ -9,13 +10,24 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, MetaData, create_engine
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import DeclarativeBase, Session
 
-from sa_outbox import ConfigurationError, Dispatcher, OutboxMixin, SchemaError, Worker
+from sa_outbox import (
+    ConfigurationError,
+    Dispatcher,
+    OutboxMixin,
+    PayloadError,
+    SchemaError,
+    Worker,
+    enqueue,
+    enqueue_many,
+)
 from sa_outbox._cli import main
+from sa_outbox.admin import update_jobs
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
+from .conftest import count_rows
 from .helpers import row, seed_jobs
 
 
@@ -165,3 +177,99 @@ def test_a_handler_returning_an_awaitable_is_never_marked_done(engine: Engine) -
     assert r.status == "queued" and r.attempts == 1
     assert "returned an awaitable" in r.last_error and "AsyncWorker" in r.last_error
     w.close()
+
+
+# --- text and numbers the database cannot hold (a hostile review: raw DataError / OverflowError) -----------
+
+LONE = "broken \ud83d emoji"  # half a surrogate pair: a Python str may hold it, UTF-8 and jsonb cannot
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: enqueue(s, Job, "t", {"text": LONE}), r"payload refused: a lone surrogate character \(\\ud83d\)"),
+        (lambda s: enqueue(s, Job, "t", {LONE: 1}), r"lone surrogate character \(\\ud83d\)"),
+        (lambda s: enqueue_many(s, Job, [("t", {"a": [LONE]})]), r"jobs\[0\].*lone surrogate"),
+        (lambda s: enqueue_many(s, Job, [{"task": "t", "payload": {}, "concurrency_key": "a\x00b"}]),
+         r"jobs\[0\].*concurrency_key contains a NUL character"),
+        (lambda s: enqueue_many(s, Job, [{"task": "t", "payload": {}, "concurrency_key": LONE}]),
+         r"concurrency_key is not valid Unicode"),
+        (lambda s: enqueue(s, Job, LONE, {}), "task is not valid Unicode"),
+        (lambda s: enqueue(s, Job, "t", {}, concurrency_key="a\x00b"), "concurrency_key contains a NUL"),
+        (lambda s: s.add(Job(task="t", payload={}, concurrency_key=LONE)), "concurrency_key is not valid Unicode"),
+        (lambda s: enqueue(s, Job, "t", {}, headers={"x-note": LONE}), "x-note.*is not valid Unicode"),
+        (lambda s: s.add(OutboxEvent(aggregate_type="a", aggregate_id=LONE, event_type="E", payload={})),
+         "aggregate_id is not valid Unicode"),
+        (lambda s: s.add(OutboxEvent(aggregate_type="a", aggregate_id="1", event_type="E", payload={"x": LONE})),
+         "lone surrogate"),
+    ],
+    ids=["payload", "payload-key", "bulk-payload", "concurrency-key-nul", "concurrency-key", "task",
+         "enqueue-concurrency-key-nul", "orm-concurrency-key", "header",
+         "aggregate-id", "event-payload"],
+)  # fmt: skip
+def test_text_that_is_not_valid_unicode_is_refused_before_any_sql(
+    engine: Engine, call: Any, message: str
+) -> None:
+    with Session(engine) as s, pytest.raises(PayloadError, match=message), s.begin():
+        call(s)
+        s.flush()
+    assert count_rows(engine, "jobs") == count_rows(engine, "outbox") == 0
+
+
+def test_a_payload_with_a_surrogate_pair_or_escaped_text_is_kept() -> None:
+    """The check refuses only a lone surrogate: a whole pair (an emoji), the text "\\ud83d" itself (escaped
+    backslash) and other escapes pass."""
+    from sa_outbox._payload import encode_payload
+
+    for fine in ({"e": "ok \U0001f600"}, {"e": "\\ud83d"}, {"e": "\\\\\ud83d\ude00"}, {"e": "\u00e9\u2028"}):
+        encode_payload(fine, what="p")
+    with pytest.raises(PayloadError, match="lone surrogate"):
+        encode_payload({"e": "\\\ud83d"}, what="p")  # a backslash, then a lone surrogate
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: enqueue(s, Job, "t", {}, run_at=dt.timedelta(days=10**8)),
+        lambda s: enqueue(s, Job, "t", {}, run_at=1e300),
+        lambda s: enqueue_many(s, Job, [{"task": "t", "payload": {}, "run_at": 1e300}]),
+        lambda s: enqueue_many(s, Job, [{"task": "t", "payload": {}, "unique_key": "k", "on_conflict": "debounce",
+                                         "debounce": 1, "max_delay": 1e300}]),
+    ],
+    ids=["timedelta", "seconds", "bulk", "max-delay"],
+)  # fmt: skip
+def test_a_delay_beyond_a_thousand_years_is_refused_before_any_sql(engine: Engine, call: Any) -> None:
+    with (
+        Session(engine) as s,
+        pytest.raises((ConfigurationError, PayloadError), match=r"at most 365,000 days"),
+        s.begin(),
+    ):
+        call(s)
+        s.flush()
+    assert count_rows(engine, "jobs") == 0
+
+
+def test_update_jobs_refuses_max_attempts_beyond_the_column(engine: Engine) -> None:
+    seed_jobs(engine, 1)
+    with pytest.raises(ConfigurationError, match="max_attempts must be a 32-bit integer"):
+        update_jobs(engine, Job, ids=[1], max_attempts=2**31)
+    assert row(engine, "jobs", 1).max_attempts == 10
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["jobs", "update", "--all", "--run-in", "99999999999d"],
+        ["purge", "--older-than", "99999999999d"],
+        ["dead", "retry", "--jobs", "--all", "--older-than", "300000000d"],
+        ["status", "--stale-after", "99999999999d"],
+    ],
+)
+def test_the_cli_refuses_a_huge_duration_in_one_line(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--url", "postgresql+psycopg://nobody@127.0.0.1:1/none"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "at most 365,000 days (about 1,000 years)" in err and "Traceback" not in err
