@@ -26,7 +26,7 @@ The three rules, race-free across processes because the index decides:
   in the same statement. When the conflicting row committed after the statement's snapshot was taken (a
   concurrent enqueue of the same key) the statement cannot see it: :func:`write` then runs again for those
   rows only (a new snapshot in READ COMMITTED).
-* ``replace``: ``ON CONFLICT DO UPDATE`` of payload, run_at, priority, max_attempts and headers.
+* ``replace``: ``ON CONFLICT DO UPDATE`` of task, queue, payload, run_at, priority, max_attempts and headers.
 * ``debounce``: the same, with ``run_at = least(now() + debounce, created_at + max_delay)`` — pushed by every
   call but never past the cap, so a key under constant traffic still runs at least every ``max_delay``
   (graphile-worker's debounce never fires under constant traffic). A job already past its cap stays due.
@@ -500,8 +500,11 @@ def statement(table: Table, parts: frozenset[str], optional: frozenset[str]) -> 
         keyed = [_word("replace"), _word("debounce"), *([_word("skip")] if one_pass else [])]
         ins = _insert(table, u, optional, [u.c.mode.in_(keyed)], [u.c.unique_key])
         new = ins.excluded
-        values: dict[str, Any] = {"payload": new.payload, "priority": new.priority, "run_at": new.run_at,
-                                  "max_attempts": new.max_attempts, "headers": new.headers}  # fmt: skip
+        # The task and the queue too: the waiting job becomes the job this call describes (a key reused for
+        # another task kept the old task with the new payload: one task's payload run by another's handler).
+        values: dict[str, Any] = {"task": new.task, "queue": new.queue, "payload": new.payload,
+                                  "priority": new.priority, "run_at": new.run_at, "max_attempts": new.max_attempts,
+                                  "headers": new.headers}  # fmt: skip
         if "concurrency_key" in optional:
             values["concurrency_key"] = new.concurrency_key
         if "debounce" in parts:

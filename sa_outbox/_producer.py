@@ -1419,7 +1419,7 @@ def enqueue(
     ``inserted`` it. When the key already has a job that has not started (queued, never claimed):
 
     * ``on_conflict="skip"`` (the default): nothing is written; ``.id`` is that job's;
-    * ``"replace"``: its payload, run_at, priority, max_attempts and headers become this call's;
+    * ``"replace"``: its task, queue, payload, run_at, priority, max_attempts and headers become this call's;
     * ``"debounce"``: the same, and ``run_at`` becomes ``now() + debounce`` — but never later than
       ``created_at + max_delay`` (default: ten debounces), so a key under constant traffic still runs at
       least every ``max_delay``. A first call runs ``debounce`` after it.

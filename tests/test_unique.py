@@ -127,6 +127,22 @@ def test_replace_updates_payload_run_at_and_priority_of_the_queued_job(engine: E
     assert (row.payload, row.priority, row.run_at, row.headers) == ({"v": 2}, 5, later, {"x-why": "again"})
 
 
+@pytest.mark.parametrize("rule", ["replace", "debounce"])
+def test_a_key_reused_for_another_task_and_queue_becomes_that_job(engine: Engine, rule: str) -> None:
+    """The waiting job takes the call's task and queue with its payload: it kept the old task with the new
+    payload before (a hostile review: task B's payload would run under task A's handler)."""
+    extra: dict[str, Any] = {"debounce": 10} if rule == "debounce" else {}
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "export_csv", {"rows": 10}, unique_key="k", on_conflict=rule, **extra)
+    with Session(engine) as s, s.begin():
+        got = enqueue(
+            s, Job, "export_pdf", {"pages": 3}, unique_key="k", on_conflict=rule, queue="pdf", **extra
+        )
+    assert got == Enqueued(id=1, inserted=False)
+    [row] = jobs(engine)
+    assert (row.task, row.queue, row.payload) == ("export_pdf", "pdf", {"pages": 3})
+
+
 def test_debounce_pushes_run_at_but_never_past_created_at_plus_max_delay(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         enqueue(s, Job, "t", {}, unique_key="other", on_conflict="debounce", debounce=60, max_delay=60)
