@@ -669,6 +669,45 @@ def test_redis_publish_through_a_frozen_connection_returns_within_its_timeout(
     assert frozen.bounded()
 
 
+def test_redis_that_answers_nothing_is_destination_unavailable_not_a_failed_message(
+    proxy_to: Callable[[int], TcpProxy], private_redis: Callable[..., PrivateRedis]
+) -> None:
+    """A hung Redis (a frozen proxy in front of it: connections open, no reply) timed every XADD out as a
+    RetryableError, so an outage spent attempts and sent messages to dead (a hostile review). A PING after the
+    timeout that gets no answer either makes it DestinationUnavailable; a write that times out on a server
+    that still answers (writes paused, as during a failover) stays a failure of the command."""
+    import redis
+
+    from sa_outbox.publishers.redis import RedisStreamPublisher
+
+    proxy = proxy_to(REDIS_PORT)
+    pub = RedisStreamPublisher(f"redis://127.0.0.1:{proxy.port}/0", stream=f"sa_outbox_test:{uuid.uuid4().hex[:8]}",
+                               timeout=0.5)  # fmt: skip
+    try:
+        assert pub.publish_many([msg(1)]) == [None]
+        proxy.freeze()
+        single = raised(lambda: pub.publish(msg(2)))
+        batch = pub.publish_many([msg(3), msg(4)])
+        assert type(single) is DestinationUnavailable and "PING got no answer" in str(single)
+        assert kinds(batch) == ["DestinationUnavailable"] * 2
+        proxy.thaw()
+        proxy.cut()
+        assert pub.publish_many([msg(5)]) == [None]
+    finally:
+        pub.close()
+        redis.Redis(port=REDIS_PORT).delete(pub.stream)  # type: ignore[arg-type]
+    server = private_redis()
+    client = redis.Redis.from_url(server.url)
+    paused = RedisStreamPublisher(server.url, stream="s", timeout=0.5)
+    try:
+        client.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+        slow = raised(lambda: paused.publish(msg(6)))
+        assert isinstance(slow, RetryableError) and not isinstance(slow, DestinationUnavailable), slow
+    finally:
+        paused.close()
+        client.close()
+
+
 # --- NATS JetStream: a private server with a small max_payload --------------------------------------------
 
 

@@ -16,7 +16,10 @@ server-side de-duplication: consumers de-duplicate by the ``message_id`` field (
   failover: the pool's connections are dropped so that the next call connects afresh), ``MISCONF`` (the last
   background save failed), ``BUSY`` (a script runs too long), ``LOADING``, ``MASTERDOWN``, ``CLUSTERDOWN``.
   A ``publish_many`` that cannot reach the server returns it for every message.
-* :class:`~sa_outbox.RetryableError` — this command failed: a read timeout, ``TRYAGAIN``, a garbled reply.
+  A read timeout is one too when a ``PING`` right after it gets no answer either (a hung server, or a frozen
+  proxy in front of it, still accepts connections).
+* :class:`~sa_outbox.RetryableError` — this command failed: a read timeout the server answers ``PING`` after,
+  ``TRYAGAIN``, a garbled reply.
 * :class:`~sa_outbox.PermanentError` — any other error reply (``WRONGTYPE`` on the stream key, ``NOPERM``,
   a syntax error): retrying the same command cannot succeed.
 
@@ -157,7 +160,17 @@ class RedisStreamPublisher:
     def _failure(self, exc: Exception) -> BaseException:
         if _reply_code(exc) == "READONLY":  # a demoted master: let the next call connect afresh (DNS, VIP)
             self.client.connection_pool.disconnect()
-        return classify_redis_error(exc)
+        failure = classify_redis_error(exc)
+        if isinstance(exc, rex.TimeoutError) and not isinstance(failure, DestinationUnavailable):
+            # A reply that never came: this command was slow, or the server answers nothing at all (hung,
+            # stopped, a frozen proxy in front of it — the connection still opens). PING tells them apart; a
+            # server that does not answer it either is down for every message, and spending this one's
+            # attempts on it would send messages to dead for an outage.
+            try:
+                self.client.ping()
+            except rex.RedisError as again:
+                return DestinationUnavailable(f"redis unavailable: {exc}; PING got no answer either: {again}")
+        return failure
 
     def publish(self, message: Message) -> None:
         """``XADD`` one message; raises its failure class (see the module docs)."""
