@@ -256,6 +256,8 @@ class TcpProxy:
     * ``freeze()``: no byte moves in either direction; connections (and new ones) stay open — a hung peer.
     * ``cut()``: every current connection is reset — a broker restart or a network drop.
     * ``refuse()`` / ``accept()``: stop / start listening — connections are refused meanwhile.
+    * ``gate(i, to_server=…, to_client=…)``: hold (False) or let flow (True) one direction of the ``i``-th
+      connection accepted, the others untouched.
     """
 
     def __init__(self, target: int) -> None:
@@ -266,6 +268,9 @@ class TcpProxy:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
+        self._gates: list[
+            tuple[threading.Event, threading.Event]
+        ] = []  # per connection: to server, to client
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self.accept()
@@ -290,6 +295,11 @@ class TcpProxy:
             listener.close()
         if self._acceptor is not None:
             self._acceptor.join(5)
+
+    def gate(self, i: int, *, to_server: bool | None = None, to_client: bool | None = None) -> None:
+        for event, flowing in zip(self._gates[i], (to_server, to_client), strict=True):
+            if flowing is not None:
+                event.set() if flowing else event.clear()
 
     def freeze(self) -> None:
         self._flowing.clear()
@@ -325,12 +335,16 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            gates = (threading.Event(), threading.Event())
+            for g in gates:
+                g.set()
             with self._lock:
                 self._conns += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+                self._gates.append(gates)
+            for src, dst, own in ((client, upstream, gates[0]), (upstream, client, gates[1])):
+                threading.Thread(target=self._pump, args=(src, dst, own), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, own: threading.Event) -> None:
         src.settimeout(0.1)
         try:
             while not self._closed.is_set():
@@ -341,8 +355,9 @@ class TcpProxy:
                     continue
                 if not data:
                     break
-                while not self._flowing.is_set() and not self._closed.is_set():
+                while not (self._flowing.is_set() and own.is_set()) and not self._closed.is_set():
                     self._flowing.wait(0.1)  # frozen: hold what was read, send nothing
+                    own.wait(0.1)
                 dst.sendall(data)
         except OSError:
             pass

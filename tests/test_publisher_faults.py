@@ -395,6 +395,45 @@ def test_rabbitmq_publish_through_a_frozen_connection_returns_within_its_timeout
     assert frozen.bounded()
 
 
+def test_rabbitmq_a_late_confirm_on_a_dropped_connection_never_confirms_a_message_of_the_next_one(
+    proxy_to: Callable[[int], TcpProxy], shared_queue: str
+) -> None:
+    """A publish times out with its confirms held back; the publisher drops that connection (its close still
+    pending) and opens another, where a message is confirmed (delivery tag 1) and the next one (tag 2) never
+    reaches the broker. Then the first connection's late confirms arrive: they must not settle the lost one.
+    Matched by channel number only, they did — reported delivered, never on the queue (a hostile review)."""
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    proxy = proxy_to(AMQP_PORT)
+    pub = RabbitMQPublisher(
+        f"amqp://guest:guest@127.0.0.1:{proxy.port}/%2F", routing_key=shared_queue, timeout=1
+    )
+    try:
+        assert pub.publish_many([msg(1)]) == [None]  # connection 0, tag 1
+        proxy.gate(0, to_client=False)  # connection 0: the broker's confirms held back
+        assert kinds(pub.publish_many([msg(2), msg(3), msg(4)])) == ["RetryableError"] * 3
+        assert pub.publish_many([msg(5)]) == [None]  # connection 1, tag 1
+        proxy.gate(1, to_server=False, to_client=False)  # connection 1 hung: the next message goes nowhere
+        result: list[Any] = []
+        lost = threading.Thread(target=lambda: result.extend(pub.publish_many([msg(6)])))
+        lost.start()
+        time.sleep(0.3)
+        proxy.gate(0, to_client=True)  # connection 0's late confirms (tags 1-4) arrive now
+        lost.join(10)
+        assert kinds(result) == ["RetryableError"], result
+    finally:
+        proxy.cut()  # (a hung connection is never closed: reset them all, as a broker restart would)
+        proxy.gate(1, to_server=True, to_client=True)  # (what it held goes nowhere now)
+        pub.close()
+    conn = pika.BlockingConnection(pika.URLParameters(SHARED_AMQP))
+    channel = conn.channel()
+    seen = []
+    while (got := channel.basic_get(shared_queue, auto_ack=True))[0] is not None:
+        seen.append(got[1].message_id)
+    conn.close()
+    assert "6" not in seen and {"1", "5"} <= set(seen), seen
+
+
 def test_rabbitmq_refused_and_lost_connections_are_destination_unavailable(
     proxy_to: Callable[[int], TcpProxy], shared_queue: str
 ) -> None:

@@ -267,8 +267,14 @@ class RabbitMQPublisher(AmqpRouting):
             return
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
+        # Each channel's confirms go to a callback bound to that channel object: a confirm is one of the
+        # current channel's only if it came on that very channel. Checked by channel *number* (1 on every
+        # connection), a late ack on a connection dropped after a timeout confirmed the message with the same
+        # delivery tag on the next connection — one that never reached the broker (a hostile review: reported
+        # delivered, never on the queue).
         channel.confirm_delivery(
-            ack_nack_callback=self._on_confirm, callback=lambda _: self._on_ready(channel)
+            ack_nack_callback=lambda frame: self._on_confirm(channel, frame),
+            callback=lambda _: self._on_ready(channel),
         )
 
     def _on_ready(self, channel: Any) -> None:
@@ -306,10 +312,10 @@ class RabbitMQPublisher(AmqpRouting):
         if channel is self._channel and tags:
             self._returned.add(tags[0])
 
-    def _on_confirm(self, frame: Any) -> None:
+    def _on_confirm(self, channel: Any, frame: Any) -> None:
         method = frame.method
-        if frame.channel_number != getattr(self._channel, "channel_number", None):
-            return
+        if channel is not self._channel:
+            return  # a confirm of a channel (or connection) this publisher has given up on
         acked = isinstance(method, pika.spec.Basic.Ack)
         tags = [method.delivery_tag]
         if method.multiple:  # every tag up to this one; _inflight holds tags in increasing order
