@@ -1171,3 +1171,57 @@ def test_rabbitmq_a_failing_routing_key_callable_fails_only_its_message(shared_q
         pub.close()
     assert kinds(results) == ["ok", "ZeroDivisionError", "ok"]
     assert _queue_ids(SHARED_AMQP, shared_queue) == ["1", "3"]
+
+
+# --- a message whose content the broker or its client refuses: that message is permanent -------------------
+
+
+def test_a_message_a_broker_refuses_for_its_content_is_permanent_and_the_batch_goes_on(
+    shared_queue: str, shared_stream: str
+) -> None:
+    """An event type of 300 characters (an AMQP routing key and type property hold 255 bytes), a control
+    character in an MQTT topic or MQTT v5 user property (Mosquitto drops the connection), a space in a NATS
+    subject: the same message fails at every try, whatever the broker's health. Reported as a lost connection
+    (DestinationUnavailable), it was refunded at every try and the circuit's probe took it again, so one such
+    message stopped every dispatcher for good (a hostile review: 13 of 6,601 delivered in 120 s). Each is now
+    a PermanentError naming what is wrong, and the rest of the batch is delivered."""
+    from sa_outbox.publishers.aio_rabbitmq import AsyncRabbitMQPublisher
+    from sa_outbox.publishers.mqtt import MQTTPublisher
+    from sa_outbox.publishers.nats import NatsPublisher
+    from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
+
+    long_type = "order." + "x" * 300
+    cases: list[tuple[str, Any, Message, str]] = [
+        ("rabbitmq", RabbitMQPublisher(SHARED_AMQP, timeout=3), msg(1, event_type=long_type), "routing key"),
+        ("rabbitmq key", RabbitMQPublisher(SHARED_AMQP, routing_key=shared_queue, timeout=3),
+         msg(2, event_type=long_type), "type property"),
+        ("mqtt topic", MQTTPublisher("127.0.0.1", MQTT_PORT, topic_prefix="sa_outbox_poison", timeout=3),
+         msg(3, event_type="order\x01placed"), "topic"),
+        ("mqtt v5 header", MQTTPublisher("127.0.0.1", MQTT_PORT, topic_prefix="sa_outbox_poison", timeout=3,
+                                         protocol="5"),
+         Message(4, "4", "order", "4", "x", {}, 1, 1, datetime.now(UTC), {"x-note": "a\tb"}), "header 'x-note'"),
+        ("nats", NatsPublisher(f"nats://127.0.0.1:{NATS_PORT}", subject_prefix=shared_stream, timeout=3),
+         msg(5, event_type="order placed"), "NATS subject"),
+    ]  # fmt: skip
+    for name, pub, poison, what in cases:
+        try:
+            good = msg(10, event_type=shared_queue if name == "rabbitmq" else "ok")
+            results = pub.publish_many([poison, good])
+            assert isinstance(results[0], PermanentError) and what in str(results[0]), (name, results)
+            assert results[1] is None, (name, results)
+            assert isinstance(raised(lambda pub=pub, poison=poison: pub.publish(poison)), PermanentError), (
+                name
+            )
+        finally:
+            pub.close()
+
+    async def aio() -> list[BaseException | None]:
+        pub = AsyncRabbitMQPublisher(SHARED_AMQP, timeout=3)
+        try:
+            return await pub.publish_many([msg(6, event_type=long_type), msg(7, event_type=shared_queue)])
+        finally:
+            await pub.close()
+
+    results = asyncio.run(aio())
+    assert isinstance(results[0], PermanentError) and "AMQP carries at most 255" in str(results[0])
+    assert results[1] is None

@@ -178,6 +178,19 @@ def missing_extra(extra: str, exc: ImportError) -> NoReturn:
     ) from exc
 
 
+def _short_string(message: Message, what: str, text: str) -> None:
+    """PermanentError naming ``what`` when ``text`` is longer than an AMQP short string (255 bytes of UTF-8):
+    the client refuses to encode the frame, for that message at every try — and reported as a lost connection,
+    it held the publisher's circuit open for good (a hostile review: an event type of 300 characters)."""
+    if len(text) > 63 and len(text.encode()) > 255:
+        from ..errors import PermanentError
+
+        raise PermanentError(
+            f"message {message.message_id}: the {what} is {len(text.encode())} bytes; AMQP carries at most 255 "
+            f"({text[:60]!r}…)"
+        )
+
+
 class AmqpRouting:
     """Where an AMQP publisher (pika or aio-pika) sends a message, what an unroutable one means, and what the
     message looks like: the JSON envelope, or a binary-mode CloudEvent per the CloudEvents RabbitMQ protocol
@@ -207,8 +220,11 @@ class AmqpRouting:
 
     def _key(self, message: Message) -> str:
         if self.routing_key is None:
-            return message.event_type
-        return self.routing_key(message) if callable(self.routing_key) else self.routing_key
+            key = message.event_type
+        else:
+            key = self.routing_key(message) if callable(self.routing_key) else self.routing_key
+        _short_string(message, "routing key", key)
+        return key
 
     def messaging_destination(self, message: Message) -> str:
         """``messaging.destination.name`` of the publish span: the exchange (``amq.default`` for the default)."""
@@ -218,6 +234,9 @@ class AmqpRouting:
         """Body, headers and content type of the AMQP message: the message's headers, then (CloudEvents) the
         ``ce-*`` attributes, then the publisher's own metadata headers."""
         headers = outgoing_headers(message)
+        _short_string(message, "event type (the message's type property)", message.event_type)
+        for name in headers:
+            _short_string(message, "header name", name)
         if not self.envelope.cloudevents:
             return envelope_json(message), {**headers, **headers_for(message)}, "application/json"
         attributes = self.envelope.ce_attributes(message)

@@ -26,6 +26,7 @@ which ``traceparent``/``tracestate`` are — a message with another header fails
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -56,6 +57,22 @@ __all__ = ["MQTTPublisher"]
 
 
 _PROTOCOLS = {"3.1.1": MQTTProtocolVersion.MQTTv311, "5": MQTTProtocolVersion.MQTTv5}
+
+
+#: Characters an MQTT string must not (U+0000) or should not (the other C0 and the C1 controls) hold; Mosquitto
+#: drops the connection of a client that sends one — for every message of the batch, again at each retry: as a
+#: destination "unavailable", that message held the circuit open for good (a hostile review).
+_MQTT_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _check_text(message: Message, what: str, text: str) -> None:
+    """PermanentError naming ``what`` when ``text`` (a topic, a v5 user property) holds a control character."""
+    found = _MQTT_CONTROL.search(text)
+    if found is not None:
+        raise PermanentError(
+            f"message {message.message_id}: the {what} holds the control character {found.group()!r}, which "
+            "MQTT strings may not carry (brokers drop the connection)"
+        )
 
 
 class MQTTPublisher:
@@ -163,11 +180,16 @@ class MQTTPublisher:
         for i, m in enumerate(messages):
             try:
                 body, properties = self._frame(m)
-            except PermanentError as exc:  # a header a structured CloudEvent cannot carry
+                topic = self.topic(m)
+                _check_text(m, "topic", topic)
+            except PermanentError as exc:  # a header a structured CloudEvent cannot carry, a control character
+                results[i] = exc
+                continue
+            except Exception as exc:  # a bug in the user's topic callable: that message's own failure
                 results[i] = exc
                 continue
             try:
-                info = client.publish(self.topic(m), body, qos=self.qos, properties=properties)
+                info = client.publish(topic, body, qos=self.qos, properties=properties)
             except ValueError as exc:  # a topic MQTT refuses (wildcards, empty, too long)
                 results[i] = PermanentError(f"invalid MQTT topic for message {m.message_id}: {exc}")
                 continue
@@ -214,12 +236,16 @@ class MQTTPublisher:
             body["headers"] = headers
             return json.dumps(body, separators=(",", ":")).encode(), None
         props: Any = cast(Any, Properties)(PacketTypes.PUBLISH)
+        for name, value in headers.items():
+            _check_text(message, f"header {name!r}", value)
         if not self.envelope.cloudevents:
             props.ContentType = "application/json"
             if headers:
                 props.UserProperty = list(headers.items())
             return envelope_json(message), props
         attributes = self.envelope.ce_attributes(message)
+        for name, value in attributes.items():
+            _check_text(message, f"CloudEvents attribute {name!r}", str(value))
         props.ContentType = attributes.pop("datacontenttype")
         clash = sorted(set(headers) & set(attributes))
         if clash:
