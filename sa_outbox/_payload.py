@@ -144,6 +144,10 @@ def encode_payload(
         raise PayloadError(f"{describe(what)}: payload refused: {exc}") from None
     except TypeError as exc:  # dict keys of an unsupported type, or of types that could collide
         raise PayloadError(f"{describe(what)}: payload refused: {_key_problem(exc)}") from None
+    except RecursionError:
+        raise PayloadError(
+            f"{describe(what)}: payload refused: nested too deeply to encode (thousands of levels)"
+        ) from None
     if "\\ud" in encoded and _lone_surrogate(encoded):
         raise PayloadError(
             f"{describe(what)}: payload refused: a lone surrogate character (\\u{_lone_surrogate(encoded)}) is "

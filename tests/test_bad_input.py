@@ -216,6 +216,18 @@ def test_text_that_is_not_valid_unicode_is_refused_before_any_sql(
     assert count_rows(engine, "jobs") == count_rows(engine, "outbox") == 0
 
 
+def test_a_payload_nested_thousands_of_levels_deep_is_a_payload_error(engine: Engine) -> None:
+    deep: Any = {}
+    for _ in range(5000):
+        deep = {"x": deep}
+    for call in (lambda s: enqueue(s, Job, "t", deep), lambda s: s.add(OutboxEvent(
+            aggregate_type="a", aggregate_id="1", event_type="E", payload=[deep]))):  # fmt: skip
+        with Session(engine) as s, pytest.raises(PayloadError, match="nested too deeply"), s.begin():
+            call(s)
+            s.flush()
+    assert count_rows(engine, "jobs") == count_rows(engine, "outbox") == 0
+
+
 def test_a_payload_with_a_surrogate_pair_or_escaped_text_is_kept() -> None:
     """The check refuses only a lone surrogate: a whole pair (an emoji), the text "\\ud83d" itself (escaped
     backslash) and other escapes pass."""

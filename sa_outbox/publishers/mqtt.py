@@ -182,7 +182,9 @@ class MQTTPublisher:
                 body, properties = self._frame(m)
                 topic = self.topic(m)
                 _check_text(m, "topic", topic)
-            except PermanentError as exc:  # a header a structured CloudEvent cannot carry, a control character
+            except (
+                PermanentError
+            ) as exc:  # a header a structured CloudEvent cannot carry, a control character
                 results[i] = exc
                 continue
             except Exception as exc:  # a bug in the user's topic callable: that message's own failure

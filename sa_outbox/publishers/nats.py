@@ -177,7 +177,9 @@ class AsyncNatsPublisher:
                 f"message {message.message_id} is over the NATS server's max_payload"
             ) from exc
         except nerr.BadSubjectError as exc:  # whitespace in it (an event type with a space): every try
-            raise PermanentError(f"message {message.message_id}: {subject!r} is not a valid NATS subject") from exc
+            raise PermanentError(
+                f"message {message.message_id}: {subject!r} is not a valid NATS subject"
+            ) from exc
         except (nerr.NoRespondersError, jserr.NoStreamResponseError) as exc:
             raise RetryableError(
                 f"no JetStream stream bound to subject {subject!r} (yet): {type(exc).__name__}"
