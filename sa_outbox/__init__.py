@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from .errors import ConfigurationError as ConfigurationError
     from .errors import Defer as Defer
     from .errors import DestinationUnavailable as DestinationUnavailable
+    from .errors import NoAnswer as NoAnswer
     from .errors import OutboxError as OutboxError
     from .errors import PayloadError as PayloadError
     from .errors import PermanentError as PermanentError
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, str] = {
     "JobMixin": "_schema",
     "Limit": "_limits",
     "Message": "_messages",
+    "NoAnswer": "errors",
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",
     "OutboxMixin": "_schema",

@@ -62,7 +62,7 @@ from ._services import Circuit, ClaimForms
 from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error, passed_over
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
-from .errors import ConfigurationError, DestinationUnavailable, RetryableError
+from .errors import ConfigurationError, DestinationUnavailable, NoAnswer, RetryableError
 
 __all__ = ["AsyncDispatcher", "Dispatcher"]
 
@@ -228,10 +228,10 @@ class DispatcherBase(LoopBase):
         return self.batch if one_shot else self._circuit.want(self.batch, time.monotonic())
 
     def _timed_out(self) -> RetryableError:
-        """A publish that overran publish_timeout: retried like any transient fault (it may have reached the
-        broker: counted in ``stats.timed_out``)."""
+        """A publish that overran publish_timeout: no answer in time, retried like any transient fault but
+        never dead for it (:class:`NoAnswer`; it may have reached the broker: counted in ``stats.timed_out``)."""
         self.stats.timed_out += 1
-        return RetryableError(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
+        return NoAnswer(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
 
     def _over_budget(self) -> RetryableError:
         return RetryableError(

@@ -23,7 +23,7 @@ from ._limits import Limit
 from ._messages import slot_setters
 from ._partitions import regclass_name
 from ._sql import QueueSpec
-from .errors import Defer, PermanentError
+from .errors import Defer, NoAnswer, PermanentError
 
 __all__ = [
     "RELEASED_UNAVAILABLE",
@@ -110,7 +110,8 @@ def decide(
       attempts);
     * :class:`PermanentError` → dead/failed;
     * :class:`RetryableError` *and any unclassified exception* → back to ready after ``backoff.delay(attempts)``,
-      or dead/failed once ``attempts >= max_attempts``.
+      or dead/failed once ``attempts >= max_attempts`` — except :class:`NoAnswer`, whose last attempt is
+      refunded instead (tried again after the backoff, never dead for it).
     """
     if error is None:
         return done_outcome(id, lease_version, spec.done)
@@ -121,6 +122,14 @@ def decide(
         )  # fmt: skip
     if isinstance(error, PermanentError):
         return Outcome(id, lease_version, spec.dead, error=describe_error(error), kind="dead")
+    if attempts >= max_attempts and isinstance(error, NoAnswer):
+        # no answer is no verdict on the message: its last attempt is given back, and it is tried again later
+        return Outcome(
+            id, lease_version, spec.ready, delay=backoff.delay(attempts),
+            error=f"no answer on its last attempt ({attempts}/{max_attempts}), tried again later: "
+                  f"{describe_error(error)}"[: _sql.LAST_ERROR_MAX],
+            refund=1, kind="retry",
+        )  # fmt: skip
     if attempts >= max_attempts:
         text = f"retries exhausted ({attempts}/{max_attempts}): {describe_error(error)}"
         return Outcome(id, lease_version, spec.dead, error=text[: _sql.LAST_ERROR_MAX], kind="dead")

@@ -3,7 +3,8 @@
 Two families live here, all rooted at :class:`OutboxError`:
 
 * the *failure classes* a publisher or a job handler raises to tell the loop what to do with a message
-  (``RetryableError``, its special case ``DestinationUnavailable``, ``PermanentError``, ``Defer``);
+  (``RetryableError``, its special cases ``DestinationUnavailable`` and ``NoAnswer``, ``PermanentError``,
+  ``Defer``);
 * errors sa_outbox raises to its caller (bad payload, bad configuration, missing table), each with a message
   that says what to do.
 
@@ -20,6 +21,7 @@ __all__ = [
     "Defer",
     "DestinationUnavailable",
     "JobCancelled",
+    "NoAnswer",
     "OutboxError",
     "PayloadError",
     "PermanentError",
@@ -37,6 +39,19 @@ class RetryableError(OutboxError):
 
     The message goes back to the ready state with backoff and consumes the attempt; once attempts are
     exhausted it ends ``dead`` (outbox) or ``failed`` (jobs).
+    """
+
+
+class NoAnswer(RetryableError):
+    """The destination did not answer in time: no confirm, acknowledgement or PUBACK within the publisher's
+    timeout on a connection that was working, a hung connection — an outage (a stalled network, a frozen
+    broker) as likely as a fault of this message, and whether the broker took the message is unknown.
+
+    The attempt is spent and the message retried with backoff, as for ``RetryableError`` — but it never ends
+    the message: on its last attempt the message goes back with that attempt refunded, at the backoff's delay,
+    so that a stall an outage causes never sends a message to ``dead`` whatever attempt it meets (the
+    dispatcher's ``give_up_after`` still bounds how long it is tried). Every shipped publisher raises it for a
+    timeout it cannot tell from an outage.
     """
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._messages import Message
-from ..errors import DestinationUnavailable, RetryableError
+from ..errors import DestinationUnavailable, NoAnswer, RetryableError
 from ._common import AmqpRouting, BackgroundCloser, missing_extra, publish_each
 
 try:
@@ -154,7 +154,7 @@ class AsyncRabbitMQPublisher(AmqpRouting):
             ) from exc
         except TimeoutError as exc:
             self._discard()
-            raise RetryableError(
+            raise NoAnswer(
                 f"no publisher confirm from rabbitmq within {self.timeout:g}s (the connection is dropped; the "
                 "next publish reconnects)"
             ) from exc

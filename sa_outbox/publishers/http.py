@@ -54,7 +54,14 @@ from typing import Any
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
+from ..errors import (
+    ConfigurationError,
+    Defer,
+    DestinationUnavailable,
+    NoAnswer,
+    PermanentError,
+    RetryableError,
+)
 from ._common import (
     Envelope,
     ce_header_value,
@@ -285,7 +292,9 @@ def _network_error(url: str, exc: httpx.TransportError) -> BaseException:
         return DestinationUnavailable(text)  # refused, DNS failure, unreachable: the receiver as a whole
     if isinstance(exc, httpx.UnsupportedProtocol):
         return PermanentError(text)
-    return RetryableError(text)  # read/write timeouts, a connection broken mid-request
+    if isinstance(exc, httpx.TimeoutException):  # read/write/pool timeout: no answer in time
+        return NoAnswer(text)
+    return RetryableError(text)  # a connection broken mid-request
 
 
 def _same_origin(a: httpx.URL, b: httpx.URL) -> bool:
@@ -498,7 +507,7 @@ class AsyncWebhookPublisher(_Webhook):
                         raise _network_error(str(url), exc) from exc
                     url = target
         except TimeoutError as exc:
-            raise RetryableError(f"POST {url}: no complete answer within {self.timeout:g}s") from exc
+            raise NoAnswer(f"POST {url}: no complete answer within {self.timeout:g}s") from exc
 
     async def close(self) -> None:
         """Close the HTTP client (its pooled connections)."""

@@ -62,7 +62,7 @@ from typing import Any
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import ConfigurationError, DestinationUnavailable, PermanentError, RetryableError
+from ..errors import ConfigurationError, DestinationUnavailable, NoAnswer, PermanentError, RetryableError
 from ._common import envelope_json, headers_for, missing_extra
 
 try:
@@ -463,7 +463,7 @@ class KafkaPublisher:
             return DestinationUnavailable(
                 f"no Kafka broker reachable at {self.bootstrap_servers} within {self.timeout:g}s{last}"
             )
-        return RetryableError(
+        return NoAnswer(
             f"no delivery report from kafka within {self.timeout:g}s (the message may still be written: "
             "consumers de-duplicate by message_id)"
         )

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import ConfigurationError, DestinationUnavailable, PermanentError, RetryableError
+from ..errors import ConfigurationError, DestinationUnavailable, NoAnswer, PermanentError, RetryableError
 from ._common import (
     Envelope,
     envelope,
@@ -219,7 +219,7 @@ class MQTTPublisher:
                     f"{self._where} lost the connection ({down}) before the PUBACK"
                 )
             else:
-                results[i] = RetryableError(f"no PUBACK within {self.timeout:g}s (the connection is dropped)")
+                results[i] = NoAnswer(f"no PUBACK within {self.timeout:g}s (the connection is dropped)")
         if down is not None or len(acked) < len(waiting):
             self.close()
         return results

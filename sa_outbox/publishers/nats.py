@@ -45,7 +45,7 @@ from typing import Any
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import DestinationUnavailable, PermanentError, RetryableError
+from ..errors import DestinationUnavailable, NoAnswer, PermanentError, RetryableError
 from ._common import (
     BackgroundCloser,
     Envelope,
@@ -199,7 +199,7 @@ class AsyncNatsPublisher:
             if self._nc is None or self._nc.is_closed:
                 raise DestinationUnavailable(f"nats connection lost under a publish to {subject!r}") from exc
             self._discard()
-            raise RetryableError(
+            raise NoAnswer(
                 f"no JetStream acknowledgement within {self.timeout:g}s (the connection is dropped; the next "
                 "publish reconnects)"
             ) from exc
@@ -251,7 +251,7 @@ class NatsPublisher:
             return future.result(self.timeout + 1)  # the coroutine keeps its own deadline; this is a backstop
         except TimeoutError as exc:
             future.cancel()
-            raise RetryableError(f"nats publish did not finish within {self.timeout:g}s") from exc
+            raise NoAnswer(f"nats publish did not finish within {self.timeout:g}s") from exc
 
     def messaging_destination(self, message: Message) -> str:
         """See :meth:`AsyncNatsPublisher.messaging_destination`."""

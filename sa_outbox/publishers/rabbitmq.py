@@ -41,7 +41,7 @@ from typing import Any
 
 from .._durations import Duration
 from .._messages import Message
-from ..errors import DestinationUnavailable, RetryableError
+from ..errors import DestinationUnavailable, NoAnswer, RetryableError
 from ._common import AmqpRouting, missing_extra
 
 try:
@@ -198,7 +198,7 @@ class RabbitMQPublisher(AmqpRouting):
                     return DestinationUnavailable(
                         f"rabbitmq at {self._where} did not open a connection and channel within {self.timeout:g}s"
                     )
-                return RetryableError(
+                return NoAnswer(
                     f"no publisher confirm from rabbitmq at {self._where} within {self.timeout:g}s "
                     "(the connection is dropped; the next publish reconnects)"
                 )
