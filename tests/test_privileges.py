@@ -37,8 +37,8 @@ MORE_GRANTS = {
     "producer": [
         # SELECT on the whole table: replace/debounce tell an update from an insert by the row's xmax, a
         # system column no column grant covers
-        "GRANT INSERT, SELECT, UPDATE (payload, priority, run_at, max_attempts, headers, concurrency_key) "
-        "ON jobs TO {r}",
+        "GRANT INSERT, SELECT, UPDATE (task, queue, payload, priority, run_at, max_attempts, headers, "
+        "concurrency_key) ON jobs TO {r}",
     ],
     "worker": [
         "GRANT SELECT, UPDATE ON jobs TO {r}",
