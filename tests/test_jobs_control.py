@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from sa_outbox import (
     AsyncWorker,
     ClaimedJob,
+    NoAnswer,
     PermanentError,
     RetryableError,
     Worker,
@@ -786,6 +787,21 @@ def test_a_job_that_fails_for_good_after_its_cancellation_was_requested_is_cance
     runner.drain(runner.worker({"t": fails}, heartbeat=0))
     r = row(engine, "jobs", 1)
     assert (r.status, r.attempts) == ("cancelled", 1) and r.finished_at is not None
+
+
+def test_a_handler_raising_no_answer_on_its_last_attempt_is_queued_again_not_failed(
+    runner: Runner, engine: Engine
+) -> None:
+    """jobs.md: NoAnswer spends attempts like a RetryableError, but its last attempt is refunded."""
+    seed_jobs(engine, 1, task="t", max_attempts=1)
+
+    def silent(job: ClaimedJob) -> None:
+        raise NoAnswer("the API did not answer")
+
+    assert runner.run_once(runner.worker({"t": silent})) == 1
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.attempts, r.finished_at) == ("queued", 0, None), r.last_error
+    assert "no answer on its last attempt (1/1)" in r.last_error
 
 
 def test_retry_dead_clears_the_cancel_request_of_a_failed_job(runner: Runner, engine: Engine) -> None:
