@@ -69,7 +69,8 @@ At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
         event of an ordered aggregate that no one skipped; every committed job is done, poison ones failed;
-    F2  only poison rows are ``dead``/``failed`` (outages, crashes, timeouts and retries never kill a row);
+    F2  only poison rows are ``dead``/``failed`` (outages, crashes, timeouts, retries and a NoAnswer on a
+        row's last attempt never kill it);
     F3  no aggregate is blocked except behind a dead row;
     F4  no row of a rolled-back transaction exists;
     F5  no hot loop: an idle loop sends at most a few statements per second;
@@ -114,6 +115,7 @@ from sa_outbox import (
     Dispatcher,
     Limit,
     Message,
+    NoAnswer,
     PermanentError,
     RetryableError,
     Worker,
@@ -143,7 +145,7 @@ PARTITIONED_TABLE = "model_outbox_p"
 LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
 LONG = 4.5  # a "long" job's run: longer than stale_after and than rule_hold_job_row's hold of its row
-EVENT_ACTIONS = ("retry", "defer", "hang", "boom")
+EVENT_ACTIONS = ("retry", "defer", "hang", "boom", "noanswer")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
 #: Only "fast" workers serve it (sync, inline, instant handlers, this one queue): a burst of jobs written there
@@ -156,7 +158,7 @@ LIMITS = (Limit(1, per_key=True), Limit(2, per_key=True), Limit(2), Limit(1, per
 #: A worker learns of a pause with its once-a-second maintenance: starts later than this after a pause are
 #: violations (generous: the machine is shared and loaded).
 PAUSE_GRACE = 3.0
-JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit")
+JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
 
 
 def decimal_loads(text_: str) -> Any:
@@ -277,6 +279,8 @@ class ModelPublisher:
         self.record.add("publish", payload["seq"], message.lease_version, action)
         if action == "retry":
             raise RetryableError("planned retry")
+        if action == "noanswer":
+            raise NoAnswer("planned no answer")
         if action == "defer":
             raise Defer(0.02, "planned defer")
         if action == "boom":
@@ -322,6 +326,8 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
         record.add("handle", payload["seq"], job.lease_version, action, queue=job.queue)
         if action == "retry":
             raise RetryableError("planned retry")
+        if action == "noanswer":
+            raise NoAnswer("planned no answer")
         if action == "defer":
             raise Defer(0.02, "planned defer")
         if action == "boom":
@@ -810,7 +816,10 @@ class Scenario:
                 # level by level next (_sql._priority_levels), over levels whose jobs are partly not due yet.
                 priority = self.rng.choice((0, 0, 0, 1, 5, -2))
                 later = self.rng.choice((None, None, None, 0.05, 0.3))
-                enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=10, concurrency_key=key,
+                # a job whose every planned failure is NoAnswer gets one attempt: each meets it on its last
+                # attempt, which must be refunded (F2: it ends done, never failed)
+                attempts = 1 if p.plan and set(p.plan) == {"noanswer"} else 10
+                enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=attempts, concurrency_key=key,
                         priority=priority, run_at=later)  # fmt: skip
             s.flush()
             s.commit() if commit else s.rollback()
@@ -1508,6 +1517,10 @@ class Scenario:
                 assert not (p.poison and row.status == "done"), why
             elif p.poison:
                 assert row.status == "failed", why
+            elif row.status == "failed" and set(p.plan) == {"noanswer"}:
+                # a one-attempt job (see rule_enqueue) may end failed only by the rescue of a worker that died
+                # holding it — the poison-message rule — never by a NoAnswer on its last attempt
+                assert "after max attempts (worker crash?)" in (row.last_error or ""), why
             else:
                 assert row.status == "done" and seq in handled_ok, why
             # F6: a transactional handler's effect commits exactly when its completion does
