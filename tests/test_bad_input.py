@@ -237,6 +237,9 @@ def test_a_payload_with_a_surrogate_pair_or_escaped_text_is_kept() -> None:
         encode_payload(fine, what="p")
     with pytest.raises(PayloadError, match="lone surrogate"):
         encode_payload({"e": "\\\ud83d"}, what="p")  # a backslash, then a lone surrogate
+    with pytest.raises(PayloadError, match=r"lone surrogate character \(\\udc00\)"):
+        encode_payload({"e": "\U0001f600\U0001f600\udc00"}, what="p")  # named, after two emoji
+    encode_payload({"e": "\ud83d\ude00"}, what="p")  # a pair held as two code points: jsonb stores the emoji
 
 
 @pytest.mark.parametrize(
