@@ -265,7 +265,8 @@ def retry_jobs(
         if keyed:
             log.warning(
                 "left %d job(s) of %s %s: each never started and its unique key already has a job waiting (at "
-                "most one waits per key): %s", len(keyed), spec.table.fullname, "/".join(wanted),
+                "most one waits per key, and one may have been enqueued meanwhile): %s", len(keyed),
+                spec.table.fullname, "/".join(wanted),
                 ", ".join(map(str, keyed[:50])) + (f", … ({len(keyed) - 50} more)" if len(keyed) > 50 else ""),
                 extra={"table": spec.table.fullname, "left": len(keyed)},
             )  # fmt: skip
@@ -322,19 +323,28 @@ def _in_batches(
 ) -> list[int]:
     """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed.
     ``unique``: the statement skips a job whose unique key has a waiting job, but one enqueued by a transaction
-    still open when the statement ran is found only at the unique index, as a violation — the batch is then run
-    again (which sees that job committed), up to three times."""
+    still open when the statement ran is found only at the unique index, as a violation. The batch is then run
+    again (which sees that job committed); after a second violation its jobs are run one at a time, and a job
+    that still meets one is left as it is (a key enqueued that busily: the caller reports it), never raised."""
     changed: list[int] = []
+
+    def once(ids: list[int]) -> bool:
+        try:
+            with engine.begin() as conn:
+                changed.extend(conn.execute(stmt, {"ids": ids}).scalars())
+            return True
+        except IntegrityError as exc:
+            if not unique or getattr(exc.orig, "sqlstate", None) != "23505":
+                raise
+            return False
+
     for start in range(0, len(selected), batch_size):
-        ids = {"ids": selected[start : start + batch_size]}
-        for attempt in range(3):
-            try:
-                with engine.begin() as conn:
-                    changed += conn.execute(stmt, ids).scalars()
-                break
-            except IntegrityError as exc:
-                if not unique or attempt == 2 or getattr(exc.orig, "sqlstate", None) != "23505":
-                    raise
+        batch = selected[start : start + batch_size]
+        if once(batch) or once(batch):
+            continue
+        for one in batch:
+            if not once([one]):
+                once([one])
     return sorted(changed)
 
 
