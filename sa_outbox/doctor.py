@@ -372,13 +372,17 @@ def _retry_budget_finding(name: str, spec: Any, model: type[Any], target: Any) -
         attempts = target.max_attempts if is_dispatcher else 12
         backoff = target.backoff if is_dispatcher else OUTBOX_BACKOFF
         whose = "the dispatcher's" if is_dispatcher else "the dispatcher's default"
-        outage = "; an unavailable destination (DestinationUnavailable) spends no attempt"
+        outage = (
+            "; an unavailable destination (DestinationUnavailable) spends no attempt, and no answer in time "
+            "(NoAnswer) never the last one: such a message is retried until it is answered, or until "
+            "give_up_after if set"
+        )
     else:
         attempts = model.sa_outbox_default_max_attempts
         is_worker = target is not None and hasattr(target, "stale_after") and not is_dispatcher
         backoff = target.backoff if is_worker else JOBS_BACKOFF
         whose = "the model's default (a job's own max_attempts wins)"
-        outage = ""
+        outage = "; a handler's NoAnswer never spends the last one"
     shortest, longest = backoff.give_up_window(attempts)
     window = (
         f"about {_minutes(longest)}"
