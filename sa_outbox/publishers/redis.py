@@ -18,8 +18,8 @@ server-side de-duplication: consumers de-duplicate by the ``message_id`` field (
   A ``publish_many`` that cannot reach the server returns it for every message.
   A read timeout is one too when a ``PING`` right after it gets no answer either (a hung server, or a frozen
   proxy in front of it, still accepts connections).
-* :class:`~sa_outbox.RetryableError` — this command failed: a read timeout the server answers ``PING`` after,
-  ``TRYAGAIN``, a garbled reply.
+* :class:`~sa_outbox.NoAnswer` — a read timeout the server answers ``PING`` after (writes paused, say).
+* :class:`~sa_outbox.RetryableError` — this command failed: ``TRYAGAIN``, a garbled reply.
 * :class:`~sa_outbox.PermanentError` — any other error reply (``WRONGTYPE`` on the stream key, ``NOPERM``,
   a syntax error): retrying the same command cannot succeed.
 
@@ -35,7 +35,7 @@ from typing import Any
 
 from .._durations import Duration, to_seconds
 from .._messages import Message
-from ..errors import DestinationUnavailable, PermanentError, RetryableError
+from ..errors import DestinationUnavailable, NoAnswer, PermanentError, RetryableError
 from ._common import Envelope, envelope, missing_extra, outgoing_headers, payload_json
 
 try:
@@ -170,6 +170,7 @@ class RedisStreamPublisher:
                 self.client.ping()
             except rex.RedisError as again:
                 return DestinationUnavailable(f"redis unavailable: {exc}; PING got no answer either: {again}")
+            return NoAnswer(f"redis command timed out (the server answers PING): {exc}")
         return failure
 
     def publish(self, message: Message) -> None:
