@@ -234,7 +234,8 @@ class DispatcherBase(LoopBase):
         return NoAnswer(f"publish exceeded publish_timeout ({self.publish_timeout.total_seconds():g}s)")
 
     def _over_budget(self) -> RetryableError:
-        return RetryableError(
+        # a batch that ran out of its lease budget was slow to be answered, not refused: no verdict (NoAnswer)
+        return NoAnswer(
             f"publishing the batch exceeded the lease budget (lease {self.lease.total_seconds():g}s "
             f"- publish_timeout {self.publish_timeout.total_seconds():g}s); the unfinished messages are retried"
         )

@@ -62,6 +62,10 @@ __all__ = ["QueueSpec", "queue_table", "spec_for", "starts_table"]
 # Error texts stored in last_error are cut to this many characters.
 LAST_ERROR_MAX = 2000
 
+#: How ``last_error`` starts when a NoAnswer on a row's last attempt gave that attempt back (``_steps.decide``;
+#: the rescue reads it).
+NO_ANSWER_PREFIX = "no answer on its last attempt"
+
 
 @dataclass(frozen=True, eq=False)
 class QueueSpec:
@@ -844,7 +848,16 @@ def rescue_statement(spec: QueueSpec) -> Update:
         .with_for_update(skip_locked=True, key_share=spec.key_share)
         .scalar_subquery()
     )
-    exhausted = c.attempts >= spec.max_attempts()
+    # A row whose last outcome gave its last attempt back for want of an answer (NoAnswer: see
+    # ``_steps.decide``) sits at its last attempt at every claim while the stall lasts: a crash then is not
+    # the poison rule's "kills every worker" (a hostile review: kill -9 during a write pause sent such a row,
+    # already on the broker six times, to dead and blocked its aggregate). It goes back once; a second crash in
+    # a row — the rescue's reason is appended to last_error — is the poison rule again.
+    refunded = and_(
+        c.last_error.startswith(NO_ANSWER_PREFIX, autoescape=True),
+        c.last_error.not_like("%lease expired (owner %"),
+    )
+    exhausted = and_(c.attempts >= spec.max_attempts(), not_(func.coalesce(refunded, false())))
     reason = func.concat(
         "lease expired (owner ",
         func.coalesce(spec.owner, "?"),

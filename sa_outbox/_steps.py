@@ -126,7 +126,7 @@ def decide(
         # no answer is no verdict on the message: its last attempt is given back, and it is tried again later
         return Outcome(
             id, lease_version, spec.ready, delay=backoff.delay(attempts),
-            error=f"no answer on its last attempt ({attempts}/{max_attempts}), tried again later: "
+            error=f"{_sql.NO_ANSWER_PREFIX} ({attempts}/{max_attempts}), tried again later: "
                   f"{describe_error(error)}"[: _sql.LAST_ERROR_MAX],
             refund=1, kind="retry",
         )  # fmt: skip

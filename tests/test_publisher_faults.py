@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 import pika
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from sa_outbox import (
     Backoff,
@@ -716,7 +716,8 @@ def test_redis_publish_through_a_frozen_connection_returns_within_its_timeout(
         frozen = Frozen(proxy, pub, "redis", 1)
     finally:
         pub.close()
-        redis.Redis(port=REDIS_PORT).delete(stream)
+        with redis.Redis(port=REDIS_PORT) as cleanup:
+            cleanup.delete(stream)
     assert frozen.bounded()
 
 
@@ -746,7 +747,8 @@ def test_redis_that_answers_nothing_is_destination_unavailable_not_a_failed_mess
         assert pub.publish_many([msg(5)]) == [None]
     finally:
         pub.close()
-        redis.Redis(port=REDIS_PORT).delete(pub.stream)  # type: ignore[arg-type]
+        with redis.Redis(port=REDIS_PORT) as cleanup:
+            cleanup.delete(pub.stream)  # type: ignore[arg-type]
     server = private_redis()
     client = redis.Redis.from_url(server.url)
     paused = RedisStreamPublisher(server.url, stream="s", timeout=0.5)
@@ -998,6 +1000,10 @@ class _Receiver(BaseHTTPRequestHandler):
     def answer_new(self) -> None:
         self.answer_ok()
 
+    def answer_hangup(self) -> None:
+        """The connection closed after the request, no answer (a receiver that crashed, a proxy's reset)."""
+        self.close_connection = True
+
     def log_message(self, *args: Any) -> None:
         pass
 
@@ -1165,6 +1171,10 @@ def test_webhook_connect_failures_are_destination_unavailable_not_timeouts_or_5x
         assert type(outcome) is DestinationUnavailable, url
     slow, _took = _webhook(f"{base}/slow", timeout=1)
     assert type(slow) is NoAnswer
+    # a connection closed before any answer: no verdict either (as a plain RetryableError a network fault sent
+    # messages to dead: a hostile review, 20 dropped connections in 6 s, 18-20 dead)
+    hangup, _took = _webhook(f"{base}/hangup", timeout=2)
+    assert type(hangup) is NoAnswer and "Server disconnected" in str(hangup), hangup
     err, _took = _webhook(f"{base}/status/502")
     assert type(err) is RetryableError
 
@@ -1277,6 +1287,7 @@ def test_no_answer_on_the_last_attempt_gives_the_attempt_back_instead_of_dead(
         assert statuses(engine, "outbox") == {"done": 2}
     finally:
         d.close()
+        pub.close()
 
 
 def test_decide_refunds_only_the_last_attempt_of_no_answer() -> None:
@@ -1296,3 +1307,31 @@ def test_decide_refunds_only_the_last_attempt_of_no_answer() -> None:
     assert (early.status, early.refund) == ("pending", 0)
     assert (last.status, last.refund, last.kind) == ("pending", 1, "retry") and last.delay is not None
     assert plain.status == "dead"
+
+
+def test_a_crash_right_after_a_no_answer_refund_rescues_the_row_once_not_to_dead(engine: Engine) -> None:
+    """A row whose last attempt was refunded for NoAnswer is at its last attempt at every claim while the stall
+    lasts; a dispatcher killed then left it to the rescue's poison rule, which sent it to dead (a hostile
+    review: kill -9 during a write pause, the event already on the broker six times, its aggregate blocked).
+    The rescue gives it back once; a second crash in a row is the poison rule again."""
+    from sa_outbox._sql import spec_for
+    from sa_outbox._steps import claim, rescue
+
+    from .factories import expire_leases
+
+    spec = spec_for(OutboxEvent)
+    seed_events(engine, 1, aggregate="a")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET attempts = 1, last_error = :e"),
+                     {"e": "no answer on its last attempt (2/2), tried again later: NoAnswer: x"})  # fmt: skip
+    outcomes = []
+    for _ in range(2):
+        with engine.begin() as conn:
+            assert len(claim(conn, spec, owner="doomed", batch=1)) == 1  # attempts 2 of 2; then it dies
+        expire_leases(engine, "outbox")
+        with engine.begin() as conn:
+            outcomes.append([r[1] for r in rescue(conn, spec, max_attempts=2)])
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE outbox SET attempts = 1 WHERE status = 'pending'"))
+    assert outcomes == [["pending"], ["dead"]]
+    assert "after max attempts (worker crash?)" in row(engine, "outbox", 1).last_error

@@ -167,8 +167,8 @@ class AsyncRabbitMQPublisher(AmqpRouting):
         except _CONNECTION_ERRORS as exc:
             lost = self._lost or isinstance(exc, OSError | amqex.AMQPConnectionError)
             self._discard()
-            if not lost:  # only the channel was closed (by a channel error): a fresh one next time
-                raise RetryableError(f"rabbitmq channel closed: {type(exc).__name__}: {exc}") from exc
+            if not lost:  # only the channel was closed (ours, after another publish's timeout): no verdict
+                raise NoAnswer(f"rabbitmq channel closed: {type(exc).__name__}: {exc}") from exc
             raise DestinationUnavailable(f"rabbitmq connection lost: {type(exc).__name__}: {exc}") from exc
 
     async def _connect_by(self, deadline: float) -> Any:

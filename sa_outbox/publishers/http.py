@@ -31,7 +31,8 @@ Outcomes:
 * **Any other 4xx / 3xx → permanent** (our request is wrong; retrying will not fix it).
 * **Network**: a refused connection, a DNS failure or a connect timeout is
   :class:`~sa_outbox.DestinationUnavailable` (the receiver as a whole is down); a read or write timeout and a
-  connection broken mid-request are retryable failures of this message.
+  connection broken mid-request are :class:`~sa_outbox.NoAnswer` (retried, but never dead on the last
+  attempt: no verdict on the message).
 
 ``timeout`` bounds each publish as a whole — connecting, sending, the status line and headers (a receiver
 trickling them a byte at a time included), redirects and the error text — not each socket read. Only the
@@ -292,9 +293,12 @@ def _network_error(url: str, exc: httpx.TransportError) -> BaseException:
         return DestinationUnavailable(text)  # refused, DNS failure, unreachable: the receiver as a whole
     if isinstance(exc, httpx.UnsupportedProtocol):
         return PermanentError(text)
-    if isinstance(exc, httpx.TimeoutException):  # read/write/pool timeout: no answer in time
+    if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
+        # a timeout, or a connection broken mid-request (the receiver closed it, a reset): no answer, no
+        # verdict on the message — as a plain RetryableError a network fault sent messages to dead (a hostile
+        # review: 20 dropped connections in 6 s, 18-20 dead, 18 of 20 ordered aggregates blocked)
         return NoAnswer(text)
-    return RetryableError(text)  # a connection broken mid-request
+    return RetryableError(text)  # a response that could not be decoded
 
 
 def _same_origin(a: httpx.URL, b: httpx.URL) -> bool:

@@ -393,7 +393,7 @@ class KafkaPublisher:
                 return True
             except BufferError:  # the local queue is full: serve reports to make room, until the deadline
                 if time.monotonic() >= deadline:
-                    batch.settle(index, RetryableError(
+                    batch.settle(index, NoAnswer(  # (the brokers did not take what was queued before it)
                         "librdkafka's local queue stayed full until the deadline (queue.buffering.max.*)"
                     ))  # fmt: skip
                     return True
@@ -415,9 +415,7 @@ class KafkaPublisher:
             self._fatal(producer, batch, exc.args[0])
             return False
         if producer is not self._producer:  # another call met a fatal error, or close() ran
-            batch.settle_rest(
-                lambda: RetryableError("the kafka producer was replaced before the report came")
-            )
+            batch.settle_rest(lambda: NoAnswer("the kafka producer was replaced before the report came"))
             return False
         return True
 
