@@ -29,6 +29,7 @@ one claim — never on a timing. Autovacuum is off on both tables while a shape 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -300,6 +301,16 @@ def _backlog(engine: Engine) -> None:
         )
 
 
+@contextlib.contextmanager
+def _recording(engine: Engine, **options: Any) -> Iterator[Dispatcher]:
+    """A dispatcher on ``engine`` with a recording publisher and no LISTEN, closed afterwards."""
+    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False, **options)
+    try:
+        yield dispatcher
+    finally:
+        dispatcher.close()
+
+
 def _run(loop: Any, batches: int = 1, *, next_step: bool = False) -> None:
     """One short run of a loop (``batches`` claims at most); ``next_step``: once its next maintenance step is
     due (the step that looks after the table's statistics runs at most once per ``_rescuer.every``)."""
@@ -351,15 +362,12 @@ def test_an_empty_table_is_left_alone_and_analyzed_once_rows_arrive(never_analyz
     """ANALYZE of an empty table stores nothing: a loop that has claimed nothing asks nothing; once its claims
     find rows, its next maintenance step analyzes."""
     engine = never_analyzed
-    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), ordered=True, listen=False)
-    try:
+    with _recording(engine, ordered=True) as dispatcher:
         _run(dispatcher)
         assert not _has_statistics(engine, "outbox")
         _backlog(engine)
         _run(dispatcher)  # claims the first rows
         _run(dispatcher, next_step=True)
-    finally:
-        dispatcher.close()
     assert _has_statistics(engine, "outbox")
 
 
@@ -372,8 +380,7 @@ def test_an_analyze_skipped_for_a_lock_is_no_privilege_warning_and_is_asked_agai
     analyzes once the lock is gone."""
     engine = never_analyzed
     _backlog(engine)
-    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
-    try:
+    with _recording(engine) as dispatcher:
         with engine.connect() as holder, caplog.at_level("WARNING", logger="sa_outbox"):
             holder.execute(text("LOCK TABLE outbox IN SHARE UPDATE EXCLUSIVE MODE"))  # (what ANALYZE takes)
             _run(dispatcher, 2)
@@ -382,8 +389,6 @@ def test_an_analyze_skipped_for_a_lock_is_no_privilege_warning_and_is_asked_agai
             holder.rollback()
         assert not [r for r in caplog.records if "could not ANALYZE" in r.getMessage()]
         _run(dispatcher, 2, next_step=True)  # asked again: analyzed
-    finally:
-        dispatcher.close()
     assert _has_statistics(engine, "outbox")
 
 
@@ -403,15 +408,12 @@ def test_a_table_emptied_before_its_first_analyze_is_analyzed_once_not_every_sec
 
     monkeypatch.setattr(_sql, "analyze_statement", counted)
     _backlog(engine)
-    dispatcher = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
-    try:
+    with _recording(engine) as dispatcher:
         _run(dispatcher)  # claims rows
         with engine.begin() as conn:
             conn.execute(text("DELETE FROM outbox"))
         for _ in range(3):
             _run(dispatcher, next_step=True)  # a maintenance step each
-    finally:
-        dispatcher.close()
     assert analyzed == ["outbox"]
     assert not _has_statistics(engine, "outbox")
 
