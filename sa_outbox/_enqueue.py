@@ -74,7 +74,7 @@ from sqlalchemy.sql import ColumnElement
 from ._durations import to_timedelta
 from ._execute import run
 from ._payload import (
-    check_encodable,
+    check_concurrency_key,
     check_headers,
     check_index_entries,
     check_int,
@@ -243,11 +243,7 @@ def _add(
     if mode != "debounce" and (debounce is not None or max_delay is not None):
         given = "debounce=" if debounce is not None else "max_delay="
         raise PayloadError(f"{what()}: {given} is for on_conflict='debounce', not {mode!r}")
-    group = values.get("concurrency_key")
-    if group is not None:
-        if not isinstance(group, str):
-            raise PayloadError(f"{what()}: concurrency_key must be a string, got {group!r:.80}")
-        check_encodable(group, what, "concurrency_key")
+    group = check_concurrency_key(values.get("concurrency_key"), what)
     if len(queue) + len(key or "") + len(group or "") > index_safe_chars(table):
         texts = {"task": task, "queue": queue, "unique_key": key, "concurrency_key": group}
         check_index_entries(table, {k: v for k, v in texts.items() if k in table.c}, what=what)

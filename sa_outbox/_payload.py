@@ -222,9 +222,17 @@ def require_text(value: Any, what: str | Callable[[], str], name: str) -> str:
         value = str(value)
     if not isinstance(value, str) or not value.strip():
         raise PayloadError(f"{describe(what)}: {name} must be a non-empty string, got {value!r}")
-    if "\x00" in value:
-        raise PayloadError(f"{describe(what)}: {name} contains a NUL character")
     return check_encodable(value, what, name)
+
+
+def check_concurrency_key(value: Any, what: str | Callable[[], str]) -> str | None:
+    """A job's ``concurrency_key``: None, or text PostgreSQL can store (:func:`check_encodable`), or
+    PayloadError."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PayloadError(f"{describe(what)}: concurrency_key must be a string, got {value!r:.80}")
+    return check_encodable(value, what, "concurrency_key")
 
 
 def check_encodable(value: str, what: str | Callable[[], str], name: str) -> str:

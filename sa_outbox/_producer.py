@@ -94,7 +94,7 @@ from ._enqueue import NOTIFY_SQL, Enqueued, OnConflict
 from ._execute import run
 from ._names import channel_for
 from ._payload import (
-    check_encodable,
+    check_concurrency_key,
     check_headers,
     check_index_entries,
     check_int,
@@ -557,11 +557,7 @@ def _checked_job(
     what = f"job {task!r:.80} on queue {queue!r:.80}"
     out["task"] = require_text(task, what, "task")
     out["queue"] = require_text("default" if queue is None else queue, what, "queue")
-    group = values.get("concurrency_key")
-    if group is not None:
-        if not isinstance(group, str):
-            raise PayloadError(f"{what}: concurrency_key must be a string, got {group!r:.80}")
-        check_encodable(group, what, "concurrency_key")
+    check_concurrency_key(values.get("concurrency_key"), what)
     if sum(len(v) for v in out.values() if type(v) is str) > index_safe_chars(table):  # else: fits, surely
         check_index_entries(table, out, what=what)
     for name, low in (("priority", _INT4[0]), ("max_attempts", 1)):
@@ -1456,9 +1452,7 @@ def enqueue(
     if headers is not None:
         values["headers"] = headers
     if concurrency_key is not None:
-        if not isinstance(concurrency_key, str):
-            raise PayloadError(f"job {task!r}: concurrency_key must be a string, got {concurrency_key!r}")
-        values["concurrency_key"] = check_encodable(concurrency_key, f"job {task!r:.80}", "concurrency_key")
+        values["concurrency_key"] = concurrency_key  # (checked with the rest: _validate_job)
     if run_at is not None:
         if isinstance(run_at, dt.datetime):
             if run_at.tzinfo is None:
