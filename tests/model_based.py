@@ -23,7 +23,8 @@ database, real threads with their own connections, real backend terminations. Ru
   queues with fair shares (``queues={...}``) instead of a list;
 * a burst of jobs in queue ``qb``, which only such fast workers serve (one is started when none runs);
 * enqueue jobs in bulk (``enqueue_many``), and with a unique key (``on_conflict="skip"``: a key whose job
-  has not started yet gets no second one);
+  has not started yet gets no second one), alone or in an ``enqueue_many`` call that mixes skip, replace
+  (the waiting job takes the call's task, queue and payload: its old seq is gone) and debounce by key;
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
   the loops claim, once every row in it is finished; a write into it afterwards is refused whole;
@@ -567,6 +568,9 @@ class Model:
     jobs: dict[int, Planned] = field(default_factory=dict)
     rolled_back_events: set[int] = field(default_factory=set)
     rolled_back_jobs: set[int] = field(default_factory=set)
+    #: jobs that were never written (a unique key's waiting job skipped them) or whose row another call's
+    #: replace/debounce took over before it started: none may ever run, nor be found in the table
+    superseded_jobs: set[int] = field(default_factory=set)
     order: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(list))
     skipped: dict[int, int] = field(default_factory=dict)  # seq -> position in the record when skipped
     in_transaction: set[int] = field(default_factory=set)  # jobs whose handler writes an effect in its tx
@@ -597,6 +601,7 @@ class Scenario:
         self.rng = random.Random(seed)
         self.analyze_rng = random.Random(f"analyze {seed}")
         self.lock_rng = random.Random(f"lock {seed}")
+        self.bulk_rng = random.Random(f"bulk unique {seed}")
         # In two seeds of three every event type is ordered (Dispatcher(ordered=True), whose claim takes the heads form
         # after a short claim); in the others only ORDERED (ordered=[…], always the walk). Not drawn: the seed's
         # draws stay what they were, and the fixed seeds cover both.
@@ -859,14 +864,19 @@ class Scenario:
                 self.model.rolled_back_jobs.add(p.seq)
 
     def rule_enqueue_unique(self) -> None:
-        """A job with a unique key (skip): written only when the key has no job that has not started yet."""
+        """A job with a unique key (skip): written only when the key has no job that has not started yet — or,
+        half the time, that job among others in one ``enqueue_many`` call that mixes the rules."""
         p = Planned(next(self.seq), [self.rng.choice(JOB_ACTIONS) for _ in range(self.rng.randint(0, 2))],
                     False)  # fmt: skip
         commit = self._commit_or_not()
+        key = self.rng.choice(UNIQUE_KEYS)
+        if self.bulk_rng.random() < 0.5:
+            self._enqueue_many_unique(p, key, commit)
+            return
         with Session(self.engine) as s:
             s.begin()
             got = enqueue(s, Job, "model", self._payload(p), queue=LIMITED if self.limit is None else "q1",
-                          max_attempts=10, unique_key=self.rng.choice(UNIQUE_KEYS))  # fmt: skip
+                          max_attempts=10, unique_key=key)  # fmt: skip
             s.commit() if commit else s.rollback()
         self.log.append(f"unique enqueue seq {p.seq}: {got} commit={commit}")
         if got.inserted and commit:
@@ -874,6 +884,76 @@ class Scenario:
         elif got.inserted:
             self.model.rolled_back_jobs.add(p.seq)
         # else: the key's waiting job stays as it was, and this seq never exists
+
+    def _enqueue_many_unique(self, first: Planned, first_key: str, commit: bool) -> None:
+        """One ``enqueue_many`` call of jobs with unique keys under mixed rules — each key its own of skip,
+        replace and debounce, some keys twice — and jobs without a key, in a transaction that commits or rolls
+        back (draws from a stream of its own: the seed's other rules stay what they were).
+
+        Which planned job each returned id stands for is read back in the call's transaction: the row's seq is
+        the call's job (inserted, or a waiting job it replaced — that job's seq is then gone for good) or the
+        key's waiting job (skipped: the call's job never exists). A replace takes the call's task and queue too:
+        a replaced job's handler (transactional or not) and queue are the new job's."""
+        rng = self.bulk_rng
+        rules = {k: rng.choice(("skip", "replace", "debounce")) for k in UNIQUE_KEYS}
+        unique_queues = (LIMITED, "q1") if self.limit is None else ("q1", "q2")
+        planned: list[tuple[Planned, str | None]] = [(first, first_key)]
+        for _ in range(rng.randint(1, 6)):
+            plan = [rng.choice(JOB_ACTIONS) for _ in range(rng.randint(0, 2))]
+            key = rng.choice((*UNIQUE_KEYS, None))
+            planned.append((Planned(next(self.seq), plan, key is None and rng.random() < 0.05), key))
+        rng.shuffle(planned)
+        tx: set[int] = set()
+        items: list[dict[str, Any]] = []
+        for p, key in planned:
+            task = "model_tx" if rng.random() < 0.4 else "model"
+            if task == "model_tx":
+                tx.add(p.seq)
+            attempts = 1 if p.plan and set(p.plan) == {"noanswer"} else 10
+            item: dict[str, Any] = {"task": task, "payload": self._payload(p), "max_attempts": attempts,
+                                    "priority": rng.choice((0, 0, 1, -2))}  # fmt: skip
+            if key is None:
+                item["queue"] = rng.choice(("q1", "q2"))
+            else:
+                item.update(queue=rng.choice(unique_queues), unique_key=key, on_conflict=rules[key])
+                if rules[key] == "debounce":
+                    item["debounce"] = rng.choice((0.02, 0.1, 0.3))
+            items.append(item)
+        seq_of = Job.payload["seq"].as_integer()
+        keys = sorted({k for _, k in planned if k is not None})
+        with Session(self.engine) as s:
+            s.begin()
+            # the keys' waiting jobs before the call (only this thread enqueues; a worker may take one meanwhile,
+            # and then the call adds a job of its own instead of taking that one over)
+            before = dict(s.execute(select(Job.id, seq_of).where(Job.unique_key.in_(keys),
+                                                               Job.status == "queued")).all())  # fmt: skip
+            ids = enqueue_many(s, Job, items)
+            assert len(ids) == len(planned)
+            now = dict(s.execute(select(Job.id, seq_of).where(Job.id.in_(ids))).all())
+            s.commit() if commit else s.rollback()
+        written = {now[i] for i in ids}
+        replaced = {seq for i, seq in before.items() if i in now and now[i] != seq}
+        self.log.append(
+            f"bulk unique ({rules}): {[(p.seq, k) for p, k in planned]} -> ids {ids}, rows {now}, replaced "
+            f"{sorted(replaced)}, commit={commit}"
+        )
+        for p, key in planned:
+            if p.seq in written:
+                if commit:
+                    self.model.jobs[p.seq] = p
+                    if p.seq in tx:
+                        self.model.in_transaction.add(p.seq)
+                else:
+                    self.model.rolled_back_jobs.add(p.seq)
+            else:
+                assert key is not None, f"job {p.seq} without a unique key was not written: {now}"
+                self.model.superseded_jobs.add(p.seq)
+        if commit:
+            for seq in replaced:
+                assert seq in self.model.jobs and seq not in self.model.cancelled_queued, seq
+                del self.model.jobs[seq]
+                self.model.in_transaction.discard(seq)
+                self.model.superseded_jobs.add(seq)
 
     def rule_burst(self) -> None:
         """A burst of jobs in ``BURST`` (committed), and a fast worker to serve it when none runs: with handlers
@@ -1384,6 +1464,9 @@ class Scenario:
         # I1
         assert not published & self.model.rolled_back_events, "a rolled-back event was published"
         assert not handled & self.model.rolled_back_jobs, "a rolled-back job was handled"
+        assert not handled & self.model.superseded_jobs, (
+            f"a skipped or replaced job was handled: {sorted(handled & self.model.superseded_jobs)}"
+        )
         # I3
         claims = Counter((kind, seq, lv) for kind, seq, lv, _ in rec)
         twice = [c for c, n in claims.items() if n > 1]
@@ -1468,6 +1551,7 @@ class Scenario:
             jobs = {r.payload["seq"]: r for r in conn.execute(select(Job))}
         # F4
         assert not set(events) & self.model.rolled_back_events and not set(jobs) & self.model.rolled_back_jobs
+        assert not set(jobs) & self.model.superseded_jobs, sorted(set(jobs) & self.model.superseded_jobs)
         assert set(jobs) == set(self.model.jobs)
         # a committed event's row is missing only when its (yesterday's) partition was retired, and then it was
         # finished: delivered, or skipped by the operator
