@@ -160,6 +160,7 @@ class LoopBase:
         rescue_limit: int,
         backoff: Backoff,
         maintain_partitions: Duration | None = None,
+        give_up_after: Duration | None = None,
     ) -> None:
         if not isinstance(engine, self._engine_types):
             wanted = " or ".join(t.__name__ for t in self._engine_types)
@@ -187,6 +188,14 @@ class LoopBase:
         self.stop_on_unclassified = bool(stop_on_unclassified)
         self.rescue_limit = positive_int(rescue_limit, "rescue_limit")
         self.backoff = backoff
+        self.give_up_after: float | None = (
+            None
+            if give_up_after is None
+            else to_seconds(give_up_after, name="give_up_after", allow_zero=False)
+        )
+        #: Each claimed row's age (database clock) at its claim, for ``give_up_after`` (and a worker's
+        #: ``unknown_task_grace``); the flavour fills it as rows are claimed and drops them as they finish.
+        self._ages: dict[int, float] = {}
         self.stats = LoopStats()
         #: Optional callback ``observer(what, seconds)`` with what in claim | handle | age (metrics).
         self.observer: Callable[[str, float], None] | None = None
@@ -483,12 +492,23 @@ class LoopBase:
                     "%s raised %s: recording what finished, then leaving", label, type(error).__name__,
                     extra={"table": self.spec.table.name, "row_id": id, "lease_version": lease_version},
                 )  # fmt: skip
-        if isinstance(error, DestinationUnavailable):  # an outage: never this message's fault, never dead
-            return _steps.unavailable(self.spec, id, lease_version, error), fatal
-        outcome = _steps.decide(
-            self.spec, id=id, lease_version=lease_version, attempts=attempts, max_attempts=max_attempts,
-            error=error, backoff=self.backoff,
+        outcome = (
+            _steps.unavailable(self.spec, id, lease_version, error)
+            if isinstance(error, DestinationUnavailable)  # an outage: never this message's fault, never dead
+            else _steps.decide(
+                self.spec, id=id, lease_version=lease_version, attempts=attempts, max_attempts=max_attempts,
+                error=error, backoff=self.backoff,
+            )
         )  # fmt: skip
+        age = self._ages.get(id)
+        if (
+            error is not None
+            and outcome.status != self.spec.dead
+            and self.give_up_after is not None
+            and age is not None
+            and age > self.give_up_after
+        ):
+            outcome = _steps.gave_up(self.spec, id, lease_version, error, age=age, limit=self.give_up_after)
         return outcome, fatal
 
     def _release(self, id: int, lease_version: int, reason: str) -> Outcome:

@@ -56,10 +56,10 @@ from ._base import (
     through_cancellation,
 )
 from ._db import AsyncLoopConnection, LoopConnection
-from ._durations import Duration, positive_int, to_seconds, to_timedelta
+from ._durations import Duration, positive_int, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
 from ._services import Circuit, ClaimForms
-from ._steps import RELEASED_UNAVAILABLE, Outcome, describe_error, passed_over
+from ._steps import RELEASED_UNAVAILABLE, Outcome, passed_over
 from ._threads import CallThreads
 from ._wakeup import AsyncWaker, Waker
 from .errors import ConfigurationError, DestinationUnavailable, NoAnswer, RetryableError
@@ -151,6 +151,7 @@ class DispatcherBase(LoopBase):
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             backoff=backoff or OUTBOX_BACKOFF, maintain_partitions=maintain_partitions,
+            give_up_after=give_up_after,
         )  # fmt: skip
         if not callable(getattr(publisher, "publish", None)):
             raise ConfigurationError(f"publisher {publisher!r} has no publish(message) method")
@@ -182,13 +183,6 @@ class DispatcherBase(LoopBase):
             self.ordered and self.ordered_types is None and self.spec.period is None, settle=True
         )
         self.enforce_publish_timeout = bool(enforce_publish_timeout)
-        self.give_up_after: float | None = (
-            None
-            if give_up_after is None
-            else to_seconds(give_up_after, name="give_up_after", allow_zero=False)
-        )
-        #: Each claimed message's age (database clock) at its claim, for give_up_after.
-        self._ages: dict[int, float] = {}
         self._batch_publish = isinstance(publisher, BatchPublisher)
         self._calls = CallThreads("sa_outbox-publish")
         self._circuit = Circuit()
@@ -248,10 +242,6 @@ class DispatcherBase(LoopBase):
         self._ages = {r[0]: r[-1] for r in rows}
         return [Message.from_row(r, self._loads) for r in rows]
 
-    def _given_up(self, msg: Message) -> bool:
-        age = self._ages.get(msg.id)
-        return self.give_up_after is not None and age is not None and age > self.give_up_after
-
     def _classify(self, results: Sequence[tuple[Message, BaseException | None]]) -> list[Outcome]:
         """Publish results → outcomes (the first fatal error is kept to be raised after finalizing)."""
         outcomes: list[Outcome] = []
@@ -260,10 +250,6 @@ class DispatcherBase(LoopBase):
                 id=msg.id, lease_version=msg.lease_version, attempts=msg.attempts, max_attempts=self.max_attempts,
                 error=error, label=f"the publisher (outbox {msg.id})",
             )  # fmt: skip
-            if error is not None and outcome.status != self.spec.dead and self._given_up(msg):
-                text = (f"gave up: written {self._ages[msg.id]:.0f}s ago, over give_up_after "
-                        f"({self.give_up_after:g}s); last error: {describe_error(error)}")  # fmt: skip
-                outcome = Outcome(msg.id, msg.lease_version, self.spec.dead, error=text[:2000], kind="dead")
             outcomes.append(outcome)
             if fatal is not None and self._fatal is None:
                 self._fatal = fatal

@@ -143,6 +143,15 @@ def decide(
     )
 
 
+def gave_up(
+    spec: QueueSpec, id: int, lease_version: int, error: BaseException, *, age: float, limit: float
+) -> Outcome:
+    """A row written ``age`` seconds ago, over the loop's ``give_up_after`` (``limit``), that failed again:
+    dead/failed, whatever the failure was — an outage, a Defer, a NoAnswer's refund included."""
+    text = f"gave up: written {age:.0f}s ago, over give_up_after ({limit:g}s); last error: {describe_error(error)}"
+    return Outcome(id, lease_version, spec.dead, error=text[: _sql.LAST_ERROR_MAX], kind="dead")
+
+
 #: How ``last_error`` starts on a row given back because its destination was unavailable (``status`` and
 #: ``doctor`` look for these), and on the rest of the batch released with it.
 UNAVAILABLE_PREFIX = "DestinationUnavailable: "

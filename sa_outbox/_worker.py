@@ -391,6 +391,9 @@ class WorkerBase(LoopBase):
     ``unknown_task_grace`` (default 1 h): a job whose task this worker has no handler for — producers often
     deploy before workers — is deferred (attempt refunded, 30 s at a time, so workers that know the task take
     it meanwhile) until it is that old (database clock), then fails with a clear error.
+    ``give_up_after`` (default: never): a job written longer ago than this (``created_at``, database clock)
+    that fails again ends ``failed``, whatever the failure — a NoAnswer's or a Defer's refund included, which
+    would otherwise bring it back forever.
     ``maintain_partitions``: for a partitioned table (docs/partitioning.md), run
     :func:`~sa_outbox.maintain_partitions` at start and then every this often, off the loop (default: never).
     """
@@ -425,11 +428,13 @@ class WorkerBase(LoopBase):
         unique_running: bool = False,
         schedules: type[Any] | None = None,
         maintain_partitions: Duration | None = None,
+        give_up_after: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             backoff=backoff or JOBS_BACKOFF, maintain_partitions=maintain_partitions,
+            give_up_after=give_up_after,
         )  # fmt: skip
         if isinstance(queues, str):
             raise ConfigurationError("queues must be a collection of queue names, e.g. ('default',)")
@@ -487,8 +492,6 @@ class WorkerBase(LoopBase):
         if self.handler_timeout is not None and self.handler_timeout >= self.stale_after.total_seconds():
             raise ConfigurationError("handler_timeout must be shorter than stale_after")
         self.unknown_task_grace = to_seconds(unknown_task_grace, name="unknown_task_grace")
-        #: Each claimed job's age (database clock) at its claim, for unknown_task_grace.
-        self._ages: dict[int, float] = {}
         self._unknown_seen: set[str] = set()
         self._pace = _Pace()
         #: Claimed jobs that have not started yet.
@@ -1009,6 +1012,7 @@ class Worker(WorkerBase):
         unique_running: bool = False,
         schedules: type[Any] | None = None,
         maintain_partitions: Duration | None = None,
+        give_up_after: Duration | None = None,
     ) -> None:
         super().__init__(
             engine, model, handlers, queues=queues, batch=batch, stale_after=stale_after, heartbeat=heartbeat,
@@ -1016,6 +1020,7 @@ class Worker(WorkerBase):
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
             unique_running=unique_running, schedules=schedules, maintain_partitions=maintain_partitions,
+            give_up_after=give_up_after,
         )  # fmt: skip
         self.engine: Engine = engine
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
@@ -1520,6 +1525,7 @@ class AsyncWorker(WorkerBase):
         unique_running: bool = False,
         schedules: type[Any] | None = None,
         maintain_partitions: Duration | None = None,
+        give_up_after: Duration | None = None,
         sync_engine: Engine | None = None,
     ) -> None:
         if sync_engine is not None and not isinstance(sync_engine, Engine):
@@ -1533,6 +1539,7 @@ class AsyncWorker(WorkerBase):
             listen_url=listen_url, stop_on_unclassified=stop_on_unclassified, rescue_limit=rescue_limit,
             handler_timeout=handler_timeout, unknown_task_grace=unknown_task_grace, limits=limits,
             unique_running=unique_running, schedules=schedules, maintain_partitions=maintain_partitions,
+            give_up_after=give_up_after,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)

@@ -78,7 +78,10 @@ At the end (faults off, loops drained)
     F6  a transactional handler's effect exists exactly once for a done job and never for any other;
     F7  a job cancelled while queued never runs afterwards and ends ``cancelled``; one cancelled while
         running ends ``cancelled`` or (it finished anyway) ``done`` — never ``failed``, a poison one included,
-        whether its handler failed before or after its worker learned of the request.
+        whether its handler failed before or after its worker learned of the request;
+    F8  in the half of the scenarios whose workers have ``give_up_after``, a job written longer ago than that
+        ends ``failed`` "gave up" if a failure met it (a NoAnswer's or a Defer's refund included), else
+        ``done``; no younger job ever gives up (F2 holds for them).
 """
 
 from __future__ import annotations
@@ -149,6 +152,8 @@ LONG = 4.5  # a "long" job's run: longer than stale_after and than rule_hold_job
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom", "noanswer")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
+#: The workers' give_up_after in the scenarios that set it; an "old" job is written twice as long ago.
+GIVE_UP_AFTER = 3600.0
 #: Only "fast" workers serve it (sync, inline, instant handlers, this one queue): a burst of jobs written there
 #: is claimed by them, each claim sent ahead of the jobs in hand on the worker's own connection.
 BURST = "qb"
@@ -571,6 +576,7 @@ class Model:
     #: jobs that were never written (a unique key's waiting job skipped them) or whose row another call's
     #: replace/debounce took over before it started: none may ever run, nor be found in the table
     superseded_jobs: set[int] = field(default_factory=set)
+    old_jobs: set[int] = field(default_factory=set)  # written past the workers' give_up_after (F8)
     order: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(list))
     skipped: dict[int, int] = field(default_factory=dict)  # seq -> position in the record when skipped
     in_transaction: set[int] = field(default_factory=set)  # jobs whose handler writes an effect in its tx
@@ -602,6 +608,10 @@ class Scenario:
         self.analyze_rng = random.Random(f"analyze {seed}")
         self.lock_rng = random.Random(f"lock {seed}")
         self.bulk_rng = random.Random(f"bulk unique {seed}")
+        #: Half the scenarios give every worker give_up_after (GIVE_UP_AFTER); some jobs are then written "old"
+        #: (created_at backdated past it): any failure fails them (F8). Its own stream, as above.
+        self.old_rng = random.Random(f"give up {seed}")
+        self.give_up = self.old_rng.random() < 0.5
         # In two seeds of three every event type is ordered (Dispatcher(ordered=True), whose claim takes the heads form
         # after a short claim); in the others only ORDERED (ordered=[…], always the walk). Not drawn: the seed's
         # draws stay what they were, and the fixed seeds cover both.
@@ -811,6 +821,7 @@ class Scenario:
         ]  # fmt: skip
         commit = self._commit_or_not()
         tx = {p.seq for p in planned if self.rng.random() < 0.4}
+        old = {p.seq for p in planned if self.give_up and self.old_rng.random() < 0.2}
         with Session(self.engine) as s:
             s.begin()
             for p in planned:
@@ -824,13 +835,18 @@ class Scenario:
                 # a job whose every planned failure is NoAnswer gets one attempt: each meets it on its last
                 # attempt, which must be refunded (F2: it ends done, never failed)
                 attempts = 1 if p.plan and set(p.plan) == {"noanswer"} else 10
-                enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=attempts, concurrency_key=key,
-                        priority=priority, run_at=later)  # fmt: skip
+                job = enqueue(s, Job, task, self._payload(p), queue=queue, max_attempts=attempts,
+                              concurrency_key=key, priority=priority, run_at=later)  # fmt: skip
+                if p.seq in old:
+                    s.flush()
+                    job.created_at = job.created_at - timedelta(seconds=2 * GIVE_UP_AFTER)
             s.flush()
             s.commit() if commit else s.rollback()
         for p in planned:
             if commit:
                 self.model.jobs[p.seq] = p
+                if p.seq in old:
+                    self.model.old_jobs.add(p.seq)
                 if p.seq in tx:
                     self.model.in_transaction.add(p.seq)
             else:
@@ -1042,6 +1058,8 @@ class Scenario:
             queues = (
                 (BURST,) if burst else tuple(plain) if self.rng.random() < 0.4 else (self.rng.choice(plain),)
             )
+        if self.give_up:
+            options["give_up_after"] = GIVE_UP_AFTER
         if self.limit is None:
             options["unique_running"] = True
         elif LIMITED in queues:
@@ -1601,6 +1619,14 @@ class Scenario:
                 assert not (p.poison and row.status == "done"), why
             elif p.poison:
                 assert row.status == "failed", why
+            elif seq in self.model.old_jobs:
+                # F8: a failure fails it (it was written past give_up_after); done if it never failed, or if the
+                # claim that met a failure lost its lease and a later claim succeeded
+                assert row.status == "done" or (
+                    row.status == "failed" and (row.last_error or "").startswith("gave up: written")
+                ), why
+                # (not "an empty plan ends done": on a loaded machine an instant handler can overrun its timeout)
+                assert row.status == "failed" or seq in handled_ok, why
             elif row.status == "failed" and set(p.plan) == {"noanswer"}:
                 # a one-attempt job (see rule_enqueue) may end failed only by the rescue of a worker that died
                 # holding it — the poison-message rule — never by a NoAnswer on its last attempt

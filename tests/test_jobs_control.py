@@ -753,6 +753,56 @@ def test_give_up_after_sends_an_old_undeliverable_message_to_dead_whatever_the_f
     assert row(engine, "outbox", 2).status == "pending"
 
 
+@pytest.mark.parametrize("failure", ["no answer", "defer", "retry", "timeout"])
+def test_worker_give_up_after_fails_an_old_job_whatever_the_failure(
+    runner: Runner, engine: Engine, failure: str
+) -> None:
+    """A NoAnswer on the last attempt and a Defer give their attempt back: without a bound such a job is queued
+    again forever. ``Worker(give_up_after=…)`` fails a job written longer ago than that (database clock) at its
+    next failure, whatever it is; a younger job keeps the usual rules, and an old one that succeeds is done."""
+    from sa_outbox import Defer
+
+    # (one attempt where it is refunded: the rule that would loop forever; else attempts to spare)
+    seed_jobs(engine, 3, task="t", max_attempts=1 if failure in ("no answer", "defer") else 5)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET created_at = now() - interval '2 hours' WHERE id IN (1, 3)"))
+    errors = {"no answer": NoAnswer("the API did not answer"), "defer": Defer(60, "not yet"),
+              "retry": RetryableError("503")}  # fmt: skip
+
+    def fails(job: ClaimedJob) -> None:
+        if job.id == 3:
+            return
+        if failure == "timeout":
+            time.sleep(1.0)
+        raise errors.get(failure, RetryableError("unreachable"))
+
+    async def fails_async(job: ClaimedJob) -> None:
+        if job.id == 3:
+            return
+        if failure == "timeout":
+            await asyncio.sleep(1.0)
+        raise errors.get(failure, RetryableError("unreachable"))
+
+    options: dict[str, Any] = {"give_up_after": dt.timedelta(hours=1), "batch": 3, "concurrency": 3}
+    if failure == "timeout":
+        options["handler_timeout"] = 0.2
+    w = runner.worker({"t": fails_async if runner.kind == "async" else fails}, **options)
+    assert runner.run_once(w) == 3
+    old, young, fine = row(engine, "jobs", 1), row(engine, "jobs", 2), row(engine, "jobs", 3)
+    assert old.status == "failed" and old.last_error.startswith("gave up: written 7200s ago"), old.last_error
+    assert "over give_up_after (3600s)" in old.last_error and old.finished_at is not None
+    # younger than the bound: queued again (its attempt refunded, or one to spare)
+    assert young.status == "queued" and young.finished_at is None, young.last_error
+    assert fine.status == "done"
+
+
+def test_give_up_after_must_be_a_positive_duration(runner: Runner) -> None:
+    with pytest.raises(ConfigurationError, match="give_up_after"):
+        runner.worker({"t": lambda job: None}, give_up_after=0)
+    with pytest.raises(ConfigurationError, match="give_up_after"):
+        runner.worker({"t": lambda job: None}, give_up_after=-5)
+
+
 def test_a_job_that_fails_after_its_cancellation_was_requested_does_not_run_again(
     runner: Runner, engine: Engine
 ) -> None:
