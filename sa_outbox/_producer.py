@@ -83,7 +83,15 @@ from sqlalchemy import (
 )
 from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapper, ORMExecuteState, Session, SessionTransaction, object_mapper, object_session
+from sqlalchemy.orm import (
+    MANYTOONE,
+    Mapper,
+    ORMExecuteState,
+    Session,
+    SessionTransaction,
+    object_mapper,
+    object_session,
+)
 from sqlalchemy.orm.base import instance_state
 from sqlalchemy.orm.exc import UnmappedInstanceError
 from sqlalchemy.sql.elements import ClauseElement
@@ -909,11 +917,55 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     return kind
 
 
+class _Pinned(dict[Any, tuple[bool, bool]]):
+    """A flush's ``UOWTransaction.states`` (state -> (isdelete, listonly)) in which the deferred events stay
+    ``listonly`` (registered, never inserted by the ORM) when a relationship registers them again.
+
+    A parent's one-to-many step registers the children it saves with ``cancel_delete=True``, and the unit of
+    work then turns a ``listonly`` save into the ORM's own insert: an event appended to an aggregate's
+    collection (or given its related object, through the backref) was inserted by the ORM and again by
+    :func:`_after_flush` — two rows, two message ids (a hostile review; ``tests/test_producer_relationships.py``
+    pins it for every SQLAlchemy version the package allows). A delete still registers as one."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, states: dict[Any, tuple[bool, bool]]) -> None:
+        super().__init__(states)
+        self.events: set[Any] = set()
+
+    def __setitem__(self, state: Any, value: tuple[bool, bool]) -> None:
+        if not value[0] and state in self.events:
+            value = (False, True)
+        super().__setitem__(state, value)
+
+
 def _defer(fl: _Flush, ev: _Event) -> None:
     """Take ``ev`` out of the ORM's own INSERT (``listonly``): :func:`_after_flush` writes it, after the rows the
     ORM inserts (a new aggregate's key is known then); the ORM makes it persistent as if it had."""
-    fl.context.register_object(instance_state(ev), listonly=True)
+    states = fl.context.states
+    if not isinstance(states, _Pinned):
+        states = fl.context.states = _Pinned(states)
+    state = instance_state(ev)
+    states.events.add(state)
+    fl.context.register_object(state, listonly=True)
     fl.later.append(ev)
+
+
+def _sync_many_to_one(ev: _Event) -> None:
+    """Copy into ``ev``'s foreign key columns the keys of the objects its many-to-one relationships name, as
+    the unit of work does for the objects it inserts — it skips a ``listonly`` one (a deferred event: its key
+    was left NULL). A relationship set to None clears its columns, as the ORM's step does."""
+    state = instance_state(ev)
+    for prop in state.mapper.relationships:
+        if prop.direction is not MANYTOONE or prop.key not in state.dict or prop.viewonly:
+            continue
+        related = state.dict[prop.key]
+        for source, dest in prop.synchronize_pairs:
+            key = state.mapper.get_property_by_column(dest).key
+            if related is None:
+                state.dict[key] = None
+            else:
+                state.dict[key] = getattr(related, prop.mapper.get_property_by_column(source).key)
 
 
 def _before_flush(session: Session, flush_context: Any, instances: Iterable[Any] | None) -> None:
@@ -1042,6 +1094,7 @@ def _after_flush(session: Session, flush_context: Any) -> None:
     if not fl.later and not fl.jobs:
         return
     for ev in fl.later:
+        _sync_many_to_one(ev)
         _resolve_aggregate_id(ev)
     notifies = _event_notifies({_table_of(ev) for ev in fl.later})
     fl.expire = _write(

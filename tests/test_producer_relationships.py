@@ -1,0 +1,238 @@
+"""Events mapped with relationships to the application's rows (an ``account_id`` foreign key and its
+``relationship``): however the event reaches the session — appended to a collection, given the related
+object, or cascaded with a new parent — it is written once, in the caller's transaction, with the foreign
+key the relationship says, and delivered once.
+
+A hostile review found an event written twice (two rows, two message ids) when it reached the flush through a
+parent's collection — the unit of work's one-to-many step registered it again as the ORM's own insert — and a
+many-to-one relationship's key left NULL (the unit of work does not run that step for an object it does not
+insert itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import BigInteger, Engine, ForeignKey, Identity, MetaData, Text, event, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+
+from sa_outbox import CdcOutboxMixin, Dispatcher, OutboxMixin
+from sa_outbox.testing import RecordingPublisher
+
+SCHEMA = "rel_events"
+
+
+class RelBase(DeclarativeBase):
+    metadata = MetaData(schema=SCHEMA)
+
+
+class Account(RelBase):
+    __tablename__ = "account"
+    __outbox_aggregate_type__ = "account"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[AccountEvent]] = relationship(back_populates="account")
+    bare_events: Mapped[list[BareEvent]] = relationship()  # one-to-many only, no backref
+
+
+class AccountEvent(OutboxMixin, RelBase):
+    """Both sides mapped (``Account.events`` and ``AccountEvent.account``)."""
+
+    __tablename__ = "account_event"
+    account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
+    account: Mapped[Account | None] = relationship(back_populates="events")
+
+
+class BareEvent(OutboxMixin, RelBase):
+    """The parent's collection only: the event has the key column and no relationship of its own."""
+
+    __tablename__ = "bare_event"
+    account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
+
+
+class OneWayEvent(OutboxMixin, RelBase):
+    """A many-to-one relationship only."""
+
+    __tablename__ = "one_way_event"
+    account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
+    account: Mapped[Account | None] = relationship()
+
+
+class CdcDeletedEvent(CdcOutboxMixin, RelBase):
+    """Insert-then-delete (the default): the row is written and deleted in the flush."""
+
+    __tablename__ = "cdc_deleted_event"
+    account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
+    account: Mapped[Account | None] = relationship()
+
+
+class CdcAccountEvent(CdcOutboxMixin, RelBase):
+    __tablename__ = "cdc_account_event"
+    sa_outbox_delete_after_insert = False  # (kept, to be read back)
+    account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
+    account: Mapped[Account | None] = relationship()
+
+
+@pytest.fixture
+def rel(engine: Engine) -> Iterator[Engine]:
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
+        RelBase.metadata.create_all(conn)
+    with Session(engine) as s, s.begin():
+        s.add(Account(name="existing"))
+    try:
+        yield engine
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {SCHEMA} CASCADE"))
+
+
+def _fields(tag: str, aggregate_id: str = "1") -> dict[str, Any]:
+    return {
+        "aggregate_type": "account",
+        "aggregate_id": aggregate_id,
+        "event_type": "E",
+        "payload": {"tag": tag},
+    }
+
+
+# (each returns the parent: the session holds a persistent object only weakly until the flush)
+
+
+def _append_to_persistent(s: Session) -> Any:
+    parent = s.get_one(Account, 1)
+    parent.events.append(AccountEvent(**_fields("w")))
+    return parent
+
+
+def _related_object(s: Session) -> None:
+    s.add(AccountEvent(**_fields("w"), account=s.get_one(Account, 1)))
+
+
+def _cascaded_with_new_parent(s: Session) -> None:
+    s.add(Account(name="new", events=[AccountEvent(**_fields("w", "2"))]))
+
+
+def _related_new_parent(s: Session) -> None:
+    s.add(AccountEvent(**_fields("w", "2"), account=Account(name="new")))
+
+
+def _for_new_aggregate(s: Session) -> Any:
+    parent = Account(name="new")
+    s.add(parent)
+    ev = AccountEvent.for_aggregate(parent, "E", {"tag": "w"})
+    ev.account = parent
+    s.add(ev)
+
+
+def _bare_collection_persistent(s: Session) -> Any:
+    parent = s.get_one(Account, 1)
+    parent.bare_events.append(BareEvent(**_fields("w")))
+    return parent
+
+
+def _bare_collection_new_parent(s: Session) -> None:
+    s.add(Account(name="new", bare_events=[BareEvent(**_fields("w", "2"))]))
+
+
+def _one_way_persistent(s: Session) -> None:
+    s.add(OneWayEvent(**_fields("w"), account=s.get_one(Account, 1)))
+
+
+def _one_way_new_parent(s: Session) -> None:
+    s.add(OneWayEvent(**_fields("w", "2"), account=Account(name="new")))
+
+
+WAYS: dict[str, tuple[Callable[[Session], Any], type[Any], int]] = {
+    # name: (how the event reaches the session, its model, the account its key must name)
+    "append to a persistent parent's collection": (_append_to_persistent, AccountEvent, 1),
+    "given the persistent related object": (_related_object, AccountEvent, 1),
+    "cascaded with a new parent": (_cascaded_with_new_parent, AccountEvent, 2),
+    "given a new related object": (_related_new_parent, AccountEvent, 2),
+    "for_aggregate of a new parent, related to it": (_for_new_aggregate, AccountEvent, 2),
+    "a persistent parent's one-way collection": (_bare_collection_persistent, BareEvent, 1),
+    "a new parent's one-way collection": (_bare_collection_new_parent, BareEvent, 2),
+    "a one-way many-to-one, persistent": (_one_way_persistent, OneWayEvent, 1),
+    "a one-way many-to-one, new": (_one_way_new_parent, OneWayEvent, 2),
+}
+
+
+def _rows(engine: Engine, model: type[Any]) -> list[Any]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    f"SELECT id, account_id, payload->>'tag' AS tag FROM {model.__table__.fullname} ORDER BY id"
+                )
+            )
+        )
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_an_event_with_a_relationship_is_written_once_with_its_key(rel: Engine, way: str) -> None:
+    make, model, account = WAYS[way]
+    sent: list[str] = []
+    record = lambda conn, cursor, statement, *rest: sent.append(statement)  # noqa: E731
+    event.listen(rel, "before_cursor_execute", record)
+    with Session(rel) as s, s.begin():
+        s.add(model(**_fields("before")))  # a plain event first: it and the related one keep their order
+        kept = make(s)
+        s.add(model(**_fields("after")))
+        s.flush()
+        del kept
+    event.remove(rel, "before_cursor_execute", record)
+    # written once, by the producer: no UPDATE of the outbox row (a producer role may only insert)
+    assert not [q for q in sent if q.lstrip().upper().startswith("UPDATE") and model.__tablename__ in q], sent
+    rows = _rows(rel, model)
+    assert [r.tag for r in rows] == ["before", "w", "after"], rows
+    assert rows[1].account_id == account, rows
+    publisher = RecordingPublisher()
+    d = Dispatcher(rel, model, publisher, listen=False)
+    try:
+        while d.run_once():
+            pass
+    finally:
+        d.close()
+    assert [m.payload["tag"] for m in publisher.messages] == ["before", "w", "after"]
+
+
+def test_a_related_event_in_a_rolled_back_savepoint_is_not_written(rel: Engine) -> None:
+    with Session(rel) as s, s.begin():
+        parent = s.get_one(Account, 1)
+        with s.begin_nested() as sp:
+            parent.events.append(AccountEvent(**_fields("gone")))
+            s.flush()
+            sp.rollback()
+        s.add(AccountEvent(**_fields("kept"), account=parent))
+    assert [(r.tag, r.account_id) for r in _rows(rel, AccountEvent)] == [("kept", 1)]
+
+
+def test_a_listener_that_adds_a_related_event_writes_it_once(rel: Engine) -> None:
+    class Audited(Session):
+        pass
+
+    @event.listens_for(Audited, "before_flush")
+    def audit(session: Session, flush_context: Any, instances: Any) -> None:
+        for obj in list(session.new):
+            if isinstance(obj, Account):
+                obj.events.append(AccountEvent(**_fields("opened", "?")))
+
+    with Audited(rel) as s, s.begin():
+        s.add(Account(name="audited"))
+    assert [(r.tag, r.account_id) for r in _rows(rel, AccountEvent)] == [("opened", 2)]
+
+
+def test_a_cdc_event_with_a_relationship_is_written_once(rel: Engine) -> None:
+    """A CDC table's rows too (before: a duplicate key error failed the business transaction)."""
+    with Session(rel) as s, s.begin():
+        parent = s.get_one(Account, 1)
+        for model in (CdcAccountEvent, CdcDeletedEvent):
+            s.add(model(**_fields("w"), account=parent))
+            s.add(model(**_fields("w2", "2"), account=Account(name="new")))
+    kept, deleted = CdcAccountEvent.__table__.fullname, CdcDeletedEvent.__table__.fullname
+    with rel.connect() as conn:
+        rows = conn.execute(text(f"SELECT aggregate_id, account_id FROM {kept} ORDER BY account_id")).all()
+        left = conn.execute(text(f"SELECT count(*) FROM {deleted}")).scalar()
+    assert [tuple(r) for r in rows] == [("1", 1), ("2", 2)] and left == 0
