@@ -799,10 +799,12 @@ def _insert_one(conn: Connection, table: Table, ev: _Event) -> list[str]:
     cdc = _shape(table).cdc
     for prop in state.mapper.column_attrs:
         col = prop.columns[0]
+        # (the id is the database's — refused when given, in step 1 —; created_at, the partitioned layout's
+        # other key column, is written as given)
         if (
             getattr(col, "table", None) is not table
             or prop.key not in state.dict
-            or (col.primary_key and not cdc)
+            or (col.name == "id" and not cdc)
         ):
             continue
         value = state.dict[prop.key]
@@ -906,6 +908,12 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     if kind is not None and fl.trace is None:
         fl.trace = trace_headers()  # once per flush: every row of the flush is written in the same span
     if kind in _EVENT_KINDS:
+        if kind != "cdc" and instance_state(obj).dict.get("id") is not None:
+            raise PayloadError(
+                f"outbox event {getattr(obj, 'event_type', None)!r:.80}: its id is given "
+                f"({instance_state(obj).dict['id']!r:.40}), but the database assigns ids, in write order (the "
+                "claim order); leave it unset"
+            )
         fl.encoded[id(obj)] = _validate_event(obj, cast(dict[str, str], fl.trace))
         if kind == "cdc":
             _cdc_columns(obj)

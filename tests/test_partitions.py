@@ -29,6 +29,7 @@ from sa_outbox import (
     Dispatcher,
     JobMixin,
     OutboxMixin,
+    PayloadError,
     SchemaError,
     Worker,
     _sql,
@@ -43,7 +44,7 @@ from sa_outbox import (
 from sa_outbox._partitions import PartitionReport, _settle_detached, partition_name, period_start
 from sa_outbox.doctor import doctor
 from sa_outbox.migration import create_partitions, storage_parameters_sql
-from sa_outbox.models import JobSchedule
+from sa_outbox.models import JobSchedule, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
 from .conftest import ROOT
@@ -432,6 +433,31 @@ def test_maintain_creates_the_partitions_ahead_and_refuses_a_plain_table(pengine
 
     with pytest.raises(SchemaError, match="not a partitioned table"):
         maintain_partitions(pengine, OutboxEvent)
+
+
+def test_an_events_explicit_created_at_is_kept_on_every_write_path(pengine: Engine) -> None:
+    """``created_at`` is part of the partitioned table's key and picks the partition: a value given to
+    ``session.add`` is written as given (it was silently replaced by now(), in today's partition — a hostile
+    review), as with an INSERT statement; an ``id`` given by hand is refused, naming it (it was dropped)."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    at = start + timedelta(hours=1)
+    fields = {"aggregate_type": "o", "aggregate_id": "1", "event_type": "E", "payload": {}}
+    with Session(pengine) as s, s.begin():
+        s.add(PEvent(**fields, created_at=at))
+        s.execute(insert(PEvent), [{**fields, "created_at": at}])
+        s.add(PEvent(**fields))
+    with pengine.connect() as conn:
+        rows = conn.execute(
+            text(f"SELECT tableoid::regclass::text AS part, created_at FROM {SCHEMA}.pev ORDER BY id")
+        )
+        got = [(r.part.split(".")[-1], r.created_at == at) for r in rows]
+    assert got[:2] == [(name, True), (name, True)] and got[2][0] != name, got
+    with pytest.raises(PayloadError, match="id is given"), Session(pengine) as s, s.begin():
+        s.add(PEvent(**fields, id=10**9))
+        s.flush()
+    with pytest.raises(PayloadError, match="id is given"), Session(pengine) as s, s.begin():
+        s.add(OutboxEvent(**fields, id=10**9))
+        s.flush()
 
 
 def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Engine) -> None:
