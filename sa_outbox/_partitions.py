@@ -12,13 +12,17 @@ A model opts in with ``sa_outbox_partitioned = "day" | "week" | "month"``: its t
   unless ``keep_dead=False``: a dead row is an operator's to-do. Otherwise it is kept, and reported with its
   counts (``status`` shows such partitions too).
 
-Why a retired partition cannot lose a row: ``created_at`` defaults to ``now()``, the *transaction's* start on
-the database clock (no client clock, so no skew between hosts), so only a transaction that began before the
-period ended can still write into it. ``DETACH … CONCURRENTLY`` waits for every transaction that uses the
-parent table, so once it returns nothing can write into the partition any more (a later insert of such an
-old ``created_at`` finds no partition and fails loudly). The unfinished rows are then counted again on the
-detached table: if a late producer or an operator's retry left one there, the partition is attached again
-and kept. Only then is it dropped.
+Why a retired partition cannot lose a row, nor hide one: ``created_at`` defaults to ``now()``, the
+*transaction's* start on the database clock (no client clock, so no skew between hosts), so only a
+transaction that began before the period ended — or one that gives ``created_at`` — can still write into it.
+Before the detach, the partition is *closed*: a ``CHECK (false) NOT VALID`` constraint, added in a transaction
+that then counts the unfinished rows again (:func:`_close`). Its lock waits for every transaction that wrote
+into the partition, so the count sees all they committed; found any, the transaction rolls back and the
+partition is kept. Committed, every later insert into the partition, or update of a row in it, fails loudly.
+So the rows a ``DETACH … CONCURRENTLY`` hides from new snapshots while it runs are all finished (an ordered
+aggregate's earlier event is never among them), and none can arrive afterwards — not even from a REPEATABLE
+READ transaction whose snapshot still sees the partition attached. The rows are counted once more on the
+detached table (attached again, and opened, should any be unfinished), then it is dropped.
 
 :class:`PartitionMaintainer` runs this from the loops (``maintain_partitions=`` on a Dispatcher/Worker): due at
 start, then every interval, on a thread (sync) or a task (async) with its own connection — never the loop's
@@ -58,6 +62,8 @@ log = logging.getLogger("sa_outbox.partitions")
 PARTITION_PERIODS: tuple[str, ...] = ("day", "week", "month")
 #: Periods created beyond the current one by default.
 DEFAULT_AHEAD = 3
+#: Longest wait for the lock that closes an ended partition to writes (:func:`_close`): claims queue behind it.
+CLOSE_LOCK_TIMEOUT = "1s"
 
 
 def partition_period(model: Any) -> str | None:
@@ -333,6 +339,7 @@ def _finalize_interrupted(
                 if not _detach(conn, table, p.name, mode="finalize"):
                     continue
                 if p.lower is not None and p.upper is not None:  # attach again: the retire step decides
+                    _reopen(conn, p.name, p.schema)
                     conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
             except DBAPIError as exc:
                 report.errors.append(f"{p.name}: could not finish an interrupted detach: {_one_line(exc)}")
@@ -454,7 +461,10 @@ def _retire(
         part = _sql.partition_table(p.name, p.schema)
         try:
             counts = _held(conn, spec, part, keep_dead)
+            if counts is None:
+                counts = _close(conn, spec, part, keep_dead)
             if counts is not None:
+                _reopen(conn, p.name, p.schema)  # (closed by a run that died before detaching it)
                 report.kept[p.name] = counts
                 continue
             # Marked first: should this process die once the detach has completed on the server, the next
@@ -469,6 +479,38 @@ def _retire(
                              report=report)  # fmt: skip
         except DBAPIError as exc:
             report.errors.append(f"{p.name}: could not retire it: {_one_line(exc)}")
+
+
+def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool) -> dict[str, int] | None:
+    """Close an ended partition to writes and count it again: None when it is closed and may go, else the
+    counts that keep it (and it is left open).
+
+    Both in one transaction: the constraint's ACCESS EXCLUSIVE lock waits for every transaction that wrote
+    into the partition, so the count — a new snapshot, after the lock — sees each row they committed, and no
+    row can be added or made unfinished afterwards: a late write fails loudly instead. Without it a late
+    producer's row could commit while the partition was "detach pending", which new snapshots do not see:
+    an ordered aggregate's next event, written into today's partition, was delivered first; and a REPEATABLE
+    READ producer whose snapshot predated the detach inserted into the table after the detach had returned,
+    and the drop took its committed row (a hostile review: ``test_partitions.py``). The lock blocks the
+    claims (they lock every partition) while it waits, so it waits ``CLOSE_LOCK_TIMEOUT`` at most; a run that
+    cannot close the partition reports it, and a later run tries again."""
+    prep = conn.dialect.identifier_preparer
+    conn.exec_driver_sql("BEGIN")
+    try:
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{CLOSE_LOCK_TIMEOUT}'")
+        conn.execute(text(_sql.close_partition_ddl(prep, part.name, part.schema)))
+        counts = _held(conn, spec, part, keep_dead)
+    except BaseException:
+        conn.exec_driver_sql("ROLLBACK")
+        raise
+    conn.exec_driver_sql("ROLLBACK" if counts is not None else "COMMIT")
+    return counts
+
+
+def _reopen(conn: Connection, name: str, schema: str | None) -> None:
+    """Drop the retiring constraint from a partition that is kept (or archived), when it carries one."""
+    if conn.execute(_sql.CLOSED_PARTITION, {"schema": schema or "public", "name": name}).scalar_one():
+        conn.execute(text(_sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema)))
 
 
 def _settle_detached(
@@ -496,6 +538,8 @@ def _settle_detached_now(
     table = spec.table
     prep = conn.dialect.identifier_preparer
     counts = _held(conn, spec, _sql.partition_table(name, table.schema), keep_dead)
+    if counts is not None or archive:
+        _reopen(conn, name, table.schema)
     if counts is not None:
         conn.execute(text(_sql.attach_partition_ddl(prep, table, name, lower, upper)))
         conn.execute(text(_sql.comment_table_ddl(prep, name, table.schema, None)))

@@ -1720,8 +1720,9 @@ def qualified_name(preparer: Any, name: str, schema: str | None) -> str:
 
 def detach_partition_ddl(preparer: Any, parent: Table, name: str, *, mode: str) -> str:
     """``DETACH PARTITION … CONCURRENTLY`` (mode ``concurrently``: outside any transaction; it waits for
-    every transaction that uses the parent, so no write to the partition is in flight once it returns) or
-    ``… FINALIZE`` (mode ``finalize``: completes a detach that was interrupted)."""
+    every transaction that uses the parent — but a transaction whose snapshot is older may still write into
+    the partition afterwards: it is closed first, ``close_partition_ddl``) or ``… FINALIZE`` (mode
+    ``finalize``: completes a detach that was interrupted)."""
     suffix = {"concurrently": "CONCURRENTLY", "finalize": "FINALIZE"}[mode]
     return (
         f"ALTER TABLE {preparer.format_table(parent)} DETACH PARTITION "
@@ -1739,6 +1740,42 @@ def attach_partition_ddl(preparer: Any, parent: Table, name: str, lower: Any, up
 
 def drop_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
     return f"DROP TABLE {qualified_name(preparer, name, schema)}"
+
+
+#: The constraint that closes a partition being retired to writes: no row can be inserted into it, nor changed
+#: in it (an UPDATE's new version is checked too), from the moment it commits. ``NOT VALID``: the rows already
+#: there are not read.
+RETIRING_CONSTRAINT = "sa_outbox_retiring"
+
+
+def close_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
+    """Close a partition to writes (``RETIRING_CONSTRAINT``; idempotent). Takes an ACCESS EXCLUSIVE lock on the
+    partition: it waits for every transaction that has written into it or read it."""
+    constraint = preparer.quote(RETIRING_CONSTRAINT)
+    return (
+        f"ALTER TABLE {qualified_name(preparer, name, schema)} DROP CONSTRAINT IF EXISTS {constraint}, "
+        f"ADD CONSTRAINT {constraint} CHECK (false) NOT VALID"
+    )
+
+
+def reopen_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
+    """Open a closed partition to writes again (a retire that keeps it, or archives it)."""
+    return (
+        f"ALTER TABLE {qualified_name(preparer, name, schema)} DROP CONSTRAINT IF EXISTS "
+        f"{preparer.quote(RETIRING_CONSTRAINT)}"
+    )
+
+
+#: Whether a table carries ``RETIRING_CONSTRAINT`` (``:schema``, ``:name``).
+CLOSED_PARTITION = text(
+    """
+    SELECT EXISTS (
+        SELECT 1 FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = :schema AND c.relname = :name AND k.conname = :constraint
+    )
+    """
+).bindparams(constraint=RETIRING_CONSTRAINT)
 
 
 #: The comment a partition carries while it is being retired (``sa_outbox:retiring:<mode>|<lower>|<upper>|<parent>``):

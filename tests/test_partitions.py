@@ -112,36 +112,63 @@ def add_events(engine: Engine, n: int, *, created_at: datetime | None = None, st
         return list(conn.execute(insert(PEvent).returning(PEvent.id), rows).scalars())
 
 
-def yesterday_with_a_late_producer(engine: Engine) -> tuple[str, Connection, Any]:
-    """Yesterday's partition holding two done events, and a producer whose transaction has written a pending
-    "Late" event into it and is still open: (the partition's name, the producer's connection, its transaction)."""
+def yesterday_with_an_open_writer(engine: Engine) -> tuple[str, datetime, Connection, Any]:
+    """Yesterday's partition holding two done events, and a transaction that has written a pending "Today"
+    event into today's partition and is still open: it uses the parent, so a ``DETACH … CONCURRENTLY`` waits
+    for it, and it holds nothing of yesterday's partition. (the partition's name and start, the writer's
+    connection, its transaction)"""
     name, start = add_past_partition(engine, PEvent, 1)
     add_events(engine, 2, created_at=start, status="done")
-    producer = engine.connect()
-    tx = producer.begin()
-    producer.execute(
-        insert(PEvent).values(aggregate_type="o", aggregate_id="late", event_type="Late", payload={},
-                              created_at=start)
-    )  # fmt: skip
-    return name, producer, tx
+    writer = engine.connect()
+    tx = writer.begin()
+    writer.execute(
+        insert(PEvent).values(aggregate_type="o", aggregate_id="today", event_type="Today", payload={})
+    )
+    return name, start, writer, tx
 
 
-def detach_waits(engine: Engine, seconds: float = 30) -> bool:
-    """Wait (bounded) until a ``DETACH PARTITION`` waits for a lock; whether it did."""
+def ddl_waits(engine: Engine, pattern: str, seconds: float = 30) -> bool:
+    """Wait (bounded) until a statement like ``pattern`` (``ALTER TABLE%DETACH%``, ``ALTER TABLE%ADD
+    CONSTRAINT%``) waits for a lock; whether it did."""
     deadline = time.monotonic() + seconds
     with engine.connect() as watcher:
         while time.monotonic() < deadline:
             waiting = watcher.execute(
                 text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'ALTER TABLE%DETACH%' "
+                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE :pattern "
                     "AND wait_event_type = 'Lock' AND datname = current_database()"
-                )
+                ),
+                {"pattern": pattern},
             ).scalar_one()
             watcher.rollback()
             if waiting:
                 return True
-            time.sleep(0.05)
+            time.sleep(0.02)
     return False
+
+
+def detach_waits(engine: Engine, seconds: float = 30) -> bool:
+    return ddl_waits(engine, "ALTER TABLE%DETACH%", seconds)
+
+
+def close_waits(engine: Engine, seconds: float = 30) -> bool:
+    return ddl_waits(engine, "ALTER TABLE%ADD CONSTRAINT%", seconds)
+
+
+def is_open(engine: Engine, name: str) -> bool:
+    """Whether partition ``name`` takes a write (an insert through the parent, of its rows' first
+    ``created_at``; rolled back)."""
+    with engine.connect() as conn, conn.begin() as tx:
+        try:
+            conn.execute(
+                text(f"INSERT INTO {SCHEMA}.pev (aggregate_type, aggregate_id, event_type, payload, "
+                     "created_at) SELECT 'o', 'probe', 'E', '{}', min(created_at) FROM " + f"{SCHEMA}.{name}")
+            )  # fmt: skip
+            return True
+        except DBAPIError:
+            return False
+        finally:
+            tx.rollback()
 
 
 def names(engine: Engine, model: Any) -> list[str]:
@@ -460,41 +487,98 @@ def test_an_events_explicit_created_at_is_kept_on_every_write_path(pengine: Engi
         s.flush()
 
 
-def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Engine) -> None:
-    """The unfinished count before the detach cannot see an uncommitted row; DETACH … CONCURRENTLY waits for
-    that producer, and the count on the detached table finds the row: the partition is attached again."""
-    name, start = add_past_partition(pengine, PEvent, 1)
-    add_events(pengine, 3, created_at=start, status="done")
-    producer = pengine.connect()
+def _late_producer(engine: Engine, start: datetime, aggregate: str = "1") -> tuple[Connection, Any, int]:
+    producer = engine.connect()
     tx = producer.begin()
     row_id = producer.execute(
-        insert(PEvent).values(aggregate_type="o", aggregate_id="1", event_type="E", payload={}, created_at=start)
-        .returning(PEvent.id)
+        insert(PEvent).values(aggregate_type="o", aggregate_id=aggregate, event_type="Late", payload={},
+                              created_at=start).returning(PEvent.id)
     ).scalar_one()  # fmt: skip
+    return producer, tx, row_id
+
+
+def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Engine) -> None:
+    """The count before closing cannot see an uncommitted row; closing the partition waits for that producer,
+    and the count in the same transaction finds its row: the partition is kept, open, and its rows delivered
+    in order — the aggregate's next event, written into today's partition after it, comes second. (Before, a
+    DETACH … CONCURRENTLY hid the row while the partition was "detach pending": the next event came first, a
+    hostile review.) A producer that outlasts the close's lock timeout makes the run report it, and leaves
+    the partition attached and open."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 3, created_at=start, status="done")
+    producer, tx, row_id = _late_producer(pengine, start, "A")
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
     t.start()
     try:
-        detach_waits(pengine)
+        assert close_waits(pengine), "the maintainer never tried to close the partition"
     finally:
         tx.commit()
         producer.close()
+    with pengine.begin() as conn:  # the aggregate's next event
+        conn.execute(
+            insert(PEvent).values(aggregate_type="o", aggregate_id="A", event_type="Next", payload={})
+        )
+    pub = RecordingPublisher()
+    d = Dispatcher(pengine, PEvent, pub, listen=False, ordered=True)
+    deadline = time.monotonic() + 30
+    while len(pub.messages) < 2 and time.monotonic() < deadline:
+        d.run_once()
+    d.close()
+    t.join(60)
+    assert not t.is_alive()
+    assert [m.event_type for m in pub.messages] == ["Late", "Next"]
+    report = result["report"]
+    assert report.kept == {name: {"unfinished": 1, "dead": 0}} and not report.errors, report
+    assert name in names(pengine, PEvent) and is_open(pengine, name)
+    with pengine.connect() as conn:
+        assert conn.execute(select(PEvent.status).where(PEvent.id == row_id)).scalar_one() == "done"
+    producer, tx, _ = _late_producer(pengine, start, "B")  # holds the partition past the close's lock timeout
+    try:
+        report = maintain_partitions(pengine, PEvent)
+    finally:
+        tx.commit()
+        producer.close()
+    assert [e.split(":")[0] for e in report.errors] == [name] and "lock timeout" in report.errors[0], report
+    assert name in names(pengine, PEvent) and is_open(pengine, name)
+    assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 1, "dead": 0}}
+
+
+def test_a_write_into_a_closed_partition_fails_even_from_an_older_snapshot(pengine: Engine) -> None:
+    """A REPEATABLE READ producer whose snapshot predates the retire still sees the partition attached while
+    its DETACH … CONCURRENTLY runs, and routed its insert into it; once the detach returned, the drop took the
+    committed row (a hostile review). The partition is closed before the detach: that insert fails, loudly."""
+    name, start, writer, writer_tx = yesterday_with_an_open_writer(pengine)  # keeps the DETACH waiting
+    producer = pengine.connect().execution_options(isolation_level="REPEATABLE READ")
+    tx = producer.begin()
+    producer.execute(text("SELECT 1"))  # its snapshot
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
+    t.start()
+    try:
+        assert detach_waits(pengine), "the maintainer never reached its DETACH"
+        with pytest.raises(DBAPIError, match="sa_outbox_retiring"):
+            producer.execute(
+                insert(PEvent).values(aggregate_type="o", aggregate_id="rr", event_type="E", payload={},
+                                      created_at=start + timedelta(hours=1))
+            )  # fmt: skip
+    finally:
+        tx.rollback()
+        producer.close()
+        writer_tx.commit()
+        writer.close()
         t.join(60)
     assert not t.is_alive()
-    assert result["report"].kept == {name: {"unfinished": 1, "dead": 0}}
-    assert name in names(pengine, PEvent)
-    with pengine.connect() as conn:
-        assert conn.execute(select(PEvent.status).where(PEvent.id == row_id)).scalar_one() == "pending"
+    assert result["report"].retired == [name] and not result["report"].errors, result["report"]
 
 
 def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
     pengine: Engine, db_url: URL
 ) -> None:
-    """The maintaining process is killed (-9) while its DETACH … CONCURRENTLY waits for a late producer; the
-    server completes the detach once the producer commits, so the producer's pending row sits in a table that
-    is no partition any more. The next run finds it by its mark, counts again and attaches it back: the row is
-    delivered. (Before the mark, the row was orphaned: no later run, status or doctor saw it.)"""
-    name, producer, tx = yesterday_with_a_late_producer(pengine)
+    """The maintaining process is killed (-9) while its DETACH … CONCURRENTLY waits for an older transaction;
+    the server completes the detach once that transaction ends, and the partition is a table of its own. The
+    next run finds it by its mark, counts again and finishes the retire; the other rows are delivered."""
+    name, _, writer, tx = yesterday_with_an_open_writer(pengine)
     code = (
         "from sqlalchemy import create_engine\n"
         "from sa_outbox import maintain_partitions\n"
@@ -510,28 +594,31 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
         maintainer.wait(10)
     finally:
         tx.commit()
-        producer.close()
+        writer.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not detached:  # the server finishes the detach on its own
         detached = name not in names(pengine, PEvent)
         time.sleep(0.05)
     assert detached, "the detach did not complete on the server"
+    with pengine.connect() as conn:
+        assert conn.execute(text(f"SELECT to_regclass('{SCHEMA}.{name}') IS NOT NULL")).scalar_one()
     report = maintain_partitions(pengine, PEvent)
-    assert report.kept == {name: {"unfinished": 1, "dead": 0}} and not report.errors, report
-    assert name in names(pengine, PEvent)
+    assert report.retired == [name] and not report.errors, report
+    with pengine.connect() as conn:
+        assert conn.execute(text(f"SELECT to_regclass('{SCHEMA}.{name}') IS NULL")).scalar_one()
     pub = RecordingPublisher()
     Dispatcher(pengine, PEvent, pub, listen=False).run_once()
-    assert [m.event_type for m in pub.messages] == ["Late"]
+    assert [m.event_type for m in pub.messages] == ["Today"]
 
 
 def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(pengine: Engine) -> None:
     """Every loop runs the partition step, so two maintainers meet: while the first's DETACH … CONCURRENTLY
-    waits for a late producer, the partition reads "detach pending" — as one whose maintainer died. The
+    waits for an older transaction, the partition reads "detach pending" — as one whose maintainer died. The
     second's FINALIZE finishes it, or the first does and the second's FINALIZE finds nothing to finish. Either
     way the loser's failed DETACH is no failure of its run (the model-based suite met it: "could not finish an
-    interrupted detach: … is not a partition of …"; the other order: "could not retire it: …"): the partition
-    is attached again for the producer's row, and the row is delivered."""
-    name, producer, tx = yesterday_with_a_late_producer(pengine)
+    interrupted detach: … is not a partition of …"; the other order: "could not retire it: …"), and no
+    partition is left "detach pending"."""
+    name, _, writer, tx = yesterday_with_an_open_writer(pengine)
     reports: dict[str, Any] = {}
     first = threading.Thread(target=lambda: reports.update(first=maintain_partitions(pengine, PEvent)))
     second = threading.Thread(target=lambda: reports.update(second=maintain_partitions(pengine, PEvent)))
@@ -542,35 +629,22 @@ def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(p
             p.detach_pending for p in list_partitions(pengine, PEvent, counts=False) if p.name == name
         ] == [True]
         second.start()
-        deadline = time.monotonic() + 30
-        with pengine.connect() as watcher:  # the second's FINALIZE is under way
-            while time.monotonic() < deadline:
-                waiting = watcher.execute(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH%FINALIZE%' "
-                        "AND datname = current_database()"
-                    )
-                ).scalar_one()
-                watcher.rollback()
-                if waiting:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail("the second maintainer never tried to finish the detach")
+        assert ddl_waits(pengine, "%DETACH%FINALIZE%"), (
+            "the second maintainer never tried to finish the detach"
+        )
     finally:
         tx.commit()
-        producer.close()
+        writer.close()
         first.join(60)
         second.join(60)
     assert not first.is_alive() and not second.is_alive()
     assert not reports["first"].errors and not reports["second"].errors, (reports["first"], reports["second"])
-    # whichever finished the detach attached the partition again (the second's FINALIZE may win the race)
-    assert [p.detach_pending for p in list_partitions(pengine, PEvent, counts=False) if p.name == name] == [
-        False
-    ]
+    assert not [p for p in list_partitions(pengine, PEvent, counts=False) if p.detach_pending]
+    assert maintain_partitions(pengine, PEvent).errors == []
+    assert name not in names(pengine, PEvent)
     pub = RecordingPublisher()
     Dispatcher(pengine, PEvent, pub, listen=False).run_once()
-    assert [m.event_type for m in pub.messages] == ["Late"]
+    assert [m.event_type for m in pub.messages] == ["Today"]
 
 
 def test_settling_a_retire_that_another_maintainer_settled_meanwhile_is_no_failure(pengine: Engine) -> None:
@@ -644,7 +718,8 @@ def test_concurrent_producers_lose_nothing_while_maintain_retires(pengine: Engin
         stop.set()
         t.join(60)
     assert committed
-    assert all("no partition" in r for r in refused), refused[:3]
+    # (an insert that met the partition closed, or detached, failed loudly)
+    assert all("no partition" in r or "sa_outbox_retiring" in r for r in refused), refused[:3]
     with pengine.connect() as conn:
         present = set(conn.execute(select(PEvent.id)).scalars())
     assert set(committed) <= present, sorted(set(committed) - present)[:10]
