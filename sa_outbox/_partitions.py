@@ -462,7 +462,12 @@ def _retire(
         try:
             counts = _held(conn, spec, part, keep_dead)
             if counts is None:
-                counts = _close(conn, spec, part, keep_dead)
+                try:
+                    counts = _close(conn, spec, part, keep_dead)
+                except DBAPIError:
+                    if _taken_by_another(conn, table, p.name):
+                        continue  # (its detach held the partition: that maintainer settles it)
+                    raise
             if counts is not None:
                 _reopen(conn, p.name, p.schema)  # (closed by a run that died before detaching it)
                 report.kept[p.name] = counts
@@ -505,6 +510,13 @@ def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool)
         raise
     conn.exec_driver_sql("ROLLBACK" if counts is not None else "COMMIT")
     return counts
+
+
+def _taken_by_another(conn: Connection, table: Table, name: str) -> bool:
+    """After a failed close: whether another maintainer is retiring the partition — it is "detach pending",
+    or no partition any more. (Its ``DETACH … CONCURRENTLY`` holds a lock on the partition while it waits for
+    older transactions, and the close waits for that lock until it times out.)"""
+    return not any(p.name == name and not p.detach_pending for p in _partitions(conn, table, counts=False))
 
 
 def _reopen(conn: Connection, name: str, schema: str | None) -> None:

@@ -41,7 +41,7 @@ from sa_outbox import (
     queue_status,
     retry_dead,
 )
-from sa_outbox._partitions import PartitionReport, _settle_detached, partition_name, period_start
+from sa_outbox._partitions import PartitionReport, _retire, _settle_detached, partition_name, period_start
 from sa_outbox.doctor import doctor
 from sa_outbox.migration import create_partitions, storage_parameters_sql
 from sa_outbox.models import JobSchedule, OutboxEvent
@@ -645,6 +645,29 @@ def test_a_second_maintainer_leaves_a_detach_in_progress_to_its_own_maintainer(p
     pub = RecordingPublisher()
     Dispatcher(pengine, PEvent, pub, listen=False).run_once()
     assert [m.event_type for m in pub.messages] == ["Today"]
+
+
+def test_a_close_that_meets_another_maintainers_detach_is_no_failure(pengine: Engine) -> None:
+    """A maintainer that listed the partitions before another one began its detach tries to close the
+    partition, and waits for the lock the other's DETACH … CONCURRENTLY holds until its timeout: the other
+    maintainer settles that partition, and the run reports no error."""
+    name, _, writer, tx = yesterday_with_an_open_writer(pengine)
+    stale = list_partitions(pengine, PEvent, counts=False)
+    result: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
+    first.start()
+    report = PartitionReport(PEvent.__table__.fullname)
+    try:
+        assert detach_waits(pengine), "the first maintainer never reached its DETACH"
+        with pengine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            _retire(conn, _sql.spec_for(PEvent), stale, archive=False, keep_dead=True, report=report)
+    finally:
+        tx.commit()
+        writer.close()
+        first.join(60)
+    assert report == PartitionReport(PEvent.__table__.fullname), report
+    assert result["report"].retired == [name] and not result["report"].errors, result["report"]
 
 
 def test_settling_a_retire_that_another_maintainer_settled_meanwhile_is_no_failure(pengine: Engine) -> None:
