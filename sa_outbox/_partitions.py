@@ -500,7 +500,9 @@ def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool)
     claims (they lock every partition) while it waits, so it waits ``CLOSE_LOCK_TIMEOUT`` at most; a run that
     cannot close the partition reports it, and a later run tries again."""
     prep = conn.dialect.identifier_preparer
-    conn.exec_driver_sql("BEGIN")
+    # READ COMMITTED whatever the session's default: the count's snapshot must be taken after the lock (under
+    # REPEATABLE READ it was the transaction's first, older than a late producer's commit — a hostile review)
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
     try:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{CLOSE_LOCK_TIMEOUT}'")
         conn.execute(text(_sql.close_partition_ddl(prep, part.name, part.schema)))

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, MetaData, insert, inspect, select, text, update
+from sqlalchemy import Connection, Engine, MetaData, create_engine, insert, inspect, select, text, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -542,6 +542,48 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     assert [e.split(":")[0] for e in report.errors] == [name] and "lock timeout" in report.errors[0], report
     assert name in names(pengine, PEvent) and is_open(pengine, name)
     assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 1, "dead": 0}}
+
+
+def test_the_close_counts_after_its_lock_whatever_the_sessions_isolation(
+    pengine: Engine, db_url: URL
+) -> None:
+    """A maintainer whose sessions default to REPEATABLE READ: the close's count still sees the row a late
+    producer committed while the close waited for its lock. (Its count used the transaction's snapshot, taken
+    before the wait: the partition was closed and detached with the pending row inside, and while the detach
+    waited for an older transaction the aggregate's next event was delivered first — a hostile review.)"""
+    name, start, writer, writer_tx = yesterday_with_an_open_writer(pengine)  # would keep a DETACH waiting
+    producer, tx, _ = _late_producer(pengine, start, "A")
+    rr = create_engine(db_url, connect_args={"options": "-c default_transaction_isolation=repeatable\\ read"})
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(rr, PEvent)))
+    t.start()
+    pub = RecordingPublisher()
+    d = Dispatcher(pengine, PEvent, pub, listen=False, ordered=True)
+    try:
+        assert close_waits(pengine), "the maintainer never tried to close the partition"
+        tx.commit()
+        producer.close()
+        detach_waits(
+            pengine, seconds=3
+        )  # (the old code's detach, with the row inside, waited for the writer)
+        with pengine.begin() as conn:
+            conn.execute(
+                insert(PEvent).values(aggregate_type="o", aggregate_id="A", event_type="Next", payload={})
+            )
+        for _ in range(5):
+            d.run_once()
+    finally:
+        writer_tx.commit()
+        writer.close()
+        t.join(60)
+        rr.dispose()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len([m for m in pub.messages if m.aggregate_id == "A"]) < 2:
+        d.run_once()
+    d.close()
+    assert [m.event_type for m in pub.messages if m.aggregate_id == "A"] == ["Late", "Next"]
+    assert result["report"].kept == {name: {"unfinished": 1, "dead": 0}}, result["report"]
+    assert is_open(pengine, name)
 
 
 def test_a_write_into_a_closed_partition_fails_even_from_an_older_snapshot(pengine: Engine) -> None:
