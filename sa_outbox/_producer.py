@@ -85,6 +85,7 @@ from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import (
     MANYTOONE,
+    ONETOMANY,
     Mapper,
     ORMExecuteState,
     Session,
@@ -959,6 +960,36 @@ def _defer(fl: _Flush, ev: _Event) -> None:
     fl.later.append(ev)
 
 
+def _check_references(flush_context: Any, later: list[_Event]) -> None:
+    """Refuse a flush in which something needs a deferred event's id: the event's own one-to-many or
+    many-to-many collection, or another object's many-to-one (or many-to-many) naming it. The producer writes
+    a deferred event after the ORM's rows, so the ORM wrote those links without the id — a NULL key, a missing
+    association row, silently (a hostile review). Raised in ``after_flush``: the transaction is rolled back
+    whole. A reference to an event flushed earlier (``session.flush()`` first) is fine."""
+    deferred = {instance_state(ev) for ev in later}
+
+    def refused(ev_state: Any, where: str) -> PayloadError:
+        ev = ev_state.obj()
+        return PayloadError(
+            f"outbox event {getattr(ev, 'event_type', None)!r:.80} ({type(ev).__name__}) is referenced by "
+            f"{where} in the flush that writes it: the producer writes this event after the ORM's own rows (it "
+            "has columns of its own, or a new aggregate), so the reference would get no id. Flush the event "
+            "first (session.flush()), then add what refers to it"
+        )
+
+    for state in deferred:
+        for prop in state.mapper.relationships:
+            if prop.direction is not MANYTOONE and not prop.viewonly and state.attrs[prop.key].history.added:
+                raise refused(state, f"its own {prop} collection")
+    for state in flush_context.states:
+        for prop in state.mapper.relationships:
+            if prop.direction is ONETOMANY or prop.viewonly or prop.key not in state.dict:
+                continue  # (a parent's one-to-many sets the event's own key: supported)
+            for other in state.attrs[prop.key].history.added:
+                if other is not None and instance_state(other) in deferred:
+                    raise refused(instance_state(other), f"{prop} of a {type(state.obj()).__name__}")
+
+
 def _sync_many_to_one(ev: _Event) -> None:
     """Copy into ``ev``'s foreign key columns the keys of the objects its many-to-one relationships name, as
     the unit of work does for the objects it inserts — it skips a ``listonly`` one (a deferred event: its key
@@ -1101,6 +1132,7 @@ def _after_flush(session: Session, flush_context: Any) -> None:
         fl.later.remove(gone)
     if not fl.later and not fl.jobs:
         return
+    _check_references(flush_context, fl.later)
     for ev in fl.later:
         _sync_many_to_one(ev)
         _resolve_aggregate_id(ev)

@@ -10,14 +10,15 @@ insert itself)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import BigInteger, Engine, ForeignKey, Identity, MetaData, Text, event, text
+from sqlalchemy import BigInteger, Column, Engine, ForeignKey, Identity, MetaData, Table, Text, event, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
-from sa_outbox import CdcOutboxMixin, Dispatcher, OutboxMixin
+from sa_outbox import CdcOutboxMixin, Dispatcher, OutboxMixin, PayloadError
 from sa_outbox.testing import RecordingPublisher
 
 SCHEMA = "rel_events"
@@ -57,6 +58,46 @@ class OneWayEvent(OutboxMixin, RelBase):
     __tablename__ = "one_way_event"
     account_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.account.id"))
     account: Mapped[Account | None] = relationship()
+
+
+class NotedEvent(OutboxMixin, RelBase):
+    """Columns of its own (so the producer writes it after the ORM's rows), and rows that refer to it."""
+
+    __tablename__ = "noted_event"
+    note: Mapped[str | None] = mapped_column(Text)
+    attachments: Mapped[list[Attachment]] = relationship(back_populates="event")
+    tags: Mapped[list[Tag]] = relationship(secondary=f"{SCHEMA}.noted_event_tag")
+    cause_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.noted_event.id"))
+    cause: Mapped[NotedEvent | None] = relationship(remote_side="NotedEvent.id")
+
+
+class Attachment(RelBase):
+    __tablename__ = "attachment"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    event_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.noted_event.id"))
+    event: Mapped[NotedEvent | None] = relationship(back_populates="attachments")
+
+
+class Tag(RelBase):
+    __tablename__ = "tag"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+
+
+class Pin(RelBase):
+    """Another row's many-to-one to an event."""
+
+    __tablename__ = "pin"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    event_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.noted_event.id"))
+    event: Mapped[NotedEvent | None] = relationship()
+
+
+Table(
+    "noted_event_tag",
+    RelBase.metadata,
+    Column("event_id", ForeignKey(f"{SCHEMA}.noted_event.id"), primary_key=True),
+    Column("tag_id", ForeignKey(f"{SCHEMA}.tag.id"), primary_key=True),
+)
 
 
 class CdcDeletedEvent(CdcOutboxMixin, RelBase):
@@ -236,3 +277,65 @@ def test_a_cdc_event_with_a_relationship_is_written_once(rel: Engine) -> None:
         rows = conn.execute(text(f"SELECT aggregate_id, account_id FROM {kept} ORDER BY account_id")).all()
         left = conn.execute(text(f"SELECT count(*) FROM {deleted}")).scalar()
     assert [tuple(r) for r in rows] == [("1", 1), ("2", 2)] and left == 0
+
+
+def _noted(tag: str) -> NotedEvent:
+    return NotedEvent(**_fields(tag), note="n")
+
+
+def _own_children(s: Session) -> None:
+    ev = _noted("w")
+    ev.attachments.append(Attachment())
+    s.add(ev)
+
+
+def _another_rows_many_to_one(s: Session) -> None:
+    s.add(Pin(event=_noted("w")))
+
+
+def _event_to_event(s: Session) -> None:
+    s.add(NotedEvent(**_fields("effect"), note="n", cause=_noted("cause")))
+
+
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (_own_children, "NotedEvent.attachments"),
+        (_another_rows_many_to_one, "Pin.event"),
+        (_event_to_event, "NotedEvent.cause"),
+    ],
+    ids=["its own one-to-many", "another row's many-to-one", "an event's many-to-one to a new event"],
+)
+def test_a_reference_that_needs_a_new_events_id_is_refused_and_nothing_is_written(
+    rel: Engine, make: Callable[[Session], None], names: str
+) -> None:
+    """The producer writes an event with columns of its own after the ORM's rows: a row of the same flush that
+    needs its id would get none (a NULL key, silently — a hostile review). Such a flush is refused, naming
+    the relationship, and the transaction writes nothing; flushed first, the event can be referred to."""
+    with pytest.raises(PayloadError, match=re.escape(names)), Session(rel) as s, s.begin():
+        make(s)
+        s.flush()
+    with rel.connect() as conn:
+        for table in ("noted_event", "attachment", "pin"):
+            assert conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.{table}")).scalar() == 0, table
+    with Session(rel) as s, s.begin():
+        ev = _noted("first")
+        s.add(ev)
+        s.flush()
+        ev.attachments.append(Attachment())
+        s.add(Pin(event=ev))
+        s.add(NotedEvent(**_fields("effect"), note="n", cause=ev))
+    with rel.connect() as conn:
+        assert conn.execute(text(f"SELECT event_id FROM {SCHEMA}.attachment")).scalar() == 1
+        assert conn.execute(text(f"SELECT event_id FROM {SCHEMA}.pin")).scalar() == 1
+        assert conn.execute(text(f"SELECT cause_id FROM {SCHEMA}.noted_event WHERE id = 2")).scalar() == 1
+
+
+def test_a_new_events_many_to_many_is_refused(rel: Engine) -> None:
+    with Session(rel) as s, s.begin():
+        s.add(Tag())
+    with pytest.raises(PayloadError, match=r"NotedEvent\.tags"), Session(rel) as s, s.begin():
+        s.add(NotedEvent(**_fields("w"), note="n", tags=[s.get_one(Tag, 1)]))
+        s.flush()
+    with rel.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.noted_event")).scalar() == 0
