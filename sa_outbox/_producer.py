@@ -1264,12 +1264,32 @@ _LISTENERS: tuple[tuple[str, Callable[..., Any]], ...] = (
 )
 
 
+def _before_orm_insert(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
+    """Refuse the ORM's own INSERT of an event the producer deferred (it writes it in ``after_flush``): with a
+    cycle in the mapper graph the unit of work saves the children of a one-to-many row by row, whatever their
+    ``listonly`` flag (:class:`_Pinned`), and the event was written twice — two message ids (a hostile review).
+    Raised before that INSERT; the transaction is rolled back whole."""
+    if getattr(type(target), "sa_outbox_kind", None) not in _EVENT_KINDS:
+        return
+    session = object_session(target)
+    fl: _Flush | None = None if session is None else session.info.get(_FLUSH_KEY)
+    pinned = None if fl is None else fl.context.states
+    if isinstance(pinned, _Pinned) and instance_state(target) in pinned.events:
+        raise PayloadError(
+            f"outbox event {getattr(target, 'event_type', None)!r:.80} ({type(target).__name__}) is in a cycle of "
+            "relationships (the unit of work saves such rows one by one and would insert it itself, besides the "
+            "producer): flush what it refers to first (session.flush()), or give its foreign key as a column"
+        )
+
+
 def install() -> None:
     """Register the producer's session listeners on every ``Session`` (idempotent). The mixins call it when a
     model class that uses them is defined, so ``session.add(OutboxEvent(...))`` needs no setup call."""
     for name, fn in _LISTENERS:
         if not event.contains(Session, name, fn):
             event.listen(Session, name, fn)
+    if not event.contains(Mapper, "before_insert", _before_orm_insert):
+        event.listen(Mapper, "before_insert", _before_orm_insert)
 
 
 # --- public functions -------------------------------------------------------------------------------------

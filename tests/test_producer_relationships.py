@@ -100,6 +100,15 @@ Table(
 )
 
 
+class ThreadEvent(OutboxMixin, RelBase):
+    """Self-referential: a cycle in the mapper graph (the unit of work then saves rows one by one)."""
+
+    __tablename__ = "thread_event"
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey(f"{SCHEMA}.thread_event.id"))
+    parent: Mapped[ThreadEvent | None] = relationship(remote_side="ThreadEvent.id", back_populates="children")
+    children: Mapped[list[ThreadEvent]] = relationship(back_populates="parent")
+
+
 class CdcDeletedEvent(CdcOutboxMixin, RelBase):
     """Insert-then-delete (the default): the row is written and deleted in the flush."""
 
@@ -339,3 +348,22 @@ def test_a_new_events_many_to_many_is_refused(rel: Engine) -> None:
         s.flush()
     with rel.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {SCHEMA}.noted_event")).scalar() == 0
+
+
+def test_an_event_in_a_cycle_of_relationships_is_refused_not_written_twice(rel: Engine) -> None:
+    """In a cycle the unit of work saves a one-to-many's children row by row, whatever the producer told it:
+    the event was inserted by the ORM and again by the producer — two rows, two message ids (a hostile
+    review). It is refused before the ORM's INSERT, nothing is written; its key given as a column works."""
+    with Session(rel) as s, s.begin():
+        s.add(ThreadEvent(**_fields("root")))
+    with pytest.raises(PayloadError, match="cycle"), Session(rel) as s, s.begin():
+        root = s.get_one(ThreadEvent, 1)
+        root.children.append(ThreadEvent(**_fields("child")))
+        s.flush()
+    with Session(rel) as s, s.begin():
+        s.add(ThreadEvent(**_fields("child"), parent_id=1))
+    with rel.connect() as conn:
+        parents = (
+            conn.execute(text(f"SELECT parent_id FROM {SCHEMA}.thread_event ORDER BY id")).scalars().all()
+        )
+    assert parents == [None, 1], parents
