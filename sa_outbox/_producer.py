@@ -774,7 +774,7 @@ def _insert_events(
             else:
                 defaulted = _server_defaulted(table)
                 for ev, new_id in zip(group, sorted(r[0] for r in rows), strict=True):
-                    instance_state(ev).dict["id"] = new_id  # as the unit of work sets a fetched key
+                    _set_id(ev, new_id)
                     expire[id(ev)] = defaulted
         else:
             gate = _lock_and_notify(conn, gate)
@@ -787,6 +787,27 @@ def _insert_events(
     for table, ids in gone.items():
         conn.execute(_delete_events(table), {"d_ids": ids})
     return expire
+
+
+#: The id the producer gave an event (beside ``id`` itself): an event whose transaction or savepoint was rolled
+#: back keeps it, and added again (a retry loop) it is written anew, not refused as an id given by hand.
+_WRITTEN_ID = "_sa_outbox_written_id"
+
+
+def _set_id(ev: _Event, new_id: int) -> None:
+    """Give an inserted event its id, as the unit of work sets a fetched key."""
+    d = instance_state(ev).dict
+    d["id"] = ev.__dict__[_WRITTEN_ID] = new_id
+
+
+def _given_id(obj: Any) -> Any:
+    """The ``id`` a new event carries that the producer did not give it (after a rollback, its own is dropped)."""
+    d = instance_state(obj).dict
+    given = d.get("id")
+    if given is not None and given == obj.__dict__.get(_WRITTEN_ID):
+        del d["id"]  # written by a transaction or savepoint that rolled back: written anew
+        return None
+    return given
 
 
 def _insert_one(conn: Connection, table: Table, ev: _Event) -> list[str]:
@@ -809,6 +830,8 @@ def _insert_one(conn: Connection, table: Table, ev: _Event) -> list[str]:
         ):
             continue
         value = state.dict[prop.key]
+        if value is None and col.server_default is not None:
+            continue  # (the ORM's own INSERT leaves such a column to its default too)
         if isinstance(value, ClauseElement):  # e.g. available_at=func.now() + …: evaluated by the database
             inline[col.key] = value
         else:
@@ -822,7 +845,7 @@ def _insert_one(conn: Connection, table: Table, ev: _Event) -> list[str]:
                 state.dict[prop.key] = row[prop.columns[0]]
         return []
     stmt = _row_insert(table)
-    state.dict["id"] = conn.execute(stmt.values(inline) if inline else stmt, values).scalar_one()
+    _set_id(ev, conn.execute(stmt.values(inline) if inline else stmt, values).scalar_one())
     return [p.key for p in state.mapper.column_attrs if p.key not in known and not p.columns[0].primary_key]
 
 
@@ -909,11 +932,10 @@ def _take(fl: _Flush, obj: Any) -> str | None:
     if kind is not None and fl.trace is None:
         fl.trace = trace_headers()  # once per flush: every row of the flush is written in the same span
     if kind in _EVENT_KINDS:
-        if kind != "cdc" and instance_state(obj).dict.get("id") is not None:
+        if kind != "cdc" and (given := _given_id(obj)) is not None:
             raise PayloadError(
-                f"outbox event {getattr(obj, 'event_type', None)!r:.80}: its id is given "
-                f"({instance_state(obj).dict['id']!r:.40}), but the database assigns ids, in write order (the "
-                "claim order); leave it unset"
+                f"outbox event {getattr(obj, 'event_type', None)!r:.80}: its id is given ({given!r:.40}), but the "
+                "database assigns ids, in write order (the claim order); leave it unset"
             )
         fl.encoded[id(obj)] = _validate_event(obj, cast(dict[str, str], fl.trace))
         if kind == "cdc":

@@ -91,6 +91,42 @@ def test_savepoint_rollback_discards_only_the_savepoints_rows(engine: Engine) ->
     assert count_rows(engine, "jobs") == 0
 
 
+@pytest.mark.parametrize("where", ["transaction", "savepoint"])
+@pytest.mark.parametrize("columns", ["plain", "with available_at"])
+def test_an_event_added_again_after_a_rollback_is_written_anew(
+    engine: Engine, where: str, columns: str
+) -> None:
+    """A retry loop that keeps its objects: the event keeps the id its rolled-back write gave it, and added
+    again it is written with a new one — not refused as an id given by hand (a hostile review)."""
+    extra = {"available_at": dt.datetime.now(dt.UTC)} if columns != "plain" else {}
+    ev = OutboxEvent(aggregate_type="order", aggregate_id="r", event_type="E", payload={}, **extra)
+    with Session(engine) as s, s.begin():
+        if where == "savepoint":
+            with s.begin_nested() as sp:
+                s.add(ev)
+                s.flush()
+                sp.rollback()
+        else:
+            s.add(ev)
+            s.flush()
+            s.rollback()
+    with Session(engine) as s, s.begin():
+        s.add(ev)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox")).scalar() == 1
+
+
+def test_none_on_a_column_with_a_server_default_means_the_default(engine: Engine) -> None:
+    """As for the ORM's own INSERT: ``available_at=None`` / ``created_at=None`` on an event the producer writes
+    after the ORM's rows take the database's default (they were written as NULL, and refused)."""
+    with Session(engine) as s, s.begin():
+        s.add(OutboxEvent(aggregate_type="order", aggregate_id="n", event_type="E", payload={}, available_at=None,
+                          created_at=None, headers={"k": "v"}))  # fmt: skip
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT available_at, created_at FROM outbox")).one()
+    assert row.available_at is not None and row.created_at is not None
+
+
 # --- per-aggregate commit order --------------------------------------------------------------------------
 
 
