@@ -474,11 +474,13 @@ class LoopBase:
 
     def _outcome(
         self, *, id: int, lease_version: int, attempts: int, max_attempts: int, error: BaseException | None,
-        label: str,
+        label: str, may_give_up: bool = True,
     ) -> tuple[Outcome, BaseException | None]:  # fmt: skip
         """Classify one result; an unclassified exception is logged with its traceback and counted. Returns the
         outcome and, when the loop must stop on it, the exception (``stop_on_unclassified``, or a
-        SystemExit/KeyboardInterrupt raised by the callable — what finished before it is still recorded)."""
+        SystemExit/KeyboardInterrupt raised by the callable — what finished before it is still recorded).
+        ``may_give_up=False``: ``give_up_after`` does not apply (a worker's deferral of a task it has no handler
+        for yet: ``unknown_task_grace`` decides)."""
         fatal = error if self._stops_loop(error) else None
         if error is not None and not isinstance(error, RetryableError | PermanentError | Defer):
             if not isinstance(error, SystemExit | KeyboardInterrupt):
@@ -502,7 +504,8 @@ class LoopBase:
         )  # fmt: skip
         age = self._ages.get(id)
         if (
-            error is not None
+            may_give_up
+            and error is not None
             and outcome.status != self.spec.dead
             and self.give_up_after is not None
             and age is not None

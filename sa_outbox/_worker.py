@@ -121,6 +121,12 @@ class TaskRegistry(dict[str, Handler]):
         return register
 
 
+class _NoHandlerYet(Defer):
+    """The deferral of a job whose task this worker has no handler for, while it is younger than
+    ``unknown_task_grace``: workers that know the task take it meanwhile, and ``give_up_after`` does not fail
+    it (a hostile review: it failed such jobs before any worker with the handler could run them)."""
+
+
 class _Pace:
     """How many jobs to claim ahead of the free slots: as many as the worker expects to start within
     ``PREFETCH_WINDOW``, from a moving average of its handlers' durations — none before one has finished; and,
@@ -732,7 +738,9 @@ class WorkerBase(LoopBase):
                     extra={"task": job.task},
                 )  # fmt: skip
             wait = min(30.0, max(1.0, self.unknown_task_grace - age))
-            return Defer(wait, f"no handler for task {job.task!r} on this worker yet (known: {known})")
+            return _NoHandlerYet(
+                wait, f"no handler for task {job.task!r} on this worker yet (known: {known})"
+            )
         return PermanentError(
             f"no handler registered for task {job.task!r} (known: {known}); it waited unknown_task_grace "
             f"({self.unknown_task_grace:g}s)"
@@ -762,7 +770,7 @@ class WorkerBase(LoopBase):
             return
         outcome, fatal = self._outcome(
             id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
-            error=error, label=f"job {job.id} ({job.task})",
+            error=error, label=f"job {job.id} ({job.task})", may_give_up=not isinstance(error, _NoHandlerYet),
         )  # fmt: skip
         if outcome.kind == "done" and ran.value is not None:
             outcome = replace(outcome, result=_encode_result(job, ran.value, self._max_result_bytes()))

@@ -796,6 +796,26 @@ def test_worker_give_up_after_fails_an_old_job_whatever_the_failure(
     assert fine.status == "done"
 
 
+def test_give_up_after_leaves_a_job_of_an_unknown_task_to_unknown_task_grace(
+    runner: Runner, engine: Engine
+) -> None:
+    """A worker without the task's handler defers the job while it is younger than unknown_task_grace, so that
+    workers that know the task run it: give_up_after does not fail it meanwhile (a hostile review: 2 of 2
+    such jobs failed, and the worker with the handler ran none)."""
+    seed_jobs(engine, 2, task="new_task")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET created_at = now() - interval '120 seconds'"))
+    lacking = runner.worker({"t": lambda job: None}, give_up_after=60, batch=2)
+    assert runner.run_once(lacking) == 2
+    assert statuses(engine, "jobs") == {"queued": 2}
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET run_at = now()"))
+    ran: list[int] = []
+    knowing = runner.worker({"new_task": lambda job: ran.append(job.id)}, give_up_after=60, batch=2)
+    runner.drain(knowing)
+    assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
+
+
 def test_give_up_after_must_be_a_positive_duration(runner: Runner) -> None:
     with pytest.raises(ConfigurationError, match="give_up_after"):
         runner.worker({"t": lambda job: None}, give_up_after=0)
