@@ -428,14 +428,14 @@ def _create_ahead(
         start = end
 
 
-def _with_lock_timeout(conn: Connection, ddl: str) -> None:
+def _with_lock_timeout(conn: Connection, ddl: str, timeout: str = "5s") -> None:
     """Run ``ddl`` in a transaction block of its own with a short lock wait, on an autocommit connection:
     creating a partition takes an ACCESS EXCLUSIVE lock on the parent, and a statement queued behind a long
     transaction would stall every claim and insert behind it. (An explicit BEGIN: SQLAlchemy's ``begin()``
     sends none in autocommit, and ``SET LOCAL`` needs one.)"""
     conn.exec_driver_sql("BEGIN")
     try:
-        conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout}'")
         conn.execute(text(ddl))
     except BaseException:
         conn.exec_driver_sql("ROLLBACK")
@@ -469,8 +469,8 @@ def _retire(
                         continue  # (its detach held the partition: that maintainer settles it)
                     raise
             if counts is not None:
-                _reopen(conn, p.name, p.schema)  # (closed by a run that died before detaching it)
                 report.kept[p.name] = counts
+                _reopen(conn, p.name, p.schema)  # (closed by a run that died before detaching it)
                 continue
             # Marked first: should this process die once the detach has completed on the server, the next
             # run finds the detached table by its comment, counts again and attaches or finishes it.
@@ -522,9 +522,15 @@ def _taken_by_another(conn: Connection, table: Table, name: str) -> bool:
 
 
 def _reopen(conn: Connection, name: str, schema: str | None) -> None:
-    """Drop the retiring constraint from a partition that is kept (or archived), when it carries one."""
+    """Drop the retiring constraint from a partition that is kept (or archived), when it carries one — waiting
+    ``CLOSE_LOCK_TIMEOUT`` at most for its lock, as the close does: claims queue behind it (a hostile review:
+    a claim stalled for the whole 8 s of a reader's transaction)."""
     if conn.execute(_sql.CLOSED_PARTITION, {"schema": schema or "public", "name": name}).scalar_one():
-        conn.execute(text(_sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema)))
+        _with_lock_timeout(
+            conn,
+            _sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema),
+            CLOSE_LOCK_TIMEOUT,
+        )
 
 
 def _settle_detached(

@@ -586,6 +586,33 @@ def test_the_close_counts_after_its_lock_whatever_the_sessions_isolation(
     assert is_open(pengine, name)
 
 
+def test_reopening_a_partition_left_closed_waits_for_its_lock_no_longer_than_the_close(
+    pengine: Engine,
+) -> None:
+    """A partition a run closed and could not retire (it died, or its detach was refused) is opened again by
+    the next run that keeps it — a DDL whose lock wait stalls the claims: it gives up like the close, reports
+    it, and a later run opens it (a hostile review: a claim waited out an 8 s reader's transaction)."""
+    name, start = add_past_partition(pengine, PEvent, 1)
+    add_events(pengine, 2, created_at=start, status="dead")
+    with pengine.begin() as conn:
+        conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, name, SCHEMA)))
+    assert not is_open(pengine, name)
+    result: dict[str, Any] = {}
+    with pengine.connect() as reader:
+        reader.execute(text(f"SELECT count(*) FROM {SCHEMA}.{name}"))  # holds the partition
+        t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
+        t.start()
+        t.join(30)
+        finished_while_held = not t.is_alive()
+        reader.rollback()
+    t.join(30)
+    assert finished_while_held, "the reopen waited for the reader's transaction"
+    report = result["report"]
+    assert report.kept == {name: {"unfinished": 0, "dead": 2}}, report
+    assert len(report.errors) == 1 and "lock timeout" in report.errors[0], report
+    assert maintain_partitions(pengine, PEvent).errors == [] and is_open(pengine, name)
+
+
 def test_a_write_into_a_closed_partition_fails_even_from_an_older_snapshot(pengine: Engine) -> None:
     """A REPEATABLE READ producer whose snapshot predates the retire still sees the partition attached while
     its DETACH … CONCURRENTLY runs, and routed its insert into it; once the detach returned, the drop took the
