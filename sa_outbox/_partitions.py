@@ -35,6 +35,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -359,7 +361,8 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
         )
         return True
     except DBAPIError as exc:
-        if any(p.name == name and p.detach_pending for p in _partitions(conn, table, counts=False)):
+        found = _partition_named(conn, table, name)
+        if found is not None and found.detach_pending:
             raise
         # (a FINALIZE that failed for a reason of its own leaves the detach pending; a DETACH … CONCURRENTLY
         # refused before it marked the partition, e.g. for want of a privilege, leaves it attached: told apart
@@ -378,12 +381,10 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
         raise
 
 
-def _settled_by_another(conn: Connection, table: Table, name: str) -> bool:
-    """After a failed DETACH: whether the partition is no longer "detach pending" — another maintainer's detach
-    finished, or its FINALIZE did (every loop runs the partition step, and a detach that is only waiting for
-    old transactions reads "detach pending" as one whose maintainer died). The step it failed at was then done
-    by the other; what is left (count again, drop or attach) is decided by a later run."""
-    return not any(p.name == name and p.detach_pending for p in _partitions(conn, table, counts=False))
+def _partition_named(conn: Connection, table: Table, name: str) -> PartitionInfo | None:
+    """Partition ``name`` of ``table`` as the catalog has it now (None: not a partition of it any more) — read
+    again after a step failed, to tell another maintainer's work from a failure of this run's."""
+    return next((p for p in _partitions(conn, table, counts=False) if p.name == name), None)
 
 
 def _create_ahead(
@@ -428,19 +429,29 @@ def _create_ahead(
         start = end
 
 
-def _with_lock_timeout(conn: Connection, ddl: str, timeout: str = "5s") -> None:
-    """Run ``ddl`` in a transaction block of its own with a short lock wait, on an autocommit connection:
-    creating a partition takes an ACCESS EXCLUSIVE lock on the parent, and a statement queued behind a long
-    transaction would stall every claim and insert behind it. (An explicit BEGIN: SQLAlchemy's ``begin()``
-    sends none in autocommit, and ``SET LOCAL`` needs one.)"""
-    conn.exec_driver_sql("BEGIN")
+@contextmanager
+def _short_lock_wait(conn: Connection, timeout: str) -> Iterator[dict[str, bool]]:
+    """A READ COMMITTED transaction block of its own with a short lock wait, on an autocommit connection: DDL
+    that takes an ACCESS EXCLUSIVE lock (on the parent to create a partition, on a partition to close or
+    reopen it) queued behind a long transaction would stall every claim — and insert — behind it. Committed at
+    the end unless the block sets ``["commit"]`` false; rolled back on an exception. (An explicit BEGIN:
+    SQLAlchemy's ``begin()`` sends none in autocommit, and ``SET LOCAL`` needs one. READ COMMITTED whatever the
+    session's default: a statement after the lock must see what committed during the wait.)"""
+    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+    outcome = {"commit": True}
     try:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout}'")
-        conn.execute(text(ddl))
+        yield outcome
     except BaseException:
         conn.exec_driver_sql("ROLLBACK")
         raise
-    conn.exec_driver_sql("COMMIT")
+    conn.exec_driver_sql("COMMIT" if outcome["commit"] else "ROLLBACK")
+
+
+def _with_lock_timeout(conn: Connection, ddl: str, timeout: str = "5s") -> None:
+    """Run ``ddl`` alone in a :func:`_short_lock_wait` block."""
+    with _short_lock_wait(conn, timeout):
+        conn.execute(text(ddl))
 
 
 def _retire(
@@ -465,8 +476,11 @@ def _retire(
                 try:
                     counts = _close(conn, spec, part, keep_dead)
                 except DBAPIError:
-                    if _taken_by_another(conn, table, p.name):
-                        continue  # (its detach held the partition: that maintainer settles it)
+                    # another maintainer is retiring it ("detach pending", or gone): its DETACH … CONCURRENTLY
+                    # holds a lock on the partition while it waits for older transactions — it settles it
+                    found = _partition_named(conn, table, p.name)
+                    if found is None or found.detach_pending:
+                        continue
                     raise
             if counts is not None:
                 report.kept[p.name] = counts
@@ -499,26 +513,13 @@ def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool)
     and the drop took its committed row (a hostile review: ``test_partitions.py``). The lock blocks the
     claims (they lock every partition) while it waits, so it waits ``CLOSE_LOCK_TIMEOUT`` at most; a run that
     cannot close the partition reports it, and a later run tries again."""
-    prep = conn.dialect.identifier_preparer
-    # READ COMMITTED whatever the session's default: the count's snapshot must be taken after the lock (under
-    # REPEATABLE READ it was the transaction's first, older than a late producer's commit — a hostile review)
-    conn.exec_driver_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
-    try:
-        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{CLOSE_LOCK_TIMEOUT}'")
-        conn.execute(text(_sql.close_partition_ddl(prep, part.name, part.schema)))
+    # (READ COMMITTED, as every such block: under REPEATABLE READ the count's snapshot was the transaction's
+    # first, older than a late producer's commit during the wait — a hostile review)
+    with _short_lock_wait(conn, CLOSE_LOCK_TIMEOUT) as outcome:
+        conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, part.name, part.schema)))
         counts = _held(conn, spec, part, keep_dead)
-    except BaseException:
-        conn.exec_driver_sql("ROLLBACK")
-        raise
-    conn.exec_driver_sql("ROLLBACK" if counts is not None else "COMMIT")
+        outcome["commit"] = counts is None
     return counts
-
-
-def _taken_by_another(conn: Connection, table: Table, name: str) -> bool:
-    """After a failed close: whether another maintainer is retiring the partition — it is "detach pending",
-    or no partition any more. (Its ``DETACH … CONCURRENTLY`` holds a lock on the partition while it waits for
-    older transactions, and the close waits for that lock until it times out.)"""
-    return not any(p.name == name and not p.detach_pending for p in _partitions(conn, table, counts=False))
 
 
 def _reopen(conn: Connection, name: str, schema: str | None) -> None:

@@ -1751,10 +1751,9 @@ RETIRING_CONSTRAINT = "sa_outbox_retiring"
 def close_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
     """Close a partition to writes (``RETIRING_CONSTRAINT``; idempotent). Takes an ACCESS EXCLUSIVE lock on the
     partition: it waits for every transaction that has written into it or read it."""
-    constraint = preparer.quote(RETIRING_CONSTRAINT)
     return (
-        f"ALTER TABLE {qualified_name(preparer, name, schema)} DROP CONSTRAINT IF EXISTS {constraint}, "
-        f"ADD CONSTRAINT {constraint} CHECK (false) NOT VALID"
+        f"{reopen_partition_ddl(preparer, name, schema)}, "
+        f"ADD CONSTRAINT {preparer.quote(RETIRING_CONSTRAINT)} CHECK (false) NOT VALID"
     )
 
 
