@@ -1004,12 +1004,26 @@ def _check_references(flush_context: Any, later: list[_Event]) -> None:
             if prop.direction is not MANYTOONE and not prop.viewonly and state.attrs[prop.key].history.added:
                 raise refused(state, f"its own {prop} collection")
     for state in flush_context.states:
-        for prop in state.mapper.relationships:
-            if prop.direction is ONETOMANY or prop.viewonly or prop.key not in state.dict:
-                continue  # (a parent's one-to-many sets the event's own key: supported)
+        for prop in _links_to_events(state.mapper):
+            if prop.key not in state.dict:
+                continue
             for other in state.attrs[prop.key].history.added:
                 if other is not None and instance_state(other) in deferred:
                     raise refused(instance_state(other), f"{prop} of a {type(state.obj()).__name__}")
+
+
+@functools.cache
+def _links_to_events(mapper: Mapper[Any]) -> tuple[Any, ...]:
+    """The relationships of ``mapper`` through which a row of it needs an event's id: many-to-one and
+    many-to-many ones to an outbox model (a parent's one-to-many sets the event's own key: supported). Most
+    mappers have none, and :func:`_check_references` passes their rows by."""
+    return tuple(
+        prop
+        for prop in mapper.relationships
+        if prop.direction is not ONETOMANY
+        and not prop.viewonly
+        and getattr(prop.mapper.class_, "sa_outbox_kind", None) in _EVENT_KINDS
+    )
 
 
 def _sync_many_to_one(ev: _Event) -> None:
