@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, insert, select, text
+from sqlalchemy import Engine, MetaData, insert, select, text
 
 from sa_outbox import ClaimedJob, Message
 from sa_outbox import _steps as eng
@@ -178,3 +178,19 @@ def wait_for_lock_wait(engine: Engine, which: Any, timeout: float = 10.0) -> boo
                 return True
             time.sleep(0.01)
     return False
+
+
+@contextmanager
+def fresh_schema(engine: Engine, schema: str, metadata: MetaData | None = None) -> Iterator[None]:
+    """A schema of the test's own: created empty (with ``metadata``'s tables, when given), dropped with all in
+    it afterwards."""
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+        if metadata is not None:
+            metadata.create_all(conn)
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))

@@ -48,6 +48,7 @@ from sa_outbox.models import JobSchedule, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
 from .conftest import ROOT
+from .helpers import fresh_schema
 from .test_explain import nodes, scans
 from .test_generic_plans import generic_plan
 
@@ -71,13 +72,8 @@ class PJob(JobMixin, PBase):
 @pytest.fixture
 def pengine(shared_engine: Engine) -> Iterator[Engine]:
     """Fresh partitioned outbox and jobs tables (create_all: today's partition and three ahead)."""
-    with shared_engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-        conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
-        PBase.metadata.create_all(conn)
-    yield shared_engine
-    with shared_engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+    with fresh_schema(shared_engine, SCHEMA, PBase.metadata):
+        yield shared_engine
 
 
 def day_start(engine: Engine, days_ago: int) -> datetime:

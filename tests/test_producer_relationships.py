@@ -21,6 +21,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 from sa_outbox import CdcOutboxMixin, Dispatcher, OutboxMixin, PayloadError
 from sa_outbox.testing import RecordingPublisher
 
+from .helpers import fresh_schema
+
 SCHEMA = "rel_events"
 
 
@@ -126,17 +128,10 @@ class CdcAccountEvent(CdcOutboxMixin, RelBase):
 
 @pytest.fixture
 def rel(engine: Engine) -> Iterator[Engine]:
-    with engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-        conn.execute(text(f"CREATE SCHEMA {SCHEMA}"))
-        RelBase.metadata.create_all(conn)
-    with Session(engine) as s, s.begin():
-        s.add(Account(name="existing"))
-    try:
+    with fresh_schema(engine, SCHEMA, RelBase.metadata):
+        with Session(engine) as s, s.begin():
+            s.add(Account(name="existing"))
         yield engine
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {SCHEMA} CASCADE"))
 
 
 def _fields(tag: str, aggregate_id: str = "1") -> dict[str, Any]:

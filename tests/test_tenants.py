@@ -18,22 +18,18 @@ from sa_outbox import AsyncDispatcher, AsyncWorker, Dispatcher, Worker, emit, en
 from sa_outbox.models import Base, Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
+from .helpers import fresh_schema
+
 TENANT = "tenant_a"
 MAP = {"schema_translate_map": {None: TENANT}}
 
 
 @pytest.fixture
 def tenant(engine: Engine) -> Iterator[Engine]:
-    with engine.begin() as conn:
-        conn.execute(text(f"DROP SCHEMA IF EXISTS {TENANT} CASCADE"))
-        conn.execute(text(f"CREATE SCHEMA {TENANT}"))
-    translated = engine.execution_options(**MAP)
-    Base.metadata.create_all(translated)
-    try:
+    with fresh_schema(engine, TENANT):
+        translated = engine.execution_options(**MAP)
+        Base.metadata.create_all(translated)
         yield translated
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {TENANT} CASCADE"))
 
 
 def counts(engine: Engine) -> dict[str, int]:
