@@ -18,6 +18,7 @@ databases (aliases of the one test database, each its own pool of server connect
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, insert, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -51,6 +52,7 @@ from sa_outbox import (
     cancel_jobs,
     emit,
     enqueue,
+    maintain_partitions,
     pgbouncer_async_engine,
     pgbouncer_engine,
     receive,
@@ -65,7 +67,7 @@ from sa_outbox.testing import RecordingPublisher, drain
 from .brokers import _Server
 from .commit_order import assert_serialised
 from .factories import FAST, Runner
-from .helpers import row, seed_events, seed_jobs, statuses
+from .helpers import fresh_schema, row, seed_events, seed_jobs, statuses
 from .models import Order
 from .test_loop_guarantees import wait_until
 
@@ -1072,3 +1074,60 @@ def test_a_lease_guard_through_pgbouncer_keeps_a_held_job_from_the_rescue_and_le
             "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         )
         assert not conn.execute(held).scalar()
+
+
+def test_partition_retire_and_related_events_through_pgbouncer(pengine: Engine, engine: Engine) -> None:
+    """The retire's close is one transaction of several statements (BEGIN, SET LOCAL lock_timeout, the
+    constraint, the count, COMMIT or ROLLBACK), and a deferred event with a relationship is written by the
+    producer after the ORM's rows: both through PgBouncer in transaction mode. A late producer, also through
+    the pooler, keeps its partition; once every row is finished the partition is closed and retired, and an
+    ordered dispatcher through the pooler delivers the aggregate's events in order."""
+    from .test_partitions import SCHEMA, PBase, PEvent, add_events, add_past_partition, close_waits, names
+    from .test_producer_relationships import SCHEMA as REL
+    from .test_producer_relationships import Account, AccountEvent, RelBase
+
+    with fresh_schema(engine, SCHEMA, PBase.metadata), fresh_schema(engine, REL, RelBase.metadata):
+        name, start = add_past_partition(engine, PEvent, 1)
+        add_events(engine, 2, created_at=start, status="done")
+        producer = pengine.connect()
+        tx = producer.begin()
+        producer.execute(
+            insert(PEvent).values(aggregate_type="o", aggregate_id="A", event_type="Late", payload={},
+                                  created_at=start + dt.timedelta(hours=1))
+        )  # fmt: skip
+        result: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
+        t.start()
+        try:
+            assert close_waits(engine), "the maintainer never tried to close the partition"
+        finally:
+            tx.commit()
+            producer.close()
+            t.join(60)
+        assert result["report"].kept == {name: {"unfinished": 1, "dead": 0}}, result["report"]
+        with Session(pengine) as s, s.begin():
+            s.add(PEvent(aggregate_type="o", aggregate_id="A", event_type="Next", payload={}))
+        pub = RecordingPublisher()
+        d = Dispatcher(pengine, PEvent, pub, listen=False, ordered=True)
+        try:
+            while d.run_once():
+                pass
+        finally:
+            d.close()
+        assert [m.event_type for m in pub.messages] == ["Late", "Next"]
+        report = maintain_partitions(pengine, PEvent)
+        assert report.retired == [name] and not report.errors and name not in names(engine, PEvent), report
+
+        with Session(pengine) as s, s.begin():
+            account = Account(name="pooled")
+            s.add(account)
+            account.events.append(
+                AccountEvent(aggregate_type="account", aggregate_id="p", event_type="E", payload={})
+            )
+        with engine.connect() as conn:
+            rows = conn.execute(text(f"SELECT account_id, aggregate_id FROM {REL}.account_event")).all()
+            accounts = conn.execute(text(f"SELECT id, name FROM {REL}.account")).all()
+        assert [tuple(r) for r in rows] == [(1, "p")] and [tuple(a) for a in accounts] == [(1, "pooled")], (
+            rows,
+            accounts,
+        )
