@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
 from sqlalchemy import BigInteger, Column, Engine, Integer, MetaData, Table, Text, create_engine, text
 from sqlalchemy.orm import Session
+
+from .brokers import redis_call
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -287,7 +288,7 @@ def _run(engine: Engine, url: str, cfg: FaultConfig, broker: Any) -> FaultReport
 
 
 def _check(engine: Engine, stream: str, report: FaultReport, redis_url: str) -> None:
-    entries = redis.Redis.from_url(redis_url, decode_responses=True).xrange(stream)
+    entries = redis_call(redis_url, "xrange", stream, decode=True)
     import json
 
     delivered = [(int(f["message_id"]), f["aggregate_type"], f["aggregate_id"], f["event_type"], json.loads(f["payload"]))

@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-import redis
 from cloudevents.core.bindings import http as ce_http
 from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
@@ -39,6 +38,7 @@ from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
 from sa_outbox.publishers.redis import RedisStreamPublisher
 
 from . import test_publishers as brokers
+from .brokers import redis_call
 from .helpers import row, statuses
 from .test_publishers import AMQP, NATS, REDIS, _dispatch, _mqtt_roundtrip, _stream_messages
 
@@ -133,7 +133,7 @@ def test_nats_binary_mode_with_percent_encoded_ce_headers(engine: Engine, jetstr
 def test_redis_binary_mode_as_the_kafka_binding_lays_out_headers(engine: Engine, stream_key: str) -> None:
     _write(engine)
     _dispatch(engine, RedisStreamPublisher(REDIS, stream=stream_key, envelope="cloudevents", source=SOURCE))
-    (_, fields), = redis.Redis.from_url(REDIS).xrange(stream_key)  # fmt: skip
+    (_, fields), = redis_call(REDIS, "xrange", stream_key)  # fmt: skip
     ce_fields = {k.decode(): v for k, v in fields.items() if k.startswith(b"ce_") or k == b"content-type"}
     event = ce_kafka.from_binary(ce_kafka.KafkaMessage(ce_fields, None, fields[b"data"]), JSONFormat())
     _check(engine, event)

@@ -35,7 +35,15 @@ from sa_outbox import (
 )
 from sa_outbox.models import OutboxEvent
 
-from .brokers import PrivateMosquitto, PrivateNats, PrivateRabbit, PrivateRedis, TcpProxy, closed_port
+from .brokers import (
+    PrivateMosquitto,
+    PrivateNats,
+    PrivateRabbit,
+    PrivateRedis,
+    TcpProxy,
+    closed_port,
+    redis_call,
+)
 from .helpers import row, seed_events, statuses
 
 AMQP_PORT = 5672
@@ -608,24 +616,22 @@ def test_redis_out_of_memory_is_transient_then_delivers(private_redis: Callable[
 
 def test_redis_readonly_replica_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
     """Item 13: READONLY is what a client still connected to a demoted master sees right after a failover."""
-    import redis
 
     primary = private_redis()
     replica = private_redis("--replicaof", "127.0.0.1", str(primary.port))
     single, batch = _redis_outcomes(replica.url)
     assert type(single) is DestinationUnavailable and "READONLY" in str(single)
     assert batch == ["DestinationUnavailable"] * 2
-    redis.Redis.from_url(replica.url).replicaof("NO", "ONE")  # the failover completes: it is the primary now
+    redis_call(replica.url, "replicaof", "NO", "ONE")  # the failover completes: it is the primary now
     assert _redis_outcomes(replica.url) == (None, ["ok", "ok"])
 
 
 def test_redis_busy_script_is_transient(private_redis: Callable[..., PrivateRedis]) -> None:
     """Item 13: BUSY (a script runs past busy-reply-threshold) passes once the script ends."""
-    import redis
 
     server = private_redis("--busy-reply-threshold", "100")
     blocker = threading.Thread(
-        target=lambda: raised(lambda: redis.Redis.from_url(server.url).eval("while true do end", 0)),
+        target=lambda: raised(lambda: redis_call(server.url, "eval", "while true do end", 0)),
         daemon=True,
     )
     blocker.start()
@@ -633,7 +639,7 @@ def test_redis_busy_script_is_transient(private_redis: Callable[..., PrivateRedi
     try:
         single, batch = _redis_outcomes(server.url)
     finally:
-        redis.Redis.from_url(server.url).script_kill()
+        redis_call(server.url, "script_kill")
         blocker.join(10)
     assert type(single) is DestinationUnavailable and "BUSY" in str(single)
     assert batch == ["DestinationUnavailable"] * 2

@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import pika
 import pytest
-import redis
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -29,6 +28,7 @@ from sa_outbox.publishers.rabbitmq import RabbitMQPublisher
 from sa_outbox.publishers.redis import RedisStreamPublisher
 from sa_outbox.testing import drain
 
+from .brokers import redis_call
 from .helpers import row, statuses
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -222,14 +222,14 @@ def test_nats_async_batch_publish(jetstream: tuple[str, str]) -> None:
 def stream_key() -> Iterator[str]:
     key = f"sa_outbox_test:{uuid.uuid4().hex[:8]}"
     yield key
-    redis.Redis.from_url(REDIS).delete(key)
+    redis_call(REDIS, "delete", key)
 
 
 def test_redis_end_to_end(engine: Engine, stream_key: str) -> None:
     _business_tx(engine, 3)
     pub = RedisStreamPublisher(REDIS, stream=stream_key, maxlen=1000)
     _dispatch(engine, pub)
-    entries = redis.Redis.from_url(REDIS, decode_responses=True).xrange(stream_key)
+    entries = redis_call(REDIS, "xrange", stream_key, decode=True)
     assert [f["message_id"] for _, f in entries] == ["1", "2", "3"]
     assert json.loads(entries[0][1]["payload"]) == {"n": 0} and entries[0][1]["event_type"] == "OrderPaid"
     assert statuses(engine) == {"done": 3}
@@ -242,7 +242,7 @@ def test_redis_down_is_retryable_then_delivered(engine: Engine, stream_key: str)
     assert statuses(engine) == {"pending": 2} and "redis unavailable" in row(engine, "outbox", 1).last_error
     time.sleep(0.01)
     _dispatch(engine, RedisStreamPublisher(REDIS, stream=stream_key))
-    assert statuses(engine) == {"done": 2} and redis.Redis.from_url(REDIS).xlen(stream_key) == 2
+    assert statuses(engine) == {"done": 2} and redis_call(REDIS, "xlen", stream_key) == 2
 
 
 def test_redis_batch_publish_uses_one_round_trip_per_batch(stream_key: str) -> None:
@@ -258,7 +258,7 @@ def test_redis_batch_publish_uses_one_round_trip_per_batch(stream_key: str) -> N
     assert pub.publish_many(messages) == [None] * 1000
     batched = time.perf_counter() - t0
     print(f"redis 1,000 messages: one by one {one_by_one * 1000:.1f} ms, pipelined {batched * 1000:.1f} ms")
-    assert redis.Redis.from_url(REDIS).xlen(stream_key) == 2000
+    assert redis_call(REDIS, "xlen", stream_key) == 2000
 
 
 # --- HTTP webhook ---------------------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def test_redis_headers_travel_as_header_fields(engine: Engine, stream_key: str) 
 
     _tx_with_headers(engine)
     _dispatch(engine, RedisStreamPublisher(REDIS, stream=stream_key))
-    entries = redis.Redis.from_url(REDIS).xrange(stream_key)
+    entries = redis_call(REDIS, "xrange", stream_key)
     assert headers_from_redis(entries[0][1]) == HEADERS and headers_from_redis(entries[1][1]) == {}
     assert entries[0][1][b"header:x-tenant"] == b"acme" and entries[0][1][b"message_id"] == b"1"
 
