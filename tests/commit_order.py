@@ -24,27 +24,41 @@ class Race:
     commits: list[str]
 
 
-def backend_waits_on_lock(engine: Engine, app: str) -> bool:
+def backend_pid(session: Session) -> int:
+    pid = session.connection().execute(text("SELECT pg_backend_pid()")).scalar_one()
+    return int(pid)
+
+
+def backend_waits_on(engine: Engine, app: str, blocker: int) -> bool:
+    """Whether the backend named ``app`` waits on a lock that backend ``blocker`` holds.
+
+    Not any lock: T2 can wait a moment on locks that have nothing to do with T1 — the cluster-wide lock a
+    committing NOTIFY takes while another database's transaction commits its own, a relation extension lock
+    autovacuum holds — and such a wait says nothing about the aggregate lock (CI once saw one without it)."""
     with engine.connect() as conn:
         found = conn.execute(
-            text("SELECT 1 FROM pg_stat_activity WHERE application_name = :a AND wait_event_type = 'Lock'"),
-            {"a": app},
+            text(
+                "SELECT 1 FROM pg_stat_activity WHERE application_name = :a"
+                " AND CAST(:b AS integer) = ANY(pg_blocking_pids(pid))"
+            ),
+            {"a": app, "b": blocker},
         ).first()
     return found is not None
 
 
 def wait_until_waiting_or_done(
-    engine: Engine, app: str, done: threading.Event, timeout: float = 15.0
+    engine: Engine, app: str, done: threading.Event, blocker: int, timeout: float = 15.0
 ) -> bool:
-    """Poll until the backend named ``app`` waits on a lock (True) or its thread finished (False)."""
+    """Poll until the backend named ``app`` waits on a lock held by backend ``blocker`` (True) or its thread
+    finished (False)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if backend_waits_on_lock(engine, app):
+        if backend_waits_on(engine, app, blocker):
             return True
         if done.is_set():
             return False
         time.sleep(0.02)
-    raise AssertionError(f"{app} neither waited on a lock nor finished within {timeout}s")
+    raise AssertionError(f"{app} neither waited on backend {blocker}'s lock nor finished within {timeout}s")
 
 
 def race(
@@ -81,9 +95,10 @@ def race(
     with session_factory(engine) as s1:
         (first or write)(s1, 1)
         s1.flush()
+        t1 = backend_pid(s1)
         thread = threading.Thread(target=t2)
         thread.start()
-        waited = wait_until_waiting_or_done(engine, app, done)
+        waited = wait_until_waiting_or_done(engine, app, done, t1)
         with record:
             s1.commit()
             commits.append("T1")

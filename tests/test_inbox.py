@@ -24,7 +24,7 @@ from sa_outbox.inbox import (
 )
 from sa_outbox.models import Inbox
 
-from .commit_order import wait_until_waiting_or_done
+from .commit_order import backend_pid, wait_until_waiting_or_done
 from .models import Order
 
 
@@ -198,7 +198,8 @@ def test_a_receipt_waiting_on_a_concurrent_one_sees_its_outcome(
         aggregate = None if first[1] is None else "order-1"
         assert receive(s1, Inbox, "c", first[0], aggregate=aggregate, position=first[1]) is Receipt.NEW
         t1_recorded.set()
-        assert wait_until_waiting_or_done(engine, "inbox_t2", done)  # T2 waits on T1's record
+        # T2 waits on T1's record
+        assert wait_until_waiting_or_done(engine, "inbox_t2", done, backend_pid(s1))
         s1.commit()
     thread.join(30)
     assert results == [expected], attempts
