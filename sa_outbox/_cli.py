@@ -816,7 +816,9 @@ def _cmd_partitions(args: argparse.Namespace) -> int:
             print(table)
             for p in items:
                 span = "DEFAULT" if p["is_default"] else f"{p['lower']} .. {p['upper']}"
-                flags = "  (detach pending)" if p["detach_pending"] else ""
+                flags = ("  (detach pending)" if p["detach_pending"] else "") + (
+                    "  (closed to writes: being retired)" if p["closed"] else ""
+                )
                 print(
                     f"  {p['name']:<28} {span:<54} unfinished {p['unfinished']:>6}  dead {p['dead']:>5}{flags}"
                 )

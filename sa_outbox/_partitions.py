@@ -41,7 +41,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy import BigInteger, Connection, Engine, Table, any_, bindparam, column, func, select, text
+from sqlalchemy import table as sql_table
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.exc import DBAPIError, ProgrammingError
 
 from . import _sql
@@ -124,6 +126,10 @@ class PartitionInfo:
     #: Rows not finished yet (ready or leased), and dead/failed rows: what keeps a past partition alive.
     unfinished: int
     dead: int
+    #: Closed to writes by a retire (a check no row passes): one in progress, or one whose run stopped before the
+    #: detach — the next :func:`maintain_partitions` retires it or opens it again. Its rows cannot be changed
+    #: meanwhile (retrying a dead row in it is refused).
+    closed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -185,7 +191,7 @@ def _partitions(
         out.append(
             PartitionInfo(
                 r.name, r.schema, r.lower, r.upper, bool(r.is_default), bool(r.detach_pending),
-                int(ready) + int(active), int(dead),
+                int(ready) + int(active), int(dead), bool(r.closed),
             )
         )  # fmt: skip
     return out
@@ -236,6 +242,50 @@ def held_partitions(conn: Connection, model: type[Any]) -> list[PartitionInfo]:
         for p in _partitions(conn, table, spec, counts=True)
         if p.upper is not None and p.upper <= now and (p.unfinished or p.dead)
     ]
+
+
+def closed_holding(conn: Connection, model: type[Any], ids: list[int]) -> dict[str, int]:
+    """The closed partitions (:attr:`PartitionInfo.closed`) of ``model``'s table that hold any of ``ids``: name
+    → how many of them. Empty for a plain table, and when no partition is closed (two catalog queries)."""
+    _, table = _table_of(conn, model)
+    if not ids or not is_partitioned(conn, table):
+        return {}
+    found: dict[str, int] = {}
+    for p in _partitions(conn, table, counts=False):
+        if p.closed:
+            part = sql_table(p.name, column("id", BigInteger), schema=p.schema)
+            held = conn.execute(
+                select(func.count())
+                .select_from(part)
+                .where(part.c.id == any_(bindparam("ids", ids, type_=ARRAY(BigInteger))))
+            ).scalar_one()
+            if held:
+                found[p.name] = int(held)
+    return found
+
+
+def refuse_closed(conn: Connection, model: type[Any], ids: list[int], action: str) -> None:
+    """Raise :class:`SchemaError` naming them when some of ``ids`` are in closed partitions: their rows cannot
+    be changed (each UPDATE would fail on the closing check, batches after others had committed)."""
+    found = closed_holding(conn, model, ids)
+    if found:
+        raise SchemaError(closed_message(found, action) + ": nothing was changed")
+
+
+def closed_message(found: dict[str, int], action: str) -> str:
+    held = ", ".join(f"{name} ({n})" for name, n in found.items())
+    return (
+        f"cannot {action} {sum(found.values())} of the selected row(s): they are in partition(s) closed to writes "
+        f"by a retire, {held} (a `partitions maintain --retire-dead` drops a past partition whose only "
+        "unfinished rows are dead, and closes it first). To keep them, run `sa-outbox partitions maintain` "
+        "without --retire-dead: it keeps a partition that dead rows hold and opens it again; then retry"
+    )
+
+
+def is_closed_error(exc: BaseException) -> bool:
+    """Whether a database error is a write refused by a closed partition's check."""
+    diag = getattr(getattr(exc, "orig", None), "diag", None)
+    return getattr(diag, "constraint_name", None) == _sql.RETIRING_CONSTRAINT
 
 
 def missing_periods(conn: Connection, model: type[Any], *, ahead: int = 1) -> list[datetime]:
@@ -598,6 +648,13 @@ def _resume_retiring(
             )  # fmt: skip
         except (DBAPIError, ValueError) as exc:
             report.errors.append(f"{name}: could not finish its interrupted retire: {_one_line(exc)}")
+
+
+def interrupted_retires(conn: Connection, model: type[Any]) -> list[str]:
+    """The tables detached from ``model``'s table by a retire that has not settled them yet (in progress, or
+    its run stopped): the next :func:`maintain_partitions` finishes each."""
+    _, table = _table_of(conn, model)
+    return sorted(_retiring(conn, table))
 
 
 def _retiring(conn: Connection, table: Table) -> dict[str, tuple[str, str, str]]:

@@ -1656,14 +1656,22 @@ def analyze_statement(name: str) -> TextClause:
 # Catalog reads bind the parent's name as a regclass; DDL names are quoted by the dialect's preparer and the
 # bounds are timestamps computed by sa_outbox (never user text).
 
+#: The constraint that closes a partition being retired to writes: no row can be inserted into it, nor changed
+#: in it (an UPDATE's new version is checked too), from the moment it commits. ``NOT VALID``: the rows already
+#: there are not read.
+RETIRING_CONSTRAINT = "sa_outbox_retiring"
+
 #: Every partition of ``:t`` with its bounds (NULL for DEFAULT and MINVALUE/MAXVALUE bounds, which are never
-#: retired) and whether a ``DETACH … CONCURRENTLY`` of it was interrupted (PostgreSQL 14+).
+#: retired), whether a ``DETACH … CONCURRENTLY`` of it was interrupted (PostgreSQL 14+) and whether it is
+#: closed to writes (``RETIRING_CONSTRAINT``: a retire is in progress, or a run that closed it stopped before
+#: detaching it).
 PARTITIONS = text(
     r"""
     SELECT c.relname AS name, n.nspname AS schema,
            CAST(b.m[1] AS timestamptz) AS lower, CAST(b.m[2] AS timestamptz) AS upper,
            pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT' AS is_default,
-           i.inhdetachpending AS detach_pending
+           i.inhdetachpending AS detach_pending,
+           EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conrelid = c.oid AND k.conname = :constraint) AS closed
       FROM pg_inherits i
       JOIN pg_class c ON c.oid = i.inhrelid
       JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -1673,7 +1681,7 @@ PARTITIONS = text(
      WHERE i.inhparent = CAST(:t AS regclass)
      ORDER BY 3 NULLS LAST, 1
     """
-)
+).bindparams(constraint=RETIRING_CONSTRAINT)
 
 #: Whether ``:t`` is a partitioned table (``r`` for range), NULL when it is not (or does not exist).
 PARTITION_STRATEGY = text(
@@ -1740,12 +1748,6 @@ def attach_partition_ddl(preparer: Any, parent: Table, name: str, lower: Any, up
 
 def drop_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
     return f"DROP TABLE {qualified_name(preparer, name, schema)}"
-
-
-#: The constraint that closes a partition being retired to writes: no row can be inserted into it, nor changed
-#: in it (an UPDATE's new version is checked too), from the moment it commits. ``NOT VALID``: the rows already
-#: there are not read.
-RETIRING_CONSTRAINT = "sa_outbox_retiring"
 
 
 def close_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:

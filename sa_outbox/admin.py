@@ -24,10 +24,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import _sql
+from . import _partitions, _sql
 from ._durations import Duration, positive_int, to_timedelta
 from ._sql import QueueSpec, queue_table, spec_for
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SchemaError
 
 __all__ = [
     "Cancellation",
@@ -115,11 +115,7 @@ def _bulk(
     if dry_run:
         return selected
     stmt = _sql.requeue_statement(spec) if action == "retry" else _sql.skip_statement(spec)
-    changed: list[int] = []
-    for start in range(0, len(selected), batch_size):
-        with engine.begin() as conn:
-            changed += conn.execute(stmt, {"ids": selected[start : start + batch_size]}).scalars()
-    changed.sort()
+    changed = _in_batches(engine, model, stmt, selected, batch_size, action=action)
     verb = "requeued" if action == "retry" else "skipped"
     log.info(
         "%s %d %s row(s) of %s (%d selected; %d no longer %s)", verb, len(changed), spec.dead,
@@ -250,7 +246,8 @@ def retry_jobs(
         selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
     if dry_run:
         return selected
-    changed = _in_batches(engine, _sql.retry_jobs_statement(spec, wanted), selected, batch_size, unique=True)
+    changed = _in_batches(engine, model, _sql.retry_jobs_statement(spec, wanted), selected, batch_size,
+                          action="retry", unique=True)  # fmt: skip
     left = sorted(set(selected) - set(changed))
     if left:
         c = spec.c
@@ -308,7 +305,8 @@ def update_jobs(
         selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
     if dry_run:
         return selected
-    return _in_batches(engine, _sql.update_jobs_statement(spec, wanted, values), selected, batch_size)
+    return _in_batches(engine, model, _sql.update_jobs_statement(spec, wanted, values), selected, batch_size,
+                       action="update")  # fmt: skip
 
 
 def _statuses(given: Iterable[str], allowed: tuple[str, ...]) -> list[str]:
@@ -319,14 +317,20 @@ def _statuses(given: Iterable[str], allowed: tuple[str, ...]) -> list[str]:
 
 
 def _in_batches(
-    engine: Engine, stmt: Any, selected: list[int], batch_size: int, *, unique: bool = False
-) -> list[int]:
+    engine: Engine, model: type[Any], stmt: Any, selected: list[int], batch_size: int, *, action: str,
+    unique: bool = False,
+) -> list[int]:  # fmt: skip
     """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed.
+
+    Refused whole (:class:`SchemaError`, nothing changed) when some of the rows are in a partition closed to
+    writes by a retire; a partition closed while the batches run stops them there, with the same error.
     ``unique``: the statement skips a job whose unique key has a waiting job, but one enqueued by a transaction
     still open when the statement ran is found only at the unique index, as a violation. The batch is then run
     again (which sees that job committed); after a second violation its jobs are run one at a time, and a job
     that still meets one is left as it is (a key enqueued that busily: the caller reports it), never raised."""
     changed: list[int] = []
+    with engine.connect() as conn:
+        _partitions.refuse_closed(conn, model, selected, action)
 
     def once(ids: list[int]) -> bool:
         try:
@@ -334,6 +338,14 @@ def _in_batches(
                 changed.extend(conn.execute(stmt, {"ids": ids}).scalars())
             return True
         except IntegrityError as exc:
+            if _partitions.is_closed_error(exc):
+                with engine.connect() as conn:
+                    found = _partitions.closed_holding(conn, model, ids)
+                raise SchemaError(
+                    f"{_partitions.closed_message(found or {'(closed meanwhile)': len(ids)}, action)}: a partition "
+                    f"was closed while this ran; {len(changed)} row(s) were changed before it: "
+                    + ", ".join(map(str, sorted(changed)[:50]))
+                ) from exc
             if not unique or getattr(exc.orig, "sqlstate", None) != "23505":
                 raise
             return False

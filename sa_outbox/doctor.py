@@ -23,11 +23,13 @@ from .migration import QUEUE_STORAGE_PARAMETERS, storage_parameters_sql
 from .monitoring import (
     HorizonHolder,
     dead_list_command,
+    describe_closed_partition,
     describe_held_partition,
     describe_holder,
     describe_outage,
     essentials,
     long_horizon_holders,
+    partitions_command,
     regclass_name,
 )
 
@@ -102,9 +104,7 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     name = spec.table.fullname
     if not _partitions.is_partitioned(conn, spec.table):
         return []
-    command = "sa-outbox partitions maintain" + (
-        "" if name in ("outbox", "jobs") else f" --{spec.kind}-table {name}"
-    )
+    command = partitions_command(spec)
     missing = _partitions.missing_periods(conn, model, ahead=1)
     out: list[Finding] = []
     if missing:
@@ -119,6 +119,17 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     for p in _partitions.held_partitions(conn, model):
         out.append(Finding("partitions", name, "warn", describe_held_partition(p, spec),
                            f"finish or retry its rows ({dead_list_command(spec)}); the next maintain retires it"))  # fmt: skip
+    for p in _partitions.list_partitions(conn, model, counts=False):
+        if p.closed:
+            out.append(Finding("partitions", name, "warn", describe_closed_partition(p.name, spec),
+                               f"{command} (it waits at most 1 s for the partition's lock)"))  # fmt: skip
+    for table in _partitions.interrupted_retires(conn, model):
+        out.append(Finding(
+            "partitions", name, "warn",
+            f"table {table} was detached by a retire that has not finished (one in progress, or a run that "
+            "stopped): the next maintain counts its rows again and drops it, or attaches it again",
+            command,
+        ))  # fmt: skip
     if not out:
         out.append(Finding("partitions", name, "ok",
                            "partitions exist for this period and the next; no past partition is held by rows"))  # fmt: skip

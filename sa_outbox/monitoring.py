@@ -381,6 +381,23 @@ def describe_held_partition(p: _partitions.PartitionInfo, spec: QueueSpec) -> st
     )
 
 
+def describe_closed_partition(name: str, spec: QueueSpec) -> str:
+    """One line for status and doctor: a partition closed to writes by a retire."""
+    return (
+        f"partition {name} is closed to writes by a retire that has not finished (one in progress, or a run "
+        "that stopped before detaching it): its rows cannot be changed until "
+        f"`{partitions_command(spec)}` retires it or opens it again"
+    )
+
+
+def partitions_command(spec: QueueSpec) -> str:
+    """The command that maintains this table's partitions (the table option when needed)."""
+    name = spec.table.fullname
+    return "sa-outbox partitions maintain" + (
+        "" if name in ("outbox", "jobs") else f" --{spec.kind}-table {name}"
+    )
+
+
 def dead_list_command(spec: QueueSpec) -> str:
     """The command that lists this table's dead letters (``--jobs`` and the table option when needed)."""
     name = spec.table.fullname
@@ -554,6 +571,9 @@ def queue_status(
     held = _partitions.held_partitions(conn, model) if parts else []
     for p in held:
         warnings.append(describe_held_partition(p, spec))
+    for p in parts:
+        if p.closed:
+            warnings.append(describe_closed_partition(p.name, spec))
     if outage is not None:
         warnings.append(
             describe_outage(outage, oldest_pending, last_done_age) + ": the broker is down or unreachable and "

@@ -667,10 +667,13 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
     assert detached, "the detach did not complete on the server"
     with pengine.connect() as conn:
         assert conn.execute(text(f"SELECT to_regclass('{SCHEMA}.{name}') IS NOT NULL")).scalar_one()
+    [found] = [f for f in doctor(pengine, [PEvent]) if f.check == "partitions" and name in f.message]
+    assert found.status == "warn" and "detached by a retire" in found.message, found
     report = maintain_partitions(pengine, PEvent)
     assert report.retired == [name] and not report.errors, report
     with pengine.connect() as conn:
         assert conn.execute(text(f"SELECT to_regclass('{SCHEMA}.{name}') IS NULL")).scalar_one()
+    assert [f.status for f in doctor(pengine, [PEvent]) if f.check == "partitions"] == ["ok"]
     pub = RecordingPublisher()
     Dispatcher(pengine, PEvent, pub, listen=False).run_once()
     assert [m.event_type for m in pub.messages] == ["Today"]
@@ -955,3 +958,94 @@ def test_cli_partitions_list_and_maintain(
     assert report[f"{SCHEMA}.pev"]["retired"] == [name]
     assert main(["partitions", "maintain", *url, "--outbox-table", "outbox", "--jobs-table", "jobs"]) == 2
     assert "no partitioned table" in capsys.readouterr().err
+
+
+def test_rows_in_a_partition_left_closed_are_refused_whole_naming_it_until_maintain_opens_it(
+    pengine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `--retire-dead` run closes a past partition whose only unfinished rows are dead, to drop it; a run that
+    stops before its detach leaves it closed. Its rows cannot be changed: retrying or skipping them is refused
+    before anything is written (not batch by batch, the first batches committed), naming the partition; status,
+    doctor and `partitions list` show it; a maintain that keeps dead rows opens it, and the retry then works."""
+    from sa_outbox._cli import main
+    from sa_outbox.admin import retry_jobs, skip_dead
+
+    name, start = add_past_partition(pengine, PEvent, 1)
+    jname, _ = add_past_partition(pengine, PJob, 1)
+    old = add_events(pengine, 2, created_at=start, status="dead")
+    new = add_events(pengine, 1, status="dead")
+    with pengine.begin() as conn:
+        [job] = conn.execute(
+            insert(PJob).values(task="t", payload={}, status="failed", created_at=start).returning(PJob.id)
+        ).scalars()
+        for part in (name, jname):
+            conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, part, SCHEMA)))
+
+    def statuses() -> list[str]:
+        with pengine.connect() as conn:
+            return list(conn.execute(select(PEvent.status).order_by(PEvent.id)).scalars())
+
+    for act in (retry_dead, skip_dead):
+        with pytest.raises(
+            SchemaError, match=rf"2 of the selected row\(s\).*{name} \(2\).*nothing was changed"
+        ):
+            act(pengine, PEvent, all=True, batch_size=1)
+        assert statuses() == ["dead", "dead", "dead"]  # today's row, in the first batch, neither
+    with pytest.raises(SchemaError, match=rf"{jname} \(1\)"):
+        retry_jobs(pengine, PJob, ids=[job])
+    assert retry_dead(pengine, PEvent, ids=new) == new  # rows elsewhere are not held back
+
+    st = queue_status(pengine, PEvent)
+    assert any(name in w and "closed to writes" in w for w in st.warnings), st.warnings
+    closed = [f for f in doctor(pengine, [PEvent, PJob]) if f.check == "partitions" and "closed" in f.message]
+    assert sorted(n for f in closed for n in (name, jname) if n in f.message) == sorted([name, jname])
+    assert all(f.status == "warn" and "partitions maintain" in (f.fix or "") for f in closed), closed
+    url = ["--url", db_url.render_as_string(hide_password=False), "--outbox-table", f"{SCHEMA}.pev",
+           "--jobs-table", f"{SCHEMA}.pjobs"]  # fmt: skip
+    assert main(["partitions", "list", *url]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if name in x]
+    assert "closed to writes" in line
+    assert main(["partitions", "list", "--json", *url]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["closed"] for p in listed[f"{SCHEMA}.pev"] if p["name"] == name] == [True]
+
+    assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 0, "dead": 2}}
+    assert maintain_partitions(pengine, PJob).kept == {jname: {"unfinished": 0, "dead": 1}}
+    assert is_open(pengine, name) and is_open(pengine, jname)
+    assert retry_dead(pengine, PEvent, all=True) == old
+    assert retry_jobs(pengine, PJob, ids=[job]) == [job]
+    assert not [f for f in doctor(pengine, [PEvent, PJob]) if "closed" in f.message]
+
+
+def test_a_partition_closed_while_a_retry_runs_stops_it_with_the_ids_already_changed(pengine: Engine) -> None:
+    """The refusal is checked once, before the batches; a partition a retire closes between two batches stops
+    the call at the batch that meets it, with the same error, naming the ids the earlier batches changed."""
+    from sqlalchemy import event
+
+    name, start = add_past_partition(pengine, PEvent, 1)
+    first = add_events(pengine, 1, status="dead")  # today's: the first batch
+    add_events(pengine, 2, created_at=start, status="dead")
+    statements: list[str] = []
+
+    def close_before_the_second_batch(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith(("UPDATE", "WITH")) and "requeued" in str(args):
+            statements.append(statement)
+            if len(statements) == 2:
+                with pengine.begin() as other:
+                    prep = other.dialect.identifier_preparer
+                    other.execute(text(_sql.close_partition_ddl(prep, name, SCHEMA)))
+
+    event.listen(pengine, "before_cursor_execute", close_before_the_second_batch)
+    try:
+        with pytest.raises(SchemaError, match=rf"{name} \(1\).*closed while this ran; 1 row\(s\) were changed "
+                                              rf"before it: {first[0]}$"):  # fmt: skip
+            retry_dead(pengine, PEvent, all=True, batch_size=1)
+    finally:
+        event.remove(pengine, "before_cursor_execute", close_before_the_second_batch)
+    assert len(statements) == 2
+    with pengine.connect() as conn:
+        assert list(conn.execute(select(PEvent.status).order_by(PEvent.id)).scalars()) == [
+            "pending",
+            "dead",
+            "dead",
+        ]
