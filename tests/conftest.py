@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,16 @@ from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
 
 from sa_outbox.embedded import embedded_server_url
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal has it. A suite started as a background job of a non-interactive shell (``cmd &``
+    under nohup, some CI runners) inherits SIGINT ignored, and Python then leaves it ignored: the tests that
+    send the main thread a real SIGINT (the loops' Ctrl-C guarantees, the CLI's handler restore) would test
+    that shell instead of the library. (Each xdist worker runs this too.)"""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
