@@ -27,8 +27,9 @@ database, real threads with their own connections, real backend terminations. Ru
   (the waiting job takes the call's task, queue and payload: its old seq is gone) and debounce by key;
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
-  the loops claim, once every row in it is finished; a write into it once it is closed or gone is refused
-  whole;
+  the loops claim, once every row in it is finished — in some runs dropping its dead rows too (which then
+  count as skipped from the call's start), in others only closing it, as a run killed before its detach
+  leaves it; a write into it once it is closed or gone is refused whole, a producer's and an operator's skip;
 * a user's transaction locks a few pending events (``FOR KEY SHARE``, as a foreign key check does, or ``FOR
   UPDATE``) for a moment while the loops run;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
@@ -123,7 +124,9 @@ from sa_outbox import (
     NoAnswer,
     PermanentError,
     RetryableError,
+    SchemaError,
     Worker,
+    _partitions,
     _steps,
     cancel_jobs,
     emit,
@@ -132,7 +135,7 @@ from sa_outbox import (
     maintain_partitions,
     skip_dead,
 )
-from sa_outbox._sql import spec_for
+from sa_outbox._sql import partition_table, spec_for
 from sa_outbox._worker import WorkerBase
 from sa_outbox.admin import pause_queue, resume_queue
 from sa_outbox.migration import create_partitions
@@ -613,6 +616,9 @@ class Scenario:
         #: (created_at backdated past it): any failure fails them (F8). Its own stream, as above.
         self.old_rng = random.Random(f"give up {seed}")
         self.give_up = self.old_rng.random() < 0.5
+        #: How rule_maintain_partitions retires (its own stream, as above): keeping dead rows or dropping them,
+        #: and sometimes only closing yesterday's partition, as a run that died before its detach leaves it.
+        self.retire_rng = random.Random(f"retire {seed}")
         # In two seeds of three every event type is ordered (Dispatcher(ordered=True), whose claim takes the heads form
         # after a short claim); in the others only ORDERED (ordered=[…], always the walk). Not drawn: the seed's
         # draws stay what they were, and the fixed seeds cover both.
@@ -714,6 +720,12 @@ class Scenario:
         # On the partitioned outbox, some events are yesterday's (their created_at picks the partition).
         yesterday = self.yesterday_open and self.rng.random() < 0.4
         extra = {"created_at": datetime.now(UTC) - timedelta(days=1)} if yesterday else {}
+        if yesterday:  # more poison there (its own stream): dead rows for a retire to keep, or drop
+            for p in planned:
+                assert p.aggregate is not None
+                p.poison = p.poison or (
+                    p.aggregate[1] in POISON_AGGREGATES and self.retire_rng.random() < 0.5
+                )
         with Session(self.engine) as s:
             s.begin()
             s.add_all(self._outbox_row(p, **extra) for p in planned)
@@ -736,11 +748,76 @@ class Scenario:
         self._remember(planned, commit)
 
     def rule_maintain_partitions(self) -> None:
+        """Retire finished past partitions — in some runs dropping dead rows too (``keep_dead=False``, as
+        ``partitions maintain --retire-dead``), or only closing yesterday's partition, as a run killed before
+        its detach leaves it: then writes into it are refused (producers, an operator's skip) until a later
+        run retires it or opens it again."""
         if not self.partitioned:
             return
-        report = maintain_partitions(self.engine, self.Outbox, ahead=self.rng.randint(1, 3))
+        ahead = self.rng.randint(1, 3)
+        keep_dead = self.retire_rng.random() < 0.6
+        if self.retire_rng.random() < 0.3:
+            self._close_yesterday(keep_dead)
+            return
+        position = len(self.record.snapshot())
+        report = maintain_partitions(self.engine, self.Outbox, ahead=ahead, keep_dead=keep_dead)
         assert not report.errors, report.errors
-        self.log.append(f"maintain_partitions: retired {report.retired} kept {report.kept}")
+        self.log.append(
+            f"maintain_partitions(keep_dead={keep_dead}): retired {report.retired} kept {report.kept}"
+        )
+        if keep_dead or not report.retired:
+            return
+        # Dead rows go with their partition, as an operator's skip would: from before this call on, their
+        # aggregates' next events may be delivered (a dead row holds them back until the detach hides it).
+        delivered = {
+            seq for kind, seq, _, action in self.record.snapshot() if kind == "publish" and action == "ok"
+        }
+        with self.engine.connect() as conn:
+            present = {r["seq"] for r in conn.execute(select(self.Outbox.payload)).scalars()}
+        for seq in sorted(self.model.yesterday - present - delivered - set(self.model.skipped)):
+            if self.model.events[seq].poison:  # (any other would be lost: F1 says so)
+                self.model.skipped[seq] = position
+                self.log.append(f"dead event seq {seq} retired with its partition")
+
+    def _close_yesterday(self, keep_dead: bool) -> None:
+        """What a retire that died between its close and its detach leaves: yesterday's partition closed, when
+        nothing unfinished (nor dead, with ``keep_dead``) is in it — the close counts again under its lock."""
+        with self.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            spec, _ = _partitions._table_of(conn, self.Outbox)
+            now = conn.execute(text("SELECT now()")).scalar_one()
+            for p in _partitions.list_partitions(conn, self.Outbox, counts=False):
+                if p.upper is not None and p.upper <= now and not (p.closed or p.detach_pending):
+                    try:
+                        held = _partitions._close(conn, spec, partition_table(p.name, p.schema), keep_dead)
+                    except DBAPIError as exc:
+                        # its lock not had within the close's bound (a dispatcher's own maintain step is
+                        # detaching it, or a claim holds it), or that step dropped it meanwhile: no harm
+                        assert "lock timeout" in str(exc) or "does not exist" in str(exc), exc
+                        held = {"refused": 1}
+                    self.log.append(f"closed {p.name} (keep_dead={keep_dead}) and stopped: held {held}")
+                    if held is None:
+                        self._skip_in_closed(conn, p.name)
+
+    def _skip_in_closed(self, conn: Any, name: str) -> None:
+        """An operator's skip of a dead row in a partition left closed is refused whole, naming it."""
+        dead = (
+            conn.execute(
+                select(self.Outbox.id).where(
+                    self.Outbox.status == "dead", text("tableoid = to_regclass(:p)").bindparams(p=name)
+                )
+            )
+            .scalars()
+            .first()
+        )
+        if dead is not None:
+            try:
+                skip_dead(self.engine, self.Outbox, ids=[dead])
+            except SchemaError as exc:
+                assert name in str(exc) and "nothing was changed" in str(exc), exc
+                self.log.append(f"skip of dead event id {dead} in closed {name} refused")
+            else:
+                raise AssertionError(f"a skip of dead event id {dead} in closed {name} was not refused")
 
     def rule_produce_emit(self) -> None:
         planned = [
@@ -1162,7 +1239,13 @@ class Scenario:
         if dead:
             row_id, payload = self.rng.choice(dead)
             position = len(self.record.snapshot())
-            if skip_dead(self.engine, self.Outbox, ids=[row_id]):
+            try:
+                skipped = skip_dead(self.engine, self.Outbox, ids=[row_id])
+            except SchemaError as exc:  # its partition was left closed by a retire: refused, nothing written
+                assert "closed to writes by a retire" in str(exc), exc
+                self.log.append(f"skip of dead event seq {payload['seq']} refused: its partition is closed")
+                return
+            if skipped:
                 self.model.skipped[payload["seq"]] = position
                 self.log.append(f"skipped dead event seq {payload['seq']}")
 
