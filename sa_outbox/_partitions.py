@@ -269,16 +269,27 @@ def refuse_closed(conn: Connection, model: type[Any], ids: list[int], action: st
     be changed (each UPDATE would fail on the closing check, batches after others had committed)."""
     found = closed_holding(conn, model, ids)
     if found:
-        raise SchemaError(closed_message(found, action) + ": nothing was changed")
+        raise SchemaError(f"{closed_message(model, found, action)}. Nothing was changed")
 
 
-def closed_message(found: dict[str, int], action: str) -> str:
+def closed_message(model: type[Any], found: dict[str, int], action: str) -> str:
+    """Why rows in closed partitions (``found``: name → how many) cannot be changed, and what to run."""
+    spec = _sql.spec_for(model)
     held = ", ".join(f"{name} ({n})" for name, n in found.items())
     return (
-        f"cannot {action} {sum(found.values())} of the selected row(s): they are in partition(s) closed to writes "
-        f"by a retire, {held} (a `partitions maintain --retire-dead` drops a past partition whose only "
-        "unfinished rows are dead, and closes it first). To keep them, run `sa-outbox partitions maintain` "
-        "without --retire-dead: it keeps a partition that dead rows hold and opens it again; then retry"
+        f"cannot {action} {sum(found.values())} of the selected row(s): they are in partition(s) that a retire "
+        f"has closed to writes, {held}. A retire drops a past partition once every row in it is finished "
+        f"({spec.dead} rows too, with --retire-dead), and closes it first; a run that stopped before dropping "
+        f"it leaves it closed. `{partitions_command(spec)}` without --retire-dead opens such a partition again "
+        f"when {spec.dead} rows hold it, and drops it otherwise (copy what you need from it first)"
+    )
+
+
+def partitions_command(spec: _sql.QueueSpec) -> str:
+    """The command that maintains this table's partitions (the table option when needed)."""
+    name = spec.table.fullname
+    return "sa-outbox partitions maintain" + (
+        "" if name in ("outbox", "jobs") else f" --{spec.kind}-table {name}"
     )
 
 

@@ -341,10 +341,19 @@ def _in_batches(
             if _partitions.is_closed_error(exc):
                 with engine.connect() as conn:
                     found = _partitions.closed_holding(conn, model, ids)
+                done = sorted(changed)
                 raise SchemaError(
-                    f"{_partitions.closed_message(found or {'(closed meanwhile)': len(ids)}, action)}: a partition "
-                    f"was closed while this ran; {len(changed)} row(s) were changed before it: "
-                    + ", ".join(map(str, sorted(changed)[:50]))
+                    (
+                        _partitions.closed_message(model, found, action)
+                        if found
+                        else f"cannot {action} the selected row(s): a partition of them was closed, and has gone"
+                    )
+                    + f". It was closed while this ran: {len(done)} row(s) were changed before it"
+                    + (
+                        ": " + ", ".join(map(str, done[:50])) + (", …" if len(done) > 50 else "")
+                        if done
+                        else ""
+                    )
                 ) from exc
             if not unique or getattr(exc.orig, "sqlstate", None) != "23505":
                 raise

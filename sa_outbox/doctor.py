@@ -29,7 +29,6 @@ from .monitoring import (
     describe_outage,
     essentials,
     long_horizon_holders,
-    partitions_command,
     regclass_name,
 )
 
@@ -104,7 +103,7 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     name = spec.table.fullname
     if not _partitions.is_partitioned(conn, spec.table):
         return []
-    command = partitions_command(spec)
+    command = _partitions.partitions_command(spec)
     missing = _partitions.missing_periods(conn, model, ahead=1)
     out: list[Finding] = []
     if missing:

@@ -386,15 +386,7 @@ def describe_closed_partition(name: str, spec: QueueSpec) -> str:
     return (
         f"partition {name} is closed to writes by a retire that has not finished (one in progress, or a run "
         "that stopped before detaching it): its rows cannot be changed until "
-        f"`{partitions_command(spec)}` retires it or opens it again"
-    )
-
-
-def partitions_command(spec: QueueSpec) -> str:
-    """The command that maintains this table's partitions (the table option when needed)."""
-    name = spec.table.fullname
-    return "sa-outbox partitions maintain" + (
-        "" if name in ("outbox", "jobs") else f" --{spec.kind}-table {name}"
+        f"`{_partitions.partitions_command(spec)}` retires it or opens it again"
     )
 
 

@@ -814,7 +814,7 @@ class Scenario:
             try:
                 skip_dead(self.engine, self.Outbox, ids=[dead])
             except SchemaError as exc:
-                assert name in str(exc) and "nothing was changed" in str(exc), exc
+                assert name in str(exc) and "Nothing was changed" in str(exc), exc
                 self.log.append(f"skip of dead event id {dead} in closed {name} refused")
             else:
                 raise AssertionError(f"a skip of dead event id {dead} in closed {name} was not refused")
@@ -1242,7 +1242,7 @@ class Scenario:
             try:
                 skipped = skip_dead(self.engine, self.Outbox, ids=[row_id])
             except SchemaError as exc:  # its partition was left closed by a retire: refused, nothing written
-                assert "closed to writes by a retire" in str(exc), exc
+                assert "closed to writes" in str(exc), exc
                 self.log.append(f"skip of dead event seq {payload['seq']} refused: its partition is closed")
                 return
             if skipped:
