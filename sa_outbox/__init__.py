@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from .errors import DestinationUnavailable as DestinationUnavailable
     from .errors import NoAnswer as NoAnswer
     from .errors import OutboxError as OutboxError
+    from .errors import PartitionClosedError as PartitionClosedError
     from .errors import PayloadError as PayloadError
     from .errors import PermanentError as PermanentError
     from .errors import RetryableError as RetryableError
@@ -101,6 +102,7 @@ _EXPORTS: dict[str, str] = {
     "OUTBOX_STATUSES": "_schema",
     "OutboxError": "errors",
     "OutboxMixin": "_schema",
+    "PartitionClosedError": "errors",
     "PartitionInfo": "_partitions",
     "PartitionReport": "_partitions",
     "PayloadError": "errors",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
-from .errors import ConfigurationError, OutboxError
+from .errors import ConfigurationError, OutboxError, PartitionClosedError
 
 __all__ = ["load_target", "main"]
 
@@ -988,6 +988,17 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return EXIT_PIPE
+    except PartitionClosedError as exc:
+        # Stopped part way: what the earlier batches changed goes to stdout too, for a script to read.
+        if exc.changed:
+            if getattr(args, "json", False):
+                _print_json({"changed_before_the_error": exc.changed})
+            else:
+                print(
+                    f"changed before the error: {len(exc.changed)} row(s): {', '.join(map(str, exc.changed))}"
+                )
+        sys.stderr.write(f"sa-outbox: error: {exc}\n")
+        return EXIT_USAGE
     except OutboxError as exc:
         log.debug("configuration error", exc_info=True)
         sys.stderr.write(f"sa-outbox: error: {exc}\n")

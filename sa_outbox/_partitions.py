@@ -48,7 +48,7 @@ from sqlalchemy.exc import DBAPIError, ProgrammingError
 
 from . import _sql
 from ._durations import Duration, to_seconds
-from .errors import ConfigurationError, SchemaError
+from .errors import ConfigurationError, PartitionClosedError, SchemaError
 
 __all__ = [
     "PARTITION_PERIODS",
@@ -246,13 +246,21 @@ def held_partitions(conn: Connection, model: type[Any]) -> list[PartitionInfo]:
 
 def closed_holding(conn: Connection, model: type[Any], ids: list[int]) -> dict[str, int]:
     """The closed partitions (:attr:`PartitionInfo.closed`) of ``model``'s table that hold any of ``ids``: name
-    → how many of them. Empty for a plain table, and when no partition is closed (two catalog queries)."""
+    → how many of them. Empty for a plain table, and when no partition is closed (two catalog queries). Logs a
+    WARNING for each partition whose detach is pending: its rows are hidden from every selection."""
     _, table = _table_of(conn, model)
-    if not ids or not is_partitioned(conn, table):
+    if not is_partitioned(conn, table):
         return {}
     found: dict[str, int] = {}
     for p in _partitions(conn, table, counts=False):
-        if p.closed:
+        if p.detach_pending:  # PostgreSQL hides its rows from every new snapshot: none can be selected
+            log.warning(
+                "the rows of partition %s of %s are hidden from this selection: a retire's detach of it has not "
+                "finished (`%s` finishes it, and attaches it again if rows hold it)", p.name, table.fullname,
+                partitions_command(_sql.translated_spec(conn, _sql.spec_for(model))),
+                extra={"table": table.fullname, "partition": p.name},
+            )  # fmt: skip
+        if p.closed and ids:
             part = sql_table(p.name, column("id", BigInteger), schema=p.schema)
             held = conn.execute(
                 select(func.count())
@@ -265,16 +273,19 @@ def closed_holding(conn: Connection, model: type[Any], ids: list[int]) -> dict[s
 
 
 def refuse_closed(conn: Connection, model: type[Any], ids: list[int], action: str) -> None:
-    """Raise :class:`SchemaError` naming them when some of ``ids`` are in closed partitions: their rows cannot
-    be changed (each UPDATE would fail on the closing check, batches after others had committed)."""
+    """Raise :class:`PartitionClosedError` naming them when some of ``ids`` are in closed partitions: their rows
+    cannot be changed (each UPDATE would fail on the closing check, batches after others had committed)."""
     found = closed_holding(conn, model, ids)
     if found:
-        raise SchemaError(f"{closed_message(model, found, action)}. Nothing was changed")
+        spec, _ = _table_of(conn, model)
+        raise PartitionClosedError(
+            f"{closed_message(spec, found, action)}. Nothing was changed", changed=[], partitions=found
+        )
 
 
-def closed_message(model: type[Any], found: dict[str, int], action: str) -> str:
-    """Why rows in closed partitions (``found``: name → how many) cannot be changed, and what to run."""
-    spec = _sql.spec_for(model)
+def closed_message(spec: _sql.QueueSpec, found: dict[str, int], action: str) -> str:
+    """Why rows in closed partitions (``found``: name → how many) cannot be changed, and what to run
+    (``spec``: as the connection's schema_translate_map places the table)."""
     held = ", ".join(f"{name} ({n})" for name, n in found.items())
     return (
         f"cannot {action} {sum(found.values())} of the selected row(s): they are in partition(s) that a retire "
@@ -627,8 +638,9 @@ def _settle_detached_now(
         conn.execute(text(_sql.comment_table_ddl(prep, name, table.schema, None)))
         report.kept[name] = counts
         log.warning(
-            "partition %s of %s got unfinished rows while it was being retired: attached again",
-            name, table.fullname, extra={"table": table.fullname, "partition": name, **counts},
+            "partition %s of %s holds rows that keep it (%d unfinished, %d %s) after its detach: attached again",
+            name, table.fullname, counts["unfinished"], counts["dead"], spec.dead,
+            extra={"table": table.fullname, "partition": name, **counts},
         )  # fmt: skip
         return
     if archive:

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from . import _partitions, _sql
 from ._durations import Duration, positive_int, to_timedelta
 from ._sql import QueueSpec, queue_table, spec_for
-from .errors import ConfigurationError, SchemaError
+from .errors import ConfigurationError, PartitionClosedError
 
 __all__ = [
     "Cancellation",
@@ -112,14 +112,18 @@ def _bulk(
     f = _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
     with engine.connect() as conn:  # the selection, taken once: everything below acts on these ids only
         selected = list(conn.execute(_sql.dead_selection(spec, f)).scalars())
+        _partitions.refuse_closed(conn, model, selected, action)
     if dry_run:
         return selected
     stmt = _sql.requeue_statement(spec) if action == "retry" else _sql.skip_statement(spec)
     changed = _in_batches(engine, model, stmt, selected, batch_size, action=action)
     verb = "requeued" if action == "retry" else "skipped"
-    log.info(
-        "%s %d %s row(s) of %s (%d selected; %d no longer %s)", verb, len(changed), spec.dead,
-        spec.table.fullname, len(selected), len(selected) - len(changed), spec.dead,
+    gone = len(selected) - len(changed)
+    log.log(
+        logging.WARNING if gone else logging.INFO,
+        "%s %d %s row(s) of %s (%d selected; %d no longer %s%s)", verb, len(changed), spec.dead,
+        spec.table.fullname, len(selected), gone, spec.dead,
+        ": another operator acted on them meanwhile, or a retire dropped their partition" if gone else "",
         extra={"table": spec.table.fullname, "action": action, "selected": len(selected), "changed": len(changed)},
     )  # fmt: skip
     return changed
@@ -244,6 +248,7 @@ def retry_jobs(
     where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
     with engine.connect() as conn:
         selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
+        _partitions.refuse_closed(conn, model, selected, "retry")
     if dry_run:
         return selected
     changed = _in_batches(engine, model, _sql.retry_jobs_statement(spec, wanted), selected, batch_size,
@@ -303,10 +308,40 @@ def update_jobs(
     where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
     with engine.connect() as conn:
         selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
+        _partitions.refuse_closed(conn, model, selected, "update")
     if dry_run:
         return selected
     return _in_batches(engine, model, _sql.update_jobs_statement(spec, wanted, values), selected, batch_size,
                        action="update")  # fmt: skip
+
+
+def _closed_meanwhile(
+    engine: Engine, model: type[Any], action: str, selected: list[int], changed: list[int]
+) -> PartitionClosedError:
+    """The error of a call whose batch met a partition closed after the selection; every id the earlier batches
+    changed is logged (WARNING) and carried by the error, the first 50 in its message."""
+    done = sorted(changed)
+    rest = sorted(set(selected) - set(done))
+    with engine.connect() as conn:
+        spec, _ = _partitions._table_of(conn, model)
+        found = _partitions.closed_holding(conn, model, rest)
+    head = (
+        _partitions.closed_message(spec, found, action)
+        if found
+        else f"cannot {action} the selected row(s) of {spec.table.fullname}: a partition holding them was closed"
+    )
+    log.warning(
+        "%s %d row(s) of %s before a partition closed by a retire stopped the call: %s", action, len(done),
+        spec.table.fullname, ", ".join(map(str, done)) or "none",
+        extra={"table": spec.table.fullname, "action": action, "changed": done, "closed": found},
+    )  # fmt: skip
+    shown = ", ".join(map(str, done[:50])) + (f", … ({len(done) - 50} more)" if len(done) > 50 else "")
+    return PartitionClosedError(
+        f"{head}. It was closed while this ran: {len(done)} row(s) were changed before it"
+        + (f": {shown}" if done else ""),
+        changed=done,
+        partitions=found,
+    )
 
 
 def _statuses(given: Iterable[str], allowed: tuple[str, ...]) -> list[str]:
@@ -322,15 +357,16 @@ def _in_batches(
 ) -> list[int]:  # fmt: skip
     """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed.
 
-    Refused whole (:class:`SchemaError`, nothing changed) when some of the rows are in a partition closed to
-    writes by a retire; a partition closed while the batches run stops them there, with the same error.
+    The callers refuse a selection that holds rows in a partition a retire has closed to writes
+    (:class:`PartitionClosedError`, nothing changed); a partition closed while the batches run stops them at the
+    batch that meets it, with the same error naming every id the earlier batches changed (once the retire's
+    detach has begun its rows are hidden instead, and count as no longer selectable, like rows another
+    operator acted on).
     ``unique``: the statement skips a job whose unique key has a waiting job, but one enqueued by a transaction
     still open when the statement ran is found only at the unique index, as a violation. The batch is then run
     again (which sees that job committed); after a second violation its jobs are run one at a time, and a job
     that still meets one is left as it is (a key enqueued that busily: the caller reports it), never raised."""
     changed: list[int] = []
-    with engine.connect() as conn:
-        _partitions.refuse_closed(conn, model, selected, action)
 
     def once(ids: list[int]) -> bool:
         try:
@@ -339,22 +375,7 @@ def _in_batches(
             return True
         except IntegrityError as exc:
             if _partitions.is_closed_error(exc):
-                with engine.connect() as conn:
-                    found = _partitions.closed_holding(conn, model, ids)
-                done = sorted(changed)
-                raise SchemaError(
-                    (
-                        _partitions.closed_message(model, found, action)
-                        if found
-                        else f"cannot {action} the selected row(s): a partition of them was closed, and has gone"
-                    )
-                    + f". It was closed while this ran: {len(done)} row(s) were changed before it"
-                    + (
-                        ": " + ", ".join(map(str, done[:50])) + (", …" if len(done) > 50 else "")
-                        if done
-                        else ""
-                    )
-                ) from exc
+                raise _closed_meanwhile(engine, model, action, selected, changed) from exc
             if not unique or getattr(exc.orig, "sqlstate", None) != "23505":
                 raise
             return False

@@ -26,6 +26,7 @@ from .monitoring import (
     describe_closed_partition,
     describe_held_partition,
     describe_holder,
+    describe_interrupted_retire,
     describe_outage,
     essentials,
     long_horizon_holders,
@@ -103,7 +104,8 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     name = spec.table.fullname
     if not _partitions.is_partitioned(conn, spec.table):
         return []
-    command = _partitions.partitions_command(spec)
+    placed = _sql.translated_spec(conn, spec)  # (the command names the table where the map puts it)
+    command = _partitions.partitions_command(placed)
     missing = _partitions.missing_periods(conn, model, ahead=1)
     out: list[Finding] = []
     if missing:
@@ -115,20 +117,16 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
             + ("every insert fails now" if current else "inserts will fail when it starts"),
             f"{command} (and run it regularly: a Dispatcher/Worker's maintain_partitions=3600, or cron)",
         ))  # fmt: skip
+    closed = [p for p in _partitions.list_partitions(conn, model, counts=False) if p.closed]
     for p in _partitions.held_partitions(conn, model):
-        out.append(Finding("partitions", name, "warn", describe_held_partition(p, spec),
-                           f"finish or retry its rows ({dead_list_command(spec)}); the next maintain retires it"))  # fmt: skip
-    for p in _partitions.list_partitions(conn, model, counts=False):
-        if p.closed:
-            out.append(Finding("partitions", name, "warn", describe_closed_partition(p.name, spec),
-                               f"{command} (it waits at most 1 s for the partition's lock)"))  # fmt: skip
+        if p.name not in {c.name for c in closed}:  # (a closed one's rows cannot be retried: said below)
+            out.append(Finding("partitions", name, "warn", describe_held_partition(p, spec),
+                               f"finish or retry its rows ({dead_list_command(spec)}); the next maintain retires it"))  # fmt: skip
+    for p in closed:
+        out.append(Finding("partitions", name, "warn", describe_closed_partition(p, placed),
+                           f"{command} (it waits at most 1 s for the partition's lock)"))  # fmt: skip
     for table in _partitions.interrupted_retires(conn, model):
-        out.append(Finding(
-            "partitions", name, "warn",
-            f"table {table} was detached by a retire that has not finished (one in progress, or a run that "
-            "stopped): the next maintain counts its rows again and drops it, or attaches it again",
-            command,
-        ))  # fmt: skip
+        out.append(Finding("partitions", name, "warn", describe_interrupted_retire(table, placed), command))
     if not out:
         out.append(Finding("partitions", name, "ok",
                            "partitions exist for this period and the next; no past partition is held by rows"))  # fmt: skip

@@ -23,6 +23,7 @@ __all__ = [
     "JobCancelled",
     "NoAnswer",
     "OutboxError",
+    "PartitionClosedError",
     "PayloadError",
     "PermanentError",
     "RetryableError",
@@ -113,3 +114,17 @@ class ConfigurationError(OutboxError, ValueError):
 
 class SchemaError(OutboxError):
     """The outbox/jobs table is missing or does not have the expected shape (run the migration)."""
+
+
+class PartitionClosedError(SchemaError):
+    """An operator action (``retry_dead``, ``skip_dead``, ``retry_jobs``, ``update_jobs``) selected rows in a
+    partition that a retire has closed to writes (``sa_outbox_retiring``): their rows cannot be changed.
+
+    Raised before anything is written, ``changed`` empty; or, when the partition was closed while the call ran
+    its batches, at the batch that met it: ``changed`` holds every id the earlier batches changed (committed).
+    ``partitions``: name → how many of the selected, unchanged rows each closed partition holds."""
+
+    def __init__(self, message: str, *, changed: list[int], partitions: dict[str, int]) -> None:
+        super().__init__(message)
+        self.changed = changed
+        self.partitions = partitions

@@ -31,7 +31,7 @@ from sqlalchemy.sql import Select
 
 from . import _partitions, _steps
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
-from ._sql import QueueSpec, const, queue_table, spec_for
+from ._sql import QueueSpec, const, queue_table, spec_for, translated_spec
 from .errors import ConfigurationError
 
 __all__ = [
@@ -381,12 +381,29 @@ def describe_held_partition(p: _partitions.PartitionInfo, spec: QueueSpec) -> st
     )
 
 
-def describe_closed_partition(name: str, spec: QueueSpec) -> str:
-    """One line for status and doctor: a partition closed to writes by a retire."""
+def describe_closed_partition(p: _partitions.PartitionInfo, spec: QueueSpec) -> str:
+    """One line for status and doctor: a partition closed to writes by a retire (``spec``: as the connection's
+    schema_translate_map places the table, for the command it names)."""
+    command = _partitions.partitions_command(spec)
+    if p.detach_pending:
+        return (
+            f"partition {p.name} is being detached by a retire that has not finished (one in progress, or one "
+            "interrupted): its rows are hidden — from the loops, and from dead list and retry — and cannot be "
+            f"changed until `{command}` finishes the retire (it attaches the partition again if rows hold it)"
+        )
     return (
-        f"partition {name} is closed to writes by a retire that has not finished (one in progress, or a run "
-        "that stopped before detaching it): its rows cannot be changed until "
-        f"`{_partitions.partitions_command(spec)}` retires it or opens it again"
+        f"partition {p.name} is closed to writes by a retire that has not finished (one in progress, or a run "
+        f"that stopped before detaching it): its rows cannot be changed until `{command}` retires it or opens "
+        "it again"
+    )
+
+
+def describe_interrupted_retire(table: str, spec: QueueSpec) -> str:
+    """One line for status and doctor: a table a retire has detached and not settled yet."""
+    return (
+        f"table {table} was detached by a retire that has not finished (one in progress, or a run that "
+        "stopped): its rows are seen by no loop nor dead list until "
+        f"`{_partitions.partitions_command(spec)}` counts them again and drops it, or attaches it again"
     )
 
 
@@ -563,9 +580,12 @@ def queue_status(
     held = _partitions.held_partitions(conn, model) if parts else []
     for p in held:
         warnings.append(describe_held_partition(p, spec))
-    for p in parts:
-        if p.closed:
-            warnings.append(describe_closed_partition(p.name, spec))
+    if parts:
+        placed = translated_spec(conn, spec)
+        warnings += [describe_closed_partition(p, placed) for p in parts if p.closed]
+        warnings += [
+            describe_interrupted_retire(n, placed) for n in _partitions.interrupted_retires(conn, model)
+        ]
     if outage is not None:
         warnings.append(
             describe_outage(outage, oldest_pending, last_done_age) + ": the broker is down or unreachable and "

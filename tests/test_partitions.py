@@ -29,6 +29,7 @@ from sa_outbox import (
     Dispatcher,
     JobMixin,
     OutboxMixin,
+    PartitionClosedError,
     PayloadError,
     SchemaError,
     Worker,
@@ -669,6 +670,7 @@ def test_a_retire_whose_process_died_mid_detach_is_finished_by_the_next_run(
         assert conn.execute(text(f"SELECT to_regclass('{SCHEMA}.{name}') IS NOT NULL")).scalar_one()
     [found] = [f for f in doctor(pengine, [PEvent]) if f.check == "partitions" and name in f.message]
     assert found.status == "warn" and "detached by a retire" in found.message, found
+    assert [w for w in queue_status(pengine, PEvent).warnings if name in w and "detached by a retire" in w]
     report = maintain_partitions(pengine, PEvent)
     assert report.retired == [name] and not report.errors, report
     with pengine.connect() as conn:
@@ -985,11 +987,14 @@ def test_rows_in_a_partition_left_closed_are_refused_whole_naming_it_until_maint
         with pengine.connect() as conn:
             return list(conn.execute(select(PEvent.status).order_by(PEvent.id)).scalars())
 
+    url = ["--url", db_url.render_as_string(hide_password=False), "--outbox-table", f"{SCHEMA}.pev",
+           "--jobs-table", f"{SCHEMA}.pjobs"]  # fmt: skip
     for act in (retry_dead, skip_dead):
-        with pytest.raises(
-            SchemaError, match=rf"2 of the selected row\(s\).*{name} \(2\).*Nothing was changed$"
-        ):
-            act(pengine, PEvent, all=True, batch_size=1)
+        for dry_run in (True, False):  # a dry run says what the call would do: refuse
+            with pytest.raises(PartitionClosedError, match=rf"2 of the selected row\(s\).*{name} \(2\).*"
+                                                           r"Nothing was changed$") as refused:  # fmt: skip
+                act(pengine, PEvent, all=True, batch_size=1, dry_run=dry_run)
+            assert (refused.value.changed, refused.value.partitions) == ([], {name: 2})
         assert statuses() == ["dead", "dead", "dead"]  # today's row, in the first batch, neither
     with pytest.raises(SchemaError, match=rf"{jname} \(1\)"):
         retry_jobs(pengine, PJob, ids=[job])
@@ -1000,8 +1005,11 @@ def test_rows_in_a_partition_left_closed_are_refused_whole_naming_it_until_maint
     closed = [f for f in doctor(pengine, [PEvent, PJob]) if f.check == "partitions" and "closed" in f.message]
     assert sorted(n for f in closed for n in (name, jname) if n in f.message) == sorted([name, jname])
     assert all(f.status == "warn" and "partitions maintain" in (f.fix or "") for f in closed), closed
-    url = ["--url", db_url.render_as_string(hide_password=False), "--outbox-table", f"{SCHEMA}.pev",
-           "--jobs-table", f"{SCHEMA}.pjobs"]  # fmt: skip
+    held = [f for f in doctor(pengine, [PEvent, PJob]) if "kept alive" in f.message]
+    assert held == [], held  # ("retry its rows" would be refused: the closed finding says what to do)
+    assert main(["dead", "retry", "--all", "--json", *url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and name in err and "Nothing was changed" in err
     assert main(["partitions", "list", *url]) == 0
     [line] = [x for x in capsys.readouterr().out.splitlines() if name in x]
     assert "closed to writes" in line
@@ -1019,7 +1027,8 @@ def test_rows_in_a_partition_left_closed_are_refused_whole_naming_it_until_maint
 
 def test_a_partition_closed_while_a_retry_runs_stops_it_with_the_ids_already_changed(pengine: Engine) -> None:
     """The refusal is checked once, before the batches; a partition a retire closes between two batches stops
-    the call at the batch that meets it, with the same error, naming the ids the earlier batches changed."""
+    the call at the batch that meets it, with the same error, counting every selected row the partition holds
+    (not only that batch's) and carrying every id the earlier batches changed."""
     from sqlalchemy import event
 
     name, start = add_past_partition(pengine, PEvent, 1)
@@ -1037,12 +1046,14 @@ def test_a_partition_closed_while_a_retry_runs_stops_it_with_the_ids_already_cha
 
     event.listen(pengine, "before_cursor_execute", close_before_the_second_batch)
     try:
-        with pytest.raises(SchemaError, match=rf"{name} \(1\).*It was closed while this ran: 1 row\(s\) were "
-                                              rf"changed before it: {first[0]}$"):  # fmt: skip
+        with pytest.raises(PartitionClosedError, match=rf"cannot retry 2 .*{name} \(2\).*It was closed while "
+                                                       rf"this ran: 1 row\(s\) were changed before it: {first[0]}$"
+                           ) as stopped:  # fmt: skip
             retry_dead(pengine, PEvent, all=True, batch_size=1)
     finally:
         event.remove(pengine, "before_cursor_execute", close_before_the_second_batch)
     assert len(statements) == 2
+    assert (stopped.value.changed, stopped.value.partitions) == (first, {name: 2})
     with pengine.connect() as conn:
         assert list(conn.execute(select(PEvent.status).order_by(PEvent.id)).scalars()) == [
             "pending",

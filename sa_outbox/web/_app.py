@@ -284,7 +284,12 @@ class Dashboard:
                 log.warning("dashboard refused %s: %s", what, exc.message,
                             extra={"status": exc.status, "client": request.client.host if request.client else None})  # fmt: skip
                 return self.refusal(request, exc)
-            except OutboxError as exc:  # a bad filter or option, said by the admin function itself
+            except (
+                OutboxError
+            ) as exc:  # a bad filter or option, a closed partition: said by the admin function
+                log.warning("dashboard refused %s: %s", what, exc,
+                            extra={"status": 400, "client": request.client.host if request.client else None,
+                                   "changed": getattr(exc, "changed", [])})  # fmt: skip
                 return self.refusal(request, Refused(400, str(exc)))
             except DBAPIError as exc:
                 log.warning("dashboard action %s failed: %s", what, _db_cause(exc))
