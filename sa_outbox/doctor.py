@@ -52,8 +52,9 @@ class Finding:
 
 
 def explain_claim(conn: Connection, model: type[Any], *, ordered: bool = False) -> dict[str, Any]:
-    """The planner's plan (JSON, no ANALYZE) for this table's real claim statement."""
-    spec = _sql.spec_for(model)
+    """The planner's plan (JSON, no ANALYZE) for this table's real claim statement — on the table where the
+    connection's ``schema_translate_map`` puts it (the statement is sent as text, beyond the map's reach)."""
+    spec = _sql.translated_spec(conn, _sql.spec_for(model))
     stmt = _sql.claim_statement(spec, ordered=ordered, limit=50)  # as a loop with batch=50 sends it
     params: dict[str, Any] = {"owner": "doctor"}
     if spec.kind == "outbox":
@@ -143,7 +144,10 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     indexes, tables = {index}, {t}
     if _partitions.is_partitioned(conn, spec.table):
         indexes |= set(
-            conn.execute(_PARTITION_INDEXES, {"i": _qualified_index(conn, spec.table, index)}).scalars()
+            conn.execute(
+                _PARTITION_INDEXES,
+                {"i": _qualified_index(conn, _sql.translated_spec(conn, spec).table, index)},
+            ).scalars()
         )
         tables |= {p.name for p in _partitions.list_partitions(conn, model, counts=False)}
     seq = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in tables]

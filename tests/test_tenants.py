@@ -276,3 +276,9 @@ def test_a_tenants_partitioned_outbox_is_listed_and_maintained_in_its_schema(
         s.add(model(aggregate_type="a", aggregate_id="1", event_type="E", payload={}))
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {TENANT}.tenant_parted_outbox")).scalar_one() == 1
+    # doctor's claim plan is EXPLAINed as text, and its partition indexes looked up by name: the tenant's
+    # (before: "relation tenant_parted_outbox does not exist", raised out of doctor)
+    from sa_outbox.doctor import doctor
+
+    [plan] = [f for f in doctor(tenant, [model]) if f.check == "claim plan"]
+    assert plan.status == "ok", plan
