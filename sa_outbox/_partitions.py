@@ -413,7 +413,8 @@ def _finalize_interrupted(
                 if not _detach(conn, table, p.name, mode="finalize"):
                     continue
                 if p.lower is not None and p.upper is not None:  # attach again: the retire step decides
-                    _reopen(conn, p.name, p.schema)
+                    if p.closed:
+                        _reopen(conn, p.name, p.schema)
                     conn.execute(text(_sql.attach_partition_ddl(prep, table, p.name, p.lower, p.upper)))
             except DBAPIError as exc:
                 report.errors.append(f"{p.name}: could not finish an interrupted detach: {_one_line(exc)}")
@@ -556,7 +557,8 @@ def _retire(
                     raise
             if counts is not None:
                 report.kept[p.name] = counts
-                _reopen(conn, p.name, p.schema)  # (closed by a run that died before detaching it)
+                if p.closed:  # (by a run that died before detaching it; a close just made was rolled back)
+                    _reopen(conn, p.name, p.schema)
                 continue
             # Marked first: should this process die once the detach has completed on the server, the next
             # run finds the detached table by its comment, counts again and attaches or finishes it.
@@ -595,15 +597,13 @@ def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool)
 
 
 def _reopen(conn: Connection, name: str, schema: str | None) -> None:
-    """Drop the retiring constraint from a partition that is kept (or archived), when it carries one — waiting
-    ``CLOSE_LOCK_TIMEOUT`` at most for its lock, as the close does: claims queue behind it (a hostile review:
-    a claim stalled for the whole 8 s of a reader's transaction)."""
-    if conn.execute(_sql.CLOSED_PARTITION, {"schema": schema or "public", "name": name}).scalar_one():
-        _with_lock_timeout(
-            conn,
-            _sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema),
-            CLOSE_LOCK_TIMEOUT,
-        )
+    """Drop the retiring constraint from a closed partition that is kept (or a detached table that is attached
+    again or archived) — waiting ``CLOSE_LOCK_TIMEOUT`` at most for its lock, as the close does: claims queue
+    behind it (a hostile review: a claim stalled for the whole 8 s of a reader's transaction). The callers know
+    it is closed (:attr:`PartitionInfo.closed`; a table marked as retiring was closed before its detach)."""
+    _with_lock_timeout(
+        conn, _sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema), CLOSE_LOCK_TIMEOUT
+    )
 
 
 def _settle_detached(

@@ -1767,18 +1767,6 @@ def reopen_partition_ddl(preparer: Any, name: str, schema: str | None) -> str:
     )
 
 
-#: Whether a table carries ``RETIRING_CONSTRAINT`` (``:schema``, ``:name``).
-CLOSED_PARTITION = text(
-    """
-    SELECT EXISTS (
-        SELECT 1 FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
-        JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = :schema AND c.relname = :name AND k.conname = :constraint
-    )
-    """
-).bindparams(constraint=RETIRING_CONSTRAINT)
-
-
 #: The comment a partition carries while it is being retired (``sa_outbox:retiring:<mode>|<lower>|<upper>|<parent>``):
 #: should the retiring process die after ``DETACH … CONCURRENTLY`` completed on the server (a SIGTERM'd loop
 #: does not wait for its maintenance thread), the next run finds the detached table by it and finishes the job.
