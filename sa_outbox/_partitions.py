@@ -248,7 +248,7 @@ def closed_holding(conn: Connection, model: type[Any], ids: list[int]) -> dict[s
     """The closed partitions (:attr:`PartitionInfo.closed`) of ``model``'s table that hold any of ``ids``: name
     → how many of them. Empty for a plain table, and when no partition is closed (two catalog queries). Logs a
     WARNING for each partition whose detach is pending: its rows are hidden from every selection."""
-    _, table = _table_of(conn, model)
+    spec, table = _table_of(conn, model)
     if not is_partitioned(conn, table):
         return {}
     found: dict[str, int] = {}
@@ -257,7 +257,7 @@ def closed_holding(conn: Connection, model: type[Any], ids: list[int]) -> dict[s
             log.warning(
                 "the rows of partition %s of %s are hidden from this selection: a retire's detach of it has not "
                 "finished (`%s` finishes it, and attaches it again if rows hold it)", p.name, table.fullname,
-                partitions_command(_sql.translated_spec(conn, _sql.spec_for(model))),
+                partitions_command(spec),
                 extra={"table": table.fullname, "partition": p.name},
             )  # fmt: skip
         if p.closed and ids:
