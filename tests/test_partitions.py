@@ -109,6 +109,15 @@ def add_events(engine: Engine, n: int, *, created_at: datetime | None = None, st
         return list(conn.execute(insert(PEvent).returning(PEvent.id), rows).scalars())
 
 
+def maintain_in_thread(engine: Engine) -> tuple[threading.Thread, dict[str, Any]]:
+    """``maintain_partitions(engine, PEvent)`` started in a thread of its own; its report lands under
+    ``"report"`` once the thread ends."""
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(engine, PEvent)))
+    t.start()
+    return t, result
+
+
 def yesterday_with_an_open_writer(engine: Engine) -> tuple[str, datetime, Connection, Any]:
     """Yesterday's partition holding two done events, and a transaction that has written a pending "Today"
     event into today's partition and is still open: it uses the parent, so a ``DETACH … CONCURRENTLY`` waits
@@ -484,7 +493,9 @@ def test_an_events_explicit_created_at_is_kept_on_every_write_path(pengine: Engi
         s.flush()
 
 
-def _late_producer(engine: Engine, start: datetime, aggregate: str = "1") -> tuple[Connection, Any, int]:
+def late_producer(engine: Engine, start: datetime, aggregate: str = "1") -> tuple[Connection, Any, int]:
+    """A transaction (left open) that has written a pending "Late" event of ``aggregate`` into the partition
+    starting at ``start``: (its connection, the transaction, the row's id)."""
     producer = engine.connect()
     tx = producer.begin()
     row_id = producer.execute(
@@ -503,10 +514,8 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     the partition attached and open."""
     name, start = add_past_partition(pengine, PEvent, 1)
     add_events(pengine, 3, created_at=start, status="done")
-    producer, tx, row_id = _late_producer(pengine, start, "A")
-    result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
-    t.start()
+    producer, tx, row_id = late_producer(pengine, start, "A")
+    t, result = maintain_in_thread(pengine)
     try:
         assert close_waits(pengine), "the maintainer never tried to close the partition"
     finally:
@@ -530,7 +539,7 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     assert name in names(pengine, PEvent) and is_open(pengine, name)
     with pengine.connect() as conn:
         assert conn.execute(select(PEvent.status).where(PEvent.id == row_id)).scalar_one() == "done"
-    producer, tx, _ = _late_producer(pengine, start, "B")  # holds the partition past the close's lock timeout
+    producer, tx, _ = late_producer(pengine, start, "B")  # holds the partition past the close's lock timeout
     try:
         report = maintain_partitions(pengine, PEvent)
     finally:
@@ -549,11 +558,9 @@ def test_the_close_counts_after_its_lock_whatever_the_sessions_isolation(
     before the wait: the partition was closed and detached with the pending row inside, and while the detach
     waited for an older transaction the aggregate's next event was delivered first — a hostile review.)"""
     name, start, writer, writer_tx = yesterday_with_an_open_writer(pengine)  # would keep a DETACH waiting
-    producer, tx, _ = _late_producer(pengine, start, "A")
+    producer, tx, _ = late_producer(pengine, start, "A")
     rr = create_engine(db_url, connect_args={"options": "-c default_transaction_isolation=repeatable\\ read"})
-    result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(rr, PEvent)))
-    t.start()
+    t, result = maintain_in_thread(rr)
     pub = RecordingPublisher()
     d = Dispatcher(pengine, PEvent, pub, listen=False, ordered=True)
     try:
@@ -594,11 +601,9 @@ def test_reopening_a_partition_left_closed_waits_for_its_lock_no_longer_than_the
     with pengine.begin() as conn:
         conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, name, SCHEMA)))
     assert not is_open(pengine, name)
-    result: dict[str, Any] = {}
     with pengine.connect() as reader:
         reader.execute(text(f"SELECT count(*) FROM {SCHEMA}.{name}"))  # holds the partition
-        t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
-        t.start()
+        t, result = maintain_in_thread(pengine)
         t.join(30)
         finished_while_held = not t.is_alive()
         reader.rollback()
@@ -618,9 +623,7 @@ def test_a_write_into_a_closed_partition_fails_even_from_an_older_snapshot(pengi
     producer = pengine.connect().execution_options(isolation_level="REPEATABLE READ")
     tx = producer.begin()
     producer.execute(text("SELECT 1"))  # its snapshot
-    result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
-    t.start()
+    t, result = maintain_in_thread(pengine)
     try:
         assert detach_waits(pengine), "the maintainer never reached its DETACH"
         with pytest.raises(DBAPIError, match="sa_outbox_retiring"):
@@ -723,9 +726,7 @@ def test_a_close_that_meets_another_maintainers_detach_is_no_failure(pengine: En
     maintainer settles that partition, and the run reports no error."""
     name, _, writer, tx = yesterday_with_an_open_writer(pengine)
     stale = list_partitions(pengine, PEvent, counts=False)
-    result: dict[str, Any] = {}
-    first = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
-    first.start()
+    first, result = maintain_in_thread(pengine)
     report = PartitionReport(PEvent.__table__.fullname)
     try:
         assert detach_waits(pengine), "the first maintainer never reached its DETACH"

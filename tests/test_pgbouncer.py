@@ -18,7 +18,6 @@ databases (aliases of the one test database, each its own pool of server connect
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, insert, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -1082,22 +1081,25 @@ def test_partition_retire_and_related_events_through_pgbouncer(pengine: Engine, 
     producer after the ORM's rows: both through PgBouncer in transaction mode. A late producer, also through
     the pooler, keeps its partition; once every row is finished the partition is closed and retired, and an
     ordered dispatcher through the pooler delivers the aggregate's events in order."""
-    from .test_partitions import SCHEMA, PBase, PEvent, add_events, add_past_partition, close_waits, names
+    from .test_partitions import (
+        SCHEMA,
+        PBase,
+        PEvent,
+        add_events,
+        add_past_partition,
+        close_waits,
+        late_producer,
+        maintain_in_thread,
+        names,
+    )
     from .test_producer_relationships import SCHEMA as REL
     from .test_producer_relationships import Account, AccountEvent, RelBase
 
     with fresh_schema(engine, SCHEMA, PBase.metadata), fresh_schema(engine, REL, RelBase.metadata):
         name, start = add_past_partition(engine, PEvent, 1)
         add_events(engine, 2, created_at=start, status="done")
-        producer = pengine.connect()
-        tx = producer.begin()
-        producer.execute(
-            insert(PEvent).values(aggregate_type="o", aggregate_id="A", event_type="Late", payload={},
-                                  created_at=start + dt.timedelta(hours=1))
-        )  # fmt: skip
-        result: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: result.update(report=maintain_partitions(pengine, PEvent)))
-        t.start()
+        producer, tx, _ = late_producer(pengine, start, "A")  # through the pooler
+        t, result = maintain_in_thread(pengine)
         try:
             assert close_waits(engine), "the maintainer never tried to close the partition"
         finally:
