@@ -505,6 +505,22 @@ def late_producer(engine: Engine, start: datetime, aggregate: str = "1") -> tupl
     return producer, tx, row_id
 
 
+def late_commit_while_closing(
+    engine: Engine, start: datetime, *, watch: Engine | None = None
+) -> tuple[threading.Thread, dict[str, Any], int]:
+    """A late producer (:func:`late_producer`, aggregate "A") commits while a maintainer, started in a thread
+    after its insert, waits to close the partition (seen from ``watch``, default ``engine``): (the maintainer's
+    thread, still running, its result, the late row's id)."""
+    producer, tx, row_id = late_producer(engine, start, "A")
+    t, result = maintain_in_thread(engine)
+    try:
+        assert close_waits(watch or engine), "the maintainer never tried to close the partition"
+    finally:
+        tx.commit()
+        producer.close()
+    return t, result, row_id
+
+
 def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Engine) -> None:
     """The count before closing cannot see an uncommitted row; closing the partition waits for that producer,
     and the count in the same transaction finds its row: the partition is kept, open, and its rows delivered
@@ -514,13 +530,7 @@ def test_a_producer_writing_into_a_partition_being_retired_keeps_it(pengine: Eng
     the partition attached and open."""
     name, start = add_past_partition(pengine, PEvent, 1)
     add_events(pengine, 3, created_at=start, status="done")
-    producer, tx, row_id = late_producer(pengine, start, "A")
-    t, result = maintain_in_thread(pengine)
-    try:
-        assert close_waits(pengine), "the maintainer never tried to close the partition"
-    finally:
-        tx.commit()
-        producer.close()
+    t, result, row_id = late_commit_while_closing(pengine, start)
     with pengine.begin() as conn:  # the aggregate's next event
         conn.execute(
             insert(PEvent).values(aggregate_type="o", aggregate_id="A", event_type="Next", payload={})

@@ -1087,9 +1087,7 @@ def test_partition_retire_and_related_events_through_pgbouncer(pengine: Engine, 
         PEvent,
         add_events,
         add_past_partition,
-        close_waits,
-        late_producer,
-        maintain_in_thread,
+        late_commit_while_closing,
         names,
     )
     from .test_producer_relationships import SCHEMA as REL
@@ -1098,14 +1096,8 @@ def test_partition_retire_and_related_events_through_pgbouncer(pengine: Engine, 
     with fresh_schema(engine, SCHEMA, PBase.metadata), fresh_schema(engine, REL, RelBase.metadata):
         name, start = add_past_partition(engine, PEvent, 1)
         add_events(engine, 2, created_at=start, status="done")
-        producer, tx, _ = late_producer(pengine, start, "A")  # through the pooler
-        t, result = maintain_in_thread(pengine)
-        try:
-            assert close_waits(engine), "the maintainer never tried to close the partition"
-        finally:
-            tx.commit()
-            producer.close()
-            t.join(60)
+        t, result, _ = late_commit_while_closing(pengine, start, watch=engine)  # both through the pooler
+        t.join(60)
         assert result["report"].kept == {name: {"unfinished": 1, "dead": 0}}, result["report"]
         with Session(pengine) as s, s.begin():
             s.add(PEvent(aggregate_type="o", aggregate_id="A", event_type="Next", payload={}))
