@@ -168,7 +168,8 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
 def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     spec = _sql.spec_for(model)
     table = spec.table
-    prep = conn.dialect.identifier_preparer
+    # the DDL of the fixes names the table and the index where the connection's schema_translate_map puts them
+    placed = _sql.translated_spec(conn, spec).table
     present = {
         r.indexname: r
         for r in conn.execute(
@@ -180,7 +181,7 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
         )
     }
     out = []
-    for index in sorted(table.indexes, key=lambda i: str(i.name)):
+    for index in sorted(placed.indexes, key=lambda i: str(i.name)):
         name = str(index.name)
         ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).replace(
             "CREATE INDEX", "CREATE INDEX CONCURRENTLY"
@@ -188,7 +189,7 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
         if name not in present:
             out.append(Finding("indexes", table.fullname, "fail", f"index {name} is missing", ddl))
         elif not present[name].indisvalid:
-            qualified = (f"{prep.quote_schema(table.schema)}." if table.schema else "") + prep.quote(name)
+            qualified = _qualified_index(conn, placed, name)
             # Two statements, two lines: neither may run inside a transaction block, so they cannot be sent
             # together (psql -c "A; B" runs both in one implicit transaction and fails).
             out.append(Finding("indexes", table.fullname, "fail",

@@ -256,6 +256,43 @@ def test_status_and_doctor_read_the_tenants_table(engine: Engine, tenant: Engine
             conn.execute(text("ALTER TABLE public.jobs RESET (autovacuum_enabled)"))
 
 
+def test_doctors_index_fixes_name_the_tenants_table_and_mend_it(engine: Engine, tenant: Engine) -> None:
+    """doctor's fix for a missing or INVALID index of a tenant's table is DDL on the tenant's table (before: an
+    unqualified CREATE INDEX, which on the default search_path built public's index, or failed as a duplicate),
+    and running the fix as written mends the finding."""
+    from sa_outbox.doctor import doctor
+
+    def index_findings() -> list[Any]:
+        return [f for f in doctor(tenant, [OutboxEvent]) if f.check == "indexes"]
+
+    def run_fix(fix: str) -> None:
+        for statement in fix.splitlines():  # one statement per line: CONCURRENTLY runs outside a transaction
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(text(statement))
+
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP INDEX {TENANT}.ix_outbox_dead"))
+    [missing] = index_findings()
+    assert missing.status == "fail" and "ix_outbox_dead is missing" in missing.message
+    assert f"ON {TENANT}.outbox" in missing.fix, missing.fix
+    run_fix(missing.fix)
+    [ok] = index_findings()
+    assert ok.status == "ok", ok
+
+    with engine.begin() as conn:  # as a failed CREATE INDEX CONCURRENTLY leaves it
+        conn.execute(text(f"UPDATE pg_index SET indisvalid = false "
+                          f"WHERE indexrelid = CAST('{TENANT}.ix_outbox_aggregate' AS regclass)"))  # fmt: skip
+    [invalid] = index_findings()
+    assert invalid.status == "fail" and "INVALID" in invalid.message
+    assert invalid.fix.splitlines()[0] == f"DROP INDEX CONCURRENTLY {TENANT}.ix_outbox_aggregate", invalid.fix
+    run_fix(invalid.fix)
+    [ok] = index_findings()
+    assert ok.status == "ok", ok
+    with engine.connect() as conn:  # public's own indexes untouched, valid
+        assert conn.execute(text("SELECT bool_and(x.indisvalid) AND count(*) = 6 FROM pg_index x "
+                                 "WHERE x.indrelid = CAST('public.outbox' AS regclass)")).scalar_one()  # fmt: skip
+
+
 def test_a_tenants_partitioned_outbox_is_listed_and_maintained_in_its_schema(
     engine: Engine, tenant: Engine
 ) -> None:
