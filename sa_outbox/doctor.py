@@ -161,7 +161,8 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     return Finding(
         "claim plan", name, "fail",
         f"the claim does not read {index} under LockRows (plan: {shape}); every claim scans and sorts the table",
-        f"create the partial index (run the migration; see the 'indexes' finding) and ANALYZE {name}",
+        "create the partial index (run the migration; see the 'indexes' finding) and "
+        f"ANALYZE {regclass_name(conn, spec.table)}",
     )  # fmt: skip
 
 

@@ -258,12 +258,12 @@ def test_status_and_doctor_read_the_tenants_table(engine: Engine, tenant: Engine
 
 def test_doctors_index_fixes_name_the_tenants_table_and_mend_it(engine: Engine, tenant: Engine) -> None:
     """doctor's fix for a missing or INVALID index of a tenant's table is DDL on the tenant's table (before: an
-    unqualified CREATE INDEX, which on the default search_path built public's index, or failed as a duplicate),
-    and running the fix as written mends the finding."""
+    unqualified CREATE INDEX, which on the default search_path built public's index, or failed as a duplicate;
+    the claim plan's fix analyzed public's table), and running the fix as written mends the finding."""
     from sa_outbox.doctor import doctor
 
-    def index_findings() -> list[Any]:
-        return [f for f in doctor(tenant, [OutboxEvent]) if f.check == "indexes"]
+    def index_findings(check: str = "indexes") -> list[Any]:
+        return [f for f in doctor(tenant, [OutboxEvent]) if f.check == check]
 
     def run_fix(fix: str) -> None:
         for statement in fix.splitlines():  # one statement per line: CONCURRENTLY runs outside a transaction
@@ -271,13 +271,17 @@ def test_doctors_index_fixes_name_the_tenants_table_and_mend_it(engine: Engine, 
                 conn.execute(text(statement))
 
     with engine.begin() as conn:
-        conn.execute(text(f"DROP INDEX {TENANT}.ix_outbox_dead"))
+        conn.execute(text(f"DROP INDEX {TENANT}.ix_outbox_ready"))
     [missing] = index_findings()
-    assert missing.status == "fail" and "ix_outbox_dead is missing" in missing.message
+    assert missing.status == "fail" and "ix_outbox_ready is missing" in missing.message
     assert f"ON {TENANT}.outbox" in missing.fix, missing.fix
+    [plan] = index_findings("claim plan")  # without the index the claim reads the table
+    assert plan.status == "fail" and plan.fix.endswith(f"ANALYZE {TENANT}.outbox"), plan
     run_fix(missing.fix)
     [ok] = index_findings()
     assert ok.status == "ok", ok
+    [plan] = index_findings("claim plan")
+    assert plan.status == "ok", plan
 
     with engine.begin() as conn:  # as a failed CREATE INDEX CONCURRENTLY leaves it
         conn.execute(text(f"UPDATE pg_index SET indisvalid = false "
