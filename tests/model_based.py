@@ -15,8 +15,11 @@ database, real threads with their own connections, real backend terminations. Ru
   one's ``run()`` (once, or twice a few ms apart);
 * terminate every backend of the loops (``pg_terminate_backend``);
 * a broker outage begins or ends (the publisher raises ``DestinationUnavailable``);
-* an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on;
-* an operator cancels a job (``cancel_jobs``), pauses a queue or resumes it;
+* an operator skips a dead event (``skip_dead``) so its ordered aggregate moves on, or requeues it
+  (``retry_dead``): a poison event dies again, its aggregate's later events still behind it;
+* an operator cancels a job (``cancel_jobs``), pauses a queue or resumes it; requeues a failed or cancelled
+  job (``retry_jobs``, ``retry_dead``) — it then runs again and ends as any other job — or changes waiting
+  jobs' priority, due time or attempts (``update_jobs``);
 * jobs of queue ``q3`` carry a concurrency key and every worker serves q3 under the scenario's
   :class:`~sa_outbox.Limit` (per key or per queue, sometimes with a rate) — or, in a quarter of the
   scenarios, a unique key, and every worker claims with ``unique_running`` instead; some workers serve the
@@ -80,7 +83,8 @@ At the end (faults off, loops drained)
     F6  a transactional handler's effect exists exactly once for a done job and never for any other;
     F7  a job cancelled while queued never runs afterwards and ends ``cancelled``; one cancelled while
         running ends ``cancelled`` or (it finished anyway) ``done`` — never ``failed``, a poison one included,
-        whether its handler failed before or after its worker learned of the request;
+        whether its handler failed before or after its worker learned of the request (unless an operator
+        requeued it since: then it ends as any other job);
     F8  in the half of the scenarios whose workers have ``give_up_after``, a job written longer ago than that
         ends ``failed`` "gave up" if a failure met it (a NoAnswer's or a Defer's refund included), else
         ``done``; no younger job ever gives up (F2 holds for them).
@@ -137,7 +141,7 @@ from sa_outbox import (
 )
 from sa_outbox._sql import partition_table, spec_for
 from sa_outbox._worker import WorkerBase
-from sa_outbox.admin import pause_queue, resume_queue
+from sa_outbox.admin import pause_queue, resume_queue, retry_dead, retry_jobs, update_jobs
 from sa_outbox.migration import create_partitions
 from sa_outbox.models import Job, OutboxEvent, model_for
 
@@ -619,6 +623,10 @@ class Scenario:
         #: How rule_maintain_partitions retires (its own stream, as above): keeping dead rows or dropping them,
         #: and sometimes only closing yesterday's partition, as a run that died before its detach leaves it.
         self.retire_rng = random.Random(f"retire {seed}")
+        #: The operator's jobs control and dead-event retries (its own stream, as above): rule_cancel and
+        #: rule_skip_dead sometimes retry or update instead of, or after, what they did before.
+        self.control_rng = random.Random(f"control {seed}")
+        self.controlled: Counter[str] = Counter()  # what those calls changed, by action (coverage)
         # In two seeds of three every event type is ordered (Dispatcher(ordered=True), whose claim takes the heads form
         # after a short claim); in the others only ORDERED (ordered=[…], always the walk). Not drawn: the seed's
         # draws stay what they were, and the fixed seeds cover both.
@@ -1239,11 +1247,20 @@ class Scenario:
         if dead:
             row_id, payload = self.rng.choice(dead)
             position = len(self.record.snapshot())
+            # half the time the operator first requeues it (dead retry): a poison event dies again, in order —
+            # its aggregate's later events still wait behind it, and its new claims take new lease versions
+            retry = self.control_rng.random() < 0.5
             try:
+                if retry:
+                    requeued = retry_dead(self.engine, self.Outbox, ids=[row_id])
+                    self.log.append(f"dead event seq {payload['seq']} requeued: {requeued}")
+                    self.controlled["retry dead event"] += len(requeued)
+                    return
                 skipped = skip_dead(self.engine, self.Outbox, ids=[row_id])
             except SchemaError as exc:  # its partition was left closed by a retire: refused, nothing written
                 assert "closed to writes" in str(exc), exc
-                self.log.append(f"skip of dead event seq {payload['seq']} refused: its partition is closed")
+                what = "retry" if retry else "skip"
+                self.log.append(f"{what} of dead event seq {payload['seq']} refused: its partition is closed")
                 return
             if skipped:
                 self.model.skipped[payload["seq"]] = position
@@ -1266,6 +1283,50 @@ class Scenario:
         elif got.requested:
             self.model.cancel_requested.add(seq)
         self.log.append(f"cancel job seq {seq}: {got}")
+        if self.control_rng.random() < 0.9:
+            self._control_jobs()
+
+    def _control_jobs(self) -> None:
+        """An operator's jobs control: requeue a failed or cancelled job (``retry_jobs``, or ``retry_dead`` for a
+        failed one), or change a waiting job's priority, due time or attempts (``update_jobs``). A requeued job
+        runs again — a cancelled one is no longer expected to stay cancelled (F7 then holds from the next cancel
+        on): it ends as any other, done, or failed if poison or given up (F2, F8); a job it would make a second
+        waiting job of its unique key stays where it was."""
+        rng = self.control_rng
+        seq_of = Job.payload["seq"].as_integer()
+        if rng.random() < 0.6:
+            with self.engine.connect() as conn:
+                found = conn.execute(
+                    select(Job.id, seq_of, Job.status).where(Job.status.in_(("failed", "cancelled")))
+                ).all()
+            if not found:
+                return
+            job_id, seq, status = rng.choice(found)
+            if status == "failed" and rng.random() < 0.3:
+                changed = retry_dead(self.engine, Job, ids=[job_id])
+            else:
+                changed = retry_jobs(self.engine, Job, ids=[job_id])
+            self.log.append(f"retry {status} job seq {seq}: {changed}")
+            if changed:
+                assert changed == [job_id], changed
+                self.controlled[f"retry {status} job"] += 1
+                self.model.cancelled_queued.pop(seq, None)
+                self.model.cancel_requested.discard(seq)
+            return
+        with self.engine.connect() as conn:
+            waiting = conn.execute(select(Job.id, seq_of).where(Job.status == "queued")).all()
+        if not waiting:
+            return
+        picked = rng.sample(waiting, min(len(waiting), rng.randint(1, 4)))
+        values: dict[str, Any] = {"priority": rng.choice((-3, 0, 2, 7))}
+        if rng.random() < 0.4:
+            values["run_at"] = rng.choice((0.0, 0.05, 0.2))
+        if rng.random() < 0.3:  # (never fewer attempts than a job's plan and the faults need: F2)
+            values["max_attempts"] = rng.randint(10, 20)
+        changed = update_jobs(self.engine, Job, ids=[i for i, _ in picked], **values)
+        self.log.append(f"update jobs {sorted(seq for _, seq in picked)} {values}: {len(changed)} changed")
+        assert set(changed) <= {i for i, _ in picked}, changed
+        self.controlled["update jobs"] += len(changed)
 
     def rule_pause_queue(self) -> None:
         """An operator pauses a queue, or resumes a paused one."""
@@ -1715,8 +1776,16 @@ class Scenario:
                 assert row.status == "failed" or seq in handled_ok, why
             elif row.status == "failed" and set(p.plan) == {"noanswer"}:
                 # a one-attempt job (see rule_enqueue) may end failed only by the rescue of a worker that died
-                # holding it — the poison-message rule — never by a NoAnswer on its last attempt
-                assert "after max attempts (worker crash?)" in (row.last_error or ""), why
+                # holding it — the poison-message rule — or, a transactional handler's, when its session's
+                # connection was terminated under it (an exception like any other: its one attempt spent,
+                # docs/jobs.md) — never by a NoAnswer on its last attempt
+                error = row.last_error or ""
+                assert "after max attempts (worker crash?)" in error or (
+                    seq in self.model.in_transaction
+                    and self.terminations > 0
+                    and error.startswith("retries exhausted (1/1)")
+                    and "terminating connection due to administrator command" in error
+                ), why
             else:
                 assert row.status == "done" and seq in handled_ok, why
             # F6: a transactional handler's effect commits exactly when its completion does
