@@ -1125,3 +1125,57 @@ def test_partition_retire_and_related_events_through_pgbouncer(pengine: Engine, 
             rows,
             accounts,
         )
+
+
+def test_a_closed_partition_refuses_retries_whole_through_pgbouncer(pengine: Engine, engine: Engine) -> None:
+    """The refusal of a retry into a partition a retire left closed, through PgBouncer in transaction mode: the
+    check (its own statements) and the batches run on whatever server connection the pooler gives each
+    transaction. Refused before anything is written, naming the partition; closed between two batches, the
+    call stops at the batch that meets it with the ids the earlier batches changed; once maintain opens it
+    again, the retry goes through."""
+    from sqlalchemy import event, select
+
+    from sa_outbox import PartitionClosedError, _sql, maintain_partitions, retry_dead
+
+    from .test_partitions import SCHEMA, PBase, PEvent, add_events, add_past_partition
+
+    def statuses() -> list[str]:
+        with engine.connect() as conn:
+            return list(conn.execute(select(PEvent.status).order_by(PEvent.id)).scalars())
+
+    def close(name: str) -> None:
+        with pengine.begin() as conn:  # (a pooled connection of its own, beside the call's)
+            conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, name, SCHEMA)))
+
+    with fresh_schema(engine, SCHEMA, PBase.metadata):
+        name, start = add_past_partition(engine, PEvent, 1)
+        today = add_events(engine, 1, status="dead")  # the first batch
+        old = add_events(engine, 2, created_at=start, status="dead")
+        close(name)
+        with pytest.raises(PartitionClosedError, match=rf"{name} \(2\).*Nothing was changed$") as refused:
+            retry_dead(pengine, PEvent, all=True, batch_size=1)
+        assert (refused.value.changed, refused.value.partitions) == ([], {name: 2})
+        assert statuses() == ["dead", "dead", "dead"]
+
+        assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 0, "dead": 2}}
+        batches: list[str] = []
+
+        def close_before_the_second_batch(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if statement.lstrip().upper().startswith(("UPDATE", "WITH")) and "requeued" in str(args):
+                batches.append(statement)
+                if len(batches) == 2:
+                    close(name)
+
+        event.listen(pengine, "before_cursor_execute", close_before_the_second_batch)
+        try:
+            with pytest.raises(PartitionClosedError, match=rf"It was closed while this ran: 1 row\(s\) were "
+                                                           rf"changed before it: {today[0]}$") as stopped:  # fmt: skip
+                retry_dead(pengine, PEvent, all=True, batch_size=1)
+        finally:
+            event.remove(pengine, "before_cursor_execute", close_before_the_second_batch)
+        assert (stopped.value.changed, stopped.value.partitions) == (today, {name: 2})
+        assert statuses() == ["pending", "dead", "dead"]
+
+        assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 0, "dead": 2}}
+        assert retry_dead(pengine, PEvent, all=True) == old
+        assert statuses() == ["pending", "pending", "pending"]
