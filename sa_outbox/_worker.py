@@ -798,8 +798,10 @@ class WorkerBase(LoopBase):
 
     def _next_to_start(self) -> ClaimedJob | None:
         """The next claimed job to run; jobs cancelled while they waited are recorded and skipped, and jobs of
-        a queue paused since they were claimed are given back (every way a job starts passes here)."""
-        while self._queue and self._may_start():
+        a queue paused since they were claimed are given back (every way a job starts passes here). None while
+        the pauses are to be read again — a maintenance step failed, so what the worker knows of them may be
+        older than a second (a long inline job before it): the loop's next turn reads them first."""
+        while self._queue and self._may_start() and self._pauses_read:
             job = self._queue.popleft()
             if job.cancel_requested:
                 self._done.add([self._not_started(job, "")])
@@ -811,8 +813,9 @@ class WorkerBase(LoopBase):
         return None
 
     def _maintenance_failed(self, exc: Exception) -> None:
-        """A maintenance step run between two inline jobs failed: the jobs in hand go on; the loop's next turn
-        runs the step again (and handles a database that is down)."""
+        """A maintenance step run between two inline jobs failed: the jobs in hand wait for the loop's next
+        turn, which reads the pauses before it starts one (and handles a database that is down); the step
+        itself runs again when it is next due."""
         self.stats.db_errors += 1
         log.warning("maintenance between jobs failed: %s", exc, extra={"error": str(exc)})
 
@@ -1217,7 +1220,10 @@ class Worker(WorkerBase):
         when due, start jobs. Returns (jobs claimed, jobs asked for) — for a claim sent on the claim thread,
         in the turn where it lands ((0, 0) before)."""
         self._collect()
-        if not self._pauses_read:  # a fresh run learns which queues are paused before it claims any
+        # A fresh run learns which queues are paused before it claims any, and so does a run whose maintenance
+        # step failed — once a claim sent ahead on the loop's connection has been read (_next_to_start holds
+        # the jobs in hand meanwhile).
+        if not self._pauses_read and not (self._inflight is not None and self._inflight.holds_connection()):
             self._db.run(self._read_pauses)
         if self._inflight is not None:
             if not self._inflight.future.done():
@@ -1245,6 +1251,8 @@ class Worker(WorkerBase):
     def _wait(self, claimed: int, wanted: int) -> None:
         if claimed:
             return  # more may be waiting: claim again at once (writing these outcomes on the way)
+        if self._queue and not self._pauses_read and self._inflight is None:
+            return  # jobs in hand wait for the pauses, which the next turn reads (a failure there backs off)
         if self._inflight is not None:  # its landing pokes the waker; the loop's connection is its meanwhile
             if self._inflight.future.done():
                 return
@@ -1360,7 +1368,14 @@ class Worker(WorkerBase):
         self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
-            self._db.run(self._rescue_on)
+            try:
+                self._db.run(self._rescue_on)
+            except BaseException:
+                # its pause read may not have run: no job starts and nothing is claimed until the pauses are
+                # read again (a seed of the model suite started jobs of a queue paused 3.5 s before: a long
+                # inline job, then this step failed on a terminated connection, then a second of claims)
+                self._pauses_read = False
+                raise
 
     def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
         """Run one handler in the calling thread — in its own transaction when it takes a session."""
@@ -1445,6 +1460,8 @@ class Worker(WorkerBase):
     def _handle_all(self) -> None:
         """run_once: handle every claimed job (at most ``concurrency`` at once), then return."""
         while self._queue or self._running:
+            if not self._pauses_read:  # a maintenance step between two jobs failed
+                self._db.run(self._read_pauses)
             if not self._may_start():
                 self._release_unstarted()
             if self._inline:
@@ -1686,6 +1703,8 @@ class AsyncWorker(WorkerBase):
     async def _wait(self, claimed: int, wanted: int) -> None:
         if claimed:
             return  # more may be waiting: claim again at once (writing these outcomes on the way)
+        if self._queue and not self._pauses_read:
+            return  # jobs in hand wait for the pauses, which the next turn reads (a failure there backs off)
         idle = not self._queue and not self._running
         if idle and len(self._done):
             if self._may_start():
@@ -1729,7 +1748,11 @@ class AsyncWorker(WorkerBase):
         self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
-            await self._db.run(self._rescue_on)
+            try:
+                await self._db.run(self._rescue_on)
+            except BaseException:
+                self._pauses_read = False  # (as Worker._rescue)
+                raise
 
     async def _maintain_between_jobs(self) -> None:
         """The once-a-second maintenance between two inline jobs, as the sync Worker runs it."""
@@ -1841,7 +1864,12 @@ class AsyncWorker(WorkerBase):
 
         def run_in_turn() -> None:  # on a handler thread
             for job, fn in pairs:
-                if results and (halt.is_set() or not self._may_start() or job.queue in self._paused):
+                if results and (
+                    halt.is_set()
+                    or not self._may_start()
+                    or not self._pauses_read
+                    or job.queue in self._paused
+                ):
                     break
                 if results and job.cancel_requested:
                     results.append(None)  # recorded cancelled, never started
@@ -2028,6 +2056,8 @@ class AsyncWorker(WorkerBase):
 
     async def _handle_all(self) -> None:
         while self._queue or self._running:
+            if not self._pauses_read:  # a maintenance step between two jobs failed
+                await self._db.run(self._read_pauses)
             if not self._may_start():
                 self._release_unstarted()
             if self._inline:

@@ -599,6 +599,50 @@ def test_an_async_worker_gives_back_its_batch_of_async_jobs_once_it_learns_a_pau
     _pause_during_a_batch(runner, engine, "async def")
 
 
+@pytest.mark.parametrize(
+    ("runner", "kind"),
+    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
+    indirect=["runner"],
+)
+def test_a_failed_step_after_a_long_job_holds_the_batch_until_the_pauses_are_read(
+    runner: Runner, engine: Engine, kind: str
+) -> None:
+    """A concurrency-1 worker runs a long job of its batch; meanwhile its queue is paused and the database
+    terminates the worker's connections, so the step it runs after the job (the pause read among it) fails.
+    The rest of the batch must not start on what it knew of the pauses before the long job: it waits for the
+    next turn, which reads them, and is given back. Before, the batch ran at once and the step was tried again
+    only a second later (the model suite saw jobs start 3.5 s into a pause: a 4.5 s job, then this). An
+    AsyncWorker runs sync handlers of its batch on one thread call, which stops there too."""
+    seed_jobs(engine, 1, task="long", priority=5)
+    seed_jobs(engine, 4, task="t")
+    started: list[int] = []
+
+    def long_job() -> None:
+        pause_queue(engine, Job, "default")
+        with engine.connect() as conn:  # every other backend of the database: the worker's among them
+            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                              "current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))  # fmt: skip
+        engine.dispose()  # (the pool's other connections are gone too)
+        time.sleep(1.3)  # longer than the step's period: it is due when the job ends
+
+    def sync_long(job: Any) -> None:
+        started.append(job.id)
+        long_job()
+
+    async def async_long(job: Any) -> None:
+        started.append(job.id)
+        await asyncio.to_thread(long_job)
+
+    w = runner.worker({"long": sync_long if kind == "sync def" else async_long,
+                       "t": lambda job: started.append(job.id)}, batch=5, concurrency=1)  # fmt: skip
+    assert runner.run_once(w) == 5
+    assert started == [1], started
+    for i in range(2, 6):
+        r = row(engine, "jobs", i)
+        assert (r.status, r.attempts, r.last_error) == ("queued", 0, "released: queue paused"), r
+    assert row(engine, "jobs", 1).status == "done"
+
+
 # --- retrying and editing jobs -------------------------------------------------------------------------------
 
 
