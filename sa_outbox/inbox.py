@@ -137,7 +137,7 @@ _BIGINT = (-(2**63), 2**63 - 1)
 class _Statements:
     head: Any
     record: Any
-    recorded: Any
+    forget: Any
 
 
 @functools.cache
@@ -182,10 +182,9 @@ def _statements(t: Table) -> _Statements:
         .on_conflict_do_nothing(index_elements=[t.c.consumer, t.c.message_id])
         .returning(t.c.message_id)
     )
-    recorded = select(t.c.message_id).where(
-        t.c.consumer == consumer, t.c.message_id == bindparam("message_id")
-    )
-    return _Statements(head, record, recorded)
+    # A stale message's record, written just before the head turned it down: nothing of it stays.
+    forget = delete(t).where(t.c.consumer == consumer, t.c.message_id == bindparam("message_id", type_=Text))
+    return _Statements(head, record, forget)
 
 
 def receive(
@@ -251,15 +250,18 @@ def _record(
     aggregate, position = values["aggregate"], values["position"]
     stmts = _statements(t)
     params = {**values, "event_type": event_type, "source": source}
+    # The record first: a message already recorded is a duplicate whatever its position says, and leaves the
+    # aggregate's head as it is (a replay at a later offset moved it, before: the next message in between was
+    # then turned down as stale without ever being applied).
+    if session.execute(stmts.record, params).first() is None:
+        return Receipt.DUPLICATE
     if aggregate is not None:
-        head_id = HEAD_PREFIX + aggregate
-        params["head_id"] = head_id
+        params["head_id"] = HEAD_PREFIX + aggregate
         moved = session.execute(stmts.head, params).first()
         if moved is None or moved[0] != position:  # not newer than the newest applied position
-            already = session.execute(stmts.recorded, params).first()
-            return Receipt.DUPLICATE if already else Receipt.STALE
-    inserted = session.execute(stmts.record, params).first()
-    return Receipt.NEW if inserted is not None else Receipt.DUPLICATE
+            session.execute(stmts.forget, params)
+            return Receipt.STALE
+    return Receipt.NEW
 
 
 def purge_inbox(engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000) -> int:

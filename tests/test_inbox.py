@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from sa_outbox import ConfigurationError, PayloadError, Receipt, receive
 from sa_outbox.inbox import (
+    HEAD_PREFIX,
     message_id_from_amqp,
     message_id_from_http,
     message_id_from_nats,
@@ -101,6 +102,29 @@ def test_an_older_position_of_an_applied_aggregate_is_stale(engine: Engine) -> N
         assert (
             receive(s, Inbox, "other", "10", aggregate="order-1", position=10) is Receipt.NEW
         )  # per consumer
+
+
+def test_a_duplicate_at_a_later_position_leaves_the_aggregates_head_where_it_was(engine: Engine) -> None:
+    """A connector's replay redelivers message X at a later offset (the position): it is a duplicate, and
+    writes nothing — the aggregate's head stays at X's first position, so message Y, between the two offsets
+    and never applied, is new (before: the duplicate moved the head to 20 and Y was turned down as STALE)."""
+
+    def head() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT position FROM inbox WHERE message_id = :h"),
+                                    {"h": HEAD_PREFIX + "order-1"}).scalar_one())  # fmt: skip
+
+    with Session(engine) as s, s.begin():
+        assert receive(s, Inbox, "c", "X", aggregate="order-1", position=10) is Receipt.NEW
+    with Session(engine) as s, s.begin():
+        assert receive(s, Inbox, "c", "X", aggregate="order-1", position=20) is Receipt.DUPLICATE
+    assert head() == 10
+    with Session(engine) as s, s.begin():
+        assert receive(s, Inbox, "c", "Y", aggregate="order-1", position=15) is Receipt.NEW
+        assert receive(s, Inbox, "c", "W", aggregate="order-1", position=12) is Receipt.STALE
+    assert head() == 15
+    with engine.connect() as conn:  # the stale one left nothing
+        assert conn.execute(text("SELECT count(*) FROM inbox WHERE message_id = 'W'")).scalar_one() == 0
 
 
 ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"]
