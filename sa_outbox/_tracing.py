@@ -80,20 +80,31 @@ def _tracer() -> Any:
 
 if ENABLED:
 
+    def _text(value: Any) -> Any:
+        """Bytes as text; bytes that are not UTF-8 as None — a header that cannot be a trace context is
+        ignored, like a malformed one, never an error of the receipt (a message whose every delivery raised
+        could never be consumed)."""
+        if not isinstance(value, bytes):
+            return value
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+
     class _AnyCaseGetter(Getter[Mapping[Any, Any]]):
         """Reads ``traceparent`` whatever the case of the carrier's keys (HTTP servers, ``Traceparent``) and
         decodes bytes values (AMQP and Redis clients hand out bytes)."""
 
         def get(self, carrier: Mapping[Any, Any], key: str) -> list[str] | None:
             for k, v in carrier.items():
-                name = k.decode() if isinstance(k, bytes) else k
+                name = _text(k)
                 if isinstance(name, str) and name.lower() == key:
-                    value = v.decode() if isinstance(v, bytes) else v
+                    value = _text(v)
                     return [value] if isinstance(value, str) else None
             return None
 
         def keys(self, carrier: Mapping[Any, Any]) -> list[str]:
-            return [k.decode() if isinstance(k, bytes) else str(k) for k in carrier]
+            return [name for name in (_text(k) for k in carrier) if isinstance(name, str)]
 
     _GETTER: Any = _AnyCaseGetter()
 else:  # pragma: no cover - exercised only without the extra

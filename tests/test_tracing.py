@@ -30,7 +30,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from sa_outbox import Defer, Message, RetryableError, emit, enqueue, receive
+from sa_outbox import Defer, Message, Receipt, RetryableError, emit, enqueue, receive
 from sa_outbox._tracing import inject, process_span, publish_span, publish_spans
 from sa_outbox.inbox import consume_span, headers_from_amqp, headers_from_nats
 from sa_outbox.models import Inbox, Job, OutboxEvent
@@ -295,6 +295,27 @@ def test_receive_without_a_consumer_span_records_a_receive_span_in_the_producers
     for span in (new, duplicate):
         assert span.parent is not None and span.parent.span_id == request.get_span_context().span_id
     assert [(s.attributes or {})["sa_outbox.inbox.receipt"] for s in (new, duplicate)] == ["new", "duplicate"]
+
+
+def test_headers_that_are_not_utf_8_are_no_trace_context_and_never_fail_a_receipt(
+    engine: Engine, spans: Any
+) -> None:
+    """A broker hands over bytes; a traceparent value or a header name that is not UTF-8 is ignored like a
+    malformed one, never an error of the receipt (before: UnicodeDecodeError from receive on every delivery,
+    so the message could never be consumed) — and a valid traceparent beside such a name is still found."""
+    with tracer().start_as_current_span("request") as request:
+        traceparent = _traceparent(request).encode()
+    cases = [{b"traceparent": b"\xff\xfe00-bad"}, {b"\xff\xfename": b"x", b"traceparent": traceparent}]
+    for i, headers in enumerate(cases):
+        with Session(engine) as s, s.begin():
+            assert receive(s, Inbox, "billing", f"bin-{i}", headers=headers) is Receipt.NEW
+        with Session(engine) as s, s.begin():
+            assert receive(s, Inbox, "billing", f"bin-{i}", headers=headers) is Receipt.DUPLICATE
+    received = [s for s in spans.get_finished_spans() if s.name == "receive billing"]
+    assert [(s.attributes or {})["messaging.message.id"] for s in received] == ["bin-1", "bin-1"], received
+    assert all(
+        s.parent is not None and s.parent.span_id == request.get_span_context().span_id for s in received
+    )
 
 
 def test_inject_uses_the_current_span_and_leaves_headers_alone_without_one(spans: Any) -> None:
