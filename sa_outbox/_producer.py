@@ -1318,6 +1318,30 @@ def _before_orm_insert(mapper: Mapper[Any], connection: Connection, target: Any)
         )
 
 
+def _refuse_change_of_a_written_cdc_event(target: Any, value: Any, old: Any, initiator: Any) -> Any:
+    """A CDC event is insert-only: Debezium streams the INSERT (and, insert-then-delete, the DELETE right
+    behind it in the same flush), so a value set on an event already written would never reach Kafka — lost
+    silently when the row was deleted at its flush, or streamed as an UPDATE the outbox router drops. Refused
+    where it is set (a review found both)."""
+    if instance_state(target).key is not None:
+        raise PayloadError(
+            f"CDC event {getattr(target, 'event_type', None)!r:.80} ({type(target).__name__}) was already written "
+            f"(flushed): setting {initiator.key!r} now would never reach the broker — CDC events are insert-only; "
+            "set every value before the flush, or write a new event"
+        )
+    return value
+
+
+def _guard_cdc_columns(mapper: Mapper[Any], cls: type[Any]) -> None:
+    """Once a CDC model is configured: every column attribute refuses a change after the event was written."""
+    if getattr(cls, "sa_outbox_kind", None) != "cdc":
+        return
+    for prop in mapper.column_attrs:
+        attr = getattr(cls, prop.key)
+        if not event.contains(attr, "set", _refuse_change_of_a_written_cdc_event):
+            event.listen(attr, "set", _refuse_change_of_a_written_cdc_event, retval=True)
+
+
 def install() -> None:
     """Register the producer's session listeners on every ``Session`` (idempotent). The mixins call it when a
     model class that uses them is defined, so ``session.add(OutboxEvent(...))`` needs no setup call."""
@@ -1326,6 +1350,8 @@ def install() -> None:
             event.listen(Session, name, fn)
     if not event.contains(Mapper, "before_insert", _before_orm_insert):
         event.listen(Mapper, "before_insert", _before_orm_insert)
+    if not event.contains(Mapper, "mapper_configured", _guard_cdc_columns):
+        event.listen(Mapper, "mapper_configured", _guard_cdc_columns)
 
 
 # --- public functions -------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError, PayloadError
 
@@ -156,7 +157,13 @@ def _config(
     schema: str, table: str, *, url: str | URL, name: str | None, topic_prefix: str | None, slot_name: str | None,
     publication_name: str | None, topic_replacement: str, password: str | None,
 ) -> dict[str, Any]:  # fmt: skip
-    db = make_url(url)
+    try:
+        db = make_url(url)
+        port = db.port or 5432  # (a port that is no number fails here)
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigurationError(
+            f"invalid database URL for Debezium: {exc}; expected postgresql://USER@HOST:PORT/DATABASE"
+        ) from None
     if not db.host or not db.database:
         raise ConfigurationError(
             f"the database URL names no host or no database ({db.render_as_string(hide_password=True)}): Debezium "
@@ -174,7 +181,7 @@ def _config(
         "tasks.max": "1",
         "plugin.name": "pgoutput",
         "database.hostname": db.host,
-        "database.port": str(db.port or 5432),
+        "database.port": str(port),
         "database.user": db.username or "postgres",
         **({"database.password": password} if password is not None else {}),
         "database.dbname": db.database,

@@ -197,6 +197,37 @@ def test_a_rolled_back_event_leaves_nothing_and_is_transient_again(db: Engine, m
     assert rows == ([{"n": 1}] if model is KeptEvent else [])
 
 
+@pytest.mark.parametrize("model", [CdcEvent, KeptEvent], ids=["deleted", "kept"])
+def test_a_value_set_on_an_event_already_written_is_refused_where_it_is_set(
+    db: Engine, model: type[Any]
+) -> None:
+    """Debezium streams the INSERT (and the DELETE behind it): a change after the flush never reaches the broker
+    — silently dropped with the deleted row, or an UPDATE the router drops (a review: the WAL held the draft).
+    Refused at the assignment; before the flush, and again once a rollback made the event transient, values
+    may change."""
+    with Session(db) as s:
+        s.begin()
+        ev = _event(model)
+        ev.payload = {"n": 5}  # pending: fine
+        s.add(ev)
+        s.flush()
+        with pytest.raises(PayloadError, match=r"already written .*'payload'.*insert-only"):
+            ev.payload = {"total": "9.90"}
+        with pytest.raises(PayloadError, match="'event_type'"):
+            ev.event_type = "OrderPaid"
+        assert ev.payload == {"n": 5}
+        s.rollback()
+        ev.payload = {"n": 6}  # transient again: may change, and be added anew
+        with s.begin():
+            s.add(ev)
+    if model is KeptEvent:
+        with Session(db) as s, s.begin():
+            loaded = s.execute(select(KeptEvent)).scalar_one()
+            assert loaded.payload == {"n": 6}
+            with pytest.raises(PayloadError, match="insert-only"):
+                loaded.payload = {"n": 7}
+
+
 def test_emit_returns_uuids_in_write_order_after_the_pending_events(db: Engine) -> None:
     with Session(db) as s, s.begin():
         first = _event(KeptEvent, n=0)
@@ -491,6 +522,13 @@ def test_the_cli_checks_the_table_through_url_and_prints_the_debezium_url(
     assert (config["database.hostname"], config["database.port"], config["database.user"],
             config["database.dbname"]) == ("db.internal", "5433", "debezium", "shop")  # fmt: skip
     assert "secret" not in json.dumps(config)
+    for bad in (
+        "not a url",
+        "postgresql://u@h:notaport/db",
+    ):  # a usage error, one line (before: a traceback, 1)
+        assert main([*argv[:-1], bad]) == 2
+        err = capsys.readouterr().err
+        assert "sa-outbox: error: invalid database URL for Debezium" in err and "Traceback" not in err
 
 
 def test_the_cli_prints_the_setup_sql_and_warns_about_wal_level(
