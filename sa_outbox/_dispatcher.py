@@ -79,6 +79,26 @@ def publisher_is_async(publisher: Any) -> bool:
     return is_async_callable(getattr(publisher, "publish_many", None) or publisher.publish)
 
 
+#: The longest ``message_id_prefix``: the id then fits every broker's id slot (an AMQP shortstr is 255 bytes).
+MESSAGE_ID_PREFIX_MAX = 64
+
+
+def check_message_id_prefix(prefix: Any) -> str:
+    """``message_id_prefix``: printable ASCII without spaces (it travels in header values and AMQP's
+    ``message_id``), at most :data:`MESSAGE_ID_PREFIX_MAX` characters; else a :class:`ConfigurationError`."""
+    if not isinstance(prefix, str):
+        raise ConfigurationError(f"message_id_prefix must be a string, got {prefix!r:.80}")
+    if len(prefix) > MESSAGE_ID_PREFIX_MAX:
+        raise ConfigurationError(
+            f"message_id_prefix is {len(prefix)} characters, at most {MESSAGE_ID_PREFIX_MAX}: {prefix[:40]!r}…"
+        )
+    if not all("!" <= ch <= "~" for ch in prefix):
+        raise ConfigurationError(
+            f"message_id_prefix {prefix!r:.80}: printable ASCII without spaces only (it travels in header values)"
+        )
+    return prefix
+
+
 def check_batch(errors: Any, count: int) -> list[BaseException | None]:
     """A ``publish_many`` result: one entry per message, else a bug in the publisher (retryable for all)."""
     results = list(errors)
@@ -116,7 +136,12 @@ class DispatcherBase(LoopBase):
       (default: never);
     * ``maintain_partitions`` — for a partitioned table (docs/partitioning.md): run
       :func:`~sa_outbox.maintain_partitions` at start and then every this often (e.g. ``3600``), off the loop
-      on a connection of its own (default: never).
+      on a connection of its own (default: never);
+    * ``message_id_prefix`` — put before each message's id in ``message_id`` (default none: ``"42"``). An
+      outbox table numbers its events from 1, so the ids of two services' outboxes (or two tables) meet: give
+      each its own prefix (``"orders:"``) when they publish into one stream with broker-side de-duplication
+      (NATS JetStream's ``Nats-Msg-Id``) or feed one consumer's inbox. Printable ASCII without spaces, at most
+      64 characters; keep it for the table's lifetime (a changed prefix makes every message a new one).
     """
 
     _kind = "outbox"
@@ -146,6 +171,7 @@ class DispatcherBase(LoopBase):
         enforce_publish_timeout: bool = False,
         give_up_after: Duration | None = None,
         maintain_partitions: Duration | None = None,
+        message_id_prefix: str = "",
     ) -> None:
         super().__init__(
             engine, model, owner=owner, batch=batch, poll_interval=poll_interval, listen=listen,
@@ -183,6 +209,7 @@ class DispatcherBase(LoopBase):
             self.ordered and self.ordered_types is None and self.spec.period is None, settle=True
         )
         self.enforce_publish_timeout = bool(enforce_publish_timeout)
+        self.message_id_prefix = check_message_id_prefix(message_id_prefix)
         self._batch_publish = isinstance(publisher, BatchPublisher)
         self._calls = CallThreads("sa_outbox-publish")
         self._circuit = Circuit()
@@ -240,7 +267,8 @@ class DispatcherBase(LoopBase):
     def _messages(self, rows: Sequence[Any]) -> list[Message]:
         """Claimed rows as messages; each one's age at the claim is kept for ``give_up_after``."""
         self._ages = {r[0]: r[-1] for r in rows}
-        return [Message.from_row(r, self._loads) for r in rows]
+        prefix = self.message_id_prefix
+        return [Message.from_row(r, self._loads, prefix) for r in rows]
 
     def _classify(self, results: Sequence[tuple[Message, BaseException | None]]) -> list[Outcome]:
         """Publish results → outcomes (the first fatal error is kept to be raised after finalizing)."""
@@ -396,6 +424,7 @@ class Dispatcher(DispatcherBase):
         enforce_publish_timeout: bool = False,
         give_up_after: Duration | None = None,
         maintain_partitions: Duration | None = None,
+        message_id_prefix: str = "",
     ) -> None:
         super().__init__(
             engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
@@ -403,6 +432,7 @@ class Dispatcher(DispatcherBase):
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
             give_up_after=give_up_after, maintain_partitions=maintain_partitions,
+            message_id_prefix=message_id_prefix,
         )  # fmt: skip
         self.engine: Engine = engine
         self._db = LoopConnection(engine, self.spec.table.name)
@@ -587,6 +617,7 @@ class AsyncDispatcher(DispatcherBase):
         give_up_after: Duration | None = None,
         publish_concurrency: int = 16,
         maintain_partitions: Duration | None = None,
+        message_id_prefix: str = "",
     ) -> None:
         super().__init__(
             engine, model, publisher, owner=owner, batch=batch, lease=lease, publish_timeout=publish_timeout,
@@ -594,6 +625,7 @@ class AsyncDispatcher(DispatcherBase):
             listen=listen, listen_url=listen_url, stop_on_unclassified=stop_on_unclassified,
             rescue_limit=rescue_limit, enforce_publish_timeout=enforce_publish_timeout,
             give_up_after=give_up_after, maintain_partitions=maintain_partitions,
+            message_id_prefix=message_id_prefix,
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")

@@ -91,7 +91,8 @@ def _freeze_headers(value: Any) -> None:
 class Message:
     """One claimed outbox event, as handed to a :class:`Publisher`.
 
-    ``message_id`` is ``str(id)``: stable across retries and re-claims, the downstream de-duplication key.
+    ``message_id`` is ``str(id)`` after the dispatcher's ``message_id_prefix`` (none by default): stable across
+    retries and re-claims, the downstream de-duplication key.
     ``lease_version`` is the fencing token of this claim (downstream may use it to reject stale deliveries).
     ``attempts`` counts this attempt (1 on the first delivery). ``headers`` is a read-only mapping of the
     event's headers (empty when it has none); publishers copy it into the broker's own header slot.
@@ -112,19 +113,20 @@ class Message:
         _freeze_headers(self)
 
     @classmethod
-    def from_row(cls, row: Any, loads: Callable[[str], Any] = json.loads) -> Message:
+    def from_row(cls, row: Any, loads: Callable[[str], Any] = json.loads, prefix: str = "") -> Message:
         """From a claim row: (id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
-        created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it)."""
+        created_at, headers) — the order of ``_sql.claim_returning`` (whose trailing age is not part of it);
+        ``prefix``: the dispatcher's ``message_id_prefix``."""
         id_, version, attempts, atype, aid, etype, payload, created, headers = row[:9]
         if cls is not Message:  # a subclass: its own __init__ and fields
-            return cls(id_, str(id_), atype, aid, etype, _json(payload, loads), attempts, version, created,
-                       _read_only(headers))  # fmt: skip
+            return cls(id_, f"{prefix}{id_}", atype, aid, etype, _json(payload, loads), attempts, version,
+                       created, _read_only(headers))  # fmt: skip
         s_id, s_mid, s_atype, s_aid, s_etype, s_payload, s_attempts, s_version, s_created, s_headers = (
             _MESSAGE_SETTERS
         )
         m = object.__new__(cls)
         s_id(m, id_)
-        s_mid(m, str(id_))
+        s_mid(m, f"{prefix}{id_}" if prefix else str(id_))
         s_atype(m, atype)
         s_aid(m, aid)
         s_etype(m, etype)

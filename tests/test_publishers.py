@@ -179,6 +179,57 @@ def test_nats_duplicate_window_drops_a_republish(engine: Engine, jetstream: tupl
     assert len(msgs) == 1 and msgs[0].headers["Nats-Msg-Id"] == "1"
 
 
+def test_two_outboxes_into_one_stream_keep_their_messages_apart_by_message_id_prefix(
+    engine: Engine, jetstream: tuple[str, str]
+) -> None:
+    """Each outbox table numbers its events from 1: two services' dispatchers publishing into one JetStream
+    stream sent the same Nats-Msg-Ids, and the stream's duplicate window dropped the second service's messages
+    as duplicates (a review: 30 of 60 kept, every row marked done). With a message_id_prefix each, every
+    message is kept, and one consumer's inbox applies each once."""
+    from sa_outbox import Receipt, receive
+    from sa_outbox.inbox import message_id_from_nats
+    from sa_outbox.models import Inbox, model_for
+
+    stream, subject = jetstream
+    other = model_for("outbox", "payments_outbox")
+    other.__table__.create(engine)
+    try:
+        _business_tx(engine, 3)
+        with Session(engine) as s, s.begin():
+            s.add_all(other(aggregate_type="payment", aggregate_id=str(i), event_type="PaymentTaken",
+                            payload={"n": i}) for i in range(3))  # fmt: skip
+        pub = NatsPublisher(NATS, subject_prefix=subject)
+        for model, prefix in ((OutboxEvent, "orders:"), (other, "payments:")):
+            drain(Dispatcher(engine, model, pub, listen=False, backoff=FAST, message_id_prefix=prefix))
+        pub.close()
+        msgs = _stream_messages(stream)
+        ids = [m.headers["Nats-Msg-Id"] for m in msgs]
+        assert ids == ["orders:1", "orders:2", "orders:3", "payments:1", "payments:2", "payments:3"], ids
+        with Session(engine) as s, s.begin():
+            receipts = [receive(s, Inbox, "ledger", message_id_from_nats(m)) for m in msgs]
+        assert receipts == [Receipt.NEW] * 6
+    finally:
+        other.__table__.drop(engine)
+
+
+def test_message_id_prefix_is_checked_when_the_dispatcher_is_made(engine: Engine) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, ConfigurationError
+    from sa_outbox.testing import RecordingPublisher
+
+    aengine = create_async_engine(engine.url.set(drivername="postgresql+psycopg_async"))  # (never connects)
+    for bad in ("with space", "tab\t", "é:", "x" * 65, 7):
+        with pytest.raises(ConfigurationError, match="message_id_prefix"):
+            Dispatcher(engine, OutboxEvent, RecordingPublisher(), message_id_prefix=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="message_id_prefix"):
+            AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), message_id_prefix=bad)  # type: ignore[arg-type]
+    pub = RecordingPublisher()
+    _business_tx(engine, 2)
+    drain(Dispatcher(engine, OutboxEvent, pub, listen=False, message_id_prefix="x" * 64))
+    assert [m.message_id for m in pub.messages] == ["x" * 64 + "1", "x" * 64 + "2"]
+
+
 class RecordingThenNats:
     def __init__(self, prefix: str) -> None:
         self.nats = NatsPublisher(NATS, subject_prefix=prefix)
