@@ -38,6 +38,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
+* in half the scenarios a cron schedule (``* * * * * *``, a random catch-up policy) fires a job a second into
+  q1 or q2, fired by the workers given the schedules model (about half of them, several at once), which an
+  operator pauses and resumes now and then (``pause_schedule``, ``resume_schedule``);
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -88,6 +91,13 @@ At the end (faults off, loops drained)
     F8  in the half of the scenarios whose workers have ``give_up_after``, a job written longer ago than that
         ends ``failed`` "gave up" if a failure met it (a NoAnswer's or a Defer's refund included), else
         ``done``; no younger job ever gives up (F2 holds for them).
+With a cron schedule (the C invariants, at the end)
+    C1  one job per slot: no two jobs of the schedule share a slot's unique key;
+    C2  no slot that falls in a pause (from the pause's return to the resume's call, database clock) fires;
+    C3  the schedule resumed and a worker that fires it running, a new slot fires within 15 s (checked as the
+        drain begins, which then pauses the schedule for good);
+    C4  every job of the schedule is ``done``, its handler having run it, and none was written after that
+        final pause.
 """
 
 from __future__ import annotations
@@ -128,6 +138,7 @@ from sa_outbox import (
     NoAnswer,
     PermanentError,
     RetryableError,
+    Schedule,
     SchemaError,
     Worker,
     _partitions,
@@ -137,13 +148,16 @@ from sa_outbox import (
     enqueue,
     enqueue_many,
     maintain_partitions,
+    pause_schedule,
+    resume_schedule,
     skip_dead,
+    sync_schedules,
 )
 from sa_outbox._sql import partition_table, spec_for
 from sa_outbox._worker import WorkerBase
 from sa_outbox.admin import pause_queue, resume_queue, retry_dead, retry_jobs, update_jobs
 from sa_outbox.migration import create_partitions
-from sa_outbox.models import Job, OutboxEvent, model_for
+from sa_outbox.models import Job, JobSchedule, OutboxEvent, model_for
 
 from .models import Order
 
@@ -172,6 +186,7 @@ LIMITS = (Limit(1, per_key=True), Limit(2, per_key=True), Limit(2), Limit(1, per
 #: A worker learns of a pause with its once-a-second maintenance: starts later than this after a pause are
 #: violations (generous: the machine is shared and loaded).
 PAUSE_GRACE = 3.0
+CRON = "model_cron"  # the schedule's name and its jobs' task
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
 
 
@@ -199,6 +214,7 @@ class Planned:
 
 #: Text every payload carries: escapes and non-ASCII that the claim's JSON decoding must give back unchanged (I7).
 PAYLOAD_NOTE = 'ünï "quoted" \\ back\u2028slash \U0001f600 \x01'
+CRON_PAYLOAD = {"cron": True, "note": PAYLOAD_NOTE}
 
 
 class Record:
@@ -261,7 +277,7 @@ class Record:
         def accept(worker: Any, rows: Any) -> int:
             n = real(worker, rows)
             taken = list(worker._queue)[len(worker._queue) - n :]
-            batch = [(j.payload["seq"], j.lease_version, j.queue, j.priority) for j in taken]
+            batch = [(seq_of(j), j.lease_version, j.queue, j.priority) for j in taken]
             with self.lock:
                 self.batches.append((worker.concurrency, batch))
             return n
@@ -271,6 +287,23 @@ class Record:
             yield
         finally:
             WorkerBase._accept = real  # type: ignore[method-assign]
+
+
+def seq_of(job: ClaimedJob) -> int:
+    """A job's seq in the record: its payload's, or for a cron job (no seq) minus its id."""
+    return job.payload["seq"] if job.task != CRON else -job.id
+
+
+def make_cron_handler(record: Record) -> Any:
+    """The cron jobs' handler: records the call (kind "cron", minus the job's id) and checks the payload (I7)."""
+
+    def handle(job: ClaimedJob) -> None:
+        if job.payload != CRON_PAYLOAD or type(job.payload["cron"]) is not bool:
+            with record.lock:
+                record.bad_payloads.append(f"cron job {job.id}: {job.payload!r}")
+        record.add("cron", -job.id, job.lease_version, "ok", queue=job.queue)
+
+    return handle
 
 
 def _action(plan: list[str], lease_version: int) -> str:
@@ -627,6 +660,15 @@ class Scenario:
         #: rule_skip_dead sometimes retry or update instead of, or after, what they did before.
         self.control_rng = random.Random(f"control {seed}")
         self.controlled: Counter[str] = Counter()  # what those calls changed, by action (coverage)
+        #: Half the scenarios (a stream of their own) have a cron schedule firing a job every second into a
+        #: queue of QUEUES, fired by the workers that are given the schedules (some of them), paused and
+        #: resumed by an operator now and then: see the C invariants.
+        self.cron_rng = random.Random(f"cron {seed}")
+        self.cron = self.cron_rng.random() < 0.5
+        #: The schedule's pauses, by the database clock: [after the pause returned, before the resume began].
+        self.cron_pauses: list[list[datetime | None]] = []
+        self.cron_jobs_at_pause: int | None = None  # cron jobs when the drain paused the schedule for good
+        self.cron_workers: set[str] = set()  # the workers that fire it
         # In two seeds of three every event type is ordered (Dispatcher(ordered=True), whose claim takes the heads form
         # after a short claim); in the others only ORDERED (ordered=[…], always the walk). Not drawn: the seed's
         # draws stay what they were, and the fixed seeds cover both.
@@ -648,6 +690,11 @@ class Scenario:
         )
         self.async_url = async_url
         self.profile = profile
+        if self.cron:
+            sync_schedules(self.engine, JobSchedule, [
+                Schedule(CRON, "* * * * * *", task=CRON, payload=CRON_PAYLOAD, queue=self.cron_rng.choice(("q1", "q2")),
+                         catch_up=self.cron_rng.choice(("latest", "all", "none")), priority=self.cron_rng.choice((0, 3)))
+            ])  # fmt: skip
         self.model = Model()
         self.record = Record()
         if self.loop_engine_kwargs:
@@ -1113,10 +1160,11 @@ class Scenario:
 
     def start_worker(
         self, is_async: bool | None = None, *, bounded: bool = True, every_queue: bool = False,
-        burst: bool = False,
+        burst: bool = False, schedules: bool = False,
     ) -> None:  # fmt: skip
         """A worker with random options. ``every_queue``: it serves every one of ``QUEUES``; ``burst``: a fast
-        one (see below) that serves only ``BURST``."""
+        one (see below) that serves only ``BURST``; ``schedules``: it fires the cron schedule (some others do
+        too, when the scenario has one)."""
         is_async = False if burst else self.rng.random() < 0.5 if is_async is None else is_async
         options = dict(
             batch=self.rng.choice((1, 4, 10)), concurrency=self.rng.choice((1, 2, 4)),
@@ -1135,6 +1183,7 @@ class Scenario:
         handlers = {
             "model": make_handler(self.record, is_async=async_handler, pace=pace),
             "model_tx": make_handler(self.record, is_async=async_handler, in_transaction=True),
+            CRON: make_cron_handler(self.record),
         }
         queues: Any = QUEUES
         if self.rng.random() < 0.3:  # fair shares; the concurrency stays the one chosen above
@@ -1148,6 +1197,9 @@ class Scenario:
             )
         if self.give_up:
             options["give_up_after"] = GIVE_UP_AFTER
+        fires = self.cron and (schedules or self.cron_rng.random() < 0.5)
+        if fires:
+            options["schedules"] = JobSchedule
         if self.limit is None:
             options["unique_running"] = True
         elif LIMITED in queues:
@@ -1158,6 +1210,8 @@ class Scenario:
             self.every_queue.add(name)
         if burst:
             self.burst_workers.add(name)
+        if fires:
+            self.cron_workers.add(name)
         run_kwargs = self._run_kwargs(bounded)
         self.log.append(
             f"start {name} async={is_async} async_handler={async_handler} pace={pace} queues={queues} {options} "
@@ -1324,7 +1378,7 @@ class Scenario:
         if rng.random() < 0.3:  # (never fewer attempts than a job's plan and the faults need: F2)
             values["max_attempts"] = rng.randint(10, 20)
         changed = update_jobs(self.engine, Job, ids=[i for i, _ in picked], **values)
-        self.log.append(f"update jobs {sorted(seq for _, seq in picked)} {values}: {len(changed)} changed")
+        self.log.append(f"update jobs {[seq for _, seq in picked]} {values}: {len(changed)} changed")
         assert set(changed) <= {i for i, _ in picked}, changed
         self.controlled["update jobs"] += len(changed)
 
@@ -1340,6 +1394,24 @@ class Scenario:
             pause_queue(self.engine, Job, queue, by="model")
             windows.append([time.monotonic(), float("inf")])
             self.log.append(f"pause {queue}")
+        if self.cron and self.cron_rng.random() < 0.4:
+            self._toggle_cron()
+
+    def _db_now(self) -> datetime:
+        with self.engine.connect() as conn:
+            now: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+        return now
+
+    def _toggle_cron(self) -> None:
+        """An operator pauses the cron schedule, or resumes it (C2: no slot of a pause ever fires)."""
+        if self.cron_pauses and self.cron_pauses[-1][1] is None:
+            self.cron_pauses[-1][1] = self._db_now()
+            resume_schedule(self.engine, JobSchedule, CRON)
+            self.log.append("resume the cron schedule")
+        else:
+            pause_schedule(self.engine, JobSchedule, CRON)
+            self.cron_pauses.append([self._db_now(), None])
+            self.log.append("pause the cron schedule")
 
     def rule_pause(self) -> None:
         time.sleep(self.rng.uniform(0.05, 0.3))
@@ -1570,6 +1642,8 @@ class Scenario:
             self.start_worker(is_async=False, bounded=False, every_queue=True)
         if not any(lt.name in self.burst_workers for lt in self.workers):
             self.start_worker(bounded=False, burst=True)
+        if self.cron:
+            self._last_cron_firing()
         deadline = time.monotonic() + self.profile.drain_seconds
         while time.monotonic() < deadline:
             self._reap_exited()
@@ -1583,6 +1657,59 @@ class Scenario:
                 return
             time.sleep(0.2)
         raise AssertionError(f"not drained within {self.profile.drain_seconds}s: {self._unsettled()}")
+
+    def _cron_jobs(self, conn: Any) -> list[Any]:
+        return list(
+            conn.execute(select(Job.id, Job.unique_key, Job.status, Job.created_at).where(Job.task == CRON))
+        )
+
+    def _last_cron_firing(self) -> None:
+        """C3: the schedule resumed and a worker that fires it running, a new slot fires within a few seconds
+        (every second, by the workers' once-a-second maintenance); then the schedule is paused for good, so the
+        drain can end (C4: and nothing fires after it)."""
+        if self.cron_pauses and self.cron_pauses[-1][1] is None:
+            self.cron_pauses[-1][1] = self._db_now()
+            resume_schedule(self.engine, JobSchedule, CRON)
+        since = self._db_now()
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            self._reap_exited()  # (a worker whose job planned "exit" has left)
+            if not any(lt.name in self.cron_workers for lt in self.workers):
+                self.start_worker(is_async=False, bounded=False, every_queue=True, schedules=True)
+            with self.engine.connect() as conn:
+                if any(j.created_at >= since for j in self._cron_jobs(conn)):
+                    break
+            time.sleep(0.2)
+        else:
+            with self.engine.connect() as conn:
+                row = conn.execute(text("SELECT *, now() FROM schedules")).all()
+            raise AssertionError(
+                f"C3: no cron slot fired within 15 s of {since} with workers {self.cron_workers}: {row}"
+            )
+        pause_schedule(self.engine, JobSchedule, CRON)
+        self.cron_pauses.append([self._db_now(), None])
+        with self.engine.connect() as conn:
+            self.cron_jobs_at_pause = len(self._cron_jobs(conn))
+        self.log.append(f"cron schedule paused for the drain: {self.cron_jobs_at_pause} cron jobs")
+
+    def check_cron(self, delivered: set[int]) -> None:
+        """C1 one job per slot, C2 no slot of a pause fired, C4 every cron job done, run, and none written
+        after the final pause (``delivered``: minus the ids of the cron jobs a handler ran to success)."""
+        with self.engine.connect() as conn:
+            jobs = self._cron_jobs(conn)
+        prefix = f"schedule:{CRON}:"
+        slots = Counter(j.unique_key for j in jobs)
+        assert all(k.startswith(prefix) for k in slots) and max(slots.values(), default=1) == 1, slots  # C1
+        for j in jobs:
+            slot = datetime.fromisoformat(j.unique_key.removeprefix(prefix))
+            for begin, end in self.cron_pauses:  # C2
+                assert begin is not None
+                assert not (begin <= slot and (end is None or slot < end)), (
+                    f"cron job {j.id} of slot {slot} fired during the pause {begin} .. {end}"
+                )
+            assert j.status == "done" and -j.id in delivered, j  # C4
+        assert len(jobs) == self.cron_jobs_at_pause, (len(jobs), self.cron_jobs_at_pause)  # C4
+        self.log.append(f"cron: {len(jobs)} jobs, {len(self.cron_pauses)} pauses")
 
     def _settled(self) -> bool:
         return not self._unsettled()
@@ -1713,7 +1840,9 @@ class Scenario:
         handled_ok = {seq for kind, seq, _, action in rec if kind == "handle" and action == "ok"}
         with self.engine.connect() as conn:
             events = {r.payload["seq"]: r for r in conn.execute(select(self.Outbox))}
-            jobs = {r.payload["seq"]: r for r in conn.execute(select(Job))}
+            jobs = {r.payload["seq"]: r for r in conn.execute(select(Job).where(Job.task != CRON))}
+        if self.cron:
+            self.check_cron({seq for kind, seq, _, action in rec if kind == "cron" and action == "ok"})
         # F4
         assert not set(events) & self.model.rolled_back_events and not set(jobs) & self.model.rolled_back_jobs
         assert not set(jobs) & self.model.superseded_jobs, sorted(set(jobs) & self.model.superseded_jobs)
