@@ -137,7 +137,6 @@ _BIGINT = (-(2**63), 2**63 - 1)
 class _Statements:
     head: Any
     record: Any
-    forget: Any
 
 
 @functools.cache
@@ -182,9 +181,7 @@ def _statements(t: Table) -> _Statements:
         .on_conflict_do_nothing(index_elements=[t.c.consumer, t.c.message_id])
         .returning(t.c.message_id)
     )
-    # A stale message's record, written just before the head turned it down: nothing of it stays.
-    forget = delete(t).where(t.c.consumer == consumer, t.c.message_id == bindparam("message_id", type_=Text))
-    return _Statements(head, record, forget)
+    return _Statements(head, record)
 
 
 def receive(
@@ -250,18 +247,29 @@ def _record(
     aggregate, position = values["aggregate"], values["position"]
     stmts = _statements(t)
     params = {**values, "event_type": event_type, "source": source}
-    # The record first: a message already recorded is a duplicate whatever its position says, and leaves the
-    # aggregate's head as it is (a replay at a later offset moved it, before: the next message in between was
-    # then turned down as stale without ever being applied).
-    if session.execute(stmts.record, params).first() is None:
-        return Receipt.DUPLICATE
-    if aggregate is not None:
-        params["head_id"] = HEAD_PREFIX + aggregate
+    if aggregate is None:
+        inserted = session.execute(stmts.record, params).first()
+        return Receipt.NEW if inserted is not None else Receipt.DUPLICATE
+    params["head_id"] = HEAD_PREFIX + aggregate
+    # The record first, in a savepoint: a message already recorded is a duplicate whatever its position says
+    # and leaves the aggregate's head as it is (a replay at a later offset moved it, before: the next message
+    # in between was then turned down as stale without ever being applied); a stale one's record is rolled
+    # back with the savepoint — nothing stays, and the consumer needs no DELETE grant.
+    nested = session.begin_nested()
+    try:
+        if session.execute(stmts.record, params).first() is None:
+            nested.commit()
+            return Receipt.DUPLICATE
         moved = session.execute(stmts.head, params).first()
         if moved is None or moved[0] != position:  # not newer than the newest applied position
-            session.execute(stmts.forget, params)
+            nested.rollback()
             return Receipt.STALE
-    return Receipt.NEW
+        nested.commit()
+        return Receipt.NEW
+    except BaseException:
+        if nested.is_active:
+            nested.rollback()
+        raise
 
 
 def purge_inbox(engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000) -> int:

@@ -150,3 +150,42 @@ def test_a_worker_denied_the_schedules_table_says_so_and_fires_once_granted(
         conn.execute(text(f"GRANT INSERT ON jobs TO {role}"))
     worker.run_once()
     assert statuses(engine, "jobs") == {"done": 1}  # the slot's job, fired and run now
+
+
+def test_a_consumer_with_the_documented_inbox_grants_gets_every_receipt(engine: Engine, db_url: URL) -> None:
+    """docs/production.md: ``GRANT INSERT, SELECT, UPDATE (position, received_at) ON inbox`` — enough for
+    NEW, DUPLICATE and STALE, with and without ``aggregate=`` (a stale receipt's record is undone with a
+    savepoint, not deleted: no DELETE grant)."""
+    from sa_outbox import Receipt, receive
+    from sa_outbox.models import Inbox
+
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE inbox"))
+    grants = {"consumer": ["GRANT INSERT, SELECT, UPDATE (position, received_at) ON inbox TO {r}"]}
+    for engines in _roles(engine, db_url, grants):
+        consumer = engines["consumer"]
+        got = []
+        for message_id, position in (
+            ("a", 10),
+            ("a", 20),
+            ("b", 5),
+            ("c", 30),
+            ("plain", None),
+            ("plain", None),
+        ):
+            with Session(consumer) as s, s.begin():
+                aggregate = None if position is None else "order-1"
+                got.append(receive(s, Inbox, "billing", message_id, aggregate=aggregate, position=position))
+        assert got == [
+            Receipt.NEW,
+            Receipt.DUPLICATE,
+            Receipt.STALE,
+            Receipt.NEW,
+            Receipt.NEW,
+            Receipt.DUPLICATE,
+        ]
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT message_id FROM inbox WHERE consumer = 'billing' ORDER BY 1")
+        ).scalars()
+        assert list(rows) == ["a", "c", "plain", "sa_outbox:head:order-1"]
