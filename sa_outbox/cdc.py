@@ -269,10 +269,16 @@ def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, l
     warnings = []
     with engine.connect() as conn:
         wal_level = conn.execute(select(func.current_setting("wal_level"))).scalar_one()
-        identity = conn.execute(
-            text("SELECT relreplident FROM pg_class WHERE oid = to_regclass(:name)"),
+        # the replica identity, and whether the key it names exists (DEFAULT: the primary key; INDEX: an index
+        # marked as the identity) — without it, DELETEs fail as under NOTHING once the table is published
+        identity, keyed = conn.execute(
+            text(
+                "SELECT c.relreplident, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND "
+                "CASE c.relreplident WHEN 'd' THEN i.indisprimary WHEN 'i' THEN i.indisreplident ELSE true END) "
+                "FROM pg_class c WHERE c.oid = to_regclass(:name)"
+            ),
             {"name": f"{_quote(schema)}.{_quote(table)}"},
-        ).scalar_one()
+        ).one()
     if wal_level != "logical":
         warnings.append(
             f"this server has wal_level={wal_level}: Debezium needs wal_level=logical (set it, restart the "
@@ -282,6 +288,13 @@ def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, l
         warnings.append(
             f"{schema}.{table} has REPLICA IDENTITY NOTHING: once it is in a publication, its DELETEs fail "
             f"(ALTER TABLE {_quote(schema)}.{_quote(table)} REPLICA IDENTITY DEFAULT)"
+        )
+    elif not keyed:
+        what = "no primary key" if identity == "d" else "no replica identity index (it was dropped)"
+        warnings.append(
+            f"{schema}.{table} has {what}: once it is in a publication, its DELETEs fail — every producer "
+            f"transaction of insert-then-delete mode (restore the primary key on id: ALTER TABLE "
+            f"{_quote(schema)}.{_quote(table)} ADD PRIMARY KEY (id))"
         )
     return schema, warnings
 

@@ -42,6 +42,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -540,6 +541,39 @@ def test_the_cli_prints_the_setup_sql_and_warns_about_wal_level(
     assert out.splitlines() == [f"{s};" for s in setup_sql(CdcEvent)]
     # The test server is not set up for logical decoding: said on stderr, the output stays usable.
     assert "wal_level=replica" in err and "Debezium needs wal_level=logical" in err
+
+
+def test_the_cli_warns_about_a_table_whose_deletes_a_publication_would_refuse(
+    db: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Published, a table without a replica identity key refuses DELETEs — every producer transaction of
+    insert-then-delete mode fails. setup-sql warned about REPLICA IDENTITY NOTHING only; a dropped primary key
+    (the DEFAULT identity's key) went unsaid (a review)."""
+    url = db.url.render_as_string(hide_password=False)
+
+    def warnings() -> str:
+        assert main(["cdc", "setup-sql", "--url", url, "--table", "cdc_noid"]) == 0
+        return capsys.readouterr().err
+
+    with db.begin() as conn:
+        conn.execute(text("CREATE TABLE cdc_noid (LIKE cdc_outbox INCLUDING DEFAULTS)"))  # no primary key
+    try:
+        assert "cdc_noid has no primary key: once it is in a publication, its DELETEs fail" in warnings()
+        with db.begin() as conn:  # what the warning says
+            conn.execute(text("CREATE PUBLICATION cdc_noid_pub FOR TABLE cdc_noid"))
+        with pytest.raises(DBAPIError, match="does not have a replica identity"), db.begin() as conn:
+            conn.execute(text("DELETE FROM cdc_noid"))
+        with db.begin() as conn:
+            conn.execute(text("ALTER TABLE cdc_noid REPLICA IDENTITY NOTHING"))
+        assert "REPLICA IDENTITY NOTHING" in warnings()
+        with db.begin() as conn:
+            conn.execute(text("ALTER TABLE cdc_noid REPLICA IDENTITY DEFAULT, ADD PRIMARY KEY (id)"))
+        said = warnings()
+        assert "cdc_noid has" not in said and "wal_level" in said
+    finally:
+        with db.begin() as conn:
+            conn.execute(text("DROP PUBLICATION IF EXISTS cdc_noid_pub"))
+            conn.execute(text("DROP TABLE cdc_noid"))
 
 
 # --- logical decoding on a throwaway cluster -----------------------------------------------------------------
