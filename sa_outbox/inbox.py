@@ -203,7 +203,9 @@ def receive(
     rolls back the record with the effects, so the redelivery is applied.
 
     With ``aggregate=`` and ``position=``, a position not newer than the newest applied for that aggregate is
-    ``STALE`` (``DUPLICATE`` if it is this very message), at every isolation level: at REPEATABLE READ and
+    ``STALE`` (``DUPLICATE`` if this very message was recorded, whatever its position: a duplicate never moves
+    the head). The receipt then runs in a savepoint of its own (the session flushes pending objects first, as
+    ``Session.begin_nested`` does). Both hold at every isolation level: at REPEATABLE READ and
     SERIALIZABLE a concurrent receipt of the aggregate can end in a serialization failure (SQLSTATE 40001);
     retry the transaction, as PostgreSQL requires at those levels. Bad input (empty ids, a position outside
     ``bigint``, ids too long for the inbox's index entries) is a :class:`PayloadError` before any SQL.
