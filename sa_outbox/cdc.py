@@ -245,6 +245,39 @@ def _setup_sql(schema: str, table: str, slot_name: str | None, publication_name:
     ]
 
 
+def _name_clashes(
+    engine: Engine, schema: str, table: str, slot_name: str | None, publication_name: str | None
+) -> list[str]:
+    """For the CLI: warnings when the slot and publication names may belong to another table — a publication of
+    that name already publishes other tables, or (default names) the table's name is not one the name keeps
+    whole (``Outbox-CDC`` and ``outbox_cdc`` both give ``sa_outbox_outbox_cdc``; so do two schemas' tables)."""
+    from sqlalchemy import text
+
+    slot = _slot(slot_name, table, "slot name")
+    publication = _slot(publication_name or slot, table, "publication name")
+    out = []
+    with engine.connect() as conn:
+        others = [
+            f"{r.schemaname}.{r.tablename}"
+            for r in conn.execute(
+                text("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = :p"),
+                {"p": publication},
+            )
+            if (r.schemaname, r.tablename) != (schema, table)
+        ]
+    if others:
+        out.append(
+            f"publication {publication} already publishes {', '.join(sorted(others))}: another table's names? "
+            "Give this table its own (--slot-name, --publication-name)"
+        )
+    elif slot_name is None and publication_name is None and _default_name(table) != f"sa_outbox_{table}":
+        out.append(
+            f"the default slot and publication name {slot} does not keep the table's name {table!r} whole: "
+            "another table's may be the same — give this table its own (--slot-name)"
+        )
+    return out
+
+
 def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, list[str]]:
     """For the CLI: the table's schema, and warnings about the server; :class:`ConfigurationError` when the
     table is missing or is not a CdcOutboxMixin table."""

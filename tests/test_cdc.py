@@ -576,6 +576,41 @@ def test_the_cli_warns_about_a_table_whose_deletes_a_publication_would_refuse(
             conn.execute(text("DROP TABLE cdc_noid"))
 
 
+def test_the_cli_warns_when_the_slot_and_publication_names_may_be_another_tables(
+    db: Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Default names come from the table's name, lower-cased, other characters as "_", cut at 63: "Outbox-CDC"
+    and "outbox_cdc" share one, and so do two schemas' tables; the second setup then failed on "publication
+    already exists" (a review). Said when the name is not kept whole, and when a publication of that name
+    already publishes another table."""
+    url = db.url.render_as_string(hide_password=False)
+
+    def warnings(*argv: str) -> str:
+        assert main(["cdc", "setup-sql", "--url", url, *argv]) == 0
+        return capsys.readouterr().err
+
+    with db.begin() as conn:
+        conn.execute(text('CREATE TABLE "Outbox-CDC" (LIKE cdc_outbox INCLUDING ALL)'))
+        conn.execute(text("CREATE PUBLICATION sa_outbox_cdc_outbox FOR TABLE cdc_outbox_kept"))
+    try:
+        assert "name sa_outbox_outbox_cdc does not keep the table's name 'Outbox-CDC' whole" in warnings(
+            "--table", "Outbox-CDC"
+        )
+        assert "give this table its own" not in warnings(
+            "--table", "Outbox-CDC", "--slot-name", "outbox_cdc_2"
+        )
+        said = warnings("--table", "cdc_outbox")
+        assert "publication sa_outbox_cdc_outbox already publishes public.cdc_outbox_kept" in said, said
+        assert "give this table its own" not in warnings("--table", "cdc_outbox", "--slot-name", "cdc_own")
+        # the publication of exactly this table: no clash
+        said = warnings("--table", "cdc_outbox_kept", "--publication-name", "sa_outbox_cdc_outbox")
+        assert "already publishes" not in said and "give this table its own" not in said, said
+    finally:
+        with db.begin() as conn:
+            conn.execute(text("DROP PUBLICATION sa_outbox_cdc_outbox"))
+            conn.execute(text('DROP TABLE "Outbox-CDC"'))
+
+
 # --- logical decoding on a throwaway cluster -----------------------------------------------------------------
 
 
