@@ -127,6 +127,43 @@ def test_a_duplicate_at_a_later_position_leaves_the_aggregates_head_where_it_was
         assert conn.execute(text("SELECT count(*) FROM inbox WHERE message_id = 'W'")).scalar_one() == 0
 
 
+def test_a_transaction_receiving_two_messages_of_an_aggregate_does_not_deadlock_with_one_receiving_one(
+    engine: Engine,
+) -> None:
+    """T1 receives A then B of one aggregate in one transaction; T2 receives B meanwhile. Receipts queue on the
+    aggregate's head row before they touch a record, so T2 waits for T1 and reports B a duplicate. (With the
+    record written first, T2 held B's record and waited on the head while T1 waited on B's record: a deadlock,
+    5 of 5 rounds in a review.)"""
+    from sqlalchemy import create_engine
+
+    other = create_engine(engine.url, connect_args={"application_name": "inbox_t2"})
+    results: list[Any] = []
+    done = threading.Event()
+
+    def t2() -> None:
+        try:
+            with Session(other) as s, s.begin():
+                results.append(receive(s, Inbox, "c", "B", aggregate="X", position=2))
+        except Exception as exc:  # a deadlock would land here
+            results.append(exc)
+        finally:
+            done.set()
+
+    try:
+        with Session(engine) as s1:
+            s1.begin()
+            assert receive(s1, Inbox, "c", "A", aggregate="X", position=1) is Receipt.NEW
+            thread = threading.Thread(target=t2)
+            thread.start()
+            assert wait_until_waiting_or_done(engine, "inbox_t2", done, backend_pid(s1))  # on the head
+            assert receive(s1, Inbox, "c", "B", aggregate="X", position=2) is Receipt.NEW
+            s1.commit()
+        thread.join(30)
+    finally:
+        other.dispose()
+    assert results == [Receipt.DUPLICATE], results
+
+
 ISOLATION_LEVELS = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"]
 
 
