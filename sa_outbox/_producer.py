@@ -1322,8 +1322,11 @@ def _refuse_change_of_a_written_cdc_event(target: Any, value: Any, old: Any, ini
     """A CDC event is insert-only: Debezium streams the INSERT (and, insert-then-delete, the DELETE right
     behind it in the same flush), so a value set on an event already written would never reach Kafka — lost
     silently when the row was deleted at its flush, or streamed as an UPDATE the outbox router drops. Refused
-    where it is set (a review found both)."""
-    if instance_state(target).key is not None:
+    where it is set (a review found both). Not during a flush: that is the ORM's own work — nulling the
+    foreign key of a kept event whose aggregate is deleted, as it does for any child row. Only attribute sets
+    are seen: a change made in place (``ev.payload["k"] = …``) or marked with ``flag_modified`` is not."""
+    state = instance_state(target)
+    if state.key is not None and not getattr(state.session, "_flushing", False):
         raise PayloadError(
             f"CDC event {getattr(target, 'event_type', None)!r:.80} ({type(target).__name__}) was already written "
             f"(flushed): setting {initiator.key!r} now would never reach the broker — CDC events are insert-only; "
