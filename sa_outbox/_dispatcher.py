@@ -92,6 +92,8 @@ def check_message_id_prefix(prefix: Any) -> str:
         raise ConfigurationError(
             f"message_id_prefix is {len(prefix)} characters, at most {MESSAGE_ID_PREFIX_MAX}: {prefix[:40]!r}…"
         )
+    if prefix.startswith("sa_outbox:"):  # the inbox's own rows (its heads) take such message ids
+        raise ConfigurationError(f"message_id_prefix {prefix!r:.80}: 'sa_outbox:' is reserved for the inbox")
     if not all("!" <= ch <= "~" for ch in prefix):
         raise ConfigurationError(
             f"message_id_prefix {prefix!r:.80}: printable ASCII without spaces only (it travels in header values)"

@@ -219,7 +219,7 @@ def test_message_id_prefix_is_checked_when_the_dispatcher_is_made(engine: Engine
     from sa_outbox.testing import RecordingPublisher
 
     aengine = create_async_engine(engine.url.set(drivername="postgresql+psycopg_async"))  # (never connects)
-    for bad in ("with space", "tab\t", "é:", "x" * 65, 7):
+    for bad in ("with space", "tab\t", "é:", "x" * 65, 7, "sa_outbox:head:"):
         with pytest.raises(ConfigurationError, match="message_id_prefix"):
             Dispatcher(engine, OutboxEvent, RecordingPublisher(), message_id_prefix=bad)  # type: ignore[arg-type]
         with pytest.raises(ConfigurationError, match="message_id_prefix"):
