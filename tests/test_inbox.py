@@ -311,11 +311,25 @@ def test_works_with_async_session(engine: Engine, async_url: URL) -> None:
             for _ in range(2):
                 async with AsyncSession(aengine) as s, s.begin():
                     out.append(await s.run_sync(lambda ss: receive(ss, Inbox, "async", "42")))
+            # with aggregate=: the receipt's savepoint inside the AsyncSession's transaction (a duplicate at a
+            # later position, a stale one, a new one — and the caller's own row commits with them)
+            for n, (message_id, position) in enumerate((("a", 10), ("a", 20), ("b", 5), ("c", 11))):
+                async with AsyncSession(aengine) as s, s.begin():
+                    out.append(await s.run_sync(
+                        lambda ss: receive(ss, Inbox, "async", message_id, aggregate="o", position=position)))  # noqa: B023  # fmt: skip
+                    await s.execute(text("INSERT INTO inbox (consumer, message_id) VALUES ('async-own', :m)"),
+                                    {"m": f"own-{n}"})  # fmt: skip
         finally:
             await aengine.dispose()
         return out
 
-    assert asyncio.run(main()) == [Receipt.NEW, Receipt.DUPLICATE]
+    assert asyncio.run(main()) == [Receipt.NEW, Receipt.DUPLICATE,
+                                   Receipt.NEW, Receipt.DUPLICATE, Receipt.STALE, Receipt.NEW]  # fmt: skip
+    with engine.connect() as conn:
+        own = conn.execute(text("SELECT count(*) FROM inbox WHERE consumer = 'async-own'")).scalar_one()
+        head = conn.execute(text("SELECT position FROM inbox WHERE consumer = 'async' AND message_id = :h"),
+                            {"h": HEAD_PREFIX + "o"}).scalar_one()  # fmt: skip
+    assert (own, head) == (4, 11)
 
 
 def test_bad_input_and_message_id_helpers(engine: Engine) -> None:
