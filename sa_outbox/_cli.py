@@ -894,8 +894,7 @@ def _cmd_cdc(args: argparse.Namespace) -> int:
 
     engine = _engine(args)
     schema, table = _split_table("--table", args.table)
-    schema, warnings = cdc._check_table(engine, table, schema)
-    warnings += cdc._name_clashes(engine, schema, table, args.slot_name, args.publication_name)
+    schema, warnings = cdc._check_table(engine, table, schema, args.slot_name, args.publication_name)
     for warning in warnings:
         sys.stderr.write(f"sa-outbox: warning: {warning}\n")
     if args.action == "setup-sql":

@@ -102,6 +102,12 @@ def _default_name(table: str) -> str:
     return f"sa_outbox_{re.sub(r'[^a-z0-9_]', '_', table.lower())}"[:63]
 
 
+def _names(table: str, slot_name: str | None, publication_name: str | None) -> tuple[str, str]:
+    """The replication slot's and the publication's names: the given ones, else ``sa_outbox_<table>`` (both)."""
+    slot = _slot(slot_name, table, "slot name")
+    return slot, _slot(publication_name or slot, table, "publication name")
+
+
 def _slot(name: str | None, table: str, what: str) -> str:
     slot = name or _default_name(table)
     if not _SLOT_NAME.fullmatch(slot):
@@ -169,8 +175,7 @@ def _config(
             f"the database URL names no host or no database ({db.render_as_string(hide_password=True)}): Debezium "
             "connects over TCP: give the URL it reaches PostgreSQL by (postgresql://USER@HOST:PORT/DATABASE)"
         )
-    slot = _slot(slot_name, table, "slot name")
-    publication = _slot(publication_name or slot, table, "publication name")
+    slot, publication = _names(table, slot_name, publication_name)
     prefix = topic_prefix or slot
     if not _TOPIC_PREFIX.fullmatch(prefix):
         raise ConfigurationError(
@@ -237,50 +242,25 @@ def setup_sql(
 
 
 def _setup_sql(schema: str, table: str, slot_name: str | None, publication_name: str | None) -> list[str]:
-    slot = _slot(slot_name, table, "slot name")
-    publication = _slot(publication_name or slot, table, "publication name")
+    slot, publication = _names(table, slot_name, publication_name)
     return [
         f"CREATE PUBLICATION {_quote(publication)} FOR TABLE {_quote(schema)}.{_quote(table)}",
         f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')",
     ]
 
 
-def _name_clashes(
-    engine: Engine, schema: str, table: str, slot_name: str | None, publication_name: str | None
-) -> list[str]:
-    """For the CLI: warnings when the slot and publication names may belong to another table — a publication of
-    that name already publishes other tables, or (default names) the table's name is not one the name keeps
-    whole (``Outbox-CDC`` and ``outbox_cdc`` both give ``sa_outbox_outbox_cdc``; so do two schemas' tables)."""
-    from sqlalchemy import text
-
-    slot = _slot(slot_name, table, "slot name")
-    publication = _slot(publication_name or slot, table, "publication name")
-    out = []
-    with engine.connect() as conn:
-        others = [
-            f"{r.schemaname}.{r.tablename}"
-            for r in conn.execute(
-                text("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = :p"),
-                {"p": publication},
-            )
-            if (r.schemaname, r.tablename) != (schema, table)
-        ]
-    if others:
-        out.append(
-            f"publication {publication} already publishes {', '.join(sorted(others))}: another table's names? "
-            "Give this table its own (--slot-name, --publication-name)"
-        )
-    elif slot_name is None and publication_name is None and _default_name(table) != f"sa_outbox_{table}":
-        out.append(
-            f"the default slot and publication name {slot} does not keep the table's name {table!r} whole: "
-            "another table's may be the same — give this table its own (--slot-name)"
-        )
-    return out
-
-
-def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, list[str]]:
-    """For the CLI: the table's schema, and warnings about the server; :class:`ConfigurationError` when the
-    table is missing or is not a CdcOutboxMixin table."""
+def _check_table(
+    engine: Engine,
+    table: str,
+    schema: str | None,
+    slot_name: str | None = None,
+    publication_name: str | None = None,
+) -> tuple[str, list[str]]:
+    """For the CLI: the table's schema, and warnings about the server, the table's replica identity and the
+    slot and publication names (``slot_name``, ``publication_name``: as given, or None for the defaults) —
+    a publication of that name already publishes other tables, or a default name that does not keep the table's
+    name whole (``Outbox-CDC`` and ``outbox_cdc`` both give ``sa_outbox_outbox_cdc``); :class:`ConfigurationError`
+    when the table is missing or is not a CdcOutboxMixin table."""
     from sqlalchemy import func, inspect, select, text
 
     insp = inspect(engine)
@@ -312,6 +292,15 @@ def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, l
             ),
             {"name": f"{_quote(schema)}.{_quote(table)}"},
         ).one()
+        slot, publication = _names(table, slot_name, publication_name)
+        others = sorted(
+            f"{r.schemaname}.{r.tablename}"
+            for r in conn.execute(
+                text("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = :p"),
+                {"p": publication},
+            )
+            if (r.schemaname, r.tablename) != (schema, table)
+        )
     if wal_level != "logical":
         warnings.append(
             f"this server has wal_level={wal_level}: Debezium needs wal_level=logical (set it, restart the "
@@ -328,6 +317,16 @@ def _check_table(engine: Engine, table: str, schema: str | None) -> tuple[str, l
             f"{schema}.{table} has {what}: once it is in a publication, its DELETEs fail — every producer "
             f"transaction of insert-then-delete mode (restore the primary key on id: ALTER TABLE "
             f"{_quote(schema)}.{_quote(table)} ADD PRIMARY KEY (id))"
+        )
+    if others:
+        warnings.append(
+            f"publication {publication} already publishes {', '.join(others)}: another table's names? "
+            "Give this table its own (--slot-name, --publication-name)"
+        )
+    elif slot_name is None and publication_name is None and _default_name(table) != f"sa_outbox_{table}":
+        warnings.append(
+            f"the default slot and publication name {slot} does not keep the table's name {table!r} whole: "
+            "another table's may be the same — give this table its own (--slot-name)"
         )
     return schema, warnings
 
