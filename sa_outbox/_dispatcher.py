@@ -58,6 +58,7 @@ from ._base import (
 from ._db import AsyncLoopConnection, LoopConnection
 from ._durations import Duration, positive_int, to_timedelta
 from ._messages import BatchPublisher, Message, Publisher
+from ._names import RESERVED_ID_PREFIX
 from ._services import Circuit, ClaimForms
 from ._steps import RELEASED_UNAVAILABLE, Outcome, passed_over
 from ._threads import CallThreads
@@ -92,8 +93,10 @@ def check_message_id_prefix(prefix: Any) -> str:
         raise ConfigurationError(
             f"message_id_prefix is {len(prefix)} characters, at most {MESSAGE_ID_PREFIX_MAX}: {prefix[:40]!r}…"
         )
-    if prefix.startswith("sa_outbox:"):  # the inbox's own rows (its heads) take such message ids
-        raise ConfigurationError(f"message_id_prefix {prefix!r:.80}: 'sa_outbox:' is reserved for the inbox")
+    if prefix.startswith(RESERVED_ID_PREFIX):
+        raise ConfigurationError(
+            f"message_id_prefix {prefix!r:.80}: {RESERVED_ID_PREFIX!r} is reserved for the inbox's own rows"
+        )
     if not all("!" <= ch <= "~" for ch in prefix):
         raise ConfigurationError(
             f"message_id_prefix {prefix!r:.80}: printable ASCII without spaces only (it travels in header values)"

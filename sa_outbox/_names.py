@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["channel_for"]
+__all__ = ["RESERVED_ID_PREFIX", "channel_for"]
+
+#: Message ids starting with this are the library's own: the inbox keeps its aggregates' heads under
+#: ``sa_outbox:head:<aggregate>``, so no message may take such an id (nor a dispatcher's ``message_id_prefix``).
+RESERVED_ID_PREFIX = "sa_outbox:"
 
 
 def channel_for(table_name: str) -> str:

@@ -62,6 +62,7 @@ from sqlalchemy.sql.elements import conv
 
 from . import _tracing
 from ._durations import Duration, to_timedelta
+from ._names import RESERVED_ID_PREFIX
 from ._payload import check_index_entries, check_int, require_text
 from .errors import ConfigurationError, PayloadError
 
@@ -128,7 +129,7 @@ class Receipt(enum.Enum):
 
 
 #: The message_id prefix of the rows that hold each (consumer, aggregate)'s newest applied position.
-HEAD_PREFIX = "sa_outbox:head:"
+HEAD_PREFIX = RESERVED_ID_PREFIX + "head:"
 _HEAD_SOURCE = "sa_outbox.head"
 _BIGINT = (-(2**63), 2**63 - 1)
 
