@@ -427,6 +427,8 @@ class LoopBase:
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )
         rows = _steps.rescue(conn, self.spec, **self._rescue_params())
+        if rows:
+            self._rescued({row_id for row_id, _, _ in rows})
         if any(status == self.spec.ready for _, status, _ in rows):
             # claimable at once, but a worker's turn claims before its rescue: the loop claims again now, and
             # run(until_idle=True) does not stop before it has (it stopped with the rescued rows still ready)
@@ -434,6 +436,10 @@ class LoopBase:
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
         self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")
+
+    def _rescued(self, ids: set[int]) -> None:
+        """Rows this loop's rescue step has just taken back from expired leases (``ids``): a worker drops those it
+        holds and has not started (see :meth:`sa_outbox._worker.WorkerBase._rescued`)."""
 
     def _extend_on(
         self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any

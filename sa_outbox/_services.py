@@ -80,6 +80,11 @@ class Held:
         with self._lock:
             return list(self._held.items())
 
+    def holds(self, row_id: int, lease_version: int) -> bool:
+        """Whether the row is held under this lease (not finalized, not taken back by the loop's own rescue)."""
+        with self._lock:
+            return self._held.get(row_id) == lease_version
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)

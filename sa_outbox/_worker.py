@@ -796,6 +796,13 @@ class WorkerBase(LoopBase):
         self._queue.extend(kept)
         self._done.add([self._not_started(j, reason) for j in given])
 
+    def _rescued(self, ids: set[int]) -> None:
+        """Rows this worker's own rescue step has just taken back: their leases expired while nothing renewed
+        them (the database out of reach longer than ``stale_after``). No longer held, so a job among them that
+        has not started never starts on the old lease (a review: started anyway, then claimed again and run a
+        second time); :meth:`_next_to_start` drops it, without an outcome — the rescue wrote its own."""
+        self._held.drop(ids)
+
     def _next_to_start(self) -> ClaimedJob | None:
         """The next claimed job to run; jobs cancelled while they waited are recorded and skipped, and jobs of
         a queue paused since they were claimed are given back (every way a job starts passes here). None while
@@ -803,7 +810,13 @@ class WorkerBase(LoopBase):
         older than a second (a long inline job before it): the loop's next turn reads them first."""
         while self._queue and self._may_start() and self._pauses_read:
             job = self._queue.popleft()
-            if job.cancel_requested:
+            if not self._held.holds(job.id, job.lease_version):  # see _rescued
+                log.warning(
+                    "job %s (%s) was taken back by the rescue before it started (its lease expired unrenewed): "
+                    "not started", job.id, job.task,
+                    extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": job.lease_version},
+                )  # fmt: skip
+            elif job.cancel_requested:
                 self._done.add([self._not_started(job, "")])
             elif job.queue in self._paused:
                 # landed after the pause was read (a claim in flight), or waited behind a running job
@@ -1869,6 +1882,7 @@ class AsyncWorker(WorkerBase):
                     or not self._may_start()
                     or not self._pauses_read
                     or job.queue in self._paused
+                    or not self._held.holds(job.id, job.lease_version)
                 ):
                     break
                 if results and job.cancel_requested:

@@ -643,6 +643,49 @@ def test_a_failed_step_after_a_long_job_holds_the_batch_until_the_pauses_are_rea
     assert row(engine, "jobs", 1).status == "done"
 
 
+@pytest.mark.parametrize(
+    ("runner", "kind"),
+    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
+    indirect=["runner"],
+)
+def test_jobs_in_hand_the_workers_own_rescue_took_back_are_not_started(
+    runner: Runner, engine: Engine, kind: str
+) -> None:
+    """While a concurrency-1 worker runs a long job, the leases of the rest of its batch expire unrenewed (here
+    set back by hand, as a database out of reach longer than stale_after leaves them). The step after the job
+    rescues them; they are no longer the worker's and must not start on the old lease. Before, they ran at
+    once, their outcomes were fenced off, and the next claim ran them a second time (a review: 2 of 9 runs
+    after an 8 s outage)."""
+    seed_jobs(engine, 1, task="long", priority=5)
+    seed_jobs(engine, 2, task="t")
+    started: list[tuple[int, int]] = []
+
+    def long_job() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET locked_at = now() - interval '1 hour' WHERE id IN (2, 3)"))
+        time.sleep(1.3)  # the step is due when the job ends
+
+    def sync_long(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        long_job()
+
+    async def async_long(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        await asyncio.to_thread(long_job)
+
+    handlers = {"long": sync_long if kind == "sync def" else async_long,
+                "t": lambda job: started.append((job.id, job.lease_version))}  # fmt: skip
+    w = runner.worker(handlers, batch=3, concurrency=1)
+    assert runner.run_once(w) == 3
+    assert started == [(1, 1)], started
+    for i in (2, 3):
+        r = row(engine, "jobs", i)
+        assert (r.status, r.lease_version) == ("queued", 1), r  # rescued: queued again, the old lease gone
+    runner.drain(w)
+    assert sorted(started) == [(1, 1), (2, 2), (3, 2)], started  # each once, on its new lease
+    assert {row(engine, "jobs", i).status for i in (1, 2, 3)} == {"done"}
+
+
 # --- retrying and editing jobs -------------------------------------------------------------------------------
 
 
