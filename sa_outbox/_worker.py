@@ -1382,6 +1382,8 @@ class Worker(WorkerBase):
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             try:
+                if len(self._done):  # its own outcomes first: the rescue must not take back a row it finished
+                    self._flush()
                 self._db.run(self._rescue_on)
             except BaseException:
                 # its pause read may not have run: no job starts and nothing is claimed until the pauses are
@@ -1762,6 +1764,8 @@ class AsyncWorker(WorkerBase):
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
             try:
+                if len(self._done):  # (as Worker._rescue)
+                    await self._flush()
                 await self._db.run(self._rescue_on)
             except BaseException:
                 self._pauses_read = False  # (as Worker._rescue)
