@@ -65,7 +65,8 @@ After every step
         sampled from the rows every 20 ms by a thread of its own;
     I7  a claimed payload decodes as the loops' engine decodes JSON: in half the scenarios that engine has a
         ``json_deserializer`` reading floats as ``Decimal``, and every publisher and handler sees one; in every
-        scenario each payload comes back as produced (keys, types, and a text of escapes and non-ASCII);
+        scenario each payload comes back as produced (keys, types, and a text of escapes and non-ASCII); a
+        message's ``message_id`` is its dispatcher's ``message_id_prefix`` (half of them have one) and its id;
     I8  an async loop whose run() was cancelled leaves no row leased to it once it has ended (unless its
         backends were terminated meanwhile: then its last write may fail, as documented);
     I9  a job whose row a transaction held past ``stale_after`` is not rescued from the worker that holds
@@ -313,15 +314,19 @@ def _action(plan: list[str], lease_version: int) -> str:
 class ModelPublisher:
     """Publishes by the message's plan; raises DestinationUnavailable while the outage lasts."""
 
-    def __init__(self, record: Record, outage: threading.Event) -> None:
+    def __init__(self, record: Record, outage: threading.Event, prefix: str = "") -> None:
         self.record = record
         self.outage = outage
+        self.prefix = prefix  # its dispatcher's message_id_prefix
 
     def _do(self, message: Message) -> str:
         if self.outage.is_set():
             raise DestinationUnavailable("model broker is down")
         payload = message.payload
         self.record.check_payload(payload)
+        if message.message_id != f"{self.prefix}{message.id}":  # I7: the id every publisher's id slot carries
+            with self.record.lock:
+                self.record.bad_payloads.append(f"seq {payload['seq']}: message_id {message.message_id!r}")
         action = "permanent" if payload["poison"] else _action(payload["plan"], message.lease_version)
         self.record.add("publish", payload["seq"], message.lease_version, action)
         if action == "retry":
@@ -1145,7 +1150,13 @@ class Scenario:
         if self.partitioned and self.rng.random() < 0.5:
             options["maintain_partitions"] = 1.5  # a few statements each time: F5 counts them
         sync_publisher = not is_async or self.rng.random() < 0.3
-        publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(self.record, self.outage)
+        # half the dispatchers give their messages a message_id_prefix (a stream of its own: the seed's draws stay)
+        prefix = self.control_rng.choice(("", "orders:"))
+        if prefix:
+            options["message_id_prefix"] = prefix
+        publisher = (ModelPublisher if sync_publisher else AsyncModelPublisher)(
+            self.record, self.outage, prefix
+        )
         cls: Any = AsyncDispatcher if is_async else Dispatcher
         name = f"dispatcher-{next(self.names)}"
         run_kwargs = self._run_kwargs(bounded)
