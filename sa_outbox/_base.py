@@ -317,12 +317,13 @@ class LoopBase:
             limit = params.pop("limit", None)
             fixed = left == self.batch
             committed = bool(rows) or bool(applied)
+            sent = time.monotonic()
             try:
                 if limit is not None:  # a limited queue: its own short transaction, outcomes written first
                     if pending:
                         applied |= _steps.finalize(conn, self.spec, pending)
                         pending = []
-                    got = _steps.claim_limited(
+                    got, sent = _steps.claim_limited(
                         conn, self.spec, owner=self.owner, batch=left, limit=limit, **params
                     )
                 elif pending:
@@ -346,7 +347,7 @@ class LoopBase:
                 break
             rows += got
             short = short or (limit is None and len(got) < asked(params, left))
-            self._in_hand_now(got, applied)
+            self._in_hand_now(got, applied, sent)
         self._claimed_short = short
         if pending:  # no claim call at all: write the outcomes on their own
             applied |= _steps.finalize(conn, self.spec, pending)
@@ -357,11 +358,12 @@ class LoopBase:
             self.observer("claim", time.perf_counter() - started)
         return applied, rows
 
-    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int]) -> None:
+    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int], sent: float) -> None:
         """Rows one queue's claim committed, and outcomes written, while the turn may go on to claim the next
         queues (a limited queue's pick can wait on its limit lock): a worker's heartbeat renews the rows from
         now on and stops renewing the finalized ones — not from the turn's end, or, past stale_after, its own
-        rescue would take back jobs it then runs. The outbox has no heartbeat: nothing to do."""
+        rescue would take back jobs it then runs. ``sent``: when the claim statement was sent (the leases' start,
+        at the latest). The outbox has no heartbeat: nothing to do."""
 
     def _send_claim_on(
         self, conn: Connection, want: int, outcomes: Sequence[Outcome], claim_params: list[dict[str, Any]]

@@ -60,16 +60,30 @@ class Completer:
 
 
 class Held:
-    """(id → lease_version) of the rows a loop holds: claimed, and not yet finalized. Thread-safe (the
-    heartbeat reads it from its own thread)."""
+    """(id → lease_version) of the rows a loop holds: claimed, and not yet finalized — with when each lease was
+    last confirmed: the loop's monotonic clock when the statement that leased or renewed the row was sent (its
+    ``locked_at`` is the server's clock at that statement or later, so the lease lasts at least ``stale_after``
+    from then). Thread-safe (the heartbeat reads and renews it from its own thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[int, int] = {}
+        self._held: dict[int, tuple[int, float]] = {}
 
-    def hold(self, pairs: Iterable[tuple[int, int]]) -> None:
+    def hold(self, pairs: Iterable[tuple[int, int]], sent: float) -> None:
+        """Rows a claim sent at ``sent`` leased (a row already held under the same lease keeps its time)."""
         with self._lock:
-            self._held.update(pairs)
+            for row_id, version in pairs:
+                known = self._held.get(row_id)
+                if known is None or known[0] != version:
+                    self._held[row_id] = (version, sent)
+
+    def confirm(self, pairs: Iterable[tuple[int, int]], sent: float) -> None:
+        """Rows a renewal sent at ``sent`` extended (those still held under that lease)."""
+        with self._lock:
+            for row_id, version in pairs:
+                known = self._held.get(row_id)
+                if known is not None and known[0] == version and known[1] < sent:
+                    self._held[row_id] = (version, sent)
 
     def drop(self, ids: Iterable[int]) -> None:
         with self._lock:
@@ -78,12 +92,14 @@ class Held:
 
     def pairs(self) -> list[tuple[int, int]]:
         with self._lock:
-            return list(self._held.items())
+            return [(row_id, known[0]) for row_id, known in self._held.items()]
 
-    def holds(self, row_id: int, lease_version: int) -> bool:
-        """Whether the row is held under this lease (not finalized, not taken back by the loop's own rescue)."""
+    def confirmed(self, row_id: int, lease_version: int) -> float | None:
+        """When the row's lease was last confirmed (see the class); None: not held under this lease (finalized,
+        or taken back by the loop's own rescue)."""
         with self._lock:
-            return self._held.get(row_id) == lease_version
+            known = self._held.get(row_id)
+            return known[1] if known is not None and known[0] == lease_version else None
 
     def __len__(self) -> int:
         with self._lock:

@@ -8,6 +8,7 @@ Database steps are plain functions taking a SQLAlchemy ``Connection`` (the async
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -376,11 +377,12 @@ def claim(
 
 def claim_limited(
     conn: Connection, spec: QueueSpec, *, owner: str, batch: int, queue: str, limit: Limit
-) -> list[Any]:
+) -> tuple[list[Any], float]:
     """Claim up to ``batch`` jobs of a limited queue (see :mod:`sa_outbox._limits`): in one short transaction,
     pick and lock candidates and the advisory locks of their keys, then — with a snapshot taken after those
-    locks — claim per key only what the running jobs and the rate window leave room for. Rows as
-    :func:`claim` returns them."""
+    locks — claim per key only what the running jobs and the rate window leave room for. Returns the rows as
+    :func:`claim` returns them, and when (``time.monotonic()``) the claim statement was sent: after the pick's
+    lock waits, and before the leases it writes begin."""
     per_key, rate = limit.per_key, limit.rate_count is not None
     pick = _sql.limited_pick_statement(spec, per_key=per_key)
     claim_stmt = _sql.limited_claim_statement(spec, per_key=per_key, rate=rate)
@@ -388,15 +390,16 @@ def claim_limited(
     with transaction(conn):
         picked = run(conn, pick, {"queue_name": queue, "batch": batch, "n": limit.concurrency})
         if not picked:
-            return []
+            return [], time.monotonic()
         params: dict[str, Any] = {
             "queue_name": queue, "owner": owner, "n": limit.concurrency,
             "ids": [p[0] for p in picked], "keys": [p[1] for p in picked],
         }  # fmt: skip
         if rate:
             params.update(rate_count=limit.rate_count, rate_window=limit.rate_window)
+        sent = time.monotonic()
         rows = run(conn, claim_stmt, params)
-    return _in_claim_order(rows, spec, queue)
+    return _in_claim_order(rows, spec, queue), sent
 
 
 def forget_starts(conn: Connection, spec: QueueSpec, queue: str, window: float) -> None:

@@ -76,6 +76,8 @@ log = logging.getLogger("sa_outbox.worker")
 
 #: ``last_error`` of a job given back unstarted because its queue was paused after it was claimed.
 PAUSED_RELEASE = "released: queue paused"
+#: ``last_error`` of a job given back unstarted because its lease was not renewed for most of ``stale_after``.
+UNCONFIRMED_RELEASE = "released: lease not renewed in time (not started)"
 
 Handler = Callable[[ClaimedJob], Any]
 H = TypeVar("H", bound=Handler)
@@ -487,6 +489,12 @@ class WorkerBase(LoopBase):
         if beat >= self.stale_after:
             raise ConfigurationError("heartbeat must be shorter than stale_after, or the job would be reaped")
         self.heartbeat: float | None = beat.total_seconds() or None
+        stale, every = self.stale_after.total_seconds(), self.heartbeat or 0.0
+        #: A job in hand starts only while its lease was confirmed (claimed or renewed) less than this many
+        #: seconds ago: past it, beats have failed (the database out of reach, a frozen process) and another
+        #: worker's rescue may have taken the row and run the job — see :meth:`_next_to_start`. Beats that
+        #: succeed keep every lease younger than ``heartbeat`` (plus a round trip), well inside it.
+        self._start_within = max(0.8 * stale, every + (stale - every) / 2)
         if concurrency is None:  # (the shares' sum; a concurrency of 1 given with shares is kept)
             concurrency = 1 if self.shares is None else sum(self.shares.values())
         self.concurrency = positive_int(concurrency, "concurrency")
@@ -686,9 +694,9 @@ class WorkerBase(LoopBase):
         free = max(0, self.concurrency - running)
         return max(0, min(self.batch, free + ahead - len(self._queue)))
 
-    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int]) -> None:
+    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int], sent: float) -> None:
         self._held.drop(finalized)
-        self._held.hold((row[0], row[1]) for row in rows)
+        self._held.hold(((row[0], row[1]) for row in rows), sent)
 
     def _accept(self, rows: Sequence[Any]) -> int:
         jobs = []
@@ -696,7 +704,8 @@ class WorkerBase(LoopBase):
             token = self._tokens[row[0]] = CancelToken()
             self._ages[row[0]] = row[-1]
             jobs.append(ClaimedJob.from_row(row, token, self._loads))
-        self._held.hold((j.id, j.lease_version) for j in jobs)
+        # (held already, from when the claim was sent: every claim path holds its rows as they land — and a row
+        # the loop's own rescue has taken back since is not held again here)
         self._queue.extend(jobs)
         return len(jobs)
 
@@ -803,19 +812,38 @@ class WorkerBase(LoopBase):
         second time); :meth:`_next_to_start` drops it, without an outcome — the rescue wrote its own."""
         self._held.drop(ids)
 
+    def _lease_fresh(self, job: ClaimedJob) -> bool:
+        """Whether ``job`` may start on its lease: still held, and confirmed within ``_start_within``."""
+        confirmed = self._held.confirmed(job.id, job.lease_version)
+        return confirmed is not None and time.monotonic() - confirmed <= self._start_within
+
     def _next_to_start(self) -> ClaimedJob | None:
         """The next claimed job to run; jobs cancelled while they waited are recorded and skipped, and jobs of
         a queue paused since they were claimed are given back (every way a job starts passes here). None while
         the pauses are to be read again — a maintenance step failed, so what the worker knows of them may be
-        older than a second (a long inline job before it): the loop's next turn reads them first."""
+        older than a second (a long inline job before it): the loop's next turn reads them first.
+
+        A job is started only on a lease the worker knows is alive: one its own rescue took back is dropped,
+        and one whose last claim or renewal was sent longer than ``_start_within`` ago (its beats failed: the
+        database out of reach, a frozen process) is given back with a fenced release — if another worker's
+        rescue took it meanwhile the release changes nothing, and the job is not run a second time here."""
         while self._queue and self._may_start() and self._pauses_read:
             job = self._queue.popleft()
-            if not self._held.holds(job.id, job.lease_version):  # see _rescued
+            confirmed = self._held.confirmed(job.id, job.lease_version)
+            if confirmed is None:  # see _rescued
                 log.warning(
                     "job %s (%s) was taken back by the rescue before it started (its lease expired unrenewed): "
                     "not started", job.id, job.task,
                     extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": job.lease_version},
                 )  # fmt: skip
+            elif time.monotonic() - confirmed > self._start_within:
+                log.warning(
+                    "job %s (%s): its lease was last renewed %.1f s ago (stale_after %s s), so another worker may "
+                    "have rescued and run it: given back, not started", job.id, job.task,
+                    time.monotonic() - confirmed, self.stale_after.total_seconds(),
+                    extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": job.lease_version},
+                )  # fmt: skip
+                self._done.add([self._not_started(job, UNCONFIRMED_RELEASE)])
             elif job.cancel_requested:
                 self._done.add([self._not_started(job, "")])
             elif job.queue in self._paused:
@@ -838,8 +866,12 @@ class WorkerBase(LoopBase):
     def _beat_pairs(self) -> list[tuple[int, int]]:
         return self._held.pairs()
 
-    def _beat_result(self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]]) -> None:
+    def _beat_result(
+        self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]], sent: float
+    ) -> None:
+        """A beat sent at ``sent`` renewed the leases of ``renewed[0]`` among ``pairs``."""
         ids, cancel = renewed
+        self._held.confirm(((job_id, version) for job_id, version in pairs if job_id in ids), sent)
         still_held = dict(self._held.pairs())
         with self._guarding_lock:
             guarded = set(self._guarding.items())
@@ -883,11 +915,17 @@ class WorkerBase(LoopBase):
         return want, [job_id for job_id, _ in want if job_id not in self._guard_taken]
 
     def _guard_settle(
-        self, want: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]], ours: set[tuple[int, int]]
+        self,
+        want: Sequence[tuple[int, int]],
+        renewed: tuple[set[int], set[int]],
+        ours: set[tuple[int, int]],
+        sent: float,
     ) -> bool:
-        """One guard round's result: rows renewed are done; rows no longer ours are done and reported by the
-        beats; the rest stay guarded. Returns whether the guard connection should let go of its guards now."""
+        """One guard round's result (its renewal sent at ``sent``): rows renewed are done; rows no longer ours
+        are done and reported by the beats; the rest stay guarded. Returns whether the guard connection should
+        let go of its guards now."""
         ids, cancel = renewed
+        self._held.confirm(((job_id, version) for job_id, version in want if job_id in ids), sent)
         gone = {p for p in want if p[0] not in ids and p not in ours}
         with self._guarding_lock:
             for job_id, version in want:
@@ -1164,8 +1202,9 @@ class Worker(WorkerBase):
         pairs = self._beat_pairs()
         if pairs:
             with self._beat_lock:
+                sent = time.monotonic()
                 renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
-            self._beat_result(pairs, renewed)
+            self._beat_result(pairs, renewed, sent)
         if self._guarding:
             self.guard_once()
 
@@ -1186,13 +1225,14 @@ class Worker(WorkerBase):
                     self._guard_taken |= self._guard_db.run(
                         lambda c: _steps.guard(c, self.spec, new, frozen_after=frozen_after)
                     )
+                sent = time.monotonic()
                 renewed = self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
                 rest = [p for p in want if p[0] not in renewed[0]]
                 # (read on the guard connection: a round that guards rows also keeps its transaction from being
                 # idle for longer than the idle-in-transaction timeout of a frozen worker)
                 on = self._guard_db if guarding else self._beat_db
                 ours = on.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
-                if self._guard_settle(want, renewed, ours):
+                if self._guard_settle(want, renewed, ours, sent):
                     self._guard_db.run(_steps.unguard)
                     self._guard_taken = set()
                     _, again = self._guard_wanted()  # rows still held: guarded again in a new transaction
@@ -1330,7 +1370,7 @@ class Worker(WorkerBase):
                 # longer than stale_after (its own rescue would then take the rows it holds).
                 _applied, rows = f.result()
                 self._held.drop(o.id for o in outcomes)
-                self._held.hold((row[0], row[1]) for row in rows)
+                self._held.hold(((row[0], row[1]) for row in rows), sent)
             self._waker.poke()
 
         future.add_done_callback(landed)
@@ -1346,7 +1386,7 @@ class Worker(WorkerBase):
         if not ready or elapsed < self._pace.trip:  # (ready before it was read: its trip took at most that)
             self._pace.observe_trip(elapsed)
         self._held.drop(o.id for o in outcomes)
-        self._held.hold((row[0], row[1]) for row in rows)
+        self._held.hold(((row[0], row[1]) for row in rows), sent)
         return applied, rows
 
     def _landed(self) -> tuple[int, int]:
@@ -1663,8 +1703,9 @@ class AsyncWorker(WorkerBase):
         pairs = self._beat_pairs()
         if pairs:
             async with self._beat_lock:  # the heartbeat task, or a caller's beat_once() meanwhile
+                sent = time.monotonic()
                 renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
-            self._beat_result(pairs, renewed)
+            self._beat_result(pairs, renewed, sent)
         if self._guarding:
             await self.guard_once()
 
@@ -1886,7 +1927,7 @@ class AsyncWorker(WorkerBase):
                     or not self._may_start()
                     or not self._pauses_read
                     or job.queue in self._paused
-                    or not self._held.holds(job.id, job.lease_version)
+                    or not self._lease_fresh(job)
                 ):
                     break
                 if results and job.cancel_requested:
@@ -2110,13 +2151,14 @@ class AsyncWorker(WorkerBase):
                     self._guard_taken |= await self._guard_db.run(
                         lambda c: _steps.guard(c, self.spec, new, frozen_after=frozen_after)
                     )
+                sent = time.monotonic()
                 renewed = (
                     await self._beat_db.run(lambda c: self._extend_on(c, want)) if want else (set(), set())
                 )
                 rest = [p for p in want if p[0] not in renewed[0]]
                 on = self._guard_db if guarding else self._beat_db
                 ours = await on.run(lambda c: _steps.leased(c, self.spec, rest)) if rest else set()
-                if self._guard_settle(want, renewed, ours):
+                if self._guard_settle(want, renewed, ours, sent):
                     await self._guard_db.run(_steps.unguard)
                     self._guard_taken = set()
                     _, again = self._guard_wanted()  # rows still held: guarded again in a new transaction

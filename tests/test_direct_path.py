@@ -81,7 +81,7 @@ def test_discard_all_while_the_pool_lent_the_connection_out_is_survived(one_conn
     limit = Limit(2)
 
     def limited(c: Connection) -> list[Any]:
-        return eng.claim_limited(c, JOBS, owner="w", batch=1, queue="limited", limit=limit)
+        return eng.claim_limited(c, JOBS, owner="w", batch=1, queue="limited", limit=limit)[0]
 
     assert len(loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=1, queue="default"))) == 1
     assert len(loop.run(limited)) == 1

@@ -727,6 +727,54 @@ def test_the_workers_rescue_never_takes_back_a_job_whose_outcome_it_holds_unwrit
     assert (r.status, r.lease_version) == ("done", 1), r
 
 
+@pytest.mark.parametrize(
+    ("runner", "kind"),
+    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
+    indirect=["runner"],
+)
+def test_jobs_in_hand_whose_leases_went_unrenewed_are_given_back_not_started(
+    runner: Runner, engine: Engine, kind: str
+) -> None:
+    """While a concurrency-1 worker runs a long job, its beats cannot renew the rest of its batch (another
+    transaction holds their rows — as a database out of reach stops every beat) for longer than most of
+    stale_after, and meanwhile another worker's rescue takes them and claims them again (lease 2, done by hand
+    here). They must not start on lease 1 when the job ends: that is the double run a review saw after an 8 s
+    outage (3 of 8 runs). Before, both started at once; now they are given back with a release the fence
+    refuses, and the other worker's lease stands."""
+    seed_jobs(engine, 1, task="long", priority=5)
+    seed_jobs(engine, 2, task="t")
+    started: list[tuple[int, int]] = []
+
+    def long_job() -> None:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT id FROM jobs WHERE id IN (2, 3) FOR UPDATE"))
+            time.sleep(1.8)  # past 0.8 × stale_after since the claim: no beat renewed them
+            conn.execute(text(
+                "UPDATE jobs SET lease_version = lease_version + 1, locked_by = 'other', locked_at = now() "
+                "WHERE id IN (2, 3)"
+            ))  # fmt: skip
+
+    def sync_long(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        long_job()
+
+    async def async_long(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        await asyncio.to_thread(long_job)
+
+    handlers = {"long": sync_long if kind == "sync def" else async_long,
+                "t": lambda job: started.append((job.id, job.lease_version))}  # fmt: skip
+    w = runner.worker(handlers, batch=3, concurrency=1, stale_after=2.0, heartbeat=0.5)
+    assert runner.run_once(w) == 3
+    assert started == [(1, 1)], started
+    for i in (2, 3):
+        r = row(engine, "jobs", i)
+        assert (r.status, r.lease_version, r.locked_by) == ("running", 2, "other"), (
+            r
+        )  # the release was fenced
+    assert row(engine, "jobs", 1).status == "done"
+
+
 # --- retrying and editing jobs -------------------------------------------------------------------------------
 
 
