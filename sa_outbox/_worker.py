@@ -853,6 +853,15 @@ class WorkerBase(LoopBase):
                 return job
         return None
 
+    def _turn_failed(self) -> None:
+        """A turn of run() met a database fault (the outage is ridden out with backoff): what the worker knows
+        of the pauses may be as old as the outage, so no job in hand starts and no claim is sent until the
+        next turn has read them again — a queue paused meanwhile is neither claimed nor started with the pause
+        unseen (a review: a threaded worker started jobs of a queue paused during an outage, 1.6–17 s after;
+        its failures were the claim thread's, so nothing marked the pauses unread). Each failed turn then
+        meets the outage at that read, and its backoff grows."""
+        self._pauses_read = False
+
     def _maintenance_failed(self, exc: Exception) -> None:
         """A maintenance step run between two inline jobs failed: the jobs in hand wait for the loop's next
         turn, which reads the pauses before it starts one (and handles a database that is down); the step
@@ -1167,6 +1176,7 @@ class Worker(WorkerBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
+                    self._turn_failed()
                     self._waker.wait(delay)
                     continue
                 if wanted:
@@ -1679,6 +1689,7 @@ class AsyncWorker(WorkerBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
+                    self._turn_failed()
                     await self._waker.wait(delay)
                     continue
                 if wanted:

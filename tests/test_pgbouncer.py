@@ -167,7 +167,7 @@ class PrivatePgBouncer(_Server):
 def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
     name = str(db_url.database)
     aliases = {name: (name, POOL), f"{name}_one": (name, 1), f"{name}_shared": (name, 2),
-               f"{name}_listen": (name, 2)}  # fmt: skip
+               f"{name}_listen": (name, 2), f"{name}_cut": (name, 2)}  # fmt: skip
     server = PrivatePgBouncer(server_url, aliases)
     server.start()
     try:
@@ -687,6 +687,71 @@ def test_a_concurrency_1_worker_behind_pgbouncer_gives_back_its_batch_on_a_pause
     from .test_jobs_control import _pause_during_a_batch
 
     _pause_during_a_batch(prunner, engine, "sync def")
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_worker_starts_no_job_of_a_queue_paused_during_a_database_outage(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str
+) -> None:
+    """A worker with handler threads (concurrency 2) runs a long job and short ones; the database goes out of
+    reach (PgBouncer's DISABLE and KILL of its alias: connections cut, new ones refused) and the queue is
+    paused meanwhile, then the database comes back. Whatever the worker knew of the pauses is as old as the
+    outage: it starts nothing until it has read them again — no job starts later than a second after the
+    pause (the once-a-second maintenance, as without an outage). Before, a threaded worker's first claim
+    after the outage used the pauses of before it and started the paused queue's jobs (a review: 1.6–17 s
+    after the pause; here ~2.5 s)."""
+    alias = f"{db_url.database}_cut"
+    seed_jobs(engine, 1, task="long", priority=5)
+    seed_jobs(engine, 12, task="short")
+    starts: list[tuple[int, float]] = []
+    lock = threading.Lock()
+
+    def record(job: ClaimedJob) -> None:
+        with lock:
+            starts.append((job.id, time.monotonic()))
+
+    def long(job: ClaimedJob) -> None:
+        record(job)
+        time.sleep(4.0)
+
+    def short(job: ClaimedJob) -> None:
+        record(job)
+        time.sleep(0.4)
+
+    url = bouncer.url(alias)
+    weng, _ = pgbouncer_engine(url)
+    runner = PooledRunner(flavour, weng, url, db_url)
+    w = runner.worker(
+        {"long": long, "short": short}, concurrency=2, batch=2, poll_interval=0.2, stale_after=30
+    )
+    t = runner.run_in_thread(w)
+    try:
+        assert wait_until(lambda: len(starts) >= 3, 10)  # the long job and two short ones have started
+        bouncer.admin(f"DISABLE {alias}")
+        bouncer.admin(f"KILL {alias}")
+        time.sleep(0.3)
+        pause_queue(engine, Job, "default", by="ops")  # (directly: the worker's alias is cut)
+        paused_at = time.monotonic()
+        time.sleep(2.0)
+        bouncer.admin(f"ENABLE {alias}")
+        bouncer.admin(f"RESUME {alias}")  # (after a KILL, new connections wait for it)
+        time.sleep(2.5)  # back: the worker reads the pauses and gives back what it holds
+        late = [(job_id, round(at - paused_at, 2)) for job_id, at in starts if at > paused_at + 1.0]
+        assert late == [], late
+        resume_queue(engine, Job, "default")
+        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 13}, 30), statuses(engine, "jobs")
+    finally:
+        bouncer.admin(f"ENABLE {alias}")
+        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
+            bouncer.admin(f"RESUME {alias}")
+        w.stop()
+        t.join(15)
+        runner.close()
+        weng.dispose()
+    assert not t.is_alive()
+    counts = Counter(job_id for job_id, _ in starts)
+    assert sorted(counts) == list(range(1, 14)), counts  # every job ran ...
+    assert [j for j, n in counts.items() if n > 1] == [], counts  # ... once: the long job's lease survived
 
 
 @pytest.fixture
