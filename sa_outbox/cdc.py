@@ -170,6 +170,19 @@ def _config(
         raise ConfigurationError(
             f"invalid database URL for Debezium: {exc}; expected postgresql://USER@HOST:PORT/DATABASE"
         ) from None
+    if db.get_backend_name() != "postgresql":
+        raise ConfigurationError(
+            f"the database URL is not PostgreSQL's ({db.drivername}://…): Debezium's PostgreSQL connector is "
+            "configured here; expected postgresql://USER@HOST:PORT/DATABASE"
+        )
+    if not 0 < port < 65536:
+        raise ConfigurationError(f"the database URL's port {port} is not a TCP port (1–65535)")
+    if db.query:
+        raise ConfigurationError(
+            f"the database URL has query options ({', '.join(sorted(db.query))}) that the connector config "
+            "would drop: give host, port and database in the URL itself (postgresql://USER@HOST:PORT/DATABASE), "
+            "and set other connector options (database.sslmode, …) in the printed config"
+        )
     if not db.host or not db.database:
         raise ConfigurationError(
             f"the database URL names no host or no database ({db.render_as_string(hide_password=True)}): Debezium "

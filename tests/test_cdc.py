@@ -576,6 +576,15 @@ def test_the_cli_checks_the_table_through_url_and_prints_the_debezium_url(
         assert main([*argv[:-1], bad]) == 2
         err = capsys.readouterr().err
         assert "sa-outbox: error: invalid database URL for Debezium" in err and "Traceback" not in err
+    for bad, said in (  # URLs the config would carry wrongly: refused, naming what is wrong (before: printed)
+        ("postgresql://u@h:99999/db", "port 99999 is not a TCP port"),
+        ("mysql://u@h:3306/db", "is not PostgreSQL's (mysql://"),
+        ("postgresql://u@/db?host=db.internal", "query options (host)"),
+        ("postgresql://u@h/db?sslmode=require", "query options (sslmode)"),
+    ):
+        assert main([*argv[:-1], bad]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
 
 
 def test_the_cli_prints_the_setup_sql_and_warns_about_wal_level(
