@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -599,11 +599,46 @@ def test_an_async_worker_gives_back_its_batch_of_async_jobs_once_it_learns_a_pau
     _pause_during_a_batch(runner, engine, "async def")
 
 
-@pytest.mark.parametrize(
+#: The three ways a concurrency-1 worker runs a job in hand: in the loop's thread (Worker), on an AsyncWorker's
+#: one thread call for its batch of sync handlers, or awaited (async def).
+EACH_INLINE_KIND = pytest.mark.parametrize(
     ("runner", "kind"),
     [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
     indirect=["runner"],
 )
+
+
+def _first_job_then(
+    runner: Runner,
+    engine: Engine,
+    kind: str,
+    first: Callable[[], None],
+    rest: int,
+    *,
+    task: str = "t",
+    **kw: Any,
+) -> tuple[Any, list[tuple[int, int]]]:
+    """A concurrency-1 worker whose batch is job 1 (it runs ``first``, in a thread for ``async def``) and then
+    ``rest`` jobs of ``task`` (their handler records their start only, unless ``kw`` gives ``handlers``):
+    (the worker, every start as (job id, lease version))."""
+    seed_jobs(engine, 1, task="first", priority=5)
+    seed_jobs(engine, rest, task=task)
+    started: list[tuple[int, int]] = []
+
+    def sync_first(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        first()
+
+    async def async_first(job: Any) -> None:
+        started.append((job.id, job.lease_version))
+        await asyncio.to_thread(first)
+
+    handlers = {"first": sync_first if kind == "sync def" else async_first,
+                task: lambda job: started.append((job.id, job.lease_version)), **kw.pop("handlers", {})}  # fmt: skip
+    return runner.worker(handlers, batch=rest + 1, concurrency=1, **kw), started
+
+
+@EACH_INLINE_KIND
 def test_a_failed_step_after_a_long_job_holds_the_batch_until_the_pauses_are_read(
     runner: Runner, engine: Engine, kind: str
 ) -> None:
@@ -613,9 +648,6 @@ def test_a_failed_step_after_a_long_job_holds_the_batch_until_the_pauses_are_rea
     next turn, which reads them, and is given back. Before, the batch ran at once and the step was tried again
     only a second later (the model suite saw jobs start 3.5 s into a pause: a 4.5 s job, then this). An
     AsyncWorker runs sync handlers of its batch on one thread call, which stops there too."""
-    seed_jobs(engine, 1, task="long", priority=5)
-    seed_jobs(engine, 4, task="t")
-    started: list[int] = []
 
     def long_job() -> None:
         pause_queue(engine, Job, "default")
@@ -625,29 +657,16 @@ def test_a_failed_step_after_a_long_job_holds_the_batch_until_the_pauses_are_rea
         engine.dispose()  # (the pool's other connections are gone too)
         time.sleep(1.3)  # longer than the step's period: it is due when the job ends
 
-    def sync_long(job: Any) -> None:
-        started.append(job.id)
-        long_job()
-
-    async def async_long(job: Any) -> None:
-        started.append(job.id)
-        await asyncio.to_thread(long_job)
-
-    w = runner.worker({"long": sync_long if kind == "sync def" else async_long,
-                       "t": lambda job: started.append(job.id)}, batch=5, concurrency=1)  # fmt: skip
+    w, started = _first_job_then(runner, engine, kind, long_job, 4)
     assert runner.run_once(w) == 5
-    assert started == [1], started
+    assert started == [(1, 1)], started
     for i in range(2, 6):
         r = row(engine, "jobs", i)
         assert (r.status, r.attempts, r.last_error) == ("queued", 0, "released: queue paused"), r
     assert row(engine, "jobs", 1).status == "done"
 
 
-@pytest.mark.parametrize(
-    ("runner", "kind"),
-    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
-    indirect=["runner"],
-)
+@EACH_INLINE_KIND
 def test_jobs_in_hand_the_workers_own_rescue_took_back_are_not_started(
     runner: Runner, engine: Engine, kind: str
 ) -> None:
@@ -656,26 +675,13 @@ def test_jobs_in_hand_the_workers_own_rescue_took_back_are_not_started(
     rescues them; they are no longer the worker's and must not start on the old lease. Before, they ran at
     once, their outcomes were fenced off, and the next claim ran them a second time (a review: 2 of 9 runs
     after an 8 s outage)."""
-    seed_jobs(engine, 1, task="long", priority=5)
-    seed_jobs(engine, 2, task="t")
-    started: list[tuple[int, int]] = []
 
     def long_job() -> None:
         with engine.begin() as conn:
             conn.execute(text("UPDATE jobs SET locked_at = now() - interval '1 hour' WHERE id IN (2, 3)"))
         time.sleep(1.3)  # the step is due when the job ends
 
-    def sync_long(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        long_job()
-
-    async def async_long(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        await asyncio.to_thread(long_job)
-
-    handlers = {"long": sync_long if kind == "sync def" else async_long,
-                "t": lambda job: started.append((job.id, job.lease_version))}  # fmt: skip
-    w = runner.worker(handlers, batch=3, concurrency=1)
+    w, started = _first_job_then(runner, engine, kind, long_job, 2)
     assert runner.run_once(w) == 3
     assert started == [(1, 1)], started
     for i in (2, 3):
@@ -686,11 +692,7 @@ def test_jobs_in_hand_the_workers_own_rescue_took_back_are_not_started(
     assert {row(engine, "jobs", i).status for i in (1, 2, 3)} == {"done"}
 
 
-@pytest.mark.parametrize(
-    ("runner", "kind"),
-    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
-    indirect=["runner"],
-)
+@EACH_INLINE_KIND
 def test_the_workers_rescue_never_takes_back_a_job_whose_outcome_it_holds_unwritten(
     runner: Runner, engine: Engine, kind: str
 ) -> None:
@@ -698,40 +700,24 @@ def test_the_workers_rescue_never_takes_back_a_job_whose_outcome_it_holds_unwrit
     than stale_after leaves it): its outcome waits in the worker. The worker's next maintenance step writes it
     before it rescues anything, so its own rescue does not take the finished job back to run it again (a
     review: the long job of an 8 s outage ran twice, 1 of 9 runs)."""
-    seed_jobs(engine, 1, task="first", priority=5)
-    seed_jobs(engine, 1, task="t")
-    started: list[tuple[int, int]] = []
 
     def wait_then_expire_own_lease() -> None:
         time.sleep(1.3)  # the step is due when the next job is about to start
         with engine.begin() as conn:  # and the lease ran out as the job ended
             conn.execute(text("UPDATE jobs SET locked_at = now() - interval '1 hour' WHERE id = 1"))
 
-    def sync_first(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        wait_then_expire_own_lease()
-
-    async def async_first(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        await asyncio.to_thread(wait_then_expire_own_lease)
-
     def second(job: Any) -> None:
         started.append((job.id, job.lease_version))
         time.sleep(1.3)  # and again, after it
 
-    handlers = {"first": sync_first if kind == "sync def" else async_first, "t": second}
-    w = runner.worker(handlers, batch=2, concurrency=1)
+    w, started = _first_job_then(runner, engine, kind, wait_then_expire_own_lease, 1, handlers={"t": second})
     runner.drain(w)
     assert started == [(1, 1), (2, 1)], started
     r = row(engine, "jobs", 1)
     assert (r.status, r.lease_version) == ("done", 1), r
 
 
-@pytest.mark.parametrize(
-    ("runner", "kind"),
-    [("sync", "sync def"), ("async", "sync def"), ("async", "async def")],
-    indirect=["runner"],
-)
+@EACH_INLINE_KIND
 def test_jobs_in_hand_whose_leases_went_unrenewed_are_given_back_not_started(
     runner: Runner, engine: Engine, kind: str
 ) -> None:
@@ -741,9 +727,6 @@ def test_jobs_in_hand_whose_leases_went_unrenewed_are_given_back_not_started(
     here). They must not start on lease 1 when the job ends: that is the double run a review saw after an 8 s
     outage (3 of 8 runs). Before, both started at once; now they are given back with a release the fence
     refuses, and the other worker's lease stands."""
-    seed_jobs(engine, 1, task="long", priority=5)
-    seed_jobs(engine, 2, task="t")
-    started: list[tuple[int, int]] = []
 
     def long_job() -> None:
         with engine.begin() as conn:
@@ -754,24 +737,13 @@ def test_jobs_in_hand_whose_leases_went_unrenewed_are_given_back_not_started(
                 "WHERE id IN (2, 3)"
             ))  # fmt: skip
 
-    def sync_long(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        long_job()
-
-    async def async_long(job: Any) -> None:
-        started.append((job.id, job.lease_version))
-        await asyncio.to_thread(long_job)
-
-    handlers = {"long": sync_long if kind == "sync def" else async_long,
-                "t": lambda job: started.append((job.id, job.lease_version))}  # fmt: skip
-    w = runner.worker(handlers, batch=3, concurrency=1, stale_after=2.0, heartbeat=0.5)
+    w, started = _first_job_then(runner, engine, kind, long_job, 2, stale_after=2.0, heartbeat=0.5)
     assert runner.run_once(w) == 3
     assert started == [(1, 1)], started
     for i in (2, 3):
         r = row(engine, "jobs", i)
-        assert (r.status, r.lease_version, r.locked_by) == ("running", 2, "other"), (
-            r
-        )  # the release was fenced
+        fenced = (r.status, r.lease_version, r.locked_by)
+        assert fenced == ("running", 2, "other"), r  # the release changed nothing: the other worker's lease
     assert row(engine, "jobs", 1).status == "done"
 
 
