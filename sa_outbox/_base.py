@@ -527,8 +527,8 @@ class LoopBase:
 
     def _report(self, outcomes: Sequence[Outcome], applied: set[int]) -> None:
         """Count and log each outcome (one line per state change); unapplied ones are lost leases. Their rows
-        are no longer held either way."""
-        self._held.drop(o.id for o in outcomes)
+        are no longer held either way (a row the same statement claimed again stays held, under its new lease)."""
+        self._held.drop_leases((o.id, o.lease_version) for o in outcomes)
         debug = self._log.isEnabledFor(logging.DEBUG)
         kind = self.spec.kind
         for o in outcomes:

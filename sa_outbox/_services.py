@@ -86,9 +86,19 @@ class Held:
                     self._held[row_id] = (version, sent)
 
     def drop(self, ids: Iterable[int]) -> None:
+        """Rows no longer held, whatever their lease (its own rescue took them back)."""
         with self._lock:
             for row_id in ids:
                 self._held.pop(row_id, None)
+
+    def drop_leases(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Leases no longer held (their outcomes were written or refused) — a row held under another lease
+        stays: the statement that wrote a refused outcome may have claimed the row again."""
+        with self._lock:
+            for row_id, version in pairs:
+                known = self._held.get(row_id)
+                if known is not None and known[0] == version:
+                    del self._held[row_id]
 
     def pairs(self) -> list[tuple[int, int]]:
         with self._lock:

@@ -1379,7 +1379,7 @@ class Worker(WorkerBase):
                 # when the loop's thread takes the result: an inline loop may first run jobs in hand for
                 # longer than stale_after (its own rescue would then take the rows it holds).
                 _applied, rows = f.result()
-                self._held.drop(o.id for o in outcomes)
+                self._held.drop_leases((o.id, o.lease_version) for o in outcomes)
                 self._held.hold(((row[0], row[1]) for row in rows), sent)
             self._waker.poke()
 
@@ -1395,7 +1395,7 @@ class Worker(WorkerBase):
         elapsed = time.monotonic() - sent
         if not ready or elapsed < self._pace.trip:  # (ready before it was read: its trip took at most that)
             self._pace.observe_trip(elapsed)
-        self._held.drop(o.id for o in outcomes)
+        self._held.drop_leases((o.id, o.lease_version) for o in outcomes)
         self._held.hold(((row[0], row[1]) for row in rows), sent)
         return applied, rows
 

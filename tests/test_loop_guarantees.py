@@ -63,6 +63,29 @@ def test_a_finished_job_stays_leased_until_its_outcome_is_written(runner: Runner
     assert w.stats.lost_leases == 0 and w.stats.rescued == 0
 
 
+def test_a_job_the_claim_that_refused_its_outcome_took_again_is_run_on_the_new_lease(
+    runner: Runner, engine: Engine
+) -> None:
+    """A job's row is taken from the worker while its handler runs (here put back to queued by hand, as another
+    worker's rescue after an outage leaves it). The worker's next statement writes the outcome — refused, the
+    lease is gone — and claims the job again, lease 2, in one round trip. The refused outcome must not drop
+    the new lease from what the worker holds: before, the worker logged it "taken back by the rescue", never
+    ran it, and the job waited out stale_after unrenewed (a review: run a third time 3.7 s later)."""
+    seed_jobs(engine, 1, task="t")
+    started: list[tuple[int, int]] = []
+
+    def handler(job: ClaimedJob) -> None:
+        started.append((job.id, job.lease_version))
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+
+    w = runner.worker({"t": handler}, batch=1, concurrency=1, poll_interval=0.05)
+    assert run_until(runner, w, lambda: row(engine, "jobs", 1).status == "done", timeout=10)
+    assert started == [(1, 1), (1, 2)], started
+    assert w.stats.lost_leases == 1 and w.stats.rescued == 0
+
+
 def test_a_hung_handler_never_delays_or_fails_the_jobs_after_it(runner: Runner, engine: Engine) -> None:
     """Each job's handler_timeout counts from its own start; a stuck thread never takes later jobs with it."""
     release = threading.Event()
