@@ -75,6 +75,9 @@ After every step
     I10 a worker takes each claimed batch in the claim's order — a queue's jobs by priority, higher first,
         whatever form, queues, rooms or limit claimed them — and one that runs a job at a time starts the
         batch's jobs in that order;
+    I11 no job starts on a lease older than one it has already started on: a worker starts a job in hand only
+        on a lease it knows is alive (its own rescue did not take it back, a claim or beat confirmed it within
+        most of ``stale_after``), so a rescue and a new claim can only come after its start;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -1774,6 +1777,15 @@ class Scenario:
         claims = Counter((kind, seq, lv) for kind, seq, lv, _ in rec)
         twice = [c for c, n in claims.items() if n > 1]
         assert not twice, f"one claim handled twice: {twice[:5]}"
+        # I11
+        newest: dict[tuple[str, int], int] = {}
+        for kind, seq, lv, _ in rec:
+            if kind in ("handle", "cron"):
+                before = newest.get((kind, seq), 0)
+                assert lv >= before, (
+                    f"{kind} {seq} started on lease {lv} after it had started on lease {before}"
+                )
+                newest[(kind, seq)] = lv
         # I2
         first_ok: dict[int, int] = {}
         for position, (kind, seq, _, action) in enumerate(rec):
