@@ -859,8 +859,16 @@ class WorkerBase(LoopBase):
         next turn has read them again — a queue paused meanwhile is neither claimed nor started with the pause
         unseen (a review: a threaded worker started jobs of a queue paused during an outage, 1.6–17 s after;
         its failures were the claim thread's, so nothing marked the pauses unread). Each failed turn then
-        meets the outage at that read, and its backoff grows."""
+        meets the outage at that read, and its backoff grows. Its rescue waits too (:meth:`_fault_grace`)."""
         self._pauses_read = False
+        self._fault_seen = True
+
+    def _fault_grace(self) -> float:
+        """After a database fault the rescue waits 1.5 heartbeats (without a heartbeat, ``stale_after / 4``
+        and a half): the live workers' beats, which keep their schedule through an outage, renew every lease
+        they hold — their finished jobs' among them, whose outcomes wait to be written — before this worker's
+        rescue may take one."""
+        return 1.5 * (self.heartbeat or self.stale_after.total_seconds() / 4)
 
     def _maintenance_failed(self, exc: Exception) -> None:
         """A maintenance step run between two inline jobs failed: the jobs in hand wait for the loop's next
@@ -1213,7 +1221,11 @@ class Worker(WorkerBase):
         if pairs:
             with self._beat_lock:
                 sent = time.monotonic()
-                renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
+                try:
+                    renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
+                except Exception:
+                    self._fault_seen = True  # (an outage only the beat met: the loop ran a long job)
+                    raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
             self.guard_once()
@@ -1440,6 +1452,7 @@ class Worker(WorkerBase):
                 # read again (a seed of the model suite started jobs of a queue paused 3.5 s before: a long
                 # inline job, then this step failed on a terminated connection, then a second of claims)
                 self._pauses_read = False
+                self._fault_seen = True
                 raise
 
     def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
@@ -1715,7 +1728,11 @@ class AsyncWorker(WorkerBase):
         if pairs:
             async with self._beat_lock:  # the heartbeat task, or a caller's beat_once() meanwhile
                 sent = time.monotonic()
-                renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
+                try:
+                    renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
+                except Exception:
+                    self._fault_seen = True  # (as Worker.beat_once)
+                    raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
             await self.guard_once()
@@ -1821,6 +1838,7 @@ class AsyncWorker(WorkerBase):
                 await self._db.run(self._rescue_on)
             except BaseException:
                 self._pauses_read = False  # (as Worker._rescue)
+                self._fault_seen = True
                 raise
 
     async def _maintain_between_jobs(self) -> None:
