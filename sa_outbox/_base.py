@@ -218,7 +218,7 @@ class LoopBase:
         #: A database fault met since the last rescue step (set by any of the loop's threads), and the moment
         #: before which the rescue statement waits after it (:meth:`_rescue_waits`).
         self._fault_seen = False
-        self._rescue_from = 0.0
+        self._rescue_from = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
@@ -458,7 +458,9 @@ class LoopBase:
         if self._fault_seen:
             self._fault_seen = False
             grace = self._fault_grace()
-            if grace > 0:
+            # a fault during a wait does not extend it, nor does one soon after it: a connection that keeps
+            # failing leaves the rescue free at least half the time
+            if grace > 0 and now >= self._rescue_from + grace:
                 self._rescue_from = now + grace
                 self._log.info("back from a database fault: expired leases are rescued from %.1f s on, once the "
                                "other loops' heartbeats have renewed what they hold", grace)  # fmt: skip

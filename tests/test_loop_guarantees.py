@@ -121,6 +121,24 @@ def test_after_a_database_fault_a_worker_rescues_only_once_the_others_could_rene
     assert ran == [(1, 2)] and w.stats.rescued == 1
 
 
+def test_a_connection_that_keeps_failing_leaves_the_rescue_free_half_the_time(
+    runner: Runner, engine: Engine
+) -> None:
+    """The wait after a fault is not extended by the faults that follow it, nor started again right after it:
+    with a fault before every step, the rescue runs in about half of them — a worker whose connection keeps
+    failing still rescues the jobs of dead workers (1.5 heartbeats = 0.3 s here)."""
+    w = runner.worker({"t": lambda job: None}, stale_after=1.0, heartbeat=0.2)
+    w._fault_seen = True
+    assert w._rescue_waits()  # the first step after a fault waits
+    steps, free, started = 0, 0, time.monotonic()
+    while time.monotonic() - started < 3.0:
+        w._fault_seen = True  # another fault before every step
+        free += not w._rescue_waits()
+        steps += 1
+        time.sleep(0.01)
+    assert 0.3 < free / steps < 0.7, (free, steps)
+
+
 def test_a_hung_handler_never_delays_or_fails_the_jobs_after_it(runner: Runner, engine: Engine) -> None:
     """Each job's handler_timeout counts from its own start; a stuck thread never takes later jobs with it."""
     release = threading.Event()
