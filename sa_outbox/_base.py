@@ -351,7 +351,7 @@ class LoopBase:
                 break
             rows += got
             short = short or (limit is None and len(got) < asked(params, left))
-            self._in_hand_now(got, applied, sent)
+            self._in_hand_now(got, [(o.id, o.lease_version) for o in outcomes if o.id in applied], sent)
         self._claimed_short = short
         if pending:  # no claim call at all: write the outcomes on their own
             applied |= _steps.finalize(conn, self.spec, pending)
@@ -362,12 +362,13 @@ class LoopBase:
             self.observer("claim", time.perf_counter() - started)
         return applied, rows
 
-    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int], sent: float) -> None:
+    def _in_hand_now(self, rows: Sequence[Any], finalized: Sequence[tuple[int, int]], sent: float) -> None:
         """Rows one queue's claim committed, and outcomes written, while the turn may go on to claim the next
         queues (a limited queue's pick can wait on its limit lock): a worker's heartbeat renews the rows from
-        now on and stops renewing the finalized ones — not from the turn's end, or, past stale_after, its own
-        rescue would take back jobs it then runs. ``sent``: when the claim statement was sent (the leases' start,
-        at the latest). The outbox has no heartbeat: nothing to do."""
+        now on and stops renewing the finalized leases ((id, lease_version) — a row an earlier queue's claim
+        of the turn took again, a ``Defer(0)``'s, stays held under its new lease) — not from the turn's end, or,
+        past stale_after, its own rescue would take back jobs it then runs. ``sent``: when the claim statement
+        was sent (the leases' start, at the latest). The outbox has no heartbeat: nothing to do."""
 
     def _send_claim_on(
         self, conn: Connection, want: int, outcomes: Sequence[Outcome], claim_params: list[dict[str, Any]]

@@ -694,8 +694,8 @@ class WorkerBase(LoopBase):
         free = max(0, self.concurrency - running)
         return max(0, min(self.batch, free + ahead - len(self._queue)))
 
-    def _in_hand_now(self, rows: Sequence[Any], finalized: set[int], sent: float) -> None:
-        self._held.drop(finalized)
+    def _in_hand_now(self, rows: Sequence[Any], finalized: Sequence[tuple[int, int]], sent: float) -> None:
+        self._held.drop_leases(finalized)
         self._held.hold(((row[0], row[1]) for row in rows), sent)
 
     def _accept(self, rows: Sequence[Any]) -> int:

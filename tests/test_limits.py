@@ -347,6 +347,40 @@ def test_rows_an_earlier_queue_claimed_are_renewed_while_a_limited_queues_claim_
     assert w.stats.rescued == 0 and w.stats.lost_leases == 0
 
 
+@pytest.mark.parametrize("runner", ["sync", "async"], indirect=True)
+def test_a_job_a_limited_queues_claim_took_again_in_the_same_turn_stays_held(
+    runner: Runner, engine: Engine
+) -> None:
+    """A worker of a limited queue and another one: a job of the limited queue defers with no delay, and the
+    next turn writes that outcome, claims the job again (the limited queue's own transaction, after the
+    write) and goes on to claim the other queue. That second claim must not drop the job's new lease along
+    with the old one it finalized: before, it was never started, rescued one stale_after later with its
+    attempt spent, and a job that always deferred ended ``failed`` (a review; Defer never spends attempts)."""
+    from sa_outbox import Defer
+
+    jobs(engine, 1, queue="L")
+    starts: list[tuple[int, int, float]] = []
+    began = time.monotonic()
+
+    def handler(job: Any) -> None:
+        starts.append((job.lease_version, job.attempts, round(time.monotonic() - began, 2)))
+        if job.lease_version == 1:
+            raise Defer(0)
+
+    w = runner.worker({"t": handler}, queues=["L", "U"], limits={"L": Limit(5)}, stale_after=30, batch=10,
+                      poll_interval=0.05)  # fmt: skip
+    thread = runner.run_in_thread(w)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and statuses(engine, "jobs") != {"done": 1}:
+            time.sleep(0.05)
+    finally:
+        w.stop()
+        thread.join(30)
+    assert [(v, a) for v, a, _ in starts] == [(1, 1), (2, 1)], starts  # at once, the attempt refunded
+    assert statuses(engine, "jobs") == {"done": 1} and w.stats.rescued == 0
+
+
 def _claimed(engine: Engine, owner: str, batch: int, queues: list[str], **kw: Any) -> list[tuple[int, str]]:
     with engine.begin() as conn:
         return [(r[0], r[5]) for r in eng.claim(conn, JOBS, owner=owner, batch=batch, queue=queues, **kw)]
