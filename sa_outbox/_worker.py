@@ -76,6 +76,8 @@ log = logging.getLogger("sa_outbox.worker")
 
 #: ``last_error`` of a job given back unstarted because its queue was paused after it was claimed.
 PAUSED_RELEASE = "released: queue paused"
+#: A threaded worker whose claim took longer than this (seconds) reads the pauses before it starts the jobs.
+PAUSES_AFTER_LONG_CLAIM = 0.5
 #: ``last_error`` of a job given back unstarted because its lease was not renewed for most of ``stale_after``.
 UNCONFIRMED_RELEASE = "released: lease not renewed in time (not started)"
 
@@ -230,6 +232,7 @@ class _Inflight:
     future: Future[tuple[set[int], list[Any]]] | _SentAhead
     outcomes: list[Outcome]
     wanted: int
+    sent: float = 0.0  # monotonic
 
     def holds_connection(self) -> bool:
         """Whether the claim still uses the loop's connection (nothing else may use it meanwhile)."""
@@ -1305,7 +1308,12 @@ class Worker(WorkerBase):
                 if not self._inline:
                     self._start_jobs()
                 return 0, 0
+            sent = self._inflight.sent
             claimed, wanted = self._landed()
+            if not self._inline and time.monotonic() - sent > PAUSES_AFTER_LONG_CLAIM:
+                # the claim waited (a row or limit lock, a pooler queueing it): a queue paused meanwhile must
+                # not start from what the worker knew before it, nor wait for the next step to be seen
+                self._db.run(self._read_pauses)
         else:
             wanted = self._want(len(self._running), inline=self._inline) if self._may_start() else 0
             if wanted and not self._inline:
@@ -1382,7 +1390,7 @@ class Worker(WorkerBase):
             self._done.add(outcomes)
             return
         future = self._claimer.submit(self._db.run, lambda c: self._claim_on(c, want, outcomes, params))
-        self._inflight = _Inflight(future, outcomes, want)
+        self._inflight = _Inflight(future, outcomes, want, sent)
 
         def landed(f: Future[tuple[set[int], list[Any]]]) -> None:  # in the claim thread
             self._pace.observe_trip(time.monotonic() - sent)

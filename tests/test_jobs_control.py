@@ -599,6 +599,47 @@ def test_an_async_worker_gives_back_its_batch_of_async_jobs_once_it_learns_a_pau
     _pause_during_a_batch(runner, engine, "async def")
 
 
+def test_a_threaded_worker_whose_claim_waited_reads_the_pauses_before_it_starts_what_it_claimed(
+    engine: Engine,
+) -> None:
+    """A threaded worker's claim carries a finished job's outcome and waits on that job's row, which a user's
+    transaction holds; the queue is paused meanwhile, and the lock is held 3 s. When the claim lands, the
+    worker reads the pauses before it starts what it claimed: nothing starts later than about a second after
+    the pause. Before, it started the claimed jobs at once (a review: 8 s after the pause)."""
+    seed_jobs(engine, 20, task="t")
+    began = time.monotonic()
+    starts: list[tuple[float, int]] = []
+    first = threading.Event()
+
+    def handler(job: Any) -> None:
+        starts.append((time.monotonic() - began, job.id))
+        if job.id == 1:
+            first.set()
+            time.sleep(0.2)
+        else:
+            time.sleep(4)
+
+    w = Worker(engine, Job, {"t": handler}, concurrency=4, batch=20, stale_after=30, listen=False)
+    thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
+    thread.start()
+    try:
+        assert first.wait(10)
+        with engine.connect() as locker:
+            locker.execute(text("SELECT id FROM jobs WHERE id = 1 FOR UPDATE"))
+            time.sleep(0.6)  # job 1 ends; the claim that carries its outcome waits on the lock
+            pause_queue(engine, Job, "default")
+            paused_at = time.monotonic() - began
+            time.sleep(3.0)
+            locker.rollback()
+        time.sleep(1.5)
+    finally:
+        w.stop()
+        thread.join(30)
+        w.close()
+    late = [(round(at - paused_at, 2), job_id) for at, job_id in starts if at > paused_at + 1.0]
+    assert late == [], late
+
+
 #: The three ways a concurrency-1 worker runs a job in hand: in the loop's thread (Worker), on an AsyncWorker's
 #: one thread call for its batch of sync handlers, or awaited (async def).
 EACH_INLINE_KIND = pytest.mark.parametrize(
