@@ -76,8 +76,9 @@ log = logging.getLogger("sa_outbox.worker")
 
 #: ``last_error`` of a job given back unstarted because its queue was paused after it was claimed.
 PAUSED_RELEASE = "released: queue paused"
-#: A threaded worker whose claim took longer than this (seconds) reads the pauses before it starts the jobs.
-PAUSES_AFTER_LONG_CLAIM = 0.5
+#: A job in hand starts only while the pauses were read less than this many seconds ago (the maintenance step
+#: reads them every second); older, the loop reads them again first — see :meth:`WorkerBase._pauses_fresh`.
+PAUSES_STALE_AFTER = 1.5
 #: ``last_error`` of a job given back unstarted because its lease was not renewed for most of ``stale_after``.
 UNCONFIRMED_RELEASE = "released: lease not renewed in time (not started)"
 
@@ -232,7 +233,6 @@ class _Inflight:
     future: Future[tuple[set[int], list[Any]]] | _SentAhead
     outcomes: list[Outcome]
     wanted: int
-    sent: float = 0.0  # monotonic
 
     def holds_connection(self) -> bool:
         """Whether the claim still uses the loop's connection (nothing else may use it meanwhile)."""
@@ -519,8 +519,10 @@ class WorkerBase(LoopBase):
         self._async_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
         self._paused: set[str] = set()
-        #: Whether this run has read the pauses yet: its first claim waits for that.
+        #: Whether this run has read the pauses yet: its first claim waits for that. And when it last read them
+        #: (monotonic, when the read was sent).
         self._pauses_read = False
+        self._pauses_read_at = float("-inf")
         self._warned: dict[str, str] = {}  # maintenance step -> the last failure logged (_warn_once)
         self._missed: set[tuple[int, int]] = set()  # (id, version) reported lost by the last heartbeat
         #: Jobs whose row the heartbeat had to skip, id -> lease version: their lease guards are held on the
@@ -646,8 +648,9 @@ class WorkerBase(LoopBase):
         """Learn which of our queues are paused; give back the unstarted jobs in hand of the paused ones. A run
         does this before its first claim, then with every maintenance step."""
         table = self._pause_table
+        read_at = time.monotonic()
         if table is None:
-            self._pauses_read = True
+            self._pauses_read, self._pauses_read_at = True, read_at
             return
         try:
             paused = set(
@@ -667,9 +670,10 @@ class WorkerBase(LoopBase):
             else:  # e.g. permission denied: named, and tried again at the next step
                 self._warn_once("queues", f"cannot read which queues are paused from {table.fullname}: "
                                 f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
-            self._pauses_read = True  # claiming goes on with the pauses last read (none on a fresh worker)
+            # claiming goes on with the pauses last read (none on a fresh worker)
+            self._pauses_read, self._pauses_read_at = True, read_at
             return
-        self._pauses_read = True
+        self._pauses_read, self._pauses_read_at = True, read_at
         for name in paused - self._paused:
             log.info("queue %r paused: not claiming it", name, extra={"queue": name})
         for name in self._paused - paused:
@@ -815,6 +819,15 @@ class WorkerBase(LoopBase):
         second time); :meth:`_next_to_start` drops it, without an outcome — the rescue wrote its own."""
         self._held.drop(ids)
 
+    def _pauses_fresh(self) -> bool:
+        """Whether what the worker knows of the pauses is recent enough to start a job on: read, and less than
+        ``PAUSES_STALE_AFTER`` ago. Older — a claim that waited on a lock or a queueing pooler, a turn held up,
+        an outage — they are marked unread, and the loop's next turn reads them before anything more starts
+        (a review: a threaded worker whose claim waited 8 s started jobs of a queue paused meanwhile)."""
+        if self._pauses_read and time.monotonic() - self._pauses_read_at > PAUSES_STALE_AFTER:
+            self._pauses_read = False
+        return self._pauses_read
+
     def _lease_fresh(self, job: ClaimedJob) -> bool:
         """Whether ``job`` may start on its lease: still held, and confirmed within ``_start_within``."""
         confirmed = self._held.confirmed(job.id, job.lease_version)
@@ -830,7 +843,7 @@ class WorkerBase(LoopBase):
         and one whose last claim or renewal was sent longer than ``_start_within`` ago (its beats failed: the
         database out of reach, a frozen process) is given back with a fenced release — if another worker's
         rescue took it meanwhile the release changes nothing, and the job is not run a second time here."""
-        while self._queue and self._may_start() and self._pauses_read:
+        while self._queue and self._may_start() and self._pauses_fresh():
             job = self._queue.popleft()
             confirmed = self._held.confirmed(job.id, job.lease_version)
             if confirmed is None:  # see _rescued
@@ -1308,12 +1321,7 @@ class Worker(WorkerBase):
                 if not self._inline:
                     self._start_jobs()
                 return 0, 0
-            sent = self._inflight.sent
             claimed, wanted = self._landed()
-            if not self._inline and time.monotonic() - sent > PAUSES_AFTER_LONG_CLAIM:
-                # the claim waited (a row or limit lock, a pooler queueing it): a queue paused meanwhile must
-                # not start from what the worker knew before it, nor wait for the next step to be seen
-                self._db.run(self._read_pauses)
         else:
             wanted = self._want(len(self._running), inline=self._inline) if self._may_start() else 0
             if wanted and not self._inline:
@@ -1390,7 +1398,7 @@ class Worker(WorkerBase):
             self._done.add(outcomes)
             return
         future = self._claimer.submit(self._db.run, lambda c: self._claim_on(c, want, outcomes, params))
-        self._inflight = _Inflight(future, outcomes, want, sent)
+        self._inflight = _Inflight(future, outcomes, want)
 
         def landed(f: Future[tuple[set[int], list[Any]]]) -> None:  # in the claim thread
             self._pace.observe_trip(time.monotonic() - sent)
@@ -1962,7 +1970,7 @@ class AsyncWorker(WorkerBase):
                 if results and (
                     halt.is_set()
                     or not self._may_start()
-                    or not self._pauses_read
+                    or not self._pauses_fresh()
                     or job.queue in self._paused
                     or not self._lease_fresh(job)
                 ):
