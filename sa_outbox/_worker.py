@@ -869,10 +869,10 @@ class WorkerBase(LoopBase):
                 return job
         return None
 
-    def _turn_failed(self) -> None:
-        """A turn of run() met a database fault (the outage is ridden out with backoff): what the worker knows
-        of the pauses may be as old as the outage, so no job in hand starts and no claim is sent until the
-        next turn has read them again — a queue paused meanwhile is neither claimed nor started with the pause
+    def _db_fault(self) -> None:
+        """A turn of run() or a maintenance step met a database fault (the outage is ridden out with backoff):
+        what the worker knows of the pauses may be as old as the outage, so no job in hand starts and no claim
+        is sent until the next turn has read them again — a queue paused meanwhile is neither claimed nor started with the pause
         unseen (a review: a threaded worker started jobs of a queue paused during an outage, 1.6–17 s after;
         its failures were the claim thread's, so nothing marked the pauses unread). Each failed turn then
         meets the outage at that read, and its backoff grows. Its rescue waits too (:meth:`_fault_grace`)."""
@@ -1200,7 +1200,7 @@ class Worker(WorkerBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
-                    self._turn_failed()
+                    self._db_fault()
                     self._waker.wait(delay)
                     continue
                 if wanted:
@@ -1467,8 +1467,7 @@ class Worker(WorkerBase):
                 # its pause read may not have run: no job starts and nothing is claimed until the pauses are
                 # read again (a seed of the model suite started jobs of a queue paused 3.5 s before: a long
                 # inline job, then this step failed on a terminated connection, then a second of claims)
-                self._pauses_read = False
-                self._fault_seen = True
+                self._db_fault()
                 raise
 
     def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
@@ -1718,7 +1717,7 @@ class AsyncWorker(WorkerBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
-                    self._turn_failed()
+                    self._db_fault()
                     await self._waker.wait(delay)
                     continue
                 if wanted:
@@ -1853,8 +1852,7 @@ class AsyncWorker(WorkerBase):
                     await self._flush()
                 await self._db.run(self._rescue_on)
             except BaseException:
-                self._pauses_read = False  # (as Worker._rescue)
-                self._fault_seen = True
+                self._db_fault()  # (as Worker._rescue)
                 raise
 
     async def _maintain_between_jobs(self) -> None:
