@@ -35,6 +35,8 @@ database, real threads with their own connections, real backend terminations. Ru
   leaves it; a write into it once it is closed or gone is refused whole, a producer's and an operator's skip;
 * a user's transaction locks a few pending events (``FOR KEY SHARE``, as a foreign key check does, or ``FOR
   UPDATE``) for a moment while the loops run;
+* the database goes out of the loops' reach for 1–3.5 s (their backends terminated every 20 ms), now and
+  then after a step (a stream of its own), while the rules go on;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -190,6 +192,11 @@ LIMITS = (Limit(1, per_key=True), Limit(2, per_key=True), Limit(2), Limit(1, per
 #: A worker learns of a pause with its once-a-second maintenance: starts later than this after a pause are
 #: violations (generous: the machine is shared and loaded).
 PAUSE_GRACE = 3.0
+#: Terminates every backend of the loops (their engine's, and the wake-ups' LISTEN connections).
+_TERMINATE_LOOPS = text(
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND application_name IN ('model-loop', 'sa_outbox.listen')"
+)
 CRON = "model_cron"  # the schedule's name and its jobs' task
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
 
@@ -655,6 +662,8 @@ class Scenario:
         self.seed = seed
         self.rng = random.Random(seed)
         self.analyze_rng = random.Random(f"analyze {seed}")
+        #: rule_db_outage's draws: a stream of its own, as analyze_rng.
+        self.db_outage_rng = random.Random(f"db outage {seed}")
         self.lock_rng = random.Random(f"lock {seed}")
         self.bulk_rng = random.Random(f"bulk unique {seed}")
         #: Half the scenarios give every worker give_up_after (GIVE_UP_AFTER); some jobs are then written "old"
@@ -724,6 +733,8 @@ class Scenario:
         #: stale_after (rule_hold_job_row).
         self.holds: list[tuple[int, int, str, int, int, bool]] = []
         self.holder: threading.Thread | None = None
+        self.cutter: threading.Thread | None = None  # rule_db_outage's
+        self.db_outages = 0
         #: When the rules ended (the final drain begins).
         self.steps_over: float | None = None
         self.locked_pending = 0  # pending events a user's transaction locked (rule_lock_pending_events)
@@ -1290,12 +1301,7 @@ class Scenario:
 
     def rule_terminate_backends(self) -> None:
         with self.engine.connect() as conn:
-            n = conn.execute(
-                text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND application_name IN ('model-loop', 'sa_outbox.listen')"
-                )
-            ).scalar_one()
+            n = conn.execute(_TERMINATE_LOOPS).scalar_one()
         self.terminations += 1
         self.log.append(f"terminated {n} backends")
 
@@ -1306,6 +1312,39 @@ class Scenario:
         else:
             self.outage.set()
             self.log.append("outage begins")
+
+    def rule_db_outage(self) -> None:
+        """The loops' database goes away for 1–3.5 s while the rules go on: a thread terminates every backend
+        of the loops (their engine's and the wake-ups') every 20 ms, so their statements, beats and reconnects
+        fail throughout, as in a server restart or a pooler outage (producers and operators, on their own
+        engine, go on). Past 0.8 × stale_after (2.4 s) without a renewal, jobs in hand are given back rather
+        than started; after it, pauses are read before anything starts or is claimed, and the rescue waits 1.5
+        heartbeats (I3, I4, I5, I11 and the F rules check what follows)."""
+        if self.cutter is not None and self.cutter.is_alive():
+            return
+        span = self.db_outage_rng.uniform(1.0, 3.5)
+        self.terminations += 1
+        self.db_outages += 1
+
+        def cut() -> None:
+            end = time.monotonic() + span
+            with self.engine.connect() as conn:
+                while time.monotonic() < end:
+                    conn.execute(_TERMINATE_LOOPS)
+                    conn.commit()
+                    time.sleep(0.02)
+            self.terminations += (
+                1  # (its end counts too: I8 and I9 excuse a loop whose backends were terminated)
+            )
+
+        self.cutter = threading.Thread(target=cut, name="model-db-outage", daemon=True)
+        self.cutter.start()
+        self.log.append(f"database out of the loops' reach for {span:.1f}s")
+
+    def _end_db_outage(self) -> None:
+        if self.cutter is not None:
+            self.cutter.join(10)
+            assert not self.cutter.is_alive(), "the database outage did not end"
 
     def rule_skip_dead(self) -> None:
         with self.engine.connect() as conn:
@@ -1575,6 +1614,8 @@ class Scenario:
     #: rule_analyze runs after a step with this probability, drawn from a generator of its own: the other
     #: rules' sequence of each seed stays what the fixed seeds' coverage checks were chosen for.
     ANALYZE_EVERY = 1 / 15
+    #: rule_db_outage starts after a step with this probability (its own generator, as ANALYZE_EVERY).
+    DB_OUTAGE_EVERY = 1 / 25
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -1611,6 +1652,8 @@ class Scenario:
                     getattr(self, rule)()
                     if self.analyze_rng.random() < self.ANALYZE_EVERY:
                         self.rule_analyze()
+                    if self.db_outage_rng.random() < self.DB_OUTAGE_EVERY:
+                        self.rule_db_outage()
                     self._reap_exited()
                     self.check_always()
                 # Every scenario meets a held job row and a locked pending event at least once: a seed whose rules
@@ -1623,6 +1666,7 @@ class Scenario:
                     self.log.append("coverage: locked pending events")
                     self.rule_lock_pending_events()
                 self.steps_over = time.monotonic()
+                self._end_db_outage()
                 self.drain()  # (the holder's job runs by then, if no worker reached it while the rules went on)
                 self._end_holds()
                 self.check_idle(counter)
