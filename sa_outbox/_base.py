@@ -98,9 +98,16 @@ class RunPolicy:
     capped exponential backoff and jitter (never a hot loop); a database never reached within
     ``startup_timeout`` of the start is a :class:`ConfigurationError` naming the last error."""
 
-    def __init__(self, log: logging.Logger, owner: str, startup_timeout: Duration | None) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        owner: str,
+        startup_timeout: Duration | None,
+        cap: float = DATABASE_OUTAGE.cap,
+    ) -> None:
         self.log = log
         self.owner = owner
+        self.cap = cap
         self.limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
         self.started = time.monotonic()
         self.reached = False
@@ -127,7 +134,7 @@ class RunPolicy:
                 f"database unreachable for {self.limit:g}s since start ({type(exc).__name__}: "
                 f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
             ) from exc
-        delay = DATABASE_OUTAGE.delay(self.failures)
+        delay = min(self.cap, DATABASE_OUTAGE.delay(self.failures))
         self.log.warning(
             "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,
             extra={"owner": self.owner, "failures": self.failures},
@@ -443,6 +450,26 @@ class LoopBase:
         self.stats.rescued += len(rows)
         self.stats.dead += sum(1 for _, status, _ in rows if status == self.spec.dead)
         self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")
+
+    def _start_run(self, startup_timeout: Duration | None, *, drain: bool) -> RunPolicy:
+        """What run() does first: log the start, and count it as a database fault for the rescue
+        (:meth:`_rescue_waits`) — a loop that starts as an outage ends never saw it, yet the others' leases ran
+        out meanwhile (a review: a job finished during the outage ran twice, 5 of 5, when a worker started
+        as it ended). A ``drain`` (``until_idle``, a script's or a test's run, like run_once()) rescues at
+        once: it would stop idle before its wait ended. Returns the policy of run()'s retries through
+        connection faults."""
+        self._fault_seen = self._fault_seen or not drain
+        self._lifecycle("started")
+        return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
+
+    def _outage_retry_cap(self) -> float:
+        """The longest run() waits between two tries to reach a database that is down."""
+        return DATABASE_OUTAGE.cap
+
+    def _db_fault(self) -> None:
+        """A turn of run() met a database fault (the outage is ridden out with backoff): the rescue waits
+        (:meth:`_fault_grace`)."""
+        self._fault_seen = True
 
     def _fault_grace(self) -> float:
         """How long the rescue statement waits after the loop is back from a database fault (0: not at all)."""

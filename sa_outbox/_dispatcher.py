@@ -45,11 +45,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import AsyncRetrying, Retrying
 
 from . import _tracing
-from ._backoff import OUTBOX_BACKOFF, Backoff
+from ._backoff import DATABASE_OUTAGE, OUTBOX_BACKOFF, Backoff
 from ._base import (
     CLAIM_GRACE,
     LoopBase,
-    RunPolicy,
     install_async_signals,
     is_async_callable,
     stray_cancellation,
@@ -239,7 +238,19 @@ class DispatcherBase(LoopBase):
         ]
 
     def _rescue_params(self) -> dict[str, Any]:
-        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit}
+        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit, "kept": self._done.ids()}
+
+    def _outage_retry_cap(self) -> float:
+        """A dispatcher out of reach of the database tries again at least this often (``lease / 4``, at most
+        the 30 s of every loop): it may hold outcomes of a published batch whose leases are running out, and
+        writes them as soon as it is back — within the other dispatchers' :meth:`_fault_grace`."""
+        return min(DATABASE_OUTAGE.cap, self.lease.total_seconds() / 4)
+
+    def _fault_grace(self) -> float:
+        """After a database fault (and when run() starts) the rescue waits 1.5 × :meth:`_outage_retry_cap`:
+        the other dispatchers, cut off too, are back meanwhile and write the outcomes of what they published
+        before this one's rescue could take those rows and publish them again."""
+        return 1.5 * self._outage_retry_cap()
 
     def _finalize_window(self) -> float:
         return max(self.lease.total_seconds(), 1.0)
@@ -474,9 +485,8 @@ class Dispatcher(DispatcherBase):
         spins hot on an empty queue, a dead server or a dead broker. ``startup_timeout``: a database never
         reached within this long after start raises :class:`~sa_outbox.ConfigurationError`."""
         restore = self._install_signals() if install_signal_handlers else None
-        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        policy = self._start_run(startup_timeout, drain=until_idle)
         batches = 0
-        self._lifecycle("started")
         try:
             while not self._stopped() and self._fatal is None:
                 try:
@@ -485,6 +495,7 @@ class Dispatcher(DispatcherBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
+                    self._db_fault()
                     self._waker.wait(delay)
                     continue
                 if wanted:
@@ -665,9 +676,8 @@ class AsyncDispatcher(DispatcherBase):
         """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
         ``max_batches`` — the same contract as :meth:`Dispatcher.run`."""
         restore = install_async_signals(self.stop) if install_signal_handlers else None
-        policy = RunPolicy(self._log, self.owner, startup_timeout)
+        policy = self._start_run(startup_timeout, drain=until_idle)
         batches = 0
-        self._lifecycle("started")
         try:
             while not self._stopped() and self._fatal is None:
                 try:
@@ -676,6 +686,7 @@ class AsyncDispatcher(DispatcherBase):
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
+                    self._db_fault()
                     await self._waker.wait(delay)
                     continue
                 if wanted:

@@ -55,6 +55,10 @@ class Completer:
         """Monotonic time at which the waiting outcomes must be written (None: nothing waits)."""
         return self._since + self.flush_after if self._outcomes else None
 
+    def ids(self) -> list[int]:
+        """The rows whose outcomes wait."""
+        return [o.id for o in self._outcomes]
+
     def __len__(self) -> int:
         return len(self._outcomes)
 

@@ -190,9 +190,11 @@ def rescue(
     max_attempts: int | None = None,
     stale_after: timedelta | None = None,
     limit: int = 1000,
+    kept: Sequence[int] = (),
 ) -> list[Any]:
-    """Run the rescue statement; returns (id, status, lease_version) of every row it moved."""
-    params: dict[str, Any] = {"limit": limit}
+    """Run the rescue statement; returns (id, status, lease_version) of every row it moved. ``kept``: the rows
+    the loop running it holds, left alone (see :func:`_sql.rescue_statement`)."""
+    params: dict[str, Any] = {"limit": limit, "kept": list(kept)}
     if spec.kind == "outbox":
         params["max_attempts"] = max_attempts
     else:

@@ -51,7 +51,6 @@ from ._backoff import JOBS_BACKOFF, Backoff
 from ._base import (
     CLAIM_GRACE,
     LoopBase,
-    RunPolicy,
     install_async_signals,
     is_async_callable,
     one_statement,
@@ -59,6 +58,7 @@ from ._base import (
     through_cancellation,
 )
 from ._db import AsyncLoopConnection, LoopConnection, is_schema_error
+from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
 from ._messages import CancelToken, ClaimedJob
@@ -617,7 +617,10 @@ class WorkerBase(LoopBase):
         return list(getattr(self, "_running", {}).values())
 
     def _rescue_params(self) -> dict[str, Any]:
-        return {"stale_after": self.stale_after, "limit": self.rescue_limit}
+        # (the jobs it holds: a running one whose renewals fail is not taken back and run a second time beside
+        # itself; one in hand whose lease ran out is given back when its turn comes, see _next_to_start)
+        kept = [row_id for row_id, _ in self._held.pairs()]
+        return {"stale_after": self.stale_after, "limit": self.rescue_limit, "kept": kept}
 
     def _rescue_on(self, conn: Connection) -> None:
         """The once-a-second maintenance: rescue expired leases, forget starts older than each rate window, fire
@@ -877,7 +880,7 @@ class WorkerBase(LoopBase):
         its failures were the claim thread's, so nothing marked the pauses unread). Each failed turn then
         meets the outage at that read, and its backoff grows. Its rescue waits too (:meth:`_fault_grace`)."""
         self._pauses_read = False
-        self._fault_seen = True
+        super()._db_fault()
 
     def _fault_grace(self) -> float:
         """After a database fault the rescue waits 1.5 heartbeats (without a heartbeat, ``stale_after / 4``
@@ -1186,10 +1189,9 @@ class Worker(WorkerBase):
         never spins hot on an empty queue or a dead server. ``startup_timeout``: a database never reached
         within this long after start raises :class:`~sa_outbox.ConfigurationError` naming the last error."""
         restore = self._install_signals() if install_signal_handlers else None
-        policy = RunPolicy(self._log, self.owner, startup_timeout)
         batches = 0
         self._begin(long_run=True)
-        self._lifecycle("started")
+        policy = self._start_run(startup_timeout, drain=until_idle)
         try:
             while not self._stopped() and self._fatal is None:
                 # no claim ahead of the last batch max_batches allows
@@ -1239,8 +1241,10 @@ class Worker(WorkerBase):
                 sent = time.monotonic()
                 try:
                     renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
-                except Exception:
-                    self._fault_seen = True  # (an outage only the beat met: the loop ran a long job)
+                except Exception as exc:
+                    # (an outage only the beat met: the loop ran a long job; a statement refused — a user's
+                    # trigger, say — is no outage: nobody else was cut off)
+                    self._fault_seen = self._fault_seen or is_connection_error(exc)
                     raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
@@ -1705,10 +1709,9 @@ class AsyncWorker(WorkerBase):
         """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
         ``max_batches`` — the same contract as :meth:`Worker.run`."""
         restore = install_async_signals(self.stop) if install_signal_handlers else None
-        policy = RunPolicy(self._log, self.owner, startup_timeout)
         batches = 0
         self._begin()
-        self._lifecycle("started")
+        policy = self._start_run(startup_timeout, drain=until_idle)
         try:
             while not self._stopped() and self._fatal is None:
                 try:
@@ -1745,8 +1748,8 @@ class AsyncWorker(WorkerBase):
                 sent = time.monotonic()
                 try:
                     renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
-                except Exception:
-                    self._fault_seen = True  # (as Worker.beat_once)
+                except Exception as exc:
+                    self._fault_seen = self._fault_seen or is_connection_error(exc)  # (as Worker.beat_once)
                     raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:

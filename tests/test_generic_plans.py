@@ -74,8 +74,11 @@ STATEMENTS = {
         {**CLAIM, "ordered_types": ["E"]},
     ),
     "jobs claim": (_sql.claim_statement(JOBS), JOBS_CLAIM),
-    "outbox rescue": (_sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12}),
-    "jobs rescue": (_sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60)}),
+    "outbox rescue": (_sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12, "kept": [3]}),
+    "jobs rescue": (
+        _sql.rescue_statement(JOBS),
+        {"limit": 1000, "stale_after": timedelta(seconds=60), "kept": [3]},
+    ),
     "outbox finalize": (_sql.finalize_statement(OUTBOX), OUTCOMES),
     "jobs finalize": (_sql.finalize_statement(JOBS), OUTCOMES),
     "outbox extend": (_sql.extend_statement(OUTBOX), {**CLAIM, "ids": [1, 2], "versions": [1, 1]}),

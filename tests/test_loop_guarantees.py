@@ -282,6 +282,85 @@ def test_a_loop_claims_the_rows_its_rescue_put_back_at_once(runner: Runner, engi
     assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
 
 
+def test_a_dispatchers_rescue_never_takes_its_own_unfinalized_batch(runner: Runner, engine: Engine) -> None:
+    """A dispatcher's outcomes ride on its next claim, after that turn's rescue step: a batch whose lease ran out
+    before that claim (the database out of reach for longer than the lease; here the lease is expired by hand
+    during the publish) was rescued by the very loop holding its outcome, whose claim then refused the outcome
+    and took the row again — the message went out twice. Its own leases are not its rescue's to take."""
+    seed_events(engine, 1)
+
+    def expire_own_lease(message: Message) -> None:
+        expire_leases(engine, "outbox")
+        time.sleep(1.1)  # (the rescue step runs at most once a second)
+        return None
+
+    pub = RecordingPublisher(fail=expire_own_lease)
+    runner.run(runner.dispatcher(pub, poll_interval=60), until_idle=True)
+    assert pub.ids == [1] and statuses(engine) == {"done": 1}
+
+
+def test_a_loop_rescues_a_row_leased_in_its_name_that_it_does_not_hold(
+    runner: Runner, engine: Engine
+) -> None:
+    """A claim whose answer was lost with its connection committed all the same: its rows are leased in the
+    loop's name, unknown to it. Its rescue leaves alone only the rows it holds, so it takes these back once
+    their leases run out — with a single loop nobody else would."""
+    seed_events(engine, 2)
+    seed_jobs(engine, 2, task="t")
+    pub = RecordingPublisher()
+    ran: list[int] = []
+    d = runner.dispatcher(pub, poll_interval=60)
+    w = runner.worker({"t": lambda j: ran.append(j.id)}, poll_interval=60)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'processing', lease_owner = :o, attempts = 1, "
+                          "lease_version = 1, lease_until = now() - interval '1 second'"), {"o": d.owner})  # fmt: skip
+        conn.execute(text("UPDATE jobs SET status = 'running', locked_by = :o, attempts = 1, lease_version = 1, "
+                          "locked_at = now() - interval '1 day'"), {"o": w.owner})  # fmt: skip
+    runner.run(d, until_idle=True)
+    runner.run(w, until_idle=True)
+    assert pub.ids == [1, 2] and statuses(engine) == {"done": 2}
+    assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
+
+
+def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_worker(
+    runner: Runner, engine: Engine
+) -> None:
+    """A trigger refuses every renewal of a running job (a user's trigger, a row-level security rule): its lease
+    runs out while its handler runs. Its own worker's rescue took it back, claimed it again and ran it a second
+    time beside the first (a review, also before stop 53). Its rescue leaves the jobs it holds alone: the job
+    runs once, and its outcome — fenced, not rescued — is written."""
+    seed_jobs(engine, 1, task="long")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at THEN "
+            "RAISE EXCEPTION 'renewals refused'; END IF; RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER no_renewal BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal()"
+        )
+    starts: list[float] = []
+
+    def long(job: Any) -> None:
+        starts.append(time.monotonic())
+        time.sleep(2.5)
+
+    async def long_async(job: Any) -> None:
+        starts.append(time.monotonic())
+        await asyncio.sleep(2.5)
+
+    handler = long_async if runner.kind == "async" else long
+    try:
+        w = runner.worker({"long": handler}, concurrency=2, stale_after=1.0, poll_interval=0.1)
+        runner.run(w, until_idle=True)
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER no_renewal ON jobs")
+            conn.exec_driver_sql("DROP FUNCTION no_renewal()")
+    assert len(starts) == 1, starts
+    assert statuses(engine, "jobs") == {"done": 1}
+
+
 def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner, engine: Engine) -> None:
     """A retry's backoff or a ``Defer`` puts the row back for later: the loop's next wait ends when the row is
     due (0.4 s here), not at its next poll (60 s) or maintenance step (up to a second late), and only once —

@@ -1244,3 +1244,65 @@ def test_a_closed_partition_refuses_retries_whole_through_pgbouncer(pengine: Eng
         assert maintain_partitions(pengine, PEvent).kept == {name: {"unfinished": 0, "dead": 2}}
         assert retry_dead(pengine, PEvent, all=True) == old
         assert statuses() == ["pending", "pending", "pending"]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+@pytest.mark.parametrize("second", [None, "cut off too", "started as it ends"])
+def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothing_twice(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, second: str | None
+) -> None:
+    """A dispatcher publishes a batch, then the database goes out of reach (PgBouncer's DISABLE and KILL) for
+    twice the lease, so the batch's outcomes cannot be written and its leases run out meanwhile. Back, no
+    message goes out twice: not by the dispatcher's own rescue (before: the three messages of the batch, every
+    run), nor by a second dispatcher cut off too, nor by one started as the outage ends (before: its first
+    rescue took the batch at once) — their rescue waits while the first writes what it published."""
+    alias = f"{db_url.database}_cut"
+    seed_events(engine, 6)
+    cut = threading.Event()
+
+    def first_batch_then_cut(message: Any) -> None:
+        if not cut.is_set():
+            cut.set()
+            bouncer.admin(f"DISABLE {alias}")
+            bouncer.admin(f"KILL {alias}")
+        return None
+
+    publisher = RecordingPublisher(fail=first_batch_then_cut)
+    url = bouncer.url(alias)
+    deng, _ = pgbouncer_engine(url)
+    runners: list[PooledRunner] = []
+    loops: list[Any] = []
+    threads: list[threading.Thread] = []
+
+    def start() -> None:  # (one runner each: an async runner's event loop runs one loop at a time)
+        runners.append(PooledRunner(flavour, deng, url, db_url))
+        loops.append(
+            runners[-1].dispatcher(publisher, batch=3, lease=2.0, publish_timeout=1.0, poll_interval=0.2)
+        )
+        threads.append(runners[-1].run_in_thread(loops[-1]))
+
+    start()
+    try:
+        assert wait_until(cut.is_set, 10)
+        if second == "cut off too":
+            start()
+        time.sleep(4.0)  # twice the lease
+        bouncer.admin(f"ENABLE {alias}")
+        bouncer.admin(f"RESUME {alias}")
+        if second == "started as it ends":
+            start()
+        assert wait_until(lambda: statuses(engine) == {"done": 6}, 30), statuses(engine)
+    finally:
+        bouncer.admin(f"ENABLE {alias}")
+        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
+            bouncer.admin(f"RESUME {alias}")
+        for d in loops:
+            d.stop()
+        for t in threads:
+            t.join(15)
+        for r in runners:
+            r.close()
+        deng.dispose()
+    assert not any(t.is_alive() for t in threads)
+    counts = Counter(publisher.ids)
+    assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
