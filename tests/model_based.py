@@ -37,6 +37,8 @@ database, real threads with their own connections, real backend terminations. Ru
   UPDATE``) for a moment while the loops run;
 * the database goes out of the loops' reach for 1–3.5 s (their backends terminated every 20 ms), now and
   then after a step (a stream of its own), while the rules go on;
+* a trigger refuses every renewal of a running job for 1–4 s (a stream of its own), while the rules go on:
+  beats fail and leases run out under running handlers;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -196,6 +198,16 @@ PAUSE_GRACE = 3.0
 _TERMINATE_LOOPS = text(
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
     "AND application_name IN ('model-loop', 'sa_outbox.listen')"
+)
+#: rule_refuse_renewals' trigger: an UPDATE that moves a running job's locked_at on (a beat's or a guard's
+#: renewal) fails; claims, finalizes, releases and rescues change its status and pass.
+_REFUSE_RENEWALS = text(
+    "CREATE OR REPLACE FUNCTION model_no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+    "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
+    "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewals refused'; END IF; "
+    "RETURN NEW; END $$; "
+    "CREATE OR REPLACE TRIGGER model_no_renewal BEFORE UPDATE ON jobs FOR EACH ROW "
+    "EXECUTE FUNCTION model_no_renewal()"
 )
 CRON = "model_cron"  # the schedule's name and its jobs' task
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
@@ -664,6 +676,8 @@ class Scenario:
         self.analyze_rng = random.Random(f"analyze {seed}")
         #: rule_db_outage's draws: a stream of its own, as analyze_rng.
         self.db_outage_rng = random.Random(f"db outage {seed}")
+        #: rule_refuse_renewals' draws: a stream of its own, as analyze_rng.
+        self.refusal_rng = random.Random(f"refused renewals {seed}")
         self.lock_rng = random.Random(f"lock {seed}")
         self.bulk_rng = random.Random(f"bulk unique {seed}")
         #: Half the scenarios give every worker give_up_after (GIVE_UP_AFTER); some jobs are then written "old"
@@ -734,6 +748,7 @@ class Scenario:
         self.holds: list[tuple[int, int, str, int, int, bool]] = []
         self.holder: threading.Thread | None = None
         self.cutter: threading.Thread | None = None  # rule_db_outage's
+        self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
         self.db_outages = 0
         #: When the rules ended (the final drain begins).
         self.steps_over: float | None = None
@@ -1346,6 +1361,39 @@ class Scenario:
             self.cutter.join(10)
             assert not self.cutter.is_alive(), "the database outage did not end"
 
+    def rule_refuse_renewals(self) -> None:
+        """For 1–4 s a trigger refuses every renewal of a running job (a user's trigger, a row-level rule): the
+        heartbeats fail and leases run out while their handlers run. Another worker's rescue may take such a
+        job (a lost lease, I4); its own worker's never does — before, it claimed the job again and ran it
+        beside itself (I3, I4, I11 and the F rules check what follows)."""
+        if self.refuser is not None and self.refuser.is_alive():
+            return
+        span = self.refusal_rng.uniform(1.0, 4.0)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '2s'"))
+                conn.execute(_REFUSE_RENEWALS)
+        except DBAPIError as exc:  # (a lock the trigger's DDL waited for too long: no refusal this time)
+            self.log.append(f"renewals not refused: {exc.orig}")
+            return
+
+        def lift() -> None:
+            time.sleep(span)
+            self._lift_refusal()
+
+        self.refuser = threading.Thread(target=lift, name="model-refuser", daemon=True)
+        self.refuser.start()
+        self.log.append(f"renewals of running jobs refused for {span:.1f}s")
+
+    def _lift_refusal(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER IF EXISTS model_no_renewal ON jobs"))
+
+    def _end_refusal(self) -> None:
+        if self.refuser is not None:
+            self.refuser.join(10)
+            assert not self.refuser.is_alive(), "the refusal of renewals did not end"
+
     def rule_skip_dead(self) -> None:
         with self.engine.connect() as conn:
             dead = conn.execute(
@@ -1616,6 +1664,8 @@ class Scenario:
     ANALYZE_EVERY = 1 / 15
     #: rule_db_outage starts after a step with this probability (its own generator, as ANALYZE_EVERY).
     DB_OUTAGE_EVERY = 1 / 25
+    #: rule_refuse_renewals starts after a step with this probability (its own generator, as ANALYZE_EVERY).
+    REFUSE_RENEWALS_EVERY = 1 / 25
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -1634,6 +1684,8 @@ class Scenario:
             # be collected during the next scenario, and fail it with "connections left open")
             with self.engine.begin() as conn:
                 conn.execute(text("DROP TABLE model_effects"))
+                conn.execute(text("DROP TRIGGER IF EXISTS model_no_renewal ON jobs"))
+                conn.execute(text("DROP FUNCTION IF EXISTS model_no_renewal()"))
                 if self.partitioned:
                     conn.execute(text(f"DROP TABLE {PARTITIONED_TABLE} CASCADE"))
             if self.timed_out():
@@ -1654,6 +1706,8 @@ class Scenario:
                         self.rule_analyze()
                     if self.db_outage_rng.random() < self.DB_OUTAGE_EVERY:
                         self.rule_db_outage()
+                    if self.refusal_rng.random() < self.REFUSE_RENEWALS_EVERY:
+                        self.rule_refuse_renewals()
                     self._reap_exited()
                     self.check_always()
                 # Every scenario meets a held job row and a locked pending event at least once: a seed whose rules
@@ -1667,6 +1721,7 @@ class Scenario:
                     self.rule_lock_pending_events()
                 self.steps_over = time.monotonic()
                 self._end_db_outage()
+                self._end_refusal()
                 self.drain()  # (the holder's job runs by then, if no worker reached it while the rules went on)
                 self._end_holds()
                 self.check_idle(counter)
