@@ -223,9 +223,11 @@ class LoopBase:
         self._statistics_settled = False
         self._held = Held()
         #: A database fault met since the last rescue step (set by any of the loop's threads), and the moment
-        #: before which the rescue statement waits after it (:meth:`_rescue_waits`).
+        #: before which the rescue statement waits after it (:meth:`_rescue_margin`).
         self._fault_seen = False
         self._rescue_from = float("-inf")
+        #: Until when (monotonic) the rescue takes only leases expired for longer than two leases (run()'s start).
+        self._fresh_until = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
@@ -440,7 +442,12 @@ class LoopBase:
                 self._log.warning(
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )
-        rows = [] if self._rescue_waits() else _steps.rescue(conn, self.spec, **self._rescue_params())
+        margin = self._rescue_margin()
+        rows = (
+            []
+            if margin is None
+            else _steps.rescue(conn, self.spec, expired_for=margin, **self._rescue_params())
+        )
         if rows:
             self._rescued({row_id for row_id, _, _ in rows})
         if any(status == self.spec.ready for _, status, _ in rows):
@@ -452,13 +459,18 @@ class LoopBase:
         self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")
 
     def _start_run(self, startup_timeout: Duration | None, *, drain: bool) -> RunPolicy:
-        """What run() does first: log the start, and count it as a database fault for the rescue
-        (:meth:`_rescue_waits`) — a loop that starts as an outage ends never saw it, yet the others' leases ran
-        out meanwhile (a review: a job finished during the outage ran twice, 5 of 5, when a worker started
-        as it ended). A ``drain`` (``until_idle``, a script's or a test's run, like run_once()) rescues at
-        once: it would stop idle before its wait ended. Returns the policy of run()'s retries through
-        connection faults."""
-        self._fault_seen = self._fault_seen or not drain
+        """What run() does first: log the start, and for :meth:`_fault_grace` rescue only leases that expired
+        more than two leases ago (:meth:`_rescue_margin`) — a loop that starts as an outage ends never saw it, yet
+        the others' leases ran out meanwhile (a review: a job finished during the outage ran twice, 5 of 5,
+        when a worker started as it ended); a dead predecessor's old leases are taken at once, so loops that
+        each run for less than the wait still rescue (a review: with no margin, five 3–5 s runs rescued
+        nothing). A ``drain`` (``until_idle``, a script's or a test's run, like run_once()) rescues at
+        once. Returns the policy of run()'s retries through connection faults."""
+        grace = self._fault_grace()
+        if not drain and grace > 0:
+            self._fresh_until = time.monotonic() + grace
+            self._log.info("started: leases expired less than %.0f s ago are rescued from %.1f s on, once the other "
+                           "loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
         self._lifecycle("started")
         return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
 
@@ -475,13 +487,21 @@ class LoopBase:
         """How long the rescue statement waits after the loop is back from a database fault (0: not at all)."""
         return 0.0
 
-    def _rescue_waits(self) -> bool:
-        """Whether the rescue statement waits: the loop is back from a database fault for less than
-        :meth:`_fault_grace` — the first step after one starts the wait. The other loops were most likely cut
+    def _lease_seconds(self) -> float:
+        """How long a lease of this loop's table lasts (a worker's stale_after, a dispatcher's lease)."""
+        raise NotImplementedError
+
+    def _rescue_margin(self) -> float | None:
+        """What the rescue step takes: None — nothing, the loop is back from a database fault for less than
+        :meth:`_fault_grace` (the first step after one starts the wait); else the leases expired for longer
+        than this many seconds — two leases' length during the grace after run() started (see
+        :meth:`_start_run`; it covers outages up to about three leases long), zero after it. The wait after a fault: the other loops were most likely cut
         off too (a server restart, a pooler or network outage): their leases ran out with nobody able to
         renew them, and the loop that reconnects first would take back jobs that live workers ran — finished,
         their outcomes not yet written — and run them again (a review: 1–2 jobs of 40 run twice in 10 of 20
-        runs of an 8 s outage). Meanwhile their heartbeats renew what they hold."""
+        runs of an 8 s outage). Meanwhile their heartbeats renew what they hold. Not covered: a database that
+        comes back for a moment between two outages (the wait starts then, and may be over when it is back
+        for good)."""
         now = time.monotonic()
         if self._fault_seen:
             self._fault_seen = False
@@ -492,7 +512,9 @@ class LoopBase:
                 self._rescue_from = now + grace
                 self._log.info("back from a database fault: expired leases are rescued from %.1f s on, once the "
                                "other loops' heartbeats have renewed what they hold", grace)  # fmt: skip
-        return now < self._rescue_from
+        if now < self._rescue_from:
+            return None
+        return 2 * self._lease_seconds() if now < self._fresh_until else 0.0
 
     def _rescued(self, ids: set[int]) -> None:
         """Rows this loop's rescue step has just taken back from expired leases (``ids``): a worker drops those it

@@ -238,7 +238,10 @@ class DispatcherBase(LoopBase):
         ]
 
     def _rescue_params(self) -> dict[str, Any]:
-        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit, "kept": self._done.ids()}
+        return {"max_attempts": self.max_attempts, "limit": self.rescue_limit, "kept": self._done.leases()}
+
+    def _lease_seconds(self) -> float:
+        return self.lease.total_seconds()
 
     def _outage_retry_cap(self) -> float:
         """A dispatcher out of reach of the database tries again at least this often (``lease / 4``, at most

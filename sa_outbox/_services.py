@@ -55,9 +55,9 @@ class Completer:
         """Monotonic time at which the waiting outcomes must be written (None: nothing waits)."""
         return self._since + self.flush_after if self._outcomes else None
 
-    def ids(self) -> list[int]:
-        """The rows whose outcomes wait."""
-        return [o.id for o in self._outcomes]
+    def leases(self) -> list[tuple[int, int]]:
+        """The leases (id, lease_version) whose outcomes wait."""
+        return [(o.id, o.lease_version) for o in self._outcomes]
 
     def __len__(self) -> int:
         return len(self._outcomes)

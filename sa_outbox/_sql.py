@@ -833,16 +833,33 @@ def rescue_statement(spec: QueueSpec) -> Update:
     becomes ``cancelled`` (its worker died before it could stop it: it must not run again). The reason is
     appended to ``last_error``. Many workers may run this at once: SKIP LOCKED gives each its own rows.
     A job whose heartbeat holds its lease guard (:func:`guard_statement`) is left alone, expired or not.
-    The rows the loop running the statement holds (``:kept``) are left alone too: its own expired lease on a
+    The leases the loop running the statement holds (``:kept_ids``/``:kept_versions``) are left alone too: its own expired lease on a
     batch published and not yet finalized (the database was out of reach for longer than the lease), or on
     a job it runs whose renewals fail — rescued, the very loop holding it would publish or run it again (a
     test: three of six messages twice after a 4 s outage with a 2 s lease). A row leased in its name that it
-    does not know of (a claim whose answer was lost with its connection) is rescued as any other.
+    does not know of (a claim whose answer was lost with its connection), or a newer lease of a row it holds
+    (another loop's, who took the row over and died), is rescued as any other. ``:expired_for``: only leases
+    expired for longer than that (a loop's first steps, see ``LoopBase._rescue_margin``; else zero).
     """
     t, c = spec.table, spec.c
     order_col = spec.lease_until if spec.lease_until is not None else spec.locked_at
     assert order_col is not None
-    expired = [spec.lease_expired(), not_(c.id == any_(bindparam("kept", type_=ARRAY(BigInteger))))]
+    kept = (
+        func.unnest(
+            bindparam("kept_ids", type_=ARRAY(BigInteger)),
+            bindparam("kept_versions", type_=ARRAY(BigInteger)),
+        )
+        .table_valued("id", "version")
+        .render_derived()
+    )
+    since = func.now() - sa_cast(bindparam("expired_for", type_=Interval), Interval)
+    if spec.lease_until is None:  # (a job's lease ends stale_after after its locked_at)
+        since = since - sa_cast(bindparam("stale_after", type_=Interval), Interval)
+    expired = [
+        spec.lease_expired(),
+        order_col < since,
+        ~exists().where(kept.c.id == c.id, kept.c.version == c.lease_version),
+    ]
     if spec.kind == "jobs":  # (only workers beat; a dispatcher's lease is a budget, never guarded)
         expired.append(tuple_(_tableoid, c.id % _GUARD_IDS).not_in(_guarded_keys()))
     victims = (

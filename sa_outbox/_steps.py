@@ -190,11 +190,18 @@ def rescue(
     max_attempts: int | None = None,
     stale_after: timedelta | None = None,
     limit: int = 1000,
-    kept: Sequence[int] = (),
+    kept: Sequence[tuple[int, int]] = (),
+    expired_for: float = 0.0,
 ) -> list[Any]:
-    """Run the rescue statement; returns (id, status, lease_version) of every row it moved. ``kept``: the rows
-    the loop running it holds, left alone (see :func:`_sql.rescue_statement`)."""
-    params: dict[str, Any] = {"limit": limit, "kept": list(kept)}
+    """Run the rescue statement; returns (id, status, lease_version) of every row it moved. ``kept``: the
+    leases (id, lease_version) the loop running it holds, left alone; ``expired_for``: only leases expired for
+    longer than that many seconds (see :func:`_sql.rescue_statement`)."""
+    params: dict[str, Any] = {
+        "limit": limit,
+        "kept_ids": [row_id for row_id, _ in kept],
+        "kept_versions": [version for _, version in kept],
+        "expired_for": timedelta(seconds=expired_for),
+    }
     if spec.kind == "outbox":
         params["max_attempts"] = max_attempts
     else:

@@ -616,11 +616,13 @@ class WorkerBase(LoopBase):
         """The handlers running now (each flavour keeps its own table of them)."""
         return list(getattr(self, "_running", {}).values())
 
+    def _lease_seconds(self) -> float:
+        return self.stale_after.total_seconds()
+
     def _rescue_params(self) -> dict[str, Any]:
         # (the jobs it holds: a running one whose renewals fail is not taken back and run a second time beside
         # itself; one in hand whose lease ran out is given back when its turn comes, see _next_to_start)
-        kept = [row_id for row_id, _ in self._held.pairs()]
-        return {"stale_after": self.stale_after, "limit": self.rescue_limit, "kept": kept}
+        return {"stale_after": self.stale_after, "limit": self.rescue_limit, "kept": self._held.pairs()}
 
     def _rescue_on(self, conn: Connection) -> None:
         """The once-a-second maintenance: rescue expired leases, forget starts older than each rate window, fire

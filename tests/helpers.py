@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Engine, MetaData, insert, select, text
@@ -194,3 +195,8 @@ def fresh_schema(engine: Engine, schema: str, metadata: MetaData | None = None) 
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
+#: The rescue statement's parameters beyond a loop's options: one lease the loop holds (left alone) and no
+#: expiry margin (``_steps.rescue``).
+KEPT: dict[str, Any] = {"kept_ids": [3], "kept_versions": [1], "expired_for": timedelta(0)}

@@ -13,7 +13,7 @@ from sqlalchemy.sql import Executable
 from sa_outbox import _sql
 from sa_outbox.models import Job, OutboxEvent
 
-from .helpers import queue_tables_shaped
+from .helpers import KEPT, queue_tables_shaped
 
 OUTBOX = _sql.spec_for(OutboxEvent)
 JOBS = _sql.spec_for(Job)
@@ -118,7 +118,7 @@ def test_ordered_types_claim_uses_the_ready_index(big: Engine) -> None:
 
 
 def test_rescue_uses_the_leased_index(big: Engine) -> None:
-    p = plan(big, _sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12, "kept": [3]})
+    p = plan(big, _sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12, **KEPT})
     assert "ix_outbox_leased" in {s[2] for s in scans(p)}
     assert ("Seq Scan", "outbox", None) not in scans(p)
 
@@ -150,9 +150,7 @@ def test_a_claim_of_several_queues_locks_through_the_dequeue_index_in_each(
 
 
 def test_jobs_reaper_uses_the_running_index(big: Engine) -> None:
-    p = plan(
-        big, _sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60), "kept": [3]}
-    )
+    p = plan(big, _sql.rescue_statement(JOBS), {"limit": 1000, "stale_after": timedelta(seconds=60), **KEPT})
     assert "ix_jobs_running" in {s[2] for s in scans(p)}
     assert ("Seq Scan", "jobs", None) not in scans(p)
 

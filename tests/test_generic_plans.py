@@ -24,7 +24,7 @@ from sqlalchemy.sql import Executable
 from sa_outbox import _enqueue, _schedules, _sql
 from sa_outbox.models import Job, JobSchedule, OutboxEvent
 
-from .helpers import QUEUE_SHAPES, queue_tables_shaped
+from .helpers import KEPT, QUEUE_SHAPES, queue_tables_shaped
 from .test_explain import scans
 
 OUTBOX = _sql.spec_for(OutboxEvent)
@@ -74,10 +74,10 @@ STATEMENTS = {
         {**CLAIM, "ordered_types": ["E"]},
     ),
     "jobs claim": (_sql.claim_statement(JOBS), JOBS_CLAIM),
-    "outbox rescue": (_sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12, "kept": [3]}),
+    "outbox rescue": (_sql.rescue_statement(OUTBOX), {"limit": 1000, "max_attempts": 12, **KEPT}),
     "jobs rescue": (
         _sql.rescue_statement(JOBS),
-        {"limit": 1000, "stale_after": timedelta(seconds=60), "kept": [3]},
+        {"limit": 1000, "stale_after": timedelta(seconds=60), **KEPT},
     ),
     "outbox finalize": (_sql.finalize_statement(OUTBOX), OUTCOMES),
     "jobs finalize": (_sql.finalize_statement(JOBS), OUTCOMES),

@@ -129,11 +129,11 @@ def test_a_connection_that_keeps_failing_leaves_the_rescue_free_half_the_time(
     failing still rescues the jobs of dead workers (1.5 heartbeats = 0.3 s here)."""
     w = runner.worker({"t": lambda job: None}, stale_after=1.0, heartbeat=0.2)
     w._fault_seen = True
-    assert w._rescue_waits()  # the first step after a fault waits
+    assert w._rescue_margin() is None  # the first step after a fault waits
     steps, free, started = 0, 0, time.monotonic()
     while time.monotonic() - started < 3.0:
         w._fault_seen = True  # another fault before every step
-        free += not w._rescue_waits()
+        free += w._rescue_margin() is not None
         steps += 1
         time.sleep(0.01)
     assert 0.3 < free / steps < 0.7, (free, steps)
@@ -322,6 +322,24 @@ def test_a_loop_rescues_a_row_leased_in_its_name_that_it_does_not_hold(
     assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
 
 
+def _refuse_renewals(engine: Engine, *, lift: bool = False) -> None:
+    """A trigger that refuses every renewal of a running job (its locked_at moved on, its lease the same)."""
+    with engine.begin() as conn:
+        if lift:
+            conn.exec_driver_sql("DROP TRIGGER no_renewal ON jobs")
+            conn.exec_driver_sql("DROP FUNCTION no_renewal()")
+            return
+        conn.exec_driver_sql(
+            "CREATE FUNCTION no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
+            "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewals refused'; END IF; "
+            "RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER no_renewal BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal()"
+        )
+
+
 def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_worker(
     runner: Runner, engine: Engine
 ) -> None:
@@ -330,15 +348,7 @@ def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_wor
     time beside the first (a review, also before stop 53). Its rescue leaves the jobs it holds alone: the job
     runs once, and its outcome — fenced, not rescued — is written."""
     seed_jobs(engine, 1, task="long")
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE FUNCTION no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at THEN "
-            "RAISE EXCEPTION 'renewals refused'; END IF; RETURN NEW; END $$"
-        )
-        conn.exec_driver_sql(
-            "CREATE TRIGGER no_renewal BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal()"
-        )
+    _refuse_renewals(engine)
     starts: list[float] = []
 
     def long(job: Any) -> None:
@@ -354,11 +364,75 @@ def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_wor
         w = runner.worker({"long": handler}, concurrency=2, stale_after=1.0, poll_interval=0.1)
         runner.run(w, until_idle=True)
     finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DROP TRIGGER no_renewal ON jobs")
-            conn.exec_driver_sql("DROP FUNCTION no_renewal()")
+        _refuse_renewals(engine, lift=True)
     assert len(starts) == 1, starts
     assert statuses(engine, "jobs") == {"done": 1}
+
+
+def test_a_loop_just_started_rescues_old_expired_leases_at_once_and_waits_on_recent_ones(
+    runner: Runner, engine: Engine
+) -> None:
+    """For 1.5 heartbeats after run() starts (22.5 s with the defaults) a loop rescues only leases that ran out
+    more than two leases ago: one that ran out a second ago may be a live loop's, cut off by an outage that is just
+    ending, which renews or finalizes it meanwhile. A dead predecessor's old lease is taken at once — loops that
+    each run for less than the wait (a timer, max_batches) still rescue (a review: with the whole rescue held
+    back, five 3–5 s runs rescued nothing)."""
+    seed_jobs(engine, 2, task="t")
+    seed_events(engine, 2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'running', locked_by = 'gone', attempts = 1, lease_version = 1, "
+                          "locked_at = now() - CASE id WHEN 1 THEN interval '1 hour' ELSE interval '61 s' END"))  # fmt: skip
+        conn.execute(text("UPDATE outbox SET status = 'processing', lease_owner = 'gone', attempts = 1, "
+                          "lease_version = 1, lease_until = now() - CASE id WHEN 1 THEN interval '1 hour' "
+                          "ELSE interval '1 s' END"))  # fmt: skip
+    ran: list[int] = []
+    pub = RecordingPublisher()
+    for loop, done in (
+        (runner.worker({"t": lambda j: ran.append(j.id)}, poll_interval=0.1), lambda: ran == [1]),
+        (runner.dispatcher(pub, poll_interval=0.1), lambda: pub.ids == [1]),
+    ):
+        thread = runner.run_in_thread(loop)
+        try:
+            assert wait_until(done, 5), (ran, pub.ids)
+            time.sleep(1.5)  # (more rescue steps: the recent lease stays)
+        finally:
+            loop.stop()
+            thread.join(15)
+    assert ran == [1] and pub.ids == [1]
+    assert row(engine, "jobs", 2).status == "running" and row(engine, "outbox", 2).status == "processing"
+
+
+def test_a_loop_rescues_a_newer_lease_of_a_row_it_holds(runner: Runner, engine: Engine) -> None:
+    """A worker runs job 1 on lease 1 while a trigger refuses its renewals; meanwhile another worker took the
+    row over (lease 2) and died, its lease run out (done by hand here). The first worker's rescue leaves alone
+    the lease it holds, not the row: lease 2 is rescued while the first run goes on. Before, it waited for that
+    run to end — for ever, with a hung handler and no handler_timeout (a review: 10.7 s, the handler's length)."""
+    seed_jobs(engine, 1, task="long")
+    _refuse_renewals(engine)
+    taken = threading.Event()
+
+    def long(job: Any) -> None:
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET lease_version = 2, locked_by = 'b', "
+                                  "locked_at = now() - interval '1 hour' WHERE id = 1"))  # fmt: skip
+            taken.set()
+            time.sleep(4.0)
+
+    async def long_async(job: Any) -> None:
+        await asyncio.to_thread(long, job)
+
+    handlers = {"long": long_async if runner.kind == "async" else long}
+    w = runner.worker(handlers, concurrency=2, poll_interval=0.1)  # (its loop free while the job runs)
+    thread = runner.run_in_thread(w)
+    try:
+        assert wait_until(taken.is_set, 10)
+        rescued = wait_until(lambda: "owner b" in (row(engine, "jobs", 1).last_error or ""), 3)
+    finally:
+        w.stop()
+        thread.join(15)
+        _refuse_renewals(engine, lift=True)
+    assert rescued, row(engine, "jobs", 1)._asdict()
 
 
 def test_an_idle_loop_wakes_up_when_a_row_it_put_back_becomes_due(runner: Runner, engine: Engine) -> None:

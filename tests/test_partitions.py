@@ -49,7 +49,7 @@ from sa_outbox.models import JobSchedule, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
 from .conftest import ROOT
-from .helpers import fresh_schema
+from .helpers import KEPT, fresh_schema
 from .test_explain import nodes, scans
 from .test_generic_plans import generic_plan
 
@@ -402,8 +402,8 @@ def test_generic_plans_of_the_other_statements_never_read_a_partition_whole(
     one = {"o_id": 1, "o_version": 1, "o_status": "done", "o_delay": None, "o_error": None, "o_refund": 0,
            "o_result": None}  # fmt: skip
     stmt, params = {
-        "outbox rescue": (_sql.rescue_statement(ev), {"limit": 1000, "max_attempts": 12, "kept": [3]}),
-        "jobs rescue": (_sql.rescue_statement(jobs), {"limit": 1000, "stale_after": timedelta(seconds=60), "kept": [3]}),
+        "outbox rescue": (_sql.rescue_statement(ev), {"limit": 1000, "max_attempts": 12, **KEPT}),
+        "jobs rescue": (_sql.rescue_statement(jobs), {"limit": 1000, "stale_after": timedelta(seconds=60), **KEPT}),
         "outbox finalize": (_sql.finalize_statement(ev), outcomes),
         "jobs finalize": (_sql.finalize_statement(jobs), outcomes),
         "outbox finalize, one outcome": (_sql.finalize_statement(ev, single=True), one),
