@@ -495,13 +495,14 @@ class LoopBase:
         """What the rescue step takes: None — nothing, the loop is back from a database fault for less than
         :meth:`_fault_grace` (the first step after one starts the wait); else the leases expired for longer
         than this many seconds — two leases' length during the grace after run() started (see
-        :meth:`_start_run`; it covers outages up to about three leases long), zero after it. The wait after a fault: the other loops were most likely cut
-        off too (a server restart, a pooler or network outage): their leases ran out with nobody able to
-        renew them, and the loop that reconnects first would take back jobs that live workers ran — finished,
-        their outcomes not yet written — and run them again (a review: 1–2 jobs of 40 run twice in 10 of 20
-        runs of an 8 s outage). Meanwhile their heartbeats renew what they hold. Not covered: a database that
-        comes back for a moment between two outages (the wait starts then, and may be over when it is back
-        for good)."""
+        :meth:`_start_run`; it covers outages up to about three leases long), zero after it.
+
+        The wait after a fault: the other loops were most likely cut off too (a server restart, a pooler or
+        network outage): their leases ran out with nobody able to renew them, and the loop that reconnects
+        first would take back jobs that live workers ran — finished, their outcomes not yet written — and run
+        them again (a review: 1–2 jobs of 40 run twice in 10 of 20 runs of an 8 s outage). Meanwhile their
+        heartbeats renew what they hold. Not covered: a database that comes back for a moment between two
+        outages (the wait starts then, and may be over when it is back for good)."""
         now = time.monotonic()
         if self._fault_seen:
             self._fault_seen = False

@@ -250,9 +250,10 @@ class DispatcherBase(LoopBase):
         return min(DATABASE_OUTAGE.cap, self.lease.total_seconds() / 4)
 
     def _fault_grace(self) -> float:
-        """After a database fault (and when run() starts) the rescue waits 1.5 × :meth:`_outage_retry_cap`:
-        the other dispatchers, cut off too, are back meanwhile and write the outcomes of what they published
-        before this one's rescue could take those rows and publish them again."""
+        """After a database fault (and, for recent leases, when run() starts) the rescue waits 1.5 ×
+        :meth:`_outage_retry_cap`: the other dispatchers, cut off too, are back meanwhile and write the
+        outcomes of what they published before this one's rescue could take those rows and publish them
+        again."""
         return 1.5 * self._outage_retry_cap()
 
     def _finalize_window(self) -> float:

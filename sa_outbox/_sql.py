@@ -833,8 +833,8 @@ def rescue_statement(spec: QueueSpec) -> Update:
     becomes ``cancelled`` (its worker died before it could stop it: it must not run again). The reason is
     appended to ``last_error``. Many workers may run this at once: SKIP LOCKED gives each its own rows.
     A job whose heartbeat holds its lease guard (:func:`guard_statement`) is left alone, expired or not.
-    The leases the loop running the statement holds (``:kept_ids``/``:kept_versions``) are left alone too: its own expired lease on a
-    batch published and not yet finalized (the database was out of reach for longer than the lease), or on
+    The leases the loop running the statement holds (``:kept_ids``, ``:kept_versions``) are left alone too:
+    its own expired lease on a batch published and not yet finalized (the database was out of reach for longer than the lease), or on
     a job it runs whose renewals fail — rescued, the very loop holding it would publish or run it again (a
     test: three of six messages twice after a 4 s outage with a 2 s lease). A row leased in its name that it
     does not know of (a claim whose answer was lost with its connection), or a newer lease of a row it holds
