@@ -1465,9 +1465,7 @@ class Worker(WorkerBase):
         self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
-            try:
-                if len(self._done):  # its own outcomes first: the rescue must not take back a row it finished
-                    self._flush()
+            try:  # (a job finished, its outcome not yet written, is still held: its rescue leaves it alone)
                 self._db.run(self._rescue_on)
             except BaseException:
                 # its pause read may not have run: no job starts and nothing is claimed until the pauses are
@@ -1852,9 +1850,7 @@ class AsyncWorker(WorkerBase):
         self._partition_step(now)
         if force or self._rescuer.due(now):
             self._rescuer.ran(now)
-            try:
-                if len(self._done):  # (as Worker._rescue)
-                    await self._flush()
+            try:  # (as Worker._rescue)
                 await self._db.run(self._rescue_on)
             except BaseException:
                 self._db_fault()  # (as Worker._rescue)

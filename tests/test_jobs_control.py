@@ -737,9 +737,9 @@ def test_the_workers_rescue_never_takes_back_a_job_whose_outcome_it_holds_unwrit
     runner: Runner, engine: Engine, kind: str
 ) -> None:
     """A job finished while its lease ran out unrenewed (set back by hand here, as a database out of reach longer
-    than stale_after leaves it): its outcome waits in the worker. The worker's next maintenance step writes it
-    before it rescues anything, so its own rescue does not take the finished job back to run it again (a
-    review: the long job of an 8 s outage ran twice, 1 of 9 runs)."""
+    than stale_after leaves it): its outcome waits in the worker, which still holds the lease, so its own rescue
+    leaves it alone rather than take the finished job back to run it again (a review: the long job of an 8 s
+    outage ran twice, 1 of 9 runs)."""
 
     def wait_then_expire_own_lease() -> None:
         time.sleep(1.3)  # the step is due when the next job is about to start
