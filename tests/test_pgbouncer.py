@@ -1247,17 +1247,23 @@ def test_a_closed_partition_refuses_retries_whole_through_pgbouncer(pengine: Eng
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
-@pytest.mark.parametrize("second", [None, "cut off too", "started as it ends"])
+@pytest.mark.parametrize(
+    ("second", "ordered"),
+    [(None, False), ("cut off too", False), ("started as it ends", False), ("cut off too", True),
+     ("started as it ends", True)],
+)  # fmt: skip
 def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothing_twice(
-    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, second: str | None
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, second: str | None, ordered: bool
 ) -> None:
     """A dispatcher publishes a batch, then the database goes out of reach (PgBouncer's DISABLE and KILL) for
     twice the lease, so the batch's outcomes cannot be written and its leases run out meanwhile. Back, no
     message goes out twice: not by the dispatcher's own rescue (before: the three messages of the batch, every
     run), nor by a second dispatcher cut off too, nor by one started as the outage ends (before: its first
-    rescue took the batch at once) — their rescue waits while the first writes what it published."""
+    rescue took the batch at once) — their rescue waits while the first writes what it published. In ordered
+    mode (three aggregates of two events) each aggregate's events also go out in order."""
     alias = f"{db_url.database}_cut"
-    seed_events(engine, 6)
+    for n in range(6):
+        seed_events(engine, 1, aggregate=f"agg-{n % 3}", start=n)
     cut = threading.Event()
 
     def first_batch_then_cut(message: Any) -> None:
@@ -1277,7 +1283,9 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
     def start() -> None:  # (one runner each: an async runner's event loop runs one loop at a time)
         runners.append(PooledRunner(flavour, deng, url, db_url))
         loops.append(
-            runners[-1].dispatcher(publisher, batch=3, lease=2.0, publish_timeout=1.0, poll_interval=0.2)
+            runners[-1].dispatcher(
+                publisher, batch=3, lease=2.0, publish_timeout=1.0, poll_interval=0.2, ordered=ordered
+            )
         )
         threads.append(runners[-1].run_in_thread(loops[-1]))
 
@@ -1306,3 +1314,7 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
     assert not any(t.is_alive() for t in threads)
     counts = Counter(publisher.ids)
     assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
+    if ordered:
+        for agg in ("agg-0", "agg-1", "agg-2"):
+            ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == agg]
+            assert ns == sorted(ns), (agg, ns)
