@@ -466,12 +466,12 @@ class LoopBase:
         each run for less than the wait still rescue (a review: with no margin, five 3–5 s runs rescued
         nothing). A ``drain`` (``until_idle``, a script's or a test's run, like run_once()) rescues at
         once. Returns the policy of run()'s retries through connection faults."""
+        self._lifecycle("started")  # (first: the one line starting "started", which logs are read for)
         grace = self._fault_grace()
         if not drain and grace > 0:
             self._fresh_until = time.monotonic() + grace
-            self._log.info("started: leases expired less than %.0f s ago are rescued from %.1f s on, once the other "
-                           "loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
-        self._lifecycle("started")
+            self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
+                           "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
         return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
 
     def _outage_retry_cap(self) -> float:
