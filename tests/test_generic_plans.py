@@ -305,9 +305,12 @@ def test_a_running_dispatcher_keeps_the_generic_plan(shared_engine: Engine, orde
         with shared_engine.begin() as conn:
             conn.execute(text("TRUNCATE outbox RESTART IDENTITY"))
     assert dispatcher.stats.done >= 100 * 50, dispatcher.stats
-    assert len(plans) == 1, plans
-    generic, custom = plans[0]
+    # The run's claims pass over rows other transactions hold (the settled form); at least once a second one
+    # locks instead (ClaimForms), a statement of its own: a run slower than a second (a loaded CI machine) has
+    # two. The settled one carries the run and must be generic; none may be planned anew past the five trials.
+    generic, custom = max(plans)
     assert custom == 5 and generic >= 100, plans
+    assert all(c <= 5 for _, c in plans), plans
 
 
 def test_a_unique_skip_reads_the_waiting_job_through_the_unique_index(table_shape: Engine) -> None:
