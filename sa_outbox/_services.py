@@ -108,6 +108,12 @@ class Held:
         with self._lock:
             return [(row_id, known[0]) for row_id, known in self._held.items()]
 
+    def version(self, row_id: int) -> int | None:
+        """The lease the row is held under; None: not held."""
+        with self._lock:
+            known = self._held.get(row_id)
+            return None if known is None else known[0]
+
     def confirmed(self, row_id: int, lease_version: int) -> float | None:
         """When the row's lease was last confirmed (see the class); None: not held under this lease (finalized,
         or taken back by the loop's own rescue)."""

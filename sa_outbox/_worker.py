@@ -515,6 +515,10 @@ class WorkerBase(LoopBase):
         self._queue: deque[ClaimedJob] = deque()
         #: The cancel flag of every job in hand (set when the heartbeat learns of a cancellation request).
         self._tokens: dict[int, CancelToken] = {}
+        #: Jobs started here whose run has not ended, id -> lease_version; and jobs claimed again while such a
+        #: run goes on (another worker's rescue took the row back), id -> the newer claim (:meth:`_accept`).
+        self._in_run: dict[int, int] = {}
+        self._parked: dict[int, ClaimedJob] = {}
         self._session_handlers: dict[Any, bool] = {}
         self._async_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
@@ -711,8 +715,22 @@ class WorkerBase(LoopBase):
         self._held.hold(((row[0], row[1]) for row in rows), sent)
 
     def _accept(self, rows: Sequence[Any]) -> int:
+        """Claimed rows join the jobs in hand. A job claimed again while a run of it goes on here (its lease ran
+        out unrenewed — the database out of reach — and another worker's rescue put it back) is not started
+        beside that run: it waits for it (:meth:`_run_ended`), sharing its cancel flag."""
         jobs = []
+        in_run = self._in_run
         for row in rows:
+            if in_run and row[0] in in_run:
+                token = self._tokens.get(row[0]) or CancelToken()
+                self._ages[row[0]] = row[-1]
+                newer = self._parked[row[0]] = ClaimedJob.from_row(row, token, self._loads)
+                log.warning(
+                    "job %s (%s) was claimed again (lease %s) while its run on lease %s goes on here: not started "
+                    "beside it", newer.id, newer.task, newer.lease_version, in_run[row[0]],
+                    extra={"table": self.spec.table.name, "row_id": newer.id, "lease_version": newer.lease_version},
+                )  # fmt: skip
+                continue
             token = self._tokens[row[0]] = CancelToken()
             self._ages[row[0]] = row[-1]
             jobs.append(ClaimedJob.from_row(row, token, self._loads))
@@ -739,6 +757,8 @@ class WorkerBase(LoopBase):
     def _report(self, outcomes: Sequence[Outcome], applied: set[int]) -> None:
         super()._report(outcomes, applied)
         for o in outcomes:
+            if o.id not in applied and self._held.version(o.id) not in (None, o.lease_version):
+                continue  # a lost lease of a job in hand again under a newer one: its flag and age are that one's
             self._tokens.pop(o.id, None)
             self._ages.pop(o.id, None)
 
@@ -770,13 +790,61 @@ class WorkerBase(LoopBase):
     def _timed_out(self) -> RetryableError:
         return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
 
+    def _run_ended(self, job: ClaimedJob, ran: _Ran | None) -> tuple[ClaimedJob, bool]:
+        """A run started here ended (``ran``: its result; None: it was cancelled). Returns the job its outcome is
+        written for, and whether that outcome is to be written at all. Without a newer claim of it: ``job``.
+        With one that waited for this run (:meth:`_accept`): the newer claim takes this run's result when that
+        result is still the job's — the run wrote nothing of its own (a handler in a transaction commits its
+        work with its completion, fenced by the old lease: refused, rolled back) and the job was not changed
+        meanwhile (an operator's update). Else this run's outcome is a lost lease, never written (the newer
+        claim holds the row), and the newer claim runs now, after it — or is given back if the worker stops."""
+        self._in_run.pop(job.id, None)
+        newer = self._parked.pop(job.id, None) if self._parked else None
+        if newer is None:
+            return job, True
+        if (
+            ran is not None
+            and not (ran.committed or ran.lost)
+            and (newer.task, newer.payload, newer.headers) == (job.task, job.payload, job.headers)
+        ):
+            log.info(
+                "job %s (%s): the result of its run on lease %s is written on lease %s", job.id, job.task,
+                job.lease_version, newer.lease_version,
+                extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": newer.lease_version},
+            )  # fmt: skip
+            return newer, True
+        if self._may_start():
+            self._queue.appendleft(newer)
+        else:
+            self._done.add([self._not_started(newer, "released: worker stopping")])
+        return job, False
+
+    def _release_parked(self) -> None:
+        """The loop ends with every run over: a newer claim still waiting for one (a run that ended by a path
+        that did not report it) is given back, and nothing is counted as running any more."""
+        for newer in self._parked.values():
+            self._done.add([self._not_started(newer, "released: worker stopping")])
+        self._parked.clear()
+        self._in_run.clear()
+
+    def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
+        """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""
+        if self._run_ended(job, None)[1]:
+            self._done.add([self._not_started(job, reason)])
+
+    def _superseded(self, outcomes: Iterable[Outcome]) -> None:
+        """Outcomes of a run whose lease a newer claim of the job in hand replaced: lost, not written."""
+        self._report(list(outcomes), set())
+
     def _finish(self, job: ClaimedJob, ran: _Ran) -> None:
         """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
+        job, write = self._run_ended(job, ran)
+        record = self._done.add if write else self._superseded
         self._pace.observe(ran.seconds)
         self._observe_handled(ran.seconds, job.created_at)
         if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
             result = None if ran.value is None else _encode_result(job, ran.value, self._max_result_bytes())
-            self._done.add((_steps.done_outcome(job.id, job.lease_version, self.spec.done, result),))
+            record((_steps.done_outcome(job.id, job.lease_version, self.spec.done, result),))
             return
         if ran.committed or ran.lost:  # a transactional handler: its completion is written (or rolled back)
             self._report(
@@ -785,9 +853,7 @@ class WorkerBase(LoopBase):
             return
         error = ran.error
         if error is not None and job.cancel_requested and isinstance(error, Exception):
-            self._done.add(
-                [_steps.cancelled(self.spec, job.id, job.lease_version, f"handler stopped ({error!r})")]
-            )
+            record([_steps.cancelled(self.spec, job.id, job.lease_version, f"handler stopped ({error!r})")])
             return
         outcome, fatal = self._outcome(
             id=job.id, lease_version=job.lease_version, attempts=job.attempts, max_attempts=job.max_attempts,
@@ -795,7 +861,7 @@ class WorkerBase(LoopBase):
         )  # fmt: skip
         if outcome.kind == "done" and ran.value is not None:
             outcome = replace(outcome, result=_encode_result(job, ran.value, self._max_result_bytes()))
-        self._done.add([outcome])
+        record([outcome])
         if fatal is not None and self._fatal is None:
             self._fatal = fatal  # no new job starts; what is in hand is recorded, then it is raised
 
@@ -871,6 +937,7 @@ class WorkerBase(LoopBase):
                 # landed after the pause was read (a claim in flight), or waited behind a running job
                 self._done.add([self._not_started(job, PAUSED_RELEASE)])
             else:
+                self._in_run[job.id] = job.lease_version
                 return job
         return None
 
@@ -1595,6 +1662,7 @@ class Worker(WorkerBase):
             while self._running:
                 self._wait_running()
                 self._collect()
+            self._release_parked()
             self._flush()
         except Exception:
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
@@ -1878,7 +1946,7 @@ class AsyncWorker(WorkerBase):
             elif self._is_async(handler) or self._in_transaction(handler):
                 ran = await self._execute_inline(handler, job)
                 if ran is None:
-                    self._done.add([self._not_started(job, "released: cancelled")])
+                    self._ended_unfinished(job, "released: cancelled")
                 else:
                     self._finish(job, ran)
             else:
@@ -2001,7 +2069,10 @@ class AsyncWorker(WorkerBase):
             raise
         finally:
             record()
-            self._queue.extendleft(job for job, _ in reversed(pairs[len(results) :]))
+            unrun = pairs[len(results) :]
+            for job, _ in unrun:  # (``first`` among them if the thread never started: it is not running)
+                self._in_run.pop(job.id, None)
+            self._queue.extendleft(job for job, _ in reversed(unrun))
 
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
@@ -2153,7 +2224,7 @@ class AsyncWorker(WorkerBase):
         for task in [t for t in self._running if t.done()]:
             running = self._running.pop(task)
             if task.cancelled():
-                self._done.add([self._not_started(running.job, "released: cancelled")])
+                self._ended_unfinished(running.job, "released: cancelled")
                 continue
             self._finish(running.job, task.result())
 
@@ -2246,6 +2317,7 @@ class AsyncWorker(WorkerBase):
             if self._running:
                 await asyncio.wait(list(self._running))
             self._collect()
+            self._release_parked()
             await self._flush()
         except Exception:
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")

@@ -369,6 +369,76 @@ def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_wor
     assert statuses(engine, "jobs") == {"done": 1}
 
 
+def _run_while_taken_back(
+    runner: Runner, engine: Engine, *, change: str = "", transactional: bool = False
+) -> tuple[list[tuple[int, int, float, float]], Any]:
+    """Job 1 runs 1.5 s on a worker of concurrency 2; at its start the row is put back to queued by hand (as
+    another worker's rescue leaves it when the lease ran out during an outage), with ``change`` applied too.
+    The worker's own claims take it again while that run goes on. Returns each run's (id, lease_version,
+    start, end) and the worker."""
+    seed_jobs(engine, 1, task="t")
+    runs: list[tuple[int, int, float, float]] = []
+
+    def body(job: ClaimedJob) -> None:
+        started = time.monotonic()
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"
+                                  + change + " WHERE id = 1"))  # fmt: skip
+            time.sleep(1.5)
+        runs.append((job.id, job.lease_version, started, time.monotonic()))
+
+    def in_transaction(job: ClaimedJob, session: Any) -> None:
+        body(job)
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    handler: Any = in_transaction if transactional else body_async if runner.kind == "async" else body
+    w = runner.worker({"t": handler}, concurrency=2, poll_interval=0.05)
+    assert run_until(runner, w, lambda: row(engine, "jobs", 1).status == "done", timeout=15)
+    return runs, w
+
+
+def test_a_job_claimed_again_while_its_worker_runs_it_is_not_started_beside_itself(
+    runner: Runner, engine: Engine
+) -> None:
+    """A job whose lease another worker's rescue took back (an outage longer than stale_after) is claimed
+    again by the very worker still running it: before, that worker started it a second time beside the
+    first run (a review, stop 54: 5 starts). The newer claim now waits for the run in progress, whose result
+    is written on the newer lease: one run, done, no lost lease."""
+    runs, w = _run_while_taken_back(runner, engine)
+    assert [(i, v) for i, v, _, _ in runs] == [(1, 1)], runs
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.lease_version) == ("done", 2), r
+    assert w.stats.lost_leases == 0 and w.stats.done == 1, w.stats
+
+
+def test_a_job_changed_while_taken_back_runs_again_after_its_first_run(
+    runner: Runner, engine: Engine
+) -> None:
+    """The same, but the job was changed while it was queued (an operator's update of its payload): the first
+    run's result is not the job's any more, so the newer claim runs — once the first run has ended, never
+    beside it."""
+    runs, w = _run_while_taken_back(runner, engine, change=", payload = '{\"v\": 2}'")
+    assert [(i, v) for i, v, _, _ in runs] == [(1, 1), (1, 2)], runs
+    assert runs[1][2] >= runs[0][3], runs  # started after the first run ended
+    assert w.stats.lost_leases == 1, w.stats
+
+
+def test_a_transactional_job_claimed_again_while_it_runs_runs_again_after_it(
+    runner: Runner, engine: Engine
+) -> None:
+    """A handler that takes a session commits its work with its completion, fenced by its lease: the first
+    run's transaction is refused (the lease moved on) and rolled back, so the newer claim runs — after the
+    first run, never beside it."""
+    runs, w = _run_while_taken_back(runner, engine, transactional=True)
+    assert [(i, v) for i, v, _, _ in runs] == [(1, 1), (1, 2)], runs
+    assert runs[1][2] >= runs[0][3], runs
+    assert row(engine, "jobs", 1).lease_version == 2
+    assert w.stats.lost_leases == 1, w.stats  # the first run's, its transaction refused
+
+
 def test_a_loop_just_started_rescues_old_expired_leases_at_once_and_waits_on_recent_ones(
     runner: Runner, engine: Engine
 ) -> None:
