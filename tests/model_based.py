@@ -82,6 +82,9 @@ After every step
     I11 no job starts on a lease older than one it has already started on: a worker starts a job in hand only
         on a lease it knows is alive (its own rescue did not take it back, a claim or beat confirmed it within
         most of ``stale_after``), so a rescue and a new claim can only come after its start;
+    I12 no worker starts a job while it runs that job already (unless that run outlived the worker's
+        handler_timeout, which gave up on it): a job claimed again while its first run goes on — another
+        worker's rescue took it back — waits for that run, whose result it takes;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -115,6 +118,7 @@ import contextlib
 import gc
 import itertools
 import json
+import os
 import random
 import threading
 import time
@@ -255,6 +259,10 @@ class Record:
         #: Each batch a worker took (I10): its concurrency and the batch's (seq, lease_version, queue, priority)
         #: in the order it took them.
         self.batches: list[tuple[int, list[tuple[int, int, str, int]]]] = []
+        #: I12: the runs going on, (worker, seq) -> when each started; and the starts beside one of them.
+        self.in_run: dict[tuple[str, int], list[float]] = {}
+        self.beside_itself: list[str] = []
+        self.runs: list[tuple[str, int, int, float]] = []  # (worker, seq, lease_version, start) of each run
 
     def check_payload(self, payload: Any) -> None:
         """I7: a claimed payload decodes as the loops' engine decodes JSON, to the value produced (the loops'
@@ -272,6 +280,26 @@ class Record:
         if wrong:
             with self.lock:
                 self.bad_payloads.append(f"seq {payload.get('seq')}: {payload!r}")
+
+    @contextmanager
+    def running(self, who: str, job: ClaimedJob, timeout: float | None) -> Iterator[None]:
+        """I12: a handler's run on worker ``who``. A start while the same worker runs the job already is kept,
+        unless that run has outlived ``timeout``, the worker's handler_timeout (the worker gave up on it and
+        may run the job again while the abandoned call goes on: documented)."""
+        key, now = (who, job.payload["seq"]), time.monotonic()
+        with self.lock:
+            runs = self.in_run.setdefault(key, [])
+            if any(timeout is None or now - began < timeout for began in runs):
+                self.beside_itself.append(
+                    f"{who} started job {key[1]} (lease {job.lease_version}) while running it"
+                )
+            runs.append(now)
+            self.runs.append((who, key[1], job.lease_version, now))
+        try:
+            yield
+        finally:
+            with self.lock:
+                runs.remove(now)
 
     def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
         """Record one call; returns its position (for :meth:`settle`)."""
@@ -376,9 +404,13 @@ class AsyncModelPublisher(ModelPublisher):
             raise RetryableError("planned hang")
 
 
-def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False, pace: float = 0.0) -> Any:
+def make_handler(
+    record: Record, *, is_async: bool, in_transaction: bool = False, pace: float = 0.0, who: str = "",
+    timeout: float | None = None,
+) -> Any:  # fmt: skip
     """The model's handler: acts by the job's plan. ``in_transaction``: it takes a session and writes an effect
-    row first, which must commit exactly when the job's completion does (and roll back otherwise). ``pace``:
+    row first, which must commit exactly when the job's completion does (and roll back otherwise). ``who``
+    and ``timeout``: its worker's name and handler_timeout (I12, :meth:`Record.running`). ``pace``:
     a sync handler also takes this long. A concurrency-1 Worker then sends its next claim on the claim thread:
     beside the last job in hand at 2 ms, with jobs still queued at 0.4 ms and a batch of 4 or 10; with no pace
     its own thread sends the claim ahead of the jobs in hand and reads it after them."""
@@ -416,48 +448,52 @@ def make_handler(record: Record, *, is_async: bool, in_transaction: bool = False
     if is_async and in_transaction:
 
         async def handle_async_tx(job: ClaimedJob, session: AsyncSession) -> None:
-            await session.execute(effect, {"s": job.payload["seq"]})
-            done = act(job, session.sync_session)
-            if done == "long":
-                await asyncio.sleep(LONG)
-            elif done == "hang":
-                await asyncio.sleep(HANG)
-                raise RetryableError("planned hang")
+            with record.running(who, job, timeout):
+                await session.execute(effect, {"s": job.payload["seq"]})
+                done = act(job, session.sync_session)
+                if done == "long":
+                    await asyncio.sleep(LONG)
+                elif done == "hang":
+                    await asyncio.sleep(HANG)
+                    raise RetryableError("planned hang")
 
         return handle_async_tx
     if is_async:
 
         async def handle_async(job: ClaimedJob) -> None:
-            done = act(job)
-            if done == "long":
-                await asyncio.sleep(LONG)
-            elif done == "hang":
-                await asyncio.sleep(HANG)
-                raise RetryableError("planned hang")
+            with record.running(who, job, timeout):
+                done = act(job)
+                if done == "long":
+                    await asyncio.sleep(LONG)
+                elif done == "hang":
+                    await asyncio.sleep(HANG)
+                    raise RetryableError("planned hang")
 
         return handle_async
     if in_transaction:
 
         def handle_tx(job: ClaimedJob, session: Session) -> None:
-            session.execute(effect, {"s": job.payload["seq"]})
-            done = act(job, session)
+            with record.running(who, job, timeout):
+                session.execute(effect, {"s": job.payload["seq"]})
+                done = act(job, session)
+                if done == "long":
+                    time.sleep(LONG)
+                elif done == "hang":
+                    time.sleep(HANG)
+                    raise RetryableError("planned hang")
+
+        return handle_tx
+
+    def handle(job: ClaimedJob) -> None:
+        with record.running(who, job, timeout):
+            if pace:
+                time.sleep(pace)
+            done = act(job)
             if done == "long":
                 time.sleep(LONG)
             elif done == "hang":
                 time.sleep(HANG)
                 raise RetryableError("planned hang")
-
-        return handle_tx
-
-    def handle(job: ClaimedJob) -> None:
-        if pace:
-            time.sleep(pace)
-        done = act(job)
-        if done == "long":
-            time.sleep(LONG)
-        elif done == "hang":
-            time.sleep(HANG)
-            raise RetryableError("planned hang")
 
     return handle
 
@@ -1220,9 +1256,13 @@ class Scenario:
             # on its own connection and reads it after them
             options.update(concurrency=1, handler_timeout=None)
             pace = 0.0
+        name = f"worker-{next(self.names)}"
+        timeout = options["handler_timeout"]
         handlers = {
-            "model": make_handler(self.record, is_async=async_handler, pace=pace),
-            "model_tx": make_handler(self.record, is_async=async_handler, in_transaction=True),
+            "model": make_handler(self.record, is_async=async_handler, pace=pace, who=name, timeout=timeout),
+            "model_tx": make_handler(
+                self.record, is_async=async_handler, in_transaction=True, who=name, timeout=timeout
+            ),
             CRON: make_cron_handler(self.record),
         }
         queues: Any = QUEUES
@@ -1245,7 +1285,6 @@ class Scenario:
         elif LIMITED in queues:
             options["limits"] = {LIMITED: self.limit}
         cls: Any = AsyncWorker if is_async else Worker
-        name = f"worker-{next(self.names)}"
         if set(queues) == set(QUEUES):
             self.every_queue.add(name)
         if burst:
@@ -1875,7 +1914,15 @@ class Scenario:
         # I3
         claims = Counter((kind, seq, lv) for kind, seq, lv, _ in rec)
         twice = [c for c, n in claims.items() if n > 1]
-        assert not twice, f"one claim handled twice: {twice[:5]}"
+        if twice:
+            with self.record.lock:
+                runs = [r for r in self.record.runs if (r[1], r[2]) in {(c[1], c[2]) for c in twice}]
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    text("SELECT id, status, lease_version, attempts, unique_key, last_error FROM jobs "
+                         "WHERE (payload ->> 'seq')::int = ANY(:s)"), {"s": [c[1] for c in twice]},
+                ).all()  # fmt: skip
+            raise AssertionError(f"one claim handled twice: {twice[:5]}; its runs: {runs[:10]}; rows {rows}")
         # I11
         newest: dict[tuple[str, int], int] = {}
         for kind, seq, lv, _ in rec:
@@ -1927,6 +1974,8 @@ class Scenario:
             if concurrency == 1:
                 order = [started[(seq, lv)] for seq, lv, _, _ in batch if (seq, lv) in started]
                 assert order == sorted(order), f"a batch started out of the order it was taken in: {batch}"
+        # I12
+        assert not self.record.beside_itself, f"a job run beside itself: {self.record.beside_itself[:5]}"
         # I7
         assert not self.record.bad_payloads, f"payloads decoded otherwise: {self.record.bad_payloads[:5]}"
         # I6
@@ -2059,6 +2108,6 @@ def run_scenario(seed: int, engine: Engine, async_url: URL, profile: Profile) ->
         left = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
         assert not [m for m in left if "while still open" in m], f"connections left open: {left[:3]}"
     except BaseException as exc:
-        tail = "\n  ".join(scenario.log[-40:])
+        tail = "\n  ".join(scenario.log[-int(os.environ.get("SA_OUTBOX_MODEL_TAIL", "40")) :])
         raise AssertionError(f"model-based scenario seed={seed} failed: {exc}\n  {tail}") from exc
     return scenario
