@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import queue
@@ -790,18 +791,20 @@ class WorkerBase(LoopBase):
     def _timed_out(self) -> RetryableError:
         return RetryableError(f"handler exceeded handler_timeout ({self.handler_timeout:g}s)")
 
-    def _run_ended(self, job: ClaimedJob, ran: _Ran | None) -> tuple[ClaimedJob, bool]:
+    def _run_ended(self, job: ClaimedJob, ran: _Ran | None) -> tuple[ClaimedJob, bool, int]:
         """A run started here ended (``ran``: its result; None: it was cancelled). Returns the job its outcome is
-        written for, and whether that outcome is to be written at all. Without a newer claim of it: ``job``.
-        With one that waited for this run (:meth:`_accept`): the newer claim takes this run's result when that
-        result is still the job's — the run wrote nothing of its own (a handler in a transaction commits its
-        work with its completion, fenced by the old lease: refused, rolled back) and the job was not changed
-        meanwhile (an operator's update). Else this run's outcome is a lost lease, never written (the newer
-        claim holds the row), and the newer claim runs now, after it — or is given back if the worker stops."""
+        written for, whether that outcome is to be written at all, and how many attempts it gives back. Without
+        a newer claim of it: ``job``, written, none. With one that waited for this run (:meth:`_accept`): the
+        newer claim takes this run's result when that result is still the job's — the run wrote nothing of its
+        own (a handler in a transaction commits its work with its completion, fenced by the old lease: refused,
+        rolled back) and the job was not changed meanwhile (an operator's update; compared as the handler saw
+        it) — decided on the attempts of the run that happened, the attempts the newer claims counted given
+        back (they never ran). Else this run's outcome is a lost lease, never written (the newer claim holds the
+        row), and the newer claim runs now, after it — or is given back if the loop is ending."""
         self._in_run.pop(job.id, None)
         newer = self._parked.pop(job.id, None) if self._parked else None
         if newer is None:
-            return job, True
+            return job, True, 0
         if (
             ran is not None
             and not (ran.committed or ran.lost)
@@ -812,16 +815,15 @@ class WorkerBase(LoopBase):
                 job.lease_version, newer.lease_version,
                 extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": newer.lease_version},
             )  # fmt: skip
-            return newer, True
-        if self._may_start():
-            self._queue.appendleft(newer)
-        else:
-            self._done.add([self._not_started(newer, "released: worker stopping")])
-        return job, False
+            return replace(newer, attempts=job.attempts), True, max(0, newer.attempts - job.attempts)
+        self._queue.appendleft(newer)  # (given back with the jobs in hand if the loop is ending)
+        return job, False, 0
 
-    def _release_parked(self) -> None:
-        """The loop ends with every run over: a newer claim still waiting for one (a run that ended by a path
-        that did not report it) is given back, and nothing is counted as running any more."""
+    def _release_after_runs(self) -> None:
+        """The loop ends with every run over: jobs in hand that are still to start are given back — a newer claim
+        a run ended by putting back among them (:meth:`_run_ended`), or one still waiting for a run that ended
+        by a path that did not report it — and nothing is counted as running any more."""
+        self._release_unstarted()
         for newer in self._parked.values():
             self._done.add([self._not_started(newer, "released: worker stopping")])
         self._parked.clear()
@@ -829,8 +831,13 @@ class WorkerBase(LoopBase):
 
     def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
         """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""
-        if self._run_ended(job, None)[1]:
+        _, write, _ = self._run_ended(job, None)
+        if write:
             self._done.add([self._not_started(job, reason)])
+
+    def _refunded(self, refund: int, outcomes: Iterable[Outcome]) -> None:
+        """Outcomes written with ``refund`` more attempts given back (claims that never ran)."""
+        self._done.add([replace(o, refund=o.refund + refund) for o in outcomes])
 
     def _superseded(self, outcomes: Iterable[Outcome]) -> None:
         """Outcomes of a run whose lease a newer claim of the job in hand replaced: lost, not written."""
@@ -838,8 +845,10 @@ class WorkerBase(LoopBase):
 
     def _finish(self, job: ClaimedJob, ran: _Ran) -> None:
         """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
-        job, write = self._run_ended(job, ran)
+        job, write, refund = self._run_ended(job, ran)
         record = self._done.add if write else self._superseded
+        if refund:
+            record = functools.partial(self._refunded, refund)
         self._pace.observe(ran.seconds)
         self._observe_handled(ran.seconds, job.created_at)
         if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
@@ -1662,7 +1671,7 @@ class Worker(WorkerBase):
             while self._running:
                 self._wait_running()
                 self._collect()
-            self._release_parked()
+            self._release_after_runs()
             self._flush()
         except Exception:
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
@@ -2317,7 +2326,7 @@ class AsyncWorker(WorkerBase):
             if self._running:
                 await asyncio.wait(list(self._running))
             self._collect()
-            self._release_parked()
+            self._release_after_runs()
             await self._flush()
         except Exception:
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")

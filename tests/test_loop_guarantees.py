@@ -410,7 +410,9 @@ def test_a_job_claimed_again_while_its_worker_runs_it_is_not_started_beside_itse
     runs, w = _run_while_taken_back(runner, engine)
     assert [(i, v) for i, v, _, _ in runs] == [(1, 1)], runs
     r = row(engine, "jobs", 1)
-    assert (r.status, r.lease_version) == ("done", 2), r
+    assert (r.status, r.lease_version, r.attempts) == ("done", 2, 1), (
+        r
+    )  # (the claim that never ran: refunded)
     assert w.stats.lost_leases == 0 and w.stats.done == 1, w.stats
 
 
@@ -437,6 +439,59 @@ def test_a_transactional_job_claimed_again_while_it_runs_runs_again_after_it(
     assert runs[1][2] >= runs[0][3], runs
     assert row(engine, "jobs", 1).lease_version == 2
     assert w.stats.lost_leases == 1, w.stats  # the first run's, its transaction refused
+
+
+def test_a_newer_claim_waiting_for_a_run_when_the_loop_ends_is_given_back(
+    runner: Runner, engine: Engine
+) -> None:
+    """A job claimed again while its transactional handler runs (the newer claim must run after it: the first
+    run's commit is refused) when run() ends by ``max_batches`` — not by stop(), so the loop could still start
+    jobs as that run ended: the newer claim went back among the jobs in hand after they had been given back,
+    and stayed leased to a loop that had ended until a rescue took it a lease later, an attempt burnt (a
+    review, 6 of 6 combinations). It is given back: queued, its attempt refunded."""
+    seed_jobs(engine, 1, task="t")
+    runs: list[int] = []
+
+    def body(job: ClaimedJob, session: Any) -> None:
+        runs.append(job.lease_version)
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+            assert wait_until(lambda: row(engine, "jobs", 1).lease_version == 2, 5)
+            time.sleep(1.0)  # meanwhile the loop's claims use up max_batches
+
+    w = runner.worker({"t": body}, concurrency=2, poll_interval=0.05)
+    runner.run(w, max_batches=15)
+    r = row(engine, "jobs", 1)
+    assert runs == [1], runs
+    assert (r.status, r.lease_version, r.attempts, r.locked_by) == ("queued", 2, 1, None), r
+    assert "released" in (r.last_error or ""), r
+
+
+def test_a_run_whose_result_a_newer_claim_takes_is_decided_on_its_own_attempts(
+    runner: Runner, engine: Engine
+) -> None:
+    """The newer claim never ran: a failed first run of a job of two attempts leaves it one more, queued with
+    attempt 1 — before, the newer claim's count decided it, and it failed after one run (a review)."""
+    seed_jobs(engine, 1, task="t")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET max_attempts = 2"))
+
+    def body(job: ClaimedJob) -> None:
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+            assert wait_until(lambda: row(engine, "jobs", 1).lease_version == 2, 5)
+        raise RetryableError("first run failed")
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    w = runner.worker({"t": body_async if runner.kind == "async" else body}, concurrency=2, poll_interval=0.05,
+                      backoff=Backoff(base=60, jitter=False))  # fmt: skip
+    assert run_until(runner, w, lambda: w.stats.retried == 1, timeout=10)
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.lease_version, r.attempts) == ("queued", 2, 1), r
 
 
 def test_a_loop_just_started_rescues_old_expired_leases_at_once_and_waits_on_recent_ones(
