@@ -222,12 +222,12 @@ class LoopBase:
         #: Whether the table's planner statistics were looked after (by the first maintenance step after a claim).
         self._statistics_settled = False
         self._held = Held()
-        #: A database fault met since the last rescue step (set by any of the loop's threads), and the moment
-        #: before which the rescue statement waits after it (:meth:`_rescue_margin`).
+        #: A database fault met since the last rescue step (set by any of the loop's threads, see :meth:`_db_fault`);
+        #: when the stretch of faults it belongs to began (monotonic; None: no trouble), and when that stretch is
+        #: over if no new fault comes (:meth:`_rescue_margin`).
         self._fault_seen = False
-        self._rescue_from = float("-inf")
-        #: Until when (monotonic) the rescue takes only leases expired for longer than two leases (run()'s start).
-        self._fresh_until = float("-inf")
+        self._trouble_since: float | None = None
+        self._calm_from = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
@@ -442,12 +442,7 @@ class LoopBase:
                 self._log.warning(
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )
-        margin = self._rescue_margin()
-        rows = (
-            []
-            if margin is None
-            else _steps.rescue(conn, self.spec, expired_for=margin, **self._rescue_params())
-        )
+        rows = _steps.rescue(conn, self.spec, expired_for=self._rescue_margin(), **self._rescue_params())
         if rows:
             self._rescued({row_id for row_id, _, _ in rows})
         if any(status == self.spec.ready for _, status, _ in rows):
@@ -459,17 +454,19 @@ class LoopBase:
         self.stats.cancelled += sum(1 for _, status, _ in rows if status == "cancelled")
 
     def _start_run(self, startup_timeout: Duration | None, *, drain: bool) -> RunPolicy:
-        """What run() does first: log the start, and for :meth:`_fault_grace` rescue only leases that expired
-        more than two leases ago (:meth:`_rescue_margin`) — a loop that starts as an outage ends never saw it, yet
-        the others' leases ran out meanwhile (a review: a job finished during the outage ran twice, 5 of 5,
-        when a worker started as it ended); a dead predecessor's old leases are taken at once, so loops that
-        each run for less than the wait still rescue (a review: with no margin, five 3–5 s runs rescued
-        nothing). A ``drain`` (``until_idle``, a script's or a test's run, like run_once()) rescues at
-        once. Returns the policy of run()'s retries through connection faults."""
+        """What run() does first: log the start, and take it as the end of an outage the loop never saw — a loop
+        that starts as one ends finds the others' leases run out meanwhile (a review: a job finished during
+        the outage ran twice, 5 of 5, when a worker started as it ended) — so for :meth:`_fault_grace` its
+        rescue takes only leases that ran out more than two leases before the start (:meth:`_rescue_margin`): a
+        dead predecessor's old leases at once, so loops that each run for less than the wait still rescue (a
+        review: with no margin, five 3–5 s runs rescued nothing). A ``drain`` (``until_idle``, a script's or a
+        test's run, like run_once()) rescues at once. Returns the policy of run()'s retries through
+        connection faults."""
         self._lifecycle("started")  # (first: the one line starting "started", which logs are read for)
         grace = self._fault_grace()
         if not drain and grace > 0:
-            self._fresh_until = time.monotonic() + grace
+            now = time.monotonic()
+            self._trouble_since, self._calm_from = now, now + grace
             self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
                            "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
         return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
@@ -479,8 +476,14 @@ class LoopBase:
         return DATABASE_OUTAGE.cap
 
     def _db_fault(self) -> None:
-        """A turn of run() met a database fault (the outage is ridden out with backoff): the rescue waits
-        (:meth:`_fault_grace`)."""
+        """A turn of run() met a database fault (the outage is ridden out with backoff)."""
+        self._fault_noticed()
+
+    def _fault_noticed(self) -> None:
+        """One of the loop's connections met a database fault (any of its threads may call this): the rescue
+        leaves alone the leases that may have run out because of it (:meth:`_rescue_margin`)."""
+        if self._trouble_since is None:
+            self._trouble_since = time.monotonic()
         self._fault_seen = True
 
     def _fault_grace(self) -> float:
@@ -491,31 +494,42 @@ class LoopBase:
         """How long a lease of this loop's table lasts (a worker's stale_after, a dispatcher's lease)."""
         raise NotImplementedError
 
-    def _rescue_margin(self) -> float | None:
-        """What the rescue step takes: None — nothing, the loop is back from a database fault for less than
-        :meth:`_fault_grace` (the first step after one starts the wait); else the leases expired for longer
-        than this many seconds — two leases' length during the grace after run() started (see
-        :meth:`_start_run`; it covers outages up to about three leases long), zero after it.
+    def _rescue_margin(self) -> float:
+        """The rescue step takes only the leases that ran out longer ago than this many seconds.
+
+        Zero, unless the loop is in trouble: from a database fault (or run()'s start) until :meth:`_fault_grace`
+        has passed since the last fault it saw. Meanwhile it is the time since the trouble began plus two
+        leases: a lease that ran out before then is a dead loop's, taken at once — a loop whose connection
+        keeps failing still rescues those — while one that ran out since may be a live loop's, cut off by the
+        same outage, whose heartbeats renew it (and the outcomes it holds are written) once it is back. The
+        two leases cover how late a loop notices an outage (its next statement, up to a poll later).
 
         The wait after a fault: the other loops were most likely cut off too (a server restart, a pooler or
         network outage): their leases ran out with nobody able to renew them, and the loop that reconnects
         first would take back jobs that live workers ran — finished, their outcomes not yet written — and run
-        them again (a review: 1–2 jobs of 40 run twice in 10 of 20 runs of an 8 s outage). Meanwhile their
-        heartbeats renew what they hold. Not covered: a database that comes back for a moment between two
-        outages (the wait starts then, and may be over when it is back for good)."""
+        them again (a review: 1–2 jobs of 40 run twice in 10 of 20 runs of an 8 s outage). A database back for
+        a moment between two faults does not end the trouble: the wait restarts from the last fault, and the
+        margin still counts from the first (a review: the job ran twice in 3 of 3 runs when the wait was over
+        in that moment)."""
         now = time.monotonic()
         if self._fault_seen:
             self._fault_seen = False
             grace = self._fault_grace()
-            # a fault during a wait does not extend it, nor does one soon after it: a connection that keeps
-            # failing leaves the rescue free at least half the time
-            if grace > 0 and now >= self._rescue_from + grace:
-                self._rescue_from = now + grace
-                self._log.info("back from a database fault: expired leases are rescued from %.1f s on, once the "
-                               "other loops' heartbeats have renewed what they hold", grace)  # fmt: skip
-        if now < self._rescue_from:
-            return None
-        return 2 * self._lease_seconds() if now < self._fresh_until else 0.0
+            if grace > 0:
+                if now >= self._calm_from:
+                    self._log.info("back from a database fault: leases that ran out since it began are rescued once "
+                                   "%.1f s pass without another, when the other loops' heartbeats have renewed what "
+                                   "they hold", grace)  # fmt: skip
+                self._calm_from = now + grace
+            else:
+                self._trouble_since = None
+        since = self._trouble_since
+        if since is None:
+            return 0.0
+        if now >= self._calm_from:
+            self._trouble_since = None
+            return 0.0
+        return (now - since) + 2 * self._lease_seconds()
 
     def _rescued(self, ids: set[int]) -> None:
         """Rows this loop's rescue step has just taken back from expired leases (``ids``): a worker drops those it

@@ -839,7 +839,8 @@ def rescue_statement(spec: QueueSpec) -> Update:
     test: three of six messages twice after a 4 s outage with a 2 s lease). A row leased in its name that it
     does not know of (a claim whose answer was lost with its connection), or a newer lease of a row it holds
     (another loop's, who took the row over and died), is rescued as any other. ``:expired_for``: only leases
-    expired for longer than that (a loop's first steps, see ``LoopBase._rescue_margin``; else zero).
+    expired for longer than that (after a database fault or run()'s start, see
+    ``LoopBase._rescue_margin``; else zero).
     """
     t, c = spec.table, spec.c
     order_col = spec.lease_until if spec.lease_until is not None else spec.locked_at

@@ -1322,7 +1322,8 @@ class Worker(WorkerBase):
                 except Exception as exc:
                     # (an outage only the beat met: the loop ran a long job; a statement refused — a user's
                     # trigger, say — is no outage: nobody else was cut off)
-                    self._fault_seen = self._fault_seen or is_connection_error(exc)
+                    if is_connection_error(exc):
+                        self._fault_noticed()
                     raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
@@ -1826,7 +1827,8 @@ class AsyncWorker(WorkerBase):
                 try:
                     renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
                 except Exception as exc:
-                    self._fault_seen = self._fault_seen or is_connection_error(exc)  # (as Worker.beat_once)
+                    if is_connection_error(exc):  # (as Worker.beat_once)
+                        self._fault_noticed()
                     raise
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
