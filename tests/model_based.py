@@ -445,17 +445,28 @@ def make_handler(
         return action
 
     effect = text("INSERT INTO model_effects (seq) VALUES (:s)")
+
+    def linger(done: str) -> None:  # what a "long" or a "hang" plan does once act() has recorded the call
+        if done == "long":
+            time.sleep(LONG)
+        elif done == "hang":
+            time.sleep(HANG)
+            raise RetryableError("planned hang")
+
+    async def linger_async(done: str) -> None:
+        if done == "long":
+            await asyncio.sleep(LONG)
+        elif done == "hang":
+            await asyncio.sleep(HANG)
+            raise RetryableError("planned hang")
+
     if is_async and in_transaction:
 
         async def handle_async_tx(job: ClaimedJob, session: AsyncSession) -> None:
             with record.running(who, job, timeout):
                 await session.execute(effect, {"s": job.payload["seq"]})
                 done = act(job, session.sync_session)
-                if done == "long":
-                    await asyncio.sleep(LONG)
-                elif done == "hang":
-                    await asyncio.sleep(HANG)
-                    raise RetryableError("planned hang")
+                await linger_async(done)
 
         return handle_async_tx
     if is_async:
@@ -463,11 +474,7 @@ def make_handler(
         async def handle_async(job: ClaimedJob) -> None:
             with record.running(who, job, timeout):
                 done = act(job)
-                if done == "long":
-                    await asyncio.sleep(LONG)
-                elif done == "hang":
-                    await asyncio.sleep(HANG)
-                    raise RetryableError("planned hang")
+                await linger_async(done)
 
         return handle_async
     if in_transaction:
@@ -476,11 +483,7 @@ def make_handler(
             with record.running(who, job, timeout):
                 session.execute(effect, {"s": job.payload["seq"]})
                 done = act(job, session)
-                if done == "long":
-                    time.sleep(LONG)
-                elif done == "hang":
-                    time.sleep(HANG)
-                    raise RetryableError("planned hang")
+                linger(done)
 
         return handle_tx
 
@@ -488,12 +491,7 @@ def make_handler(
         with record.running(who, job, timeout):
             if pace:
                 time.sleep(pace)
-            done = act(job)
-            if done == "long":
-                time.sleep(LONG)
-            elif done == "hang":
-                time.sleep(HANG)
-                raise RetryableError("planned hang")
+            linger(act(job))
 
     return handle
 

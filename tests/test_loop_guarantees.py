@@ -86,6 +86,30 @@ def test_a_job_the_claim_that_refused_its_outcome_took_again_is_run_on_the_new_l
     assert w.stats.lost_leases == 1 and w.stats.rescued == 0
 
 
+def _cut_every_backend(engine: Engine) -> None:
+    """Terminate every other client backend of the test's database (a server restart or a pooler outage)."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                          "current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))  # fmt: skip
+        conn.commit()
+
+
+def _job_of_a_worker_cut_off_too(engine: Engine) -> None:
+    """Job 1, leased to worker "other" (stale_after 8 s), its lease running out half a second from now: that
+    worker is cut off by the same outage, and renews it once it is back."""
+    seed_jobs(engine, 1, task="t")
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'running', locked_by = 'other', lease_version = 1, "
+                          "attempts = 1, locked_at = now() - interval '7.5 s'"))  # fmt: skip
+
+
+def _not_rescued_yet_then_run(engine: Engine, ran: list[tuple[int, int]]) -> None:
+    """Job 1 is still the other worker's, and nothing ran it; then it is rescued and done."""
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.locked_by, ran) == ("running", "other", []), (r, ran)
+    assert wait_until(lambda: row(engine, "jobs", 1).status == "done", 10)
+
+
 def test_after_a_database_fault_a_worker_rescues_only_once_the_others_could_renew(
     runner: Runner, engine: Engine
 ) -> None:
@@ -101,20 +125,12 @@ def test_after_a_database_fault_a_worker_rescues_only_once_the_others_could_rene
     thread = runner.run_in_thread(w)
     try:
         time.sleep(0.5)  # up and idle
-        with engine.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
-                              "current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))  # fmt: skip
-            conn.commit()
-        seed_jobs(engine, 1, task="t")
-        with engine.begin() as conn:  # leased to worker "other", whose lease runs out while it is cut off too
-            conn.execute(text("UPDATE jobs SET status = 'running', locked_by = 'other', lease_version = 1, "
-                              "attempts = 1, locked_at = now() - interval '7.5 s'"))  # fmt: skip
+        _cut_every_backend(engine)
+        _job_of_a_worker_cut_off_too(engine)
         cut_at = time.monotonic()
         assert wait_until(lambda: w.stats.db_errors >= 1, 5)  # the worker met the fault
         time.sleep(max(0.0, cut_at + 2.0 - time.monotonic()))
-        r = row(engine, "jobs", 1)
-        assert (r.status, r.locked_by, ran) == ("running", "other", []), (r, ran)  # not rescued yet
-        assert wait_until(lambda: row(engine, "jobs", 1).status == "done", 10)
+        _not_rescued_yet_then_run(engine, ran)
     finally:
         w.stop()
         thread.join(30)
@@ -155,30 +171,18 @@ def test_a_database_back_for_a_moment_between_two_faults_does_not_end_the_rescue
     w = runner.worker({"t": lambda job: ran.append((job.id, job.lease_version))},
                       poll_interval=0.05, stale_after=8.0, heartbeat=2.0)  # fmt: skip
     thread = runner.run_in_thread(w)
-
-    def cut() -> None:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
-                              "current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))  # fmt: skip
-            conn.commit()
-
     try:
         time.sleep(3.5)  # up, idle, and past its start's wait
-        cut()
+        _cut_every_backend(engine)
         first = time.monotonic()
-        seed_jobs(engine, 1, task="t")
-        with engine.begin() as conn:  # leased to worker "other", its lease running out half a second from now
-            conn.execute(text("UPDATE jobs SET status = 'running', locked_by = 'other', lease_version = 1, "
-                              "attempts = 1, locked_at = now() - interval '7.5 s'"))  # fmt: skip
+        _job_of_a_worker_cut_off_too(engine)
         assert wait_until(lambda: w.stats.db_errors >= 1, 5)  # the worker met the first cut
         time.sleep(max(0.0, first + 2.0 - time.monotonic()))
         errors = w.stats.db_errors
-        cut()
+        _cut_every_backend(engine)
         assert wait_until(lambda: w.stats.db_errors > errors, 5)  # and the second
         time.sleep(max(0.0, first + 4.6 - time.monotonic()))  # past the first wait's end (and a rescue step)
-        r = row(engine, "jobs", 1)
-        assert (r.status, r.locked_by, ran) == ("running", "other", []), (r, ran)  # not rescued yet
-        assert wait_until(lambda: row(engine, "jobs", 1).status == "done", 10)
+        _not_rescued_yet_then_run(engine, ran)
     finally:
         w.stop()
         thread.join(30)
