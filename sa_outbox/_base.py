@@ -228,6 +228,10 @@ class LoopBase:
         self._fault_seen = False
         self._trouble_since: float | None = None
         self._calm_from = float("-inf")
+        #: When a statement last sent on one of the loop's connections succeeded (monotonic, at its sending), and
+        #: when the current trouble was noticed (the cap of :meth:`_rescue_margin` counts from then).
+        self._last_ok = float("-inf")
+        self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
@@ -442,7 +446,9 @@ class LoopBase:
                 self._log.warning(
                     "could not check the planner statistics of %s: %s", self.spec.table.name, exc.orig
                 )
+        sent = time.monotonic()
         rows = _steps.rescue(conn, self.spec, expired_for=self._rescue_margin(), **self._rescue_params())
+        self._contact(sent)
         if rows:
             self._rescued({row_id for row_id, _, _ in rows})
         if any(status == self.spec.ready for _, status, _ in rows):
@@ -466,7 +472,7 @@ class LoopBase:
         grace = self._fault_grace()
         if not drain and grace > 0:
             now = time.monotonic()
-            self._trouble_since, self._calm_from = now, now + grace
+            self._trouble_since, self._noticed_at, self._calm_from = now, now, now + grace
             self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
                            "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
         return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
@@ -482,9 +488,29 @@ class LoopBase:
     def _fault_noticed(self) -> None:
         """One of the loop's connections met a database fault (any of its threads may call this): the rescue
         leaves alone the leases that may have run out because of it (:meth:`_rescue_margin`)."""
-        if self._trouble_since is None:
-            self._trouble_since = time.monotonic()
         self._fault_seen = True
+        if self._trouble_since is None:
+            self._begin_trouble(time.monotonic())
+
+    def _begin_trouble(self, now: float) -> None:
+        """A trouble began no later than the last statement that succeeded: a fault can surface long after the
+        outage began (a statement hung on a network partition until TCP gave up — a review: a 20 s partition
+        noticed when it ended made the outage's own expired leases look older than the trouble, and a job ran
+        twice, 3 of 3)."""
+        self._noticed_at = now
+        self._trouble_since = min(now, self._last_ok) if self._last_ok > float("-inf") else now
+
+    def _contact(self, sent: float) -> None:
+        """A statement sent at ``sent`` on one of the loop's connections succeeded (any thread)."""
+        if sent > self._last_ok:
+            self._last_ok = sent
+
+    def _trouble_cap(self) -> float:
+        """How long a trouble holds back the rescue of leases that ran out during it, however often faults keep
+        coming: three leases. Past that, a flapping connection leaves the rescue free until its next fault —
+        a loop whose worker died during an endless run of faults is rescued (a review: a fault every second
+        held its job back for as long as they lasted, 28 s)."""
+        return 3 * self._lease_seconds()
 
     def _fault_grace(self) -> float:
         """How long the rescue statement waits after the loop is back from a database fault (0: not at all)."""
@@ -498,11 +524,12 @@ class LoopBase:
         """The rescue step takes only the leases that ran out longer ago than this many seconds.
 
         Zero, unless the loop is in trouble: from a database fault (or run()'s start) until :meth:`_fault_grace`
-        has passed since the last fault it saw. Meanwhile it is the time since the trouble began plus two
-        leases: a lease that ran out before then is a dead loop's, taken at once — a loop whose connection
-        keeps failing still rescues those — while one that ran out since may be a live loop's, cut off by the
-        same outage, whose heartbeats renew it (and the outcomes it holds are written) once it is back. The
-        two leases cover how late a loop notices an outage (its next statement, up to a poll later).
+        has passed since the last fault it saw, for :meth:`_trouble_cap` at most. Meanwhile it is the time since
+        the trouble began — the last statement that succeeded before it (:meth:`_begin_trouble`) — plus two
+        leases: a lease that ran out before then is a dead loop's, taken at once — a loop whose connection keeps
+        failing still rescues those — while one that ran out since may be a live loop's, cut off by the same
+        outage, whose heartbeats renew it (and the outcomes it holds are written) once it is back. The two
+        leases cover how far the last success may be from the outage's start (a step a second, a beat).
 
         The wait after a fault: the other loops were most likely cut off too (a server restart, a pooler or
         network outage): their leases ran out with nobody able to renew them, and the loop that reconnects
@@ -516,6 +543,8 @@ class LoopBase:
             self._fault_seen = False
             grace = self._fault_grace()
             if grace > 0:
+                if self._trouble_since is None:  # (noticed on another thread as the last trouble ended)
+                    self._begin_trouble(now)
                 if now >= self._calm_from:
                     self._log.info("back from a database fault: leases that ran out since it began are rescued once "
                                    "%.1f s pass without another, when the other loops' heartbeats have renewed what "
@@ -526,7 +555,7 @@ class LoopBase:
         since = self._trouble_since
         if since is None:
             return 0.0
-        if now >= self._calm_from:
+        if now >= self._calm_from or now - self._noticed_at >= self._trouble_cap():
             self._trouble_since = None
             return 0.0
         return (now - since) + 2 * self._lease_seconds()

@@ -1325,6 +1325,7 @@ class Worker(WorkerBase):
                     if is_connection_error(exc):
                         self._fault_noticed()
                     raise
+                self._contact(sent)
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
             self.guard_once()
@@ -1830,6 +1831,7 @@ class AsyncWorker(WorkerBase):
                     if is_connection_error(exc):  # (as Worker.beat_once)
                         self._fault_noticed()
                     raise
+                self._contact(sent)
             self._beat_result(pairs, renewed, sent)
         if self._guarding:
             await self.guard_once()
