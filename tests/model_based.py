@@ -75,7 +75,9 @@ After every step
         backends were terminated meanwhile: then its last write may fail, as documented);
     I9  a job whose row a transaction held past ``stale_after`` is not rescued from the worker that holds
         its lease, neither while the row is held nor the moment it is released (its lease guard), unless
-        backends were terminated meanwhile (the guard dies with its connection, as a dead worker's must);
+        backends were terminated meanwhile (the guard dies with its connection, as a dead worker's must) or
+        renewals were refused meanwhile (the beat fails as a whole, and the refusal's DROP TRIGGER waits for
+        the hold to end: the lease runs out unrenewed, and no guard is taken);
     I10 a worker takes each claimed batch in the claim's order — a queue's jobs by priority, higher first,
         whatever form, queues, rooms or limit claimed them — and one that runs a job at a time starts the
         batch's jobs in that order;
@@ -777,12 +779,13 @@ class Scenario:
         self.every_queue: set[str] = set()  # the workers that serve every queue (drain() needs one)
         self.burst_workers: set[str] = set()  # the fast workers that serve BURST (drain() needs one)
         #: I9: (job id, lease version, owner, terminations when the hold began, terminations a second after
-        #: it ended, whether the rescue sent as it ended took the job) of each job row a transaction held past
-        #: stale_after (rule_hold_job_row).
-        self.holds: list[tuple[int, int, str, int, int, bool]] = []
+        #: it ended, whether the rescue sent as it ended took the job, whether renewals were refused meanwhile)
+        #: of each job row a transaction held past stale_after (rule_hold_job_row).
+        self.holds: list[tuple[int, int, str, int, int, bool, bool]] = []
         self.holder: threading.Thread | None = None
         self.cutter: threading.Thread | None = None  # rule_db_outage's
         self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
+        self.refusal_epochs = 0  # refusals begun plus refusals lifted (odd: renewals are refused now)
         self.db_outages = 0
         #: When the rules ended (the final drain begins).
         self.steps_over: float | None = None
@@ -1413,6 +1416,7 @@ class Scenario:
         except DBAPIError as exc:  # (a lock the trigger's DDL waited for too long: no refusal this time)
             self.log.append(f"renewals not refused: {exc.orig}")
             return
+        self.refusal_epochs += 1
 
         def lift() -> None:
             time.sleep(span)
@@ -1425,6 +1429,8 @@ class Scenario:
     def _lift_refusal(self) -> None:
         with self.engine.begin() as conn:
             conn.execute(text("DROP TRIGGER IF EXISTS model_no_renewal ON jobs"))
+        if self.refusal_epochs % 2:
+            self.refusal_epochs += 1
 
     def _end_refusal(self) -> None:
         if self.refuser is not None:
@@ -1598,7 +1604,7 @@ class Scenario:
                             self.log.append(f"no hold of long job seq {p.seq}: it is {state}")
                             return
                     time.sleep(0.01)
-                began = self.terminations
+                began, epochs = self.terminations, self.refusal_epochs
                 with self.engine.connect() as rescuer:
                     rescuer.execute(text("SELECT 1"))
                     rescuer.commit()  # (its rescue's now() is then the moment it is sent)
@@ -1609,7 +1615,12 @@ class Scenario:
                     rescuer.commit()
             time.sleep(1.0)  # beats and rescues after the release
             rescued = any(row_id == got.id for row_id, _, _ in taken)
-            self.holds.append((got.id, got.lease_version, got.locked_by, began, self.terminations, rescued))
+            # (renewals refused during the hold: the lease ran out for that, not for the hold — the trigger's
+            # DROP waits for the hold's transaction, so the refusal lasts until it ends — and no guard is taken)
+            refused = epochs % 2 == 1 or self.refusal_epochs != epochs
+            self.holds.append(
+                (got.id, got.lease_version, got.locked_by, began, self.terminations, rescued, refused)
+            )
 
         self.holder = threading.Thread(target=hold, name="model-holder", daemon=True)
         self.holder.start()
@@ -2041,8 +2052,8 @@ class Scenario:
                 else:
                     assert row.status == "done" and seq in delivered, f"{seq} not delivered: {dump}"
         # I9
-        for job_id, version, owner, began, ended, rescued in self.holds:
-            assert not (rescued and began == ended), (
+        for job_id, version, owner, began, ended, rescued, refused in self.holds:
+            assert not (rescued and began == ended and not refused), (
                 f"job {job_id} (lease version {version}) was rescued from {owner}, which was running it, the "
                 "moment a transaction that held its row past stale_after ended"
             )
