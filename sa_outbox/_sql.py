@@ -108,13 +108,17 @@ class QueueSpec:
             return self.c.max_attempts  # type: ignore[no-any-return]
         return bindparam("max_attempts", type_=Integer)
 
-    def lease_expired(self) -> ColumnElement[bool]:
+    def lease_expired(self, longer_than: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
+        """Leased rows whose lease ran out — ``longer_than`` (an interval) ago, when given."""
+        since: ColumnElement[Any] = func.now()
+        if longer_than is not None:
+            since = since - longer_than
         if self.lease_until is not None:
-            return and_(self.c.status == const(self.active), self.lease_until < func.now())
+            return and_(self.c.status == const(self.active), self.lease_until < since)
         assert self.locked_at is not None
         return and_(
             self.c.status == const(self.active),
-            self.locked_at < func.now() - sa_cast(bindparam("stale_after", type_=Interval), Interval),
+            self.locked_at < since - sa_cast(bindparam("stale_after", type_=Interval), Interval),
         )
 
     def lease_values(self) -> dict[str, Any]:
@@ -853,12 +857,8 @@ def rescue_statement(spec: QueueSpec) -> Update:
         .table_valued("id", "version")
         .render_derived()
     )
-    since = func.now() - sa_cast(bindparam("expired_for", type_=Interval), Interval)
-    if spec.lease_until is None:  # (a job's lease ends stale_after after its locked_at)
-        since = since - sa_cast(bindparam("stale_after", type_=Interval), Interval)
     expired = [
-        spec.lease_expired(),
-        order_col < since,
+        spec.lease_expired(longer_than=sa_cast(bindparam("expired_for", type_=Interval), Interval)),
         ~exists().where(kept.c.id == c.id, kept.c.version == c.lease_version),
     ]
     if spec.kind == "jobs":  # (only workers beat; a dispatcher's lease is a budget, never guarded)
