@@ -516,9 +516,8 @@ class WorkerBase(LoopBase):
         self._queue: deque[ClaimedJob] = deque()
         #: The cancel flag of every job in hand (set when the heartbeat learns of a cancellation request).
         self._tokens: dict[int, CancelToken] = {}
-        #: Jobs started here whose run has not ended, id -> lease_version; and jobs claimed again while such a
-        #: run goes on (another worker's rescue took the row back), id -> the newer claim (:meth:`_accept`).
-        self._in_run: dict[int, int] = {}
+        #: Jobs claimed again while a run of theirs goes on here (another worker's rescue took the row back), id ->
+        #: the newer claim (:meth:`_accept`).
         self._parked: dict[int, ClaimedJob] = {}
         self._session_handlers: dict[Any, bool] = {}
         self._async_handlers: dict[Any, bool] = {}
@@ -720,7 +719,8 @@ class WorkerBase(LoopBase):
         out unrenewed — the database out of reach — and another worker's rescue put it back) is not started
         beside that run: it waits for it (:meth:`_run_ended`), sharing its cancel flag."""
         jobs = []
-        in_run = self._in_run
+        running = self._running_jobs()  # (a loop running one job at a time claims only between jobs)
+        in_run = {r.job.id: r.job.lease_version for r in running} if running else None
         for row in rows:
             if in_run and row[0] in in_run:
                 token = self._tokens.get(row[0]) or CancelToken()
@@ -801,7 +801,6 @@ class WorkerBase(LoopBase):
         it) — decided on the attempts of the run that happened, the attempts the newer claims counted given
         back (they never ran). Else this run's outcome is a lost lease, never written (the newer claim holds the
         row), and the newer claim runs now, after it — or is given back if the loop is ending."""
-        self._in_run.pop(job.id, None)
         newer = self._parked.pop(job.id, None) if self._parked else None
         if newer is None:
             return job, True, 0
@@ -822,12 +821,11 @@ class WorkerBase(LoopBase):
     def _release_after_runs(self) -> None:
         """The loop ends with every run over: jobs in hand that are still to start are given back — a newer claim
         a run ended by putting back among them (:meth:`_run_ended`), or one still waiting for a run that ended
-        by a path that did not report it — and nothing is counted as running any more."""
+        by a path that did not report it."""
         self._release_unstarted()
         for newer in self._parked.values():
             self._done.add([self._not_started(newer, "released: worker stopping")])
         self._parked.clear()
-        self._in_run.clear()
 
     def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
         """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""
@@ -946,7 +944,6 @@ class WorkerBase(LoopBase):
                 # landed after the pause was read (a claim in flight), or waited behind a running job
                 self._done.add([self._not_started(job, PAUSED_RELEASE)])
             else:
-                self._in_run[job.id] = job.lease_version
                 return job
         return None
 
@@ -2082,10 +2079,7 @@ class AsyncWorker(WorkerBase):
             raise
         finally:
             record()
-            unrun = pairs[len(results) :]
-            for job, _ in unrun:  # (``first`` among them if the thread never started: it is not running)
-                self._in_run.pop(job.id, None)
-            self._queue.extendleft(job for job, _ in reversed(unrun))
+            self._queue.extendleft(job for job, _ in reversed(pairs[len(results) :]))
 
     def _start_jobs(self) -> None:
         while len(self._running) < self.concurrency and (job := self._next_to_start()) is not None:
