@@ -1220,13 +1220,20 @@ def _do_orm_execute(orm_state: ORMExecuteState) -> Any:
     aggregates locked and the table announced before the statement runs, as for ``session.add``. Rows of a CDC
     table get their ids and ``tracingspancontext`` here, and in insert-then-delete mode the statement is run
     here so that its rows can be deleted right after it (its result is returned)."""
-    if not orm_state.is_insert:
+    if not (orm_state.is_insert or orm_state.is_update):
         return
     stmt: Any = orm_state.statement
     table = getattr(stmt, "table", None)
     if not isinstance(table, Table) or table.info.get("sa_outbox_kind") is None:
         return
     kind = table.info["sa_outbox_kind"]
+    if orm_state.is_update:
+        if kind == "cdc":  # the router streams INSERTs only: the change would never reach the broker
+            raise PayloadError(
+                f"UPDATE of {table.name}: CDC events are insert-only (Debezium's outbox router drops UPDATEs, and "
+                "the change would never reach the broker) — write a new event instead"
+            )
+        return
     if stmt._values or stmt._multi_values or stmt.select is not None:
         raise PayloadError(
             f"INSERT into {table.name} with its rows inside the statement (.values() or from_select) cannot be "
@@ -1323,16 +1330,28 @@ def _refuse_change_of_a_written_cdc_event(target: Any, value: Any, old: Any, ini
     behind it in the same flush), so a value set on an event already written would never reach Kafka — lost
     silently when the row was deleted at its flush, or streamed as an UPDATE the outbox router drops. Refused
     where it is set (a review found both). Not during a flush: that is the ORM's own work — nulling the
-    foreign key of a kept event whose aggregate is deleted, as it does for any child row. Only attribute sets
-    are seen: a change made in place (``ev.payload["k"] = …``) or marked with ``flag_modified`` is not."""
+    foreign key of a kept event whose aggregate is deleted, as it does for any child row. The same refusal
+    covers a change marked with ``flag_modified`` and a ``Mutable`` column's change in place
+    (:func:`_refuse_mark_of_a_written_cdc_event`); a plain dict changed in place is invisible to SQLAlchemy."""
+    _refuse_if_written(target, initiator.key, "setting")
+    return value
+
+
+def _refuse_mark_of_a_written_cdc_event(target: Any, initiator: Any) -> None:
+    """``flag_modified(ev, "payload")``, or a ``MutableDict``/``MutableList`` column changed in place (it calls
+    ``flag_modified`` itself): the same change as a set, refused the same way (before, a kept event's row was
+    UPDATEd at the next flush and a deleted one's change was dropped, both unseen by the broker)."""
+    _refuse_if_written(target, initiator.key, "changing")
+
+
+def _refuse_if_written(target: Any, key: str, doing: str) -> None:
     state = instance_state(target)
     if state.key is not None and not getattr(state.session, "_flushing", False):
         raise PayloadError(
             f"CDC event {getattr(target, 'event_type', None)!r:.80} ({type(target).__name__}) was already written "
-            f"(flushed): setting {initiator.key!r} now would never reach the broker — CDC events are insert-only; "
+            f"(flushed): {doing} {key!r} now would never reach the broker — CDC events are insert-only; "
             "set every value before the flush, or write a new event"
         )
-    return value
 
 
 def _guard_cdc_columns(mapper: Mapper[Any], cls: type[Any]) -> None:
@@ -1343,6 +1362,8 @@ def _guard_cdc_columns(mapper: Mapper[Any], cls: type[Any]) -> None:
         attr = getattr(cls, prop.key)
         if not event.contains(attr, "set", _refuse_change_of_a_written_cdc_event):
             event.listen(attr, "set", _refuse_change_of_a_written_cdc_event, retval=True)
+        if not event.contains(attr, "modified", _refuse_mark_of_a_written_cdc_event):
+            event.listen(attr, "modified", _refuse_mark_of_a_written_cdc_event)
 
 
 def install() -> None:

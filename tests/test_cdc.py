@@ -36,16 +36,21 @@ from sqlalchemy import (
     Integer,
     MetaData,
     create_engine,
+    delete,
     event,
     func,
     insert,
     select,
     text,
+    update,
 )
 from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.mutable import MutableDict
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+from sqlalchemy.orm.attributes import flag_modified
 
 from sa_outbox import CdcOutboxMixin, Dispatcher, PayloadError, SchemaError, emit
 from sa_outbox._cli import main
@@ -228,6 +233,79 @@ def test_a_value_set_on_an_event_already_written_is_refused_where_it_is_set(
             assert loaded.payload == {"n": 6}
             with pytest.raises(PayloadError, match="insert-only"):
                 loaded.payload = {"n": 7}
+
+
+class _MutableBase(DeclarativeBase):
+    metadata = MetaData()
+
+
+class _MutableEvent(CdcOutboxMixin, _MutableBase):
+    """A kept CDC table whose payload tracks changes made in place (``MutableDict``)."""
+
+    __tablename__ = "cdc_outbox_mutable"
+    sa_outbox_delete_after_insert = False
+
+    payload: Mapped[dict[str, Any]] = mapped_column(MutableDict.as_mutable(JSONB), nullable=False)
+
+
+@pytest.mark.parametrize("model", [CdcEvent, KeptEvent], ids=["deleted", "kept"])
+def test_a_change_marked_with_flag_modified_on_an_event_already_written_is_refused(
+    db: Engine, model: type[Any]
+) -> None:
+    """``flag_modified`` after an in-place change is SQLAlchemy's way to say "this value changed": on a written
+    CDC event the change would never reach the broker (the deleted row's, or an UPDATE the router drops; before,
+    a kept event's UPDATE went through silently). Refused where it is marked; the row keeps what was written."""
+    with Session(db) as s:
+        s.begin()
+        ev = _event(model, n=5)
+        s.add(ev)
+        s.flush()
+        ev.payload["n"] = 6  # untracked by SQLAlchemy: a plain dict changed in place
+        with pytest.raises(PayloadError, match=r"already written .*'payload'.*insert-only"):
+            flag_modified(ev, "payload")
+        s.commit()
+    if model is KeptEvent:
+        with db.connect() as conn:
+            assert conn.execute(select(KeptEvent.payload)).scalars().all() == [{"n": 5}]
+
+
+def test_an_in_place_change_of_a_mutable_payload_on_an_event_already_written_is_refused(db: Engine) -> None:
+    """A ``MutableDict`` column marks its own changes: on a written CDC event that change is refused where it
+    is made (before: UPDATEd at the next flush, an UPDATE Debezium's router drops — the broker never saw it);
+    before the flush it is an ordinary change."""
+    _MutableBase.metadata.create_all(db)
+    try:
+        with Session(db) as s:
+            s.begin()
+            ev = _event(_MutableEvent, n=1)
+            ev.payload["n"] = 2  # pending: fine
+            s.add(ev)
+            s.flush()
+            with pytest.raises(PayloadError, match=r"already written .*'payload'.*insert-only"):
+                ev.payload["n"] = 3
+            s.commit()
+        with db.connect() as conn:
+            assert conn.execute(select(_MutableEvent.payload)).scalars().all() == [{"n": 2}]
+    finally:
+        _MutableBase.metadata.drop_all(db)
+
+
+def test_an_orm_update_statement_on_a_cdc_table_is_refused(db: Engine) -> None:
+    """``session.execute(update(CdcModel))`` changes written events behind the stream's back (the router drops
+    UPDATEs): refused before it runs, naming the way out; deletes (a retention job) still go through."""
+    with Session(db) as s, s.begin():
+        s.add(_event(KeptEvent, n=1))
+    with (
+        Session(db) as s,
+        s.begin(),
+        pytest.raises(PayloadError, match=r"UPDATE of cdc_outbox_kept.*insert-only"),
+    ):
+        s.execute(update(KeptEvent).values(payload={"n": 9}))
+    with Session(db) as s, s.begin():
+        assert s.execute(select(KeptEvent.payload)).scalars().all() == [{"n": 1}]
+        s.execute(delete(KeptEvent))
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(KeptEvent)).scalar_one() == 0
 
 
 class _RelBase(DeclarativeBase):
