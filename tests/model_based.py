@@ -2077,9 +2077,19 @@ class Scenario:
                 assert row.status == "failed", why
             elif seq in self.model.old_jobs:
                 # F8: a failure fails it (it was written past give_up_after); done if it never failed, or if the
-                # claim that met a failure lost its lease and a later claim succeeded
+                # claim that met a failure lost its lease and a later claim succeeded. A one-attempt job's handler
+                # that overran its worker's handler_timeout (on a loaded machine, seed 108 of the long profile)
+                # spent its one attempt: that failure is named as such, give_up_after having nothing to add
                 assert row.status == "done" or (
-                    row.status == "failed" and (row.last_error or "").startswith("gave up: written")
+                    row.status == "failed"
+                    and (
+                        (row.last_error or "").startswith("gave up: written")
+                        or (
+                            p.plan
+                            and set(p.plan) == {"noanswer"}
+                            and _timed_out_on_its_attempt(row.last_error)
+                        )
+                    )
                 ), why
                 # (not "an empty plan ends done": on a loaded machine an instant handler can overrun its timeout)
                 assert row.status == "failed" or seq in handled_ok, why
@@ -2087,13 +2097,17 @@ class Scenario:
                 # a one-attempt job (see rule_enqueue) may end failed only by the rescue of a worker that died
                 # holding it — the poison-message rule — or, a transactional handler's, when its session's
                 # connection was terminated under it (an exception like any other: its one attempt spent,
-                # docs/jobs.md) — never by a NoAnswer on its last attempt
+                # docs/jobs.md), or by a run that overran handler_timeout — never by a NoAnswer on its last attempt
                 error = row.last_error or ""
-                assert "after max attempts (worker crash?)" in error or (
-                    seq in self.model.in_transaction
-                    and self.terminations > 0
-                    and error.startswith("retries exhausted (1/1)")
-                    and "terminating connection due to administrator command" in error
+                assert (
+                    "after max attempts (worker crash?)" in error
+                    or _timed_out_on_its_attempt(error)
+                    or (
+                        seq in self.model.in_transaction
+                        and self.terminations > 0
+                        and error.startswith("retries exhausted (1/1)")
+                        and "terminating connection due to administrator command" in error
+                    )
                 ), why
             else:
                 assert row.status == "done" and seq in handled_ok, why
@@ -2102,6 +2116,15 @@ class Scenario:
             assert effects[seq] == expected, (
                 f"job {seq}: {effects[seq]} effect row(s), expected {expected}: {why}"
             )
+
+
+def _timed_out_on_its_attempt(error: str | None) -> bool:
+    """A one-attempt job's run overran its worker's ``handler_timeout``: a RetryableError on its last attempt —
+    a failure, not a NoAnswer (whose last attempt is refunded). The model's handlers never sleep on such jobs,
+    so this is the machine's load (threads waiting for a core past 0.4 s), and the product's answer to it."""
+    return (error or "").startswith(
+        "retries exhausted (1/1): RetryableError: handler exceeded handler_timeout"
+    )
 
 
 def run_scenario(seed: int, engine: Engine, async_url: URL, profile: Profile) -> Scenario:
