@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from ._backoff import DESTINATION_OUTAGE
 from ._steps import Outcome
@@ -36,11 +37,33 @@ class Completer:
         self.limit = limit
         self._outcomes: list[Outcome] = []
         self._since = 0.0
+        #: Leases (id, lease_version) whose claim's attempt was given back already (a worker's claim of a job it
+        #: is running, held back): the outcome written on such a lease gives one attempt fewer back.
+        self._given_back: dict[tuple[int, int], int] = {}
 
     def add(self, outcomes: Iterable[Outcome]) -> None:
         if not self._outcomes:
             self._since = time.monotonic()
+        if self._given_back:
+            outcomes = [self._counted(o) for o in outcomes]
         self._outcomes.extend(outcomes)
+
+    def given_back(self, lease: tuple[int, int], forget: bool = False) -> None:
+        """Record that ``lease``'s claim has had its attempt given back (or, ``forget``, drop that record: the
+        lease is gone and no outcome will be written on it)."""
+        if forget:
+            self._given_back.pop(lease, None)
+        else:
+            self._given_back[lease] = self._given_back.get(lease, 0) + 1
+
+    def early(self, lease: tuple[int, int]) -> int:
+        """How many attempts of ``lease``'s claim were given back already (an outcome written elsewhere — a
+        handler's transaction — gives that many fewer back; :meth:`given_back` with ``forget`` once written)."""
+        return self._given_back.get(lease, 0)
+
+    def _counted(self, o: Outcome) -> Outcome:
+        early = self._given_back.pop((o.id, o.lease_version), 0)
+        return replace(o, refund=o.refund - early) if early else o
 
     def take(self) -> list[Outcome]:
         taken, self._outcomes = self._outcomes, []

@@ -1108,16 +1108,21 @@ def leases_statement(spec: QueueSpec) -> Select[Any]:
     )
 
 
+def _lease_pairs() -> Any:
+    """The (id, lease_version) pairs of ``:ids`` and ``:versions``, unnested together."""
+    return (
+        func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("versions", type_=ARRAY(BigInteger)))
+        .table_valued(column("id", BigInteger), column("version", BigInteger))
+        .render_derived(name="held")
+    )
+
+
 @cache
 def extend_statement(spec: QueueSpec) -> Update:
     """Heartbeat: renew the lease of rows this worker still holds (fenced like a finalize). For jobs it also
     returns whether each job's cancellation was requested, so workers learn it with no extra statement."""
     t, c = spec.table, spec.c
-    pairs = (
-        func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("versions", type_=ARRAY(BigInteger)))
-        .table_valued(column("id", BigInteger), column("version", BigInteger))
-        .render_derived(name="held")
-    )
+    pairs = _lease_pairs()
     # Rows locked right now are left for the next beat, never waited for: the worker's own finalize may be
     # writing the same rows in another order, and the two deadlocked (PostgreSQL aborted one of them; seen in
     # the 1M-job memory run). A row skipped twice in a row is reported as lost (WorkerBase._beat_result).
@@ -1133,6 +1138,23 @@ def extend_statement(spec: QueueSpec) -> Update:
         .where(*_fenced(spec, pairs.c.id, pairs.c.version), c.id == any_(func.array(free)))
         .values(spec.lease_values())
         .returning(c.id, c.cancel_requested_at.is_not(None) if spec.kind == "jobs" else literal(False))
+    )
+
+
+@cache
+def refund_statement(spec: QueueSpec) -> Update:
+    """Give back one attempt of each row still leased under the given (id, lease_version) pairs (fenced like a
+    finalize), returning the ids it applied to: a worker's claim of a job it is running already (the lease ran
+    out unrenewed and another worker's rescue put the job back), which it holds back and never starts — no
+    attempt. Counted until the run ended, such claims used up a job's attempts while its worker's renewals kept
+    failing, and a rescue failed the job "after max attempts (worker crash?)" as its one run succeeded."""
+    t, c = spec.table, spec.c
+    pairs = _lease_pairs()
+    return (
+        update(t)
+        .where(*_fenced(spec, pairs.c.id, pairs.c.version), c.attempts > 0)
+        .values(attempts=c.attempts - 1)
+        .returning(c.id)
     )
 
 

@@ -580,6 +580,16 @@ def extend(
     return {r[0] for r in rows}, {r[0] for r in rows if r[1]}
 
 
+def refund(conn: Connection, spec: QueueSpec, held: Iterable[tuple[int, int]]) -> set[int]:
+    """Give back one attempt of each (id, lease_version) pair still leased under that version (claims that will
+    not run: :func:`_sql.refund_statement`); returns the ids it applied to."""
+    pairs = list(held)
+    if not pairs:
+        return set()
+    params = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
+    return {r[0] for r in run(conn, _sql.refund_statement(spec), params)}
+
+
 def guard(conn: Connection, spec: QueueSpec, ids: Sequence[int], *, frozen_after: float) -> set[int]:
     """Take the lease guards of ``ids`` in the guard connection's transaction (opened here if ``conn`` has
     none; :func:`unguard` ends it): from now on no rescue takes those jobs back (``_sql``'s lease guard).

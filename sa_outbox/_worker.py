@@ -358,11 +358,12 @@ def _encode_result(job: ClaimedJob, value: Any, max_bytes: int) -> str | None:
 
 
 def _invoke_in_transaction(
-    engine: Engine, spec: QueueSpec, handler: Any, job: ClaimedJob, max_result_bytes: int
+    engine: Engine, spec: QueueSpec, handler: Any, job: ClaimedJob, max_result_bytes: int, refund: int = 0
 ) -> _Ran:
     """Call ``handler(job, session)`` in a transaction that also writes the job's fenced completion: both
     commit together, or — the handler raised, or the fence matched no row because the lease was lost — both
-    roll back."""
+    roll back. ``refund``: attempts the completion gives back (−1 counts the attempt of a claim whose attempt
+    was given back when it was held back, :meth:`WorkerBase._refund_held_back_on`)."""
     started = time.perf_counter()
     try:
         with _tracing.process_span(job) as span, Session(engine) as session, session.begin():
@@ -371,8 +372,9 @@ def _invoke_in_transaction(
             if error is not None:
                 raise error
             done = Outcome(
-                job.id, job.lease_version, spec.done, result=_encode_result(job, value, max_result_bytes)
-            )
+                job.id, job.lease_version, spec.done, refund=refund,
+                result=_encode_result(job, value, max_result_bytes),
+            )  # fmt: skip
             if job.id not in _steps.finalize(session.connection(), spec, [done]):
                 span.outcome(_LeaseLost("lost lease: the job was reaped and re-claimed; rolled back"))
                 raise _LeaseLost
@@ -519,6 +521,9 @@ class WorkerBase(LoopBase):
         #: Jobs claimed again while a run of theirs goes on here (another worker's rescue took the row back), id ->
         #: the newer claim (:meth:`_accept`).
         self._parked: dict[int, ClaimedJob] = {}
+        #: Leases of claims :meth:`_accept` held back whose attempt is still to be given back
+        #: (:meth:`_refund_held_back_on`).
+        self._to_refund: list[tuple[int, int]] = []
         self._session_handlers: dict[Any, bool] = {}
         self._async_handlers: dict[Any, bool] = {}
         #: Queues paused in ``<jobs>_queues`` (read with the rescue step, at most once a second).
@@ -725,7 +730,11 @@ class WorkerBase(LoopBase):
             if in_run and row[0] in in_run:
                 token = self._tokens.get(row[0]) or CancelToken()
                 self._ages[row[0]] = row[-1]
+                older = self._parked.get(row[0])
+                if older is not None:  # its lease was taken back too: nothing will be written on it
+                    self._done.given_back((older.id, older.lease_version), forget=True)
                 newer = self._parked[row[0]] = ClaimedJob.from_row(row, token, self._loads)
+                self._to_refund.append((newer.id, newer.lease_version))
                 log.warning(
                     "job %s (%s) was claimed again (lease %s) while its run on lease %s goes on here: not started "
                     "beside it", newer.id, newer.task, newer.lease_version, in_run[row[0]],
@@ -739,6 +748,28 @@ class WorkerBase(LoopBase):
         # the loop's own rescue has taken back since is not held again here)
         self._queue.extend(jobs)
         return len(jobs)
+
+    def _refund_held_back_on(self, conn: Connection) -> None:
+        """Give back at once the attempt of each claim :meth:`_accept` held back that still waits: such a claim
+        never runs as such (the run in progress's result is written on it, or it runs after that run). A
+        worker whose renewals keep failing claims the job it runs again after each rescue; counted, those
+        claims used up the job's attempts, and a rescue failed it "after max attempts (worker crash?)" while its
+        one run succeeded (a review: 3 of 3; a kill -9 meanwhile, the same after one run of a job of two
+        attempts). The outcome written on that lease later gives one attempt fewer back (``Completer``)."""
+        waiting = {
+            i: v
+            for i, v in self._to_refund
+            if (p := self._parked.get(i)) is not None and p.lease_version == v
+        }
+        if waiting:
+            for i in _steps.refund(conn, self.spec, waiting.items()):
+                self._done.given_back((i, waiting[i]))
+        self._to_refund.clear()
+
+    def _counted_again(self, job: ClaimedJob) -> int:
+        """The refund of a completion a handler's transaction writes: −1 when the job's claim had its attempt
+        given back as it was held back (it runs now, after the run it waited for: its attempt counts)."""
+        return -self._done.early((job.id, job.lease_version))
 
     def _in_transaction(self, handler: Any) -> bool:
         known = self._session_handlers.get(handler)
@@ -854,6 +885,7 @@ class WorkerBase(LoopBase):
             record((_steps.done_outcome(job.id, job.lease_version, self.spec.done, result),))
             return
         if ran.committed or ran.lost:  # a transactional handler: its completion is written (or rolled back)
+            self._done.given_back((job.id, job.lease_version), forget=True)
             self._report(
                 [Outcome(job.id, job.lease_version, self.spec.done)], {job.id} if ran.committed else set()
             )
@@ -1450,7 +1482,15 @@ class Worker(WorkerBase):
             self._done.add(outcomes)  # written with the next statement (the fence makes that safe)
             raise
         self._report(outcomes, applied)
-        return self._accept(rows)
+        return self._accepted(rows)
+
+    def _accepted(self, rows: Sequence[Any]) -> int:
+        """:meth:`_accept`, then the attempts of the claims it held back given back (the claim is read: the
+        loop's connection is free)."""
+        claimed = self._accept(rows)
+        if self._to_refund:
+            self._db.run(self._refund_held_back_on)
+        return claimed
 
     def _send_claim(self, want: int, *, on_thread: bool = True) -> None:
         """Send a claim (with the outcomes due) on the claim thread, whose result :meth:`_landed` takes; or, not
@@ -1519,7 +1559,7 @@ class Worker(WorkerBase):
             self._done.add(inflight.outcomes)
             raise
         self._report(inflight.outcomes, applied)
-        return self._accept(rows), inflight.wanted
+        return self._accepted(rows), inflight.wanted
 
     def _flush(self) -> None:
         outcomes = self._done.take()
@@ -1552,7 +1592,9 @@ class Worker(WorkerBase):
     def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
         """Run one handler in the calling thread — in its own transaction when it takes a session."""
         if self._in_transaction(handler):
-            return _invoke_in_transaction(self.engine, self.spec, handler, job, self._max_result_bytes())
+            return _invoke_in_transaction(
+                self.engine, self.spec, handler, job, self._max_result_bytes(), self._counted_again(job)
+            )
         return _invoke(handler, job, no_provider)
 
     def _maintain_between_jobs(self) -> None:
@@ -1905,6 +1947,8 @@ class AsyncWorker(WorkerBase):
             raise
         self._report(outcomes, applied)
         claimed = self._accept(rows)  # in hand: released by _end if the run is being cancelled
+        if self._to_refund:
+            await self._db.run(self._refund_held_back_on)
         if cancelled is not None:
             raise cancelled
         return claimed
@@ -2119,7 +2163,7 @@ class AsyncWorker(WorkerBase):
                     if self._in_transaction(handler):
                         future = self._threads.submit(
                             _invoke_in_transaction, await self._sync_engine(job), self.spec, handler, job,
-                            self._max_result_bytes(),
+                            self._max_result_bytes(), self._counted_again(job),
                         )  # fmt: skip
                     else:
                         future = self._threads.submit(_invoke, handler, job)
@@ -2167,7 +2211,7 @@ class AsyncWorker(WorkerBase):
                 async with AsyncSession(self.engine) as session, session.begin():
                     value = await handler(job, session)
                     done = Outcome(
-                        job.id, job.lease_version, self.spec.done,
+                        job.id, job.lease_version, self.spec.done, refund=self._counted_again(job),
                         result=_encode_result(job, value, self._max_result_bytes()),
                     )  # fmt: skip
                     applied = await session.run_sync(

@@ -13,17 +13,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine, event, text
 
-from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError
+from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _steps
 from sa_outbox._services import Requeued
 from sa_outbox.testing import RecordingPublisher
 
 from .factories import Runner, expire_leases
-from .helpers import row, seed_events, seed_jobs, statuses
+from .helpers import JOBS, row, seed_events, seed_jobs, statuses
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 15.0, every: float = 0.02) -> bool:
@@ -493,6 +494,8 @@ def test_a_job_changed_while_taken_back_runs_again_after_its_first_run(
     assert [(i, v) for i, v, _, _ in runs] == [(1, 1), (1, 2)], runs
     assert runs[1][2] >= runs[0][3], runs  # started after the first run ended
     assert w.stats.lost_leases == 1, w.stats
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.lease_version, r.attempts) == ("done", 2, 2), r  # two runs, two attempts
 
 
 def test_a_transactional_job_claimed_again_while_it_runs_runs_again_after_it(
@@ -504,7 +507,8 @@ def test_a_transactional_job_claimed_again_while_it_runs_runs_again_after_it(
     runs, w = _run_while_taken_back(runner, engine, transactional=True)
     assert [(i, v) for i, v, _, _ in runs] == [(1, 1), (1, 2)], runs
     assert runs[1][2] >= runs[0][3], runs
-    assert row(engine, "jobs", 1).lease_version == 2
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.lease_version, r.attempts) == ("done", 2, 2), r  # two runs, two attempts
     assert w.stats.lost_leases == 1, w.stats  # the first run's, its transaction refused
 
 
@@ -559,6 +563,55 @@ def test_a_run_whose_result_a_newer_claim_takes_is_decided_on_its_own_attempts(
     assert run_until(runner, w, lambda: w.stats.retried == 1, timeout=10)
     r = row(engine, "jobs", 1)
     assert (r.status, r.lease_version, r.attempts) == ("queued", 2, 1), r
+
+
+def test_a_job_claimed_again_while_it_runs_never_burns_an_attempt(runner: Runner, engine: Engine) -> None:
+    """A worker whose renewals keep failing (here a trigger refuses them) loses the lease of the job it runs to
+    another worker's rescue, claims it again — held back, not started — loses that lease too, and so on. Each
+    such claim counted an attempt until the run ended: the third rescue of a job of three attempts failed it
+    "after max attempts (worker crash?)" while its one run was succeeding (a review, 3 of 3 sync and async;
+    a kill -9 while held back failed a job of two attempts after one run the same way). The claim that is held
+    back gives its attempt back at once: the rescues put the job back every time, and the run's result is
+    written on the newest lease — done, one run, one attempt."""
+    seed_jobs(engine, 1, task="t", max_attempts=3)
+    _refuse_renewals(engine)
+    spec = JOBS
+    runs: list[int] = []
+    taken: list[str] = []
+    attempts_held_back: list[int] = []
+
+    def body(job: ClaimedJob) -> None:
+        runs.append(job.lease_version)
+        for _ in range(
+            3
+        ):  # another worker's rescue, three times over, each after the worker claimed it again
+            version = row(engine, "jobs", 1).lease_version
+            time.sleep(
+                0.4
+            )  # the lease (0.3 s for the rescue below) runs out: the trigger refuses its renewals
+            with engine.begin() as conn:
+                taken.extend(
+                    status for _, status, _ in _steps.rescue(conn, spec, stale_after=timedelta(seconds=0.3))
+                )
+            assert wait_until(lambda v=version: row(engine, "jobs", 1).lease_version == v + 1, 5), row(
+                engine, "jobs", 1
+            )
+            assert wait_until(lambda: row(engine, "jobs", 1).attempts == 1, 2), row(engine, "jobs", 1)
+            attempts_held_back.append(row(engine, "jobs", 1).attempts)
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    try:
+        w = runner.worker({"t": body_async if runner.kind == "async" else body}, concurrency=2, poll_interval=0.05,
+                          stale_after=5.0)  # fmt: skip
+        assert run_until(runner, w, lambda: row(engine, "jobs", 1).status in ("done", "failed"), timeout=20)
+    finally:
+        _refuse_renewals(engine, lift=True)
+    r = row(engine, "jobs", 1)
+    assert taken == ["queued"] * 3, (taken, r.last_error)
+    assert (r.status, r.lease_version, r.attempts, runs) == ("done", 4, 1, [1]), (r, runs)
+    assert attempts_held_back == [1, 1, 1]
 
 
 def test_a_loop_just_started_rescues_old_expired_leases_at_once_and_waits_on_recent_ones(
