@@ -231,6 +231,8 @@ class LoopBase:
         #: When a statement last sent on one of the loop's connections succeeded (monotonic, at its sending), and
         #: when the current trouble was noticed (the cap of :meth:`_rescue_margin` counts from then).
         self._last_ok = float("-inf")
+        #: The rows whose renewal the last beat's one-by-one renewal found refused (:meth:`_extend_on`).
+        self._refused_renewals: set[int] = set()
         self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: The partition step (``maintain_partitions=``), or None.
@@ -567,8 +569,40 @@ class LoopBase:
     def _extend_on(
         self, conn: Connection, pairs: Sequence[tuple[int, int]], **params: Any
     ) -> tuple[set[int], set[int]]:
-        """Renew held leases: (ids renewed, ids whose cancellation was requested)."""
-        return _steps.extend(conn, self.spec, pairs, **params)
+        """Renew held leases: (ids renewed, ids whose cancellation was requested). A renewal refused for a row
+        — a user's trigger raising, a row-level security check — fails the whole statement, and every lease the
+        loop holds went unrenewed: another loop's rescue then took the healthy ones too and ran them a second
+        time (a review, 2 of 2). The rows are then renewed one at a time: the refused ones run out (logged),
+        the others go on. Refused for every row, the first error is raised."""
+        try:
+            return _steps.extend(conn, self.spec, pairs, **params)
+        except DBAPIError as exc:
+            if is_connection_error(exc) or len(pairs) < 2:
+                raise
+            first = exc
+        renewed: set[int] = set()
+        cancel: set[int] = set()
+        refused: list[int] = []
+        for pair in pairs:
+            try:
+                one, asked = _steps.extend(conn, self.spec, [pair], **params)
+            except DBAPIError as exc:
+                if is_connection_error(exc):
+                    raise
+                refused.append(pair[0])
+                continue
+            renewed |= one
+            cancel |= asked
+        if len(refused) == len(pairs):
+            raise first
+        if set(refused) != self._refused_renewals:  # (once per set of refused rows, not every beat)
+            self._log.warning(
+                "renewal refused for %s %s (%s); the other leases were renewed one by one", self.spec.kind,
+                ", ".join(map(str, refused)), getattr(first, "orig", first),
+                extra={"table": self.spec.table.name, "row_ids": refused},
+            )  # fmt: skip
+        self._refused_renewals = set(refused)
+        return renewed, cancel
 
     def _statement_retry(self, window: float) -> dict[str, Any]:
         """tenacity keyword arguments for retrying one statement through connection faults for ``window``

@@ -437,6 +437,54 @@ def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_wor
     assert statuses(engine, "jobs") == {"done": 1}
 
 
+def test_a_renewal_refused_for_one_job_leaves_the_other_jobs_leases_renewed(
+    runner: Runner, engine: Engine
+) -> None:
+    """A trigger that refuses the renewal of one job (a user's trigger, a row-level security check) made the whole
+    beat fail: every job of the worker went unrenewed, and another worker's rescue took a healthy job too and
+    ran it a second time (a review, 2 of 2). The rows are then renewed one by one: the refused job's lease runs
+    out, the others' go on."""
+    seed_jobs(engine, 2, task="t")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION no_renewal_of_1() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF OLD.id = 1 AND OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
+            "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewal of job 1 refused'; END IF; "
+            "RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER no_renewal_of_1 BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal_of_1()"
+        )
+    claimed_at: dict[int, Any] = {}
+
+    def body(job: ClaimedJob) -> None:
+        claimed_at[job.id] = row(engine, "jobs", job.id).locked_at
+        time.sleep(1.5)
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    try:
+        w = runner.worker({"t": body_async if runner.kind == "async" else body}, concurrency=2, poll_interval=0.05,
+                          stale_after=1.0, heartbeat=0.2)  # fmt: skip
+        late: dict[int, Any] = {}
+
+        def both_late() -> bool:
+            if len(claimed_at) < 2:
+                return False
+            time.sleep(1.0)  # five beats
+            late.update({i: row(engine, "jobs", i).locked_at for i in (1, 2)})
+            return True
+
+        assert run_until(runner, w, both_late, timeout=10)
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER no_renewal_of_1 ON jobs")
+            conn.exec_driver_sql("DROP FUNCTION no_renewal_of_1()")
+    assert late[1] == claimed_at[1], (late, claimed_at)  # refused: never renewed
+    assert late[2] > claimed_at[2], (late, claimed_at)  # renewed, one by one
+
+
 def _run_while_taken_back(
     runner: Runner, engine: Engine, *, change: str = "", transactional: bool = False
 ) -> tuple[list[tuple[int, int, float, float]], Any]:
