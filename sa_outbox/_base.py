@@ -231,7 +231,8 @@ class LoopBase:
         #: When a statement last sent on one of the loop's connections succeeded (monotonic, at its sending), and
         #: when the current trouble was noticed (the cap of :meth:`_rescue_margin` counts from then).
         self._last_ok = float("-inf")
-        #: The rows whose renewal the last beat's one-by-one renewal found refused (:meth:`_extend_on`).
+        #: The rows whose renewal the last beat's one-by-one renewal found refused (:meth:`_extend_on`): not
+        #: missed, so no lease guard is taken for them (it would only be refused again, every guard round).
         self._refused_renewals: set[int] = set()
         self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
@@ -575,11 +576,14 @@ class LoopBase:
         time (a review, 2 of 2). The rows are then renewed one at a time: the refused ones run out (logged),
         the others go on. Refused for every row, the first error is raised."""
         try:
-            return _steps.extend(conn, self.spec, pairs, **params)
+            renewed_all = _steps.extend(conn, self.spec, pairs, **params)
         except DBAPIError as exc:
             if is_connection_error(exc) or len(pairs) < 2:
                 raise
             first = exc
+        else:
+            self._refused_renewals = set()
+            return renewed_all
         renewed: set[int] = set()
         cancel: set[int] = set()
         refused: list[int] = []

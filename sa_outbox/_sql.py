@@ -1143,17 +1143,33 @@ def extend_statement(spec: QueueSpec) -> Update:
 
 @cache
 def refund_statement(spec: QueueSpec) -> Update:
-    """Give back one attempt of each row still leased under the given (id, lease_version) pairs (fenced like a
-    finalize), returning the ids it applied to: a worker's claim of a job it is running already (the lease ran
-    out unrenewed and another worker's rescue put the job back), which it holds back and never starts — no
+    """Give back one attempt of each row still leased under the given lease version (fenced like a finalize),
+    returning the ids it applied to: a worker's claim of a job it is running already (the lease ran out
+    unrenewed and another worker's rescue put the job back), which it holds back and never starts — no
     attempt. Counted until the run ended, such claims used up a job's attempts while its worker's renewals kept
-    failing, and a rescue failed the job "after max attempts (worker crash?)" as its one run succeeded."""
+    failing, and a rescue failed the job "after max attempts (worker crash?)" as its one run succeeded.
+
+    ``:ids``, ``:versions`` and ``:attempts`` (each claim's attempts as claimed) go together: the row is set to
+    one less than its claim's count, so the statement sent again — its answer lost after it committed — changes
+    nothing and still reports the row (subtracting again gave an attempt back twice: a review, 5 of 5)."""
     t, c = spec.table, spec.c
-    pairs = _lease_pairs()
+    claims = (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(BigInteger)),
+            bindparam("versions", type_=ARRAY(BigInteger)),
+            bindparam("attempts", type_=ARRAY(Integer)),
+        )
+        .table_valued(column("id", BigInteger), column("version", BigInteger), column("attempts", Integer))
+        .render_derived(name="held_back")
+    )
     return (
         update(t)
-        .where(*_fenced(spec, pairs.c.id, pairs.c.version), c.attempts > 0)
-        .values(attempts=c.attempts - 1)
+        .where(
+            *_fenced(spec, claims.c.id, claims.c.version),
+            claims.c.attempts > 0,
+            c.attempts.in_([claims.c.attempts, claims.c.attempts - 1]),
+        )
+        .values(attempts=claims.c.attempts - 1)
         .returning(c.id)
     )
 

@@ -580,13 +580,14 @@ def extend(
     return {r[0] for r in rows}, {r[0] for r in rows if r[1]}
 
 
-def refund(conn: Connection, spec: QueueSpec, held: Iterable[tuple[int, int]]) -> set[int]:
-    """Give back one attempt of each (id, lease_version) pair still leased under that version (claims that will
-    not run: :func:`_sql.refund_statement`); returns the ids it applied to."""
-    pairs = list(held)
-    if not pairs:
+def refund(conn: Connection, spec: QueueSpec, claims: Iterable[tuple[int, int, int]]) -> set[int]:
+    """Give back the attempt of each claim (id, lease_version, attempts as claimed) whose row is still leased
+    under that version — claims that will not run (:func:`_sql.refund_statement`: sent again, it changes
+    nothing); returns the ids it applied to."""
+    rows = list(claims)
+    if not rows:
         return set()
-    params = {"ids": [p[0] for p in pairs], "versions": [p[1] for p in pairs]}
+    params = {"ids": [r[0] for r in rows], "versions": [r[1] for r in rows], "attempts": [r[2] for r in rows]}
     return {r[0] for r in run(conn, _sql.refund_statement(spec), params)}
 
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import BigInteger, Connection, Engine, Table, create_engine, event, literal_column, select
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from tenacity import AsyncRetrying, Retrying
@@ -757,13 +757,28 @@ class WorkerBase(LoopBase):
         one run succeeded (a review: 3 of 3; a kill -9 meanwhile, the same after one run of a job of two
         attempts). The outcome written on that lease later gives one attempt fewer back (``Completer``)."""
         waiting = {
-            i: v
+            i: p
             for i, v in self._to_refund
             if (p := self._parked.get(i)) is not None and p.lease_version == v
         }
         if waiting:
-            for i in _steps.refund(conn, self.spec, waiting.items()):
-                self._done.given_back((i, waiting[i]))
+            claims = [(p.id, p.lease_version, p.attempts) for p in waiting.values()]
+            try:
+                refunded = _steps.refund(conn, self.spec, claims)
+            except DBAPIError as exc:
+                if is_connection_error(exc):
+                    raise  # (sent again with the next claim: it changes nothing if it had committed)
+                # Refused (a user's trigger, a row-level security check): the attempt stays counted until the
+                # run ends, as before there was this statement — never a reason to end the loop (a review: the
+                # worker exited).
+                self._log.warning(
+                    "could not give back the attempt of the claim of %s held back (%s): it is given back when "
+                    "the run it waits for ends", ", ".join(f"job {i}" for i in waiting), getattr(exc, "orig", exc),
+                    extra={"table": self.spec.table.name},
+                )  # fmt: skip
+                refunded = set()
+            for i in refunded:
+                self._done.given_back((i, waiting[i].lease_version))
         self._to_refund.clear()
 
     def _counted_again(self, job: ClaimedJob) -> int:
@@ -1025,8 +1040,9 @@ class WorkerBase(LoopBase):
         # alarms when that was called lost), or another transaction holds its row (the beat skips locked
         # rows). A guard looks at each: it renews a held row once it is free, and finds out whether the row is
         # still ours. A job the guard found not ours and that the next beat still holds is reported, once.
+        refused = self._refused_renewals
         missed = {(job_id, version) for job_id, version in pairs
-                  if job_id not in ids and still_held.get(job_id) == version} - guarded  # fmt: skip
+                  if job_id not in ids and job_id not in refused and still_held.get(job_id) == version} - guarded  # fmt: skip
         if missed - unguardable:
             with self._guarding_lock:
                 self._guarding.update(missed - unguardable)
@@ -1948,7 +1964,10 @@ class AsyncWorker(WorkerBase):
         self._report(outcomes, applied)
         claimed = self._accept(rows)  # in hand: released by _end if the run is being cancelled
         if self._to_refund:
-            await self._db.run(self._refund_held_back_on)
+            # not cut off by a cancellation: committed, its refund must be recorded before a release gives the
+            # attempt back again
+            _, late = await through_cancellation(self._db.run(self._refund_held_back_on))
+            cancelled = cancelled or late
         if cancelled is not None:
             raise cancelled
         return claimed
