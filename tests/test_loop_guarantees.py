@@ -391,22 +391,33 @@ def test_a_loop_rescues_a_row_leased_in_its_name_that_it_does_not_hold(
     assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
 
 
-def _refuse_renewals(engine: Engine, *, lift: bool = False) -> None:
-    """A trigger that refuses every renewal of a running job (its locked_at moved on, its lease the same)."""
+def _refusing_trigger(engine: Engine, name: str, condition: str, *, lift: bool = False) -> None:
+    """A trigger on jobs that raises (``name``) for every UPDATE meeting ``condition`` (OLD and NEW): a user's
+    trigger, or a row-level security rule, refusing it; ``lift`` drops it."""
     with engine.begin() as conn:
         if lift:
-            conn.exec_driver_sql("DROP TRIGGER no_renewal ON jobs")
-            conn.exec_driver_sql("DROP FUNCTION no_renewal()")
+            conn.exec_driver_sql(f"DROP TRIGGER {name} ON jobs")
+            conn.exec_driver_sql(f"DROP FUNCTION {name}()")
             return
         conn.exec_driver_sql(
-            "CREATE FUNCTION no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
-            "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewals refused'; END IF; "
-            "RETURN NEW; END $$"
+            f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF {condition} THEN RAISE EXCEPTION '{name}'; END IF; RETURN NEW; END $$"
         )
         conn.exec_driver_sql(
-            "CREATE TRIGGER no_renewal BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal()"
+            f"CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION {name}()"
         )
+
+
+#: A renewal of a running job: its locked_at moved on, its lease the same.
+_RENEWAL = (
+    "OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
+    "AND NEW.lease_version = OLD.lease_version"
+)
+
+
+def _refuse_renewals(engine: Engine, *, lift: bool = False) -> None:
+    """A trigger that refuses every renewal of a running job."""
+    _refusing_trigger(engine, "renewals_refused", _RENEWAL, lift=lift)
 
 
 def test_a_job_whose_renewals_fail_is_not_run_again_beside_itself_by_its_own_worker(
@@ -446,16 +457,7 @@ def test_a_renewal_refused_for_one_job_leaves_the_other_jobs_leases_renewed(
     ran it a second time (a review, 2 of 2). The rows are then renewed one by one: the refused job's lease runs
     out, the others' go on."""
     seed_jobs(engine, 2, task="t")
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE FUNCTION no_renewal_of_1() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "IF OLD.id = 1 AND OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
-            "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewal of job 1 refused'; END IF; "
-            "RETURN NEW; END $$"
-        )
-        conn.exec_driver_sql(
-            "CREATE TRIGGER no_renewal_of_1 BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION no_renewal_of_1()"
-        )
+    _refusing_trigger(engine, "renewal_of_1_refused", f"OLD.id = 1 AND {_RENEWAL}")
     claimed_at: dict[int, Any] = {}
 
     def body(job: ClaimedJob) -> None:
@@ -479,15 +481,13 @@ def test_a_renewal_refused_for_one_job_leaves_the_other_jobs_leases_renewed(
 
         assert run_until(runner, w, both_late, timeout=10)
     finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DROP TRIGGER no_renewal_of_1 ON jobs")
-            conn.exec_driver_sql("DROP FUNCTION no_renewal_of_1()")
+        _refusing_trigger(engine, "renewal_of_1_refused", "", lift=True)
     assert late[1] == claimed_at[1], (late, claimed_at)  # refused: never renewed
     assert late[2] > claimed_at[2], (late, claimed_at)  # renewed, one by one
     # said once; and no lease guard is taken for the refused row (it was refused again every 0.1 s, a review:
     # 18 "lease guard failed" warnings in 2 s)
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert sum("renewal refused for jobs 1 " in m for m in said) == 1, said
+    assert sum("renewal refused for jobs 1 (renewal_of_1_refused" in m for m in said) == 1, said
     assert not [m for m in said if "guard" in m], said
 
 
@@ -693,15 +693,8 @@ def test_a_refund_refused_by_a_trigger_leaves_the_worker_running(runner: Runner,
     alike) made the refund raise out of the claim, and the worker exited (a review, sync and async). Logged
     instead: the attempt is given back when the run ends, as before there was that statement."""
     seed_jobs(engine, 1, task="t")
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            "CREATE FUNCTION frozen_running() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.lease_version = OLD.lease_version "
-            "THEN RAISE EXCEPTION 'running jobs are frozen'; END IF; RETURN NEW; END $$"
-        )
-        conn.exec_driver_sql(
-            "CREATE TRIGGER frozen_running BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION frozen_running()"
-        )
+    frozen = "OLD.status = 'running' AND NEW.status = 'running' AND NEW.lease_version = OLD.lease_version"
+    _refusing_trigger(engine, "running_jobs_frozen", frozen)
     seen: list[int] = []
 
     def body(job: ClaimedJob) -> None:
@@ -721,9 +714,7 @@ def test_a_refund_refused_by_a_trigger_leaves_the_worker_running(runner: Runner,
         )
         assert run_until(runner, w, lambda: row(engine, "jobs", 1).status == "done", timeout=15)
     finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DROP TRIGGER frozen_running ON jobs")
-            conn.exec_driver_sql("DROP FUNCTION frozen_running()")
+        _refusing_trigger(engine, "running_jobs_frozen", "", lift=True)
     r = row(engine, "jobs", 1)
     assert (r.status, r.lease_version, r.attempts, seen) == ("done", 2, 1, [1]), (r, seen)
 
