@@ -49,12 +49,13 @@ class Completer:
         self._outcomes.extend(outcomes)
 
     def given_back(self, lease: tuple[int, int], forget: bool = False) -> None:
-        """Record that ``lease``'s claim has had its attempt given back (or, ``forget``, drop that record: the
-        lease is gone and no outcome will be written on it)."""
+        """Record that ``lease``'s claim has had its attempt given back — once, however often that is said (the
+        refund is idempotent, and may be recorded before its answer is known) — or, ``forget``, drop that
+        record: the lease is gone and no outcome will be written on it."""
         if forget:
             self._given_back.pop(lease, None)
         else:
-            self._given_back[lease] = self._given_back.get(lease, 0) + 1
+            self._given_back[lease] = 1
 
     def early(self, lease: tuple[int, int]) -> int:
         """How many attempts of ``lease``'s claim were given back already (an outcome written elsewhere — a

@@ -767,7 +767,14 @@ class WorkerBase(LoopBase):
                 refunded = _steps.refund(conn, self.spec, claims)
             except DBAPIError as exc:
                 if is_connection_error(exc):
-                    raise  # (sent again with the next claim: it changes nothing if it had committed)
+                    # In doubt: it may have committed with its answer lost. Counted as given back — an
+                    # outcome written on the lease before it is sent again (with the next claim; it then
+                    # changes nothing if it had) gives no attempt back twice: at worst the attempt stays
+                    # counted, as before this statement existed, never one run past max_attempts (a review:
+                    # a job of two attempts ran three times when the outcome gave it back again).
+                    for p in waiting.values():
+                        self._done.given_back((p.id, p.lease_version))
+                    raise
                 # Refused (a user's trigger, a row-level security check): the attempt stays counted until the
                 # run ends, as before there was this statement — never a reason to end the loop (a review: the
                 # worker exited).

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, event, text
+from sqlalchemy.exc import OperationalError
 
 from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _steps
 from sa_outbox._services import Requeued
@@ -686,6 +687,44 @@ def test_the_refund_of_a_held_back_claim_sent_again_changes_nothing(engine: Engi
         conn.execute(text("UPDATE jobs SET status = 'queued' WHERE id = 1"))
         assert _steps.refund(conn, JOBS, [(1, 2, 2)]) == set()
     assert row(engine, "jobs", 1).attempts == 1
+
+
+def test_a_refund_whose_answer_is_lost_is_not_given_back_twice(runner: Runner, engine: Engine) -> None:
+    """The held-back claim's refund commits and its answer is lost (the connection drops), and every time it is
+    sent again until the run it waits for has ended. The run's result, written on the held-back lease, gave the
+    attempt back a second time (a review: a job of two attempts ran three times; here: attempts 0 after one
+    run). A refund in doubt now counts as given back: attempts 1."""
+    seed_jobs(engine, 1, task="t", max_attempts=3)
+    cut = threading.Event()
+    cut.set()
+    lost: list[str] = []
+
+    def answer_lost(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        if cut.is_set() and statement.startswith("UPDATE jobs SET attempts="):  # (committed: autocommit)
+            lost.append(statement)
+            raise OperationalError(statement, params, Exception("answer lost"), connection_invalidated=True)
+
+    def body(job: ClaimedJob) -> None:
+        if job.lease_version == 1:
+            with engine.begin() as conn:  # another worker's rescue
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+            assert wait_until(lambda: bool(lost), 5)
+            time.sleep(0.3)
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    watched = runner.aengine.sync_engine if runner.aengine is not None else engine
+    event.listen(watched, "after_cursor_execute", answer_lost)
+    try:
+        w = runner.worker(
+            {"t": body_async if runner.kind == "async" else body}, concurrency=2, poll_interval=0.05
+        )
+        assert run_until(runner, w, lambda: row(engine, "jobs", 1).status == "done", timeout=20)
+    finally:
+        event.remove(watched, "after_cursor_execute", answer_lost)
+    r = row(engine, "jobs", 1)
+    assert lost and (r.status, r.lease_version, r.attempts) == ("done", 2, 1), (r, lost)
 
 
 def test_a_refund_refused_by_a_trigger_leaves_the_worker_running(runner: Runner, engine: Engine) -> None:
