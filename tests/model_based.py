@@ -206,11 +206,12 @@ _TERMINATE_LOOPS = text(
     "AND application_name IN ('model-loop', 'sa_outbox.listen')"
 )
 #: rule_refuse_renewals' trigger: an UPDATE that moves a running job's locked_at on (a beat's or a guard's
-#: renewal) fails; claims, finalizes, releases and rescues change its status and pass.
-_REFUSE_RENEWALS = text(
+#: renewal) fails — of every job, or of the odd ids only (``{which}``: the beats then renew the others one by
+#: one); claims, finalizes, releases and rescues change its status and pass.
+_REFUSE_RENEWALS = (
     "CREATE OR REPLACE FUNCTION model_no_renewal() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
     "IF OLD.status = 'running' AND NEW.status = 'running' AND NEW.locked_at > OLD.locked_at "
-    "AND NEW.lease_version = OLD.lease_version THEN RAISE EXCEPTION 'renewals refused'; END IF; "
+    "AND NEW.lease_version = OLD.lease_version {which} THEN RAISE EXCEPTION 'renewals refused'; END IF; "
     "RETURN NEW; END $$; "
     "CREATE OR REPLACE TRIGGER model_no_renewal BEFORE UPDATE ON jobs FOR EACH ROW "
     "EXECUTE FUNCTION model_no_renewal()"
@@ -1402,17 +1403,19 @@ class Scenario:
             assert not self.cutter.is_alive(), "the database outage did not end"
 
     def rule_refuse_renewals(self) -> None:
-        """For 1–4 s a trigger refuses every renewal of a running job (a user's trigger, a row-level rule): the
-        heartbeats fail and leases run out while their handlers run. Another worker's rescue may take such a
-        job (a lost lease, I4); its own worker's never does — before, it claimed the job again and ran it
-        beside itself (I3, I4, I11 and the F rules check what follows)."""
+        """For 1–4 s a trigger refuses every renewal of a running job, or of the odd ids only (a user's trigger, a
+        row-level rule): the heartbeats fail (or renew the other jobs one by one) and leases run out while their
+        handlers run. Another worker's rescue may take such a job (a lost lease, I4), and its own worker may
+        claim it again, held back behind the run (I12); its own worker's rescue never takes it — before, it
+        claimed the job again and ran it beside itself (I3, I4, I11 and the F rules check what follows)."""
         if self.refuser is not None and self.refuser.is_alive():
             return
         span = self.refusal_rng.uniform(1.0, 4.0)
+        odd_only = self.refusal_rng.random() < 0.5
         try:
             with self.engine.begin() as conn:
                 conn.execute(text("SET LOCAL lock_timeout = '2s'"))
-                conn.execute(_REFUSE_RENEWALS)
+                conn.execute(text(_REFUSE_RENEWALS.format(which="AND OLD.id % 2 = 1" if odd_only else "")))
         except DBAPIError as exc:  # (a lock the trigger's DDL waited for too long: no refusal this time)
             self.log.append(f"renewals not refused: {exc.orig}")
             return
@@ -1424,7 +1427,9 @@ class Scenario:
 
         self.refuser = threading.Thread(target=lift, name="model-refuser", daemon=True)
         self.refuser.start()
-        self.log.append(f"renewals of running jobs refused for {span:.1f}s")
+        self.log.append(
+            f"renewals of running jobs{' of odd ids' if odd_only else ''} refused for {span:.1f}s"
+        )
 
     def _lift_refusal(self) -> None:
         with self.engine.begin() as conn:
