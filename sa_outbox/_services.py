@@ -39,7 +39,7 @@ class Completer:
         self._since = 0.0
         #: Leases (id, lease_version) whose claim's attempt was given back already (a worker's claim of a job it
         #: is running, held back): the outcome written on such a lease gives one attempt fewer back.
-        self._given_back: dict[tuple[int, int], int] = {}
+        self._given_back: set[tuple[int, int]] = set()
 
     def add(self, outcomes: Iterable[Outcome]) -> None:
         if not self._outcomes:
@@ -53,18 +53,21 @@ class Completer:
         refund is idempotent, and may be recorded before its answer is known) — or, ``forget``, drop that
         record: the lease is gone and no outcome will be written on it."""
         if forget:
-            self._given_back.pop(lease, None)
+            self._given_back.discard(lease)
         else:
-            self._given_back[lease] = 1
+            self._given_back.add(lease)
 
-    def early(self, lease: tuple[int, int]) -> int:
-        """How many attempts of ``lease``'s claim were given back already (an outcome written elsewhere — a
-        handler's transaction — gives that many fewer back; :meth:`given_back` with ``forget`` once written)."""
-        return self._given_back.get(lease, 0)
+    def gave_back(self, lease: tuple[int, int]) -> bool:
+        """Whether ``lease``'s claim had its attempt given back (an outcome written elsewhere — a handler's
+        transaction — then gives one fewer back; :meth:`given_back` with ``forget`` once written)."""
+        return lease in self._given_back
 
     def _counted(self, o: Outcome) -> Outcome:
-        early = self._given_back.pop((o.id, o.lease_version), 0)
-        return replace(o, refund=o.refund - early) if early else o
+        lease = (o.id, o.lease_version)
+        if lease not in self._given_back:
+            return o
+        self._given_back.discard(lease)
+        return replace(o, refund=o.refund - 1)
 
     def take(self) -> list[Outcome]:
         taken, self._outcomes = self._outcomes, []

@@ -849,14 +849,7 @@ def rescue_statement(spec: QueueSpec) -> Update:
     t, c = spec.table, spec.c
     order_col = spec.lease_until if spec.lease_until is not None else spec.locked_at
     assert order_col is not None
-    kept = (
-        func.unnest(
-            bindparam("kept_ids", type_=ARRAY(BigInteger)),
-            bindparam("kept_versions", type_=ARRAY(BigInteger)),
-        )
-        .table_valued("id", "version")
-        .render_derived()
-    )
+    kept = _unnested("kept", ("kept_ids", "id", BigInteger), ("kept_versions", "version", BigInteger))
     expired = [
         spec.lease_expired(longer_than=sa_cast(bindparam("expired_for", type_=Interval), Interval)),
         ~exists().where(kept.c.id == c.id, kept.c.version == c.lease_version),
@@ -914,6 +907,16 @@ def rescue_statement(spec: QueueSpec) -> Update:
 # --- finalize -------------------------------------------------------------------------------------------
 
 
+def _unnested(name: str, *columns: tuple[str, str, Any], ordinality: str | None = None) -> Any:
+    """Array parameters unnested together into rows: ``columns`` are (parameter, column, type) — one bound
+    array per column, element ``i`` of each making row ``i`` (``ordinality``: a column of the row numbers)."""
+    return (
+        func.unnest(*[bindparam(param, type_=ARRAY(kind)) for param, _, kind in columns])
+        .table_valued(*[column(col, kind) for _, col, kind in columns], with_ordinality=ordinality)
+        .render_derived(name=name)
+    )
+
+
 def _outcome_rows(spec: QueueSpec, *, single: bool = False) -> Any:
     """The batch's outcomes as rows (one array per column, unnested together); jobs also carry each
     handler's result as JSON text. ``single``: one outcome, each column a plain parameter (``o_id``,
@@ -933,11 +936,9 @@ def _outcome_rows(spec: QueueSpec, *, single: bool = False) -> Any:
                 for name, kind in zip(names, types, strict=True)
             ]
         ).subquery("outcome")
-    arrays = [
-        bindparam(_ARRAY_NAMES[name], type_=ARRAY(kind)) for name, kind in zip(names, types, strict=True)
-    ]
-    columns = [column(name, kind) for name, kind in zip(names, types, strict=True)]
-    return func.unnest(*arrays).table_valued(*columns).render_derived(name="outcome")
+    return _unnested(
+        "outcome", *[(_ARRAY_NAMES[name], name, kind) for name, kind in zip(names, types, strict=True)]
+    )
 
 
 #: The array parameter of each outcome column (:func:`_outcome_rows`).
@@ -1108,21 +1109,12 @@ def leases_statement(spec: QueueSpec) -> Select[Any]:
     )
 
 
-def _lease_pairs() -> Any:
-    """The (id, lease_version) pairs of ``:ids`` and ``:versions``, unnested together."""
-    return (
-        func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("versions", type_=ARRAY(BigInteger)))
-        .table_valued(column("id", BigInteger), column("version", BigInteger))
-        .render_derived(name="held")
-    )
-
-
 @cache
 def extend_statement(spec: QueueSpec) -> Update:
     """Heartbeat: renew the lease of rows this worker still holds (fenced like a finalize). For jobs it also
     returns whether each job's cancellation was requested, so workers learn it with no extra statement."""
     t, c = spec.table, spec.c
-    pairs = _lease_pairs()
+    pairs = _unnested("held", ("ids", "id", BigInteger), ("versions", "version", BigInteger))
     # Rows locked right now are left for the next beat, never waited for: the worker's own finalize may be
     # writing the same rows in another order, and the two deadlocked (PostgreSQL aborted one of them; seen in
     # the 1M-job memory run). A row skipped twice in a row is reported as lost (WorkerBase._beat_result).
@@ -1153,14 +1145,11 @@ def refund_statement(spec: QueueSpec) -> Update:
     one less than its claim's count, so the statement sent again — its answer lost after it committed — changes
     nothing and still reports the row (subtracting again gave an attempt back twice: a review, 5 of 5)."""
     t, c = spec.table, spec.c
-    claims = (
-        func.unnest(
-            bindparam("ids", type_=ARRAY(BigInteger)),
-            bindparam("versions", type_=ARRAY(BigInteger)),
-            bindparam("attempts", type_=ARRAY(Integer)),
-        )
-        .table_valued(column("id", BigInteger), column("version", BigInteger), column("attempts", Integer))
-        .render_derived(name="held_back")
+    claims = _unnested(
+        "held_back",
+        ("ids", "id", BigInteger),
+        ("versions", "version", BigInteger),
+        ("attempts", "attempts", Integer),
     )
     return (
         update(t)
@@ -1578,11 +1567,7 @@ def limited_claim_statement(spec: QueueSpec, *, per_key: bool, rate: bool) -> An
     starts. Returns the claimed rows as the plain claim does. Every claimer of a key holds its lock while it
     counts and claims, so no two can both see room for the same slot: from the rows, across every host."""
     t, c = spec.table, spec.c
-    cand = (
-        func.unnest(bindparam("ids", type_=ARRAY(BigInteger)), bindparam("keys", type_=ARRAY(Text)))
-        .table_valued(column("id", BigInteger), column("key", Text), with_ordinality="ord")
-        .render_derived(name="cand")
-    )
+    cand = _unnested("cand", ("ids", "id", BigInteger), ("keys", "key", Text), ordinality="ord")
     running = t.alias("running")
     distinct_keys = select(cand.c.key).distinct().subquery("k")
     busy = (

@@ -791,7 +791,7 @@ class WorkerBase(LoopBase):
     def _counted_again(self, job: ClaimedJob) -> int:
         """The refund of a completion a handler's transaction writes: −1 when the job's claim had its attempt
         given back as it was held back (it runs now, after the run it waited for: its attempt counts)."""
-        return -self._done.early((job.id, job.lease_version))
+        return -1 if self._done.gave_back((job.id, job.lease_version)) else 0
 
     def _in_transaction(self, handler: Any) -> bool:
         known = self._session_handlers.get(handler)
