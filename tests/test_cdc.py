@@ -269,6 +269,27 @@ def test_a_change_marked_with_flag_modified_on_an_event_already_written_is_refus
             assert conn.execute(select(KeptEvent.payload)).scalars().all() == [{"n": 5}]
 
 
+def test_a_change_refused_in_a_savepoint_is_allowed_once_the_savepoint_rolled_back(db: Engine) -> None:
+    """Written in a savepoint, an event is refused a change there like anywhere; the savepoint's rollback makes it
+    transient again (never written), so it may change and be added anew — the row has the new value."""
+    with Session(db) as s:
+        s.begin()
+        ev = _event(KeptEvent, n=1)
+        savepoint = s.begin_nested()
+        s.add(ev)
+        s.flush()
+        with pytest.raises(PayloadError, match="insert-only"):
+            flag_modified(ev, "payload")
+        savepoint.rollback()
+        assert sa_inspect(ev).transient
+        ev.payload["n"] = 2
+        flag_modified(ev, "payload")
+        s.add(ev)
+        s.commit()
+    with db.connect() as conn:
+        assert conn.execute(select(KeptEvent.payload)).scalars().all() == [{"n": 2}]
+
+
 def test_an_in_place_change_of_a_mutable_payload_on_an_event_already_written_is_refused(db: Engine) -> None:
     """A ``MutableDict`` column marks its own changes: on a written CDC event that change is refused where it
     is made (before: UPDATEd at the next flush, an UPDATE Debezium's router drops — the broker never saw it);
