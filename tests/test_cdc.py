@@ -500,6 +500,85 @@ def test_every_path_takes_the_aggregate_lock(db: Engine, path: str) -> None:
     assert result.t2_waited_on_a_lock and result.commits == ["T1", "T2"]
 
 
+class _DomainCdcSession(Session):
+    """An application session whose own ``before_flush`` listener (registered after sa_outbox's hook, so it runs
+    after it) turns each changed account into a CDC event: ``session.info["cdc_model"]`` says into which table,
+    ``session.info["cdc_bad"]`` makes the payload unserialisable; the events it made are kept in
+    ``session.info["cdc_added"]`` (the session's identity map holds its objects weakly)."""
+
+
+@event.listens_for(_DomainCdcSession, "before_flush")
+def _account_events(session: Session, flush_context: Any, instances: Any) -> None:
+    model = session.info.get("cdc_model", CdcEvent)
+    for obj in list(session.dirty):
+        if isinstance(obj, Account):
+            payload: Any = {"x": object()} if session.info.get("cdc_bad") else {"n": obj.balance}
+            ev = model.for_aggregate(obj, "Charged", payload)
+            session.add(ev)
+            session.info.setdefault("cdc_added", []).append(ev)
+
+
+def _cdc_domain(model: type[Any], bad: bool = False) -> Any:
+    def factory(engine: Engine) -> Session:
+        s = _DomainCdcSession(engine)
+        s.info.update(cdc_model=model, cdc_bad=bad)
+        return s
+
+    return factory
+
+
+@pytest.mark.parametrize("model", [CdcEvent, KeptEvent], ids=["deleted", "kept"])
+def test_an_event_a_before_flush_listener_adds_is_written_like_any_other(
+    db: Engine, model: type[Any]
+) -> None:
+    """The listener's event belongs to the flush that ran the listener: inserted (and, by default, deleted) in
+    it, the same as one added with ``session.add``; once written it is insert-only like any other."""
+    table = model.__tablename__
+    with _cdc_domain(model)(db) as s, s.begin():
+        written = _Written(s, table)
+        s.get_one(Account, 1).balance = 5
+        s.flush()
+        assert written() == ((1, 1) if model is CdcEvent else (1, 0))
+        (ev,) = s.info["cdc_added"]
+        assert isinstance(ev.id, uuid.UUID) and ev.created_at is not None
+        assert (ev in s) is (model is KeptEvent)  # a deleted event is detached, as with session.add
+        assert ev.payload == {"n": 5} and ev.aggregate_id == "1"
+        if model is KeptEvent:
+            with pytest.raises(PayloadError, match="insert-only"):
+                ev.payload = {"n": 6}
+    with db.connect() as conn:
+        kept = conn.execute(select(KeptEvent.aggregate_type, KeptEvent.aggregate_id, KeptEvent.payload)).all()
+    assert kept == ([("account", "1", {"n": 5})] if model is KeptEvent else [])
+
+
+@pytest.mark.parametrize("model", [CdcEvent, KeptEvent], ids=["deleted", "kept"])
+def test_a_before_flush_listeners_bad_event_writes_nothing(db: Engine, model: type[Any]) -> None:
+    """Refused before any of the flush's SQL: neither the account's change nor an event is written."""
+    with _cdc_domain(model, bad=True)(db) as s:
+        s.begin()
+        written = _Written(s, model.__tablename__)
+        s.get_one(Account, 1).balance = 5
+        with s.no_autoflush:
+            with pytest.raises(PayloadError, match=r"'Charged'.*not JSON-serialisable"):
+                s.flush()
+            assert s.execute(text("SELECT balance FROM cdc_accounts WHERE id = 1")).scalar_one() == 0
+            assert written() == (0, 0)
+        s.rollback()
+
+
+def test_a_before_flush_listeners_event_takes_the_aggregate_lock(db: Engine) -> None:
+    """T2's listener-made event for account 1 waits for T1's (the account's row lock), and commits after it."""
+
+    def write(s: Session, n: int) -> None:
+        s.get_one(Account, 1).balance = n
+
+    result = race(db, write, app="cdc-listener", session_factory=_cdc_domain(KeptEvent))
+    assert result.t2_waited_on_a_lock and result.commits == ["T1", "T2"]
+    with db.connect() as conn:
+        rows = conn.execute(select(KeptEvent.payload).order_by(KeptEvent.created_at)).scalars().all()
+    assert rows == [{"n": 1}, {"n": 2}]
+
+
 def test_no_notify_is_sent_for_a_cdc_table(db: Engine) -> None:
     """Nobody polls a CDC table: its events leave through the WAL, so the producer wakes no dispatcher."""
     url = db.url.set(drivername="postgresql").render_as_string(hide_password=False)
