@@ -668,9 +668,17 @@ def _cmd_queues(args: argparse.Namespace) -> int:
         print(f"paused {args.name}: workers stop claiming it within about a second")
         return 0
     if args.action == "resume":
-        admin.resume_queue(engine, model, args.name)
-        print(f"resumed {args.name}")
-        return 0
+        if admin.resume_queue(engine, model, args.name):
+            print(f"resumed {args.name}")
+            return 0
+        # Names are case-sensitive and free-form: a typo must not read as a resumed queue.
+        paused = sorted(q.name for q in admin.list_queues(engine, model) if q.paused)
+        print(
+            f"sa-outbox: queue {args.name!r} was not paused: nothing resumed (paused queues: "
+            f"{', '.join(map(repr, paused)) or 'none'})",
+            file=sys.stderr,
+        )
+        return EXIT_THRESHOLD
     states = admin.list_queues(engine, model)
     if args.json:
         _print_json([{"name": q.name, "paused": q.paused, "paused_at": q.paused_at, "paused_by": q.paused_by,
@@ -726,8 +734,10 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
         print(f"paused {args.name}: it fires no slot until resumed")
         return 0
     if args.action == "resume":
-        _schedules.resume_schedule(engine, model, args.name)
-        print(f"resumed {args.name}: it fires from its next slot (the paused slots are skipped)")
+        if _schedules.resume_schedule(engine, model, args.name):
+            print(f"resumed {args.name}: it fires from its next slot (the paused slots are skipped)")
+        else:
+            print(f"{args.name} was not paused: left as it is")
         return 0
     if args.action == "run-now":
         [(_, jobs)] = _tables(args, engine, ("jobs",))
@@ -910,8 +920,8 @@ def _cmd_cdc(args: argparse.Namespace) -> int:
     return 0
 
 
-# Exit codes (README, "Operations"): 0 success; 1 a check threshold passed or doctor found a failure (the
-# queue needs attention); 2 bad usage or configuration, fix the command (invalid option, malformed URL, no
+# Exit codes (README, "Operations"): 0 success; 1 a check threshold passed, doctor found a failure, or
+# ``queues resume`` found no paused queue of that name (the queue needs attention); 2 bad usage or configuration, fix the command (invalid option, malformed URL, no
 # such table, no such database or role, authentication refused, unknown host); 3 the database could not be
 # reached or failed meanwhile, worth retrying (refused, timed out, restarting); 141 the output was closed
 # early (``| head``), as for a process killed by SIGPIPE.

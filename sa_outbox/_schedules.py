@@ -570,9 +570,9 @@ def pause_schedule(bind: Bind, model: Any, name: str) -> None:
     log.info("schedule %r paused", name, extra={"schedule": name})
 
 
-def resume_schedule(bind: Bind, model: Any, name: str, *, now: dt.datetime | None = None) -> None:
+def resume_schedule(bind: Bind, model: Any, name: str, *, now: dt.datetime | None = None) -> bool:
     """Fire schedule ``name`` again from its next slot after now: the slots of the pause are skipped, not
-    caught up (a schedule that was not paused is left as it is)."""
+    caught up. Returns True, or False for a schedule that was not paused (left as it is, nothing logged)."""
     table = _check_model(model, "schedules")
     c = table.c
     with _connection(bind, model) as conn:
@@ -583,7 +583,9 @@ def resume_schedule(bind: Bind, model: Any, name: str, *, now: dt.datetime | Non
                 table.update().where(c.name == name)
                 .values(paused=False, next_run_at=_next_after(cron, tz, clock), updated_at=func.now())
             )  # fmt: skip
-    log.info("schedule %r resumed", name, extra={"schedule": name})
+    if paused:
+        log.info("schedule %r resumed", name, extra={"schedule": name})
+    return bool(paused)
 
 
 def run_schedule_now(bind: Bind, model: Any, job_model: Any, name: str) -> int:

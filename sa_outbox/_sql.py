@@ -304,6 +304,9 @@ def _keyed_probe(
     )
 
 
+#: The range of PostgreSQL's bigint: ids and positions outside it match no row, and sent, fail the statement.
+BIGINT_RANGE = (-(2**63), 2**63 - 1)
+
 _XIDS = 1 << 32  # the 32-bit xid of a row's xmax, against the 64-bit ids of pg_snapshot
 
 #: How far past the snapshot's next xid an xmax still reads as "began after it": far more transactions than

@@ -56,6 +56,10 @@ def _ids(ids: Iterable[int]) -> list[int]:
     bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int)]
     if bad:
         raise ConfigurationError(f"ids must be integers, got {bad[0]!r}")
+    low, high = _sql.BIGINT_RANGE
+    wide = [i for i in out if not low <= i <= high]
+    if wide:  # no row has such an id; sent, PostgreSQL would refuse the whole statement with a DataError
+        raise ConfigurationError(f"ids must fit a bigint ({low} to {high}), got {wide[0]}")
     return out
 
 
@@ -429,10 +433,29 @@ def _queue_name(queue: str) -> str:
     return queue
 
 
+def _run_logged(bind: Bind, fn: Callable[[Connection], T], done: Callable[[T], None]) -> T | Awaitable[T]:
+    """:func:`_run`, then ``done(result)`` once the statement ran (with an Engine, once it committed): an action's
+    log line is never written for a statement that failed."""
+    result = _run(bind, fn)
+    if isinstance(result, Awaitable):
+        pending = result
+
+        async def then() -> T:
+            value = await pending
+            done(value)
+            return value
+
+        return then()
+    done(result)
+    return result
+
+
 def pause_queue(bind: Bind, model: type[Any], queue: str, *, by: str | None = None) -> Any:
     """Pause a queue: no worker anywhere claims its jobs until :func:`resume_queue` (workers learn it within
-    about a second; jobs already running finish). The state is a row of ``<jobs>_queues``, so it survives
-    restarts and works behind PgBouncer. Await it with an async bind."""
+    about a second; jobs already running finish). A queue with no jobs yet may be paused too: its jobs wait
+    from the first. The state is a row of ``<jobs>_queues``, so it survives restarts and works behind
+    PgBouncer. Await it with an async bind. Logged (INFO) once the statement ran — with an Engine, once it
+    committed; with your Connection or Session, your rollback undoes the pause the line reports."""
     spec = _jobs_spec(model)
     table = queue_table(spec.table)
     stmt = (
@@ -442,17 +465,31 @@ def pause_queue(bind: Bind, model: type[Any], queue: str, *, by: str | None = No
             index_elements=[table.c.queue], set_={"paused_at": func.now(), "paused_by": by}
         )
     )
-    log.info("queue %r of %s paused", queue, spec.table.fullname, extra={"queue": queue, "by": by})
-    return _run(bind, lambda conn: conn.execute(stmt) and None)
+
+    def done(_: None) -> None:
+        log.info("queue %r of %s paused", queue, spec.table.fullname, extra={"queue": queue, "by": by})
+
+    return _run_logged(bind, lambda conn: conn.execute(stmt) and None, done)
 
 
 def resume_queue(bind: Bind, model: type[Any], queue: str) -> Any:
-    """Resume a paused queue (a no-op for one that is not paused). Await it with an async bind."""
+    """Resume a paused queue; returns True, or False when no queue of that exact name (names are
+    case-sensitive) was paused — nothing changed then, and nothing is logged. Await it with an async bind.
+    Logged (INFO) as :func:`pause_queue` is."""
     spec = _jobs_spec(model)
     table = queue_table(spec.table)
-    stmt = update(table).where(table.c.queue == _queue_name(queue)).values(paused_at=None, paused_by=None)
-    log.info("queue %r of %s resumed", queue, spec.table.fullname, extra={"queue": queue})
-    return _run(bind, lambda conn: conn.execute(stmt) and None)
+    stmt = (
+        update(table)
+        .where(table.c.queue == _queue_name(queue), table.c.paused_at.is_not(None))
+        .values(paused_at=None, paused_by=None)
+        .returning(table.c.queue)
+    )
+
+    def done(resumed: bool) -> None:
+        if resumed:
+            log.info("queue %r of %s resumed", queue, spec.table.fullname, extra={"queue": queue})
+
+    return _run_logged(bind, lambda conn: conn.execute(stmt).first() is not None, done)
 
 
 def list_queues(bind: Engine | Connection | Session, model: type[Any]) -> list[QueueState]:

@@ -64,6 +64,7 @@ from . import _tracing
 from ._durations import Duration, to_timedelta
 from ._names import RESERVED_ID_PREFIX
 from ._payload import check_index_entries, check_int, require_text
+from ._sql import BIGINT_RANGE
 from .errors import ConfigurationError, PayloadError
 
 __all__ = [
@@ -131,7 +132,6 @@ class Receipt(enum.Enum):
 #: The message_id prefix of the rows that hold each (consumer, aggregate)'s newest applied position.
 HEAD_PREFIX = RESERVED_ID_PREFIX + "head:"
 _HEAD_SOURCE = "sa_outbox.head"
-_BIGINT = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ def receive(
         raise PayloadError(f"{what}: give aggregate and position together (or neither)")
     if aggregate is not None:
         aggregate = require_text(aggregate, what, "aggregate")
-        check_int(position, what=what, name="position", low=_BIGINT[0], high=_BIGINT[1])
+        check_int(position, what=what, name="position", low=BIGINT_RANGE[0], high=BIGINT_RANGE[1])
     if headers is not None and not isinstance(headers, Mapping):
         raise PayloadError(f"{what}: headers must be a mapping, got {type(headers).__name__}")
     t = model.__table__

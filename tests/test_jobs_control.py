@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -834,6 +835,56 @@ def _cli(db_url: URL, *argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def test_resume_says_whether_it_resumed_and_logs_only_what_it_did(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Names are case-sensitive: with ``Mail`` paused, resuming ``mail`` changes nothing — False, and no
+    "resumed" line in the audit log. Nor is a pause logged whose statement failed."""
+    seed_jobs(engine, 1, task="t", queue="Mail")
+    with caplog.at_level("INFO", logger="sa_outbox.admin"):
+        pause_queue(engine, Job, "Mail", by="alice")
+        assert resume_queue(engine, Job, "mail") is False
+        assert [q.name for q in list_queues(engine, Job) if q.paused] == ["Mail"]
+        assert resume_queue(engine, Job, "Mail") is True
+        assert resume_queue(engine, Job, "Mail") is False  # a second click
+        with engine.connect() as conn:
+            conn.execute(text("SET lock_timeout = '50ms'"))
+            with engine.connect() as locker, locker.begin():
+                locker.execute(text("LOCK TABLE jobs_queues IN ACCESS EXCLUSIVE MODE"))
+                with pytest.raises(DBAPIError, match="lock timeout"):
+                    pause_queue(conn, Job, "q9")
+    assert [r.getMessage() for r in caplog.records] == [
+        "queue 'Mail' of jobs paused", "queue 'Mail' of jobs resumed",
+    ]  # fmt: skip
+    assert [q.name for q in list_queues(engine, Job) if q.paused] == []
+
+
+def test_resume_with_an_async_session_returns_whether_it_resumed(engine: Engine, db_url: URL) -> None:
+    pause_queue(engine, Job, "mail")
+
+    async def go() -> tuple[bool, bool]:
+        async_engine = create_async_engine(db_url)
+        try:
+            async with AsyncSession(async_engine) as s, s.begin():
+                first = await resume_queue(s, Job, "mail")
+                second = await resume_queue(s, Job, "mail")
+            return first, second
+        finally:
+            await async_engine.dispose()
+
+    assert asyncio.run(go()) == (True, False)
+
+
+def test_cli_resume_of_a_queue_that_is_not_paused_exits_1_and_lists_the_paused_ones(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pause_queue(engine, Job, "Mail")
+    capsys.readouterr()
+    assert _cli(db_url, "queues", "resume", "mail") == (1, "")
+    assert "queue 'mail' was not paused: nothing resumed (paused queues: 'Mail')" in capsys.readouterr().err
+    assert [q.name for q in list_queues(engine, Job) if q.paused] == ["Mail"]
+
+
 def test_cli_jobs_and_queues(engine: Engine, db_url: URL) -> None:
     seed_jobs(engine, 2, task="mail", queue="mail")
     seed_jobs(engine, 1, task="report")
@@ -846,7 +897,7 @@ def test_cli_jobs_and_queues(engine: Engine, db_url: URL) -> None:
         and "by alice" in out
         and "queued        2" in out
     )
-    assert _cli(db_url, "queues", "resume", "mail")[0] == 0
+    assert _cli(db_url, "queues", "resume", "mail") == (0, "resumed mail\n")
     assert "active" in _cli(db_url, "queues", "list")[1]
     code, out = _cli(db_url, "jobs", "cancel", "--task", "mail")
     assert code == 0 and "cancelled 2 queued job(s)" in out

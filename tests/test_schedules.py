@@ -264,7 +264,8 @@ def test_a_paused_schedule_does_not_fire_and_resuming_skips_the_paused_slots(db:
                    now=at("2024-06-01T12:00:00+00:00"))  # fmt: skip
     pause_schedule(db, JobSchedule, "s")
     assert fire(db, "2024-06-01T13:05:00+00:00") == 0
-    resume_schedule(db, JobSchedule, "s", now=at("2024-06-01T13:05:00+00:00"))
+    assert resume_schedule(db, JobSchedule, "s", now=at("2024-06-01T13:05:00+00:00")) is True
+    assert resume_schedule(db, JobSchedule, "s", now=at("2024-06-01T13:06:00+00:00")) is False  # not paused
     row = schedule_row(db, "s")
     assert not row.paused and row.next_run_at == at("2024-06-01T13:10:00+00:00")
     assert fire(db, "2024-06-01T13:10:01+00:00") == 1
@@ -517,7 +518,9 @@ def test_cli_schedules_list_pause_resume_run_now(
     assert (listed["name"], listed["paused"], listed["task"]) == ("nightly", True, "report")
     assert main(["schedules", "resume", "nightly", *url]) == 0
     assert not schedule_row(db, "nightly").paused
-    capsys.readouterr()
+    assert "resumed nightly" in capsys.readouterr().out
+    assert main(["schedules", "resume", "nightly", *url]) == 0  # the second click: nothing to resume
+    assert capsys.readouterr().out == "nightly was not paused: left as it is\n"
     assert main(["schedules", "run-now", "nightly", *url]) == 0
     assert "enqueued job" in capsys.readouterr().out
     assert count_rows(db, "jobs", "task = 'report'") == 1

@@ -539,6 +539,40 @@ def test_pause_and_resume_a_queue_through_the_ui(engine: Engine, tab: Tab) -> No
     assert not state.paused
 
 
+def test_resuming_a_queue_that_is_not_paused_says_so(engine: Engine, cli_server: CliServer) -> None:
+    """Names are case-sensitive: resuming ``reports`` while ``Reports`` is paused changes nothing, and the flash
+    says so instead of "resumed"; the log has no "resume" line for it."""
+    from urllib.parse import unquote
+
+    from sa_outbox.admin import list_queues, pause_queue
+
+    seed(engine)
+    pause_queue(engine, Job, "Reports")
+    csrf = csrf_of(cli_server.base, "/tables/jobs/queues")
+    logged = len(cli_server.log_text())
+    reply = http("POST", cli_server.base + "/tables/jobs/queues/resume", headers=BEARER,
+                 form={"queue": "reports", "csrf": csrf})  # fmt: skip
+    assert reply.status == 303
+    assert "queue reports of jobs was not paused: nothing resumed" in unquote(reply.headers["set-cookie"])
+    assert [q.name for q in list_queues(engine, Job) if q.paused] == ["Reports"]
+    assert "resume queue 'reports'" not in cli_server.log_text()[logged:]
+
+
+def test_an_id_beyond_bigint_is_a_bad_request_not_a_database_outage(
+    engine: Engine, cli_server: CliServer
+) -> None:
+    seed(engine)
+    huge = str(2**63)
+    csrf = csrf_of(cli_server.base, "/tables/outbox/dead")
+    action = http("POST", cli_server.base + "/tables/outbox/dead/retry", headers=BEARER,
+                  form={"ids": huge, "csrf": csrf})  # fmt: skip
+    page = http("GET", cli_server.base + f"/tables/outbox/rows/{huge}", headers=BEARER)
+    assert (action.status, page.status) == (400, 400)
+    assert "must fit a bigint" in action.body and "must fit a bigint" in page.body
+    # the largest bigint is a valid id: no such row, not a refusal
+    assert http("GET", cli_server.base + f"/tables/outbox/rows/{2**63 - 1}", headers=BEARER).status == 404
+
+
 # --- refusals ----------------------------------------------------------------------------------------------
 
 

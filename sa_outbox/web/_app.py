@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from .. import admin, doctor, monitoring
 from .._durations import Duration, parse_duration, to_seconds
-from .._sql import QueueSpec, spec_for
+from .._sql import BIGINT_RANGE, QueueSpec, spec_for
 from ..errors import ConfigurationError, OutboxError
 from . import _reads
 from ._security import COOKIE, Authenticate, Csrf, TokenAuth, cross_site
@@ -341,6 +341,8 @@ def _ints(values: list[str], what: str = "ids") -> list[int]:
         for part in v.replace(",", " ").split():
             if not part.isdigit():
                 raise Refused(400, f"{what} must be integers, got {part!r}")
+            if int(part) > BIGINT_RANGE[1]:  # no row has it; sent, the statement would fail (not a 503)
+                raise Refused(400, f"{what} must fit a bigint (at most {BIGINT_RANGE[1]}), got {part}")
             out.append(int(part))
     return out
 
@@ -612,7 +614,8 @@ async def queue_action(d: Dashboard, request: Request, who: str, form: dict[str,
     if action == "pause":
         await run_in_threadpool(admin.pause_queue, d.engine, t.model, name, by=who)
     elif action == "resume":
-        await run_in_threadpool(admin.resume_queue, d.engine, t.model, name)
+        if not await run_in_threadpool(admin.resume_queue, d.engine, t.model, name):
+            return f"queue {name} of {t.name} was not paused: nothing resumed"
     else:
         raise Refused(400, f"no queue action {action!r}")
     log.info("dashboard: %s %s queue %r of %s", who, action, name, t.name,
