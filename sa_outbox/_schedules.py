@@ -176,10 +176,45 @@ def slot_key(name: str, slot: dt.datetime) -> str:
     return f"schedule:{name}:{slot.astimezone(dt.UTC):%Y-%m-%dT%H:%M:%SZ}"
 
 
+def _repeated(local: dt.datetime) -> bool:
+    """Whether ``local``'s wall time happens twice (a fall-back's repeated period, either pass)."""
+    return local.replace(fold=0).utcoffset() != local.replace(fold=1).utcoffset()
+
+
+def _repetition_end(local: dt.datetime) -> dt.datetime:
+    """The first wall time after ``local``'s repeated period (``local`` in it), which happens once again."""
+    wall = local.replace(fold=0, second=0, microsecond=0)
+    for _ in range(48 * 60):  # transitions fall on whole minutes; no repetition is longer than a few hours
+        wall += dt.timedelta(minutes=1)  # wall-clock arithmetic: tzinfo kept, offsets not applied
+        if not _repeated(wall):
+            return wall
+    raise ConfigurationError(
+        f"the time zone of {local.isoformat()} repeats wall times for more than two days"
+    )
+
+
+# A schedule's slots are cronsim's forward sequence: in a fall-back's repeated period a fixed time ("30 2 * *
+# *") is a slot at its first pass only, a time from a wildcard or step in the hour or minute field ("*/30 2 *
+# * *", "0,30 * * * *") at both passes, as cron has it. cronsim keeps to that sequence when it starts outside
+# such a period; started inside one, it reads the start's wall time at the first pass, so a start in the second
+# pass gave a "next" slot an hour in the past, due again at every tick (a hostile review: a daily job at 02:45
+# Europe/Berlin ran once a second for an hour when a firer first planned it at 02:10 of the second pass), and
+# a backwards walk from there skipped the first pass's later slots. Both walks therefore start where the
+# sequence is unambiguous — forward from the first pass of the start's wall time, backwards from the end of
+# the repetition — and pass over the slots on the wrong side of the instant (at most one repetition's worth).
+
+
 def _next_after(cron: str, tz: str, instant: dt.datetime) -> dt.datetime:
     """The first slot strictly after ``instant``."""
-    nxt: dt.datetime = next(CronSim(cron, instant.astimezone(_zone(tz))))
-    return nxt.astimezone(dt.UTC)
+    local = instant.astimezone(_zone(tz))
+    start = local.replace(fold=0) if _repeated(local) else local
+    for n, nxt in enumerate(CronSim(cron, start)):
+        utc: dt.datetime = nxt.astimezone(dt.UTC)
+        if utc > instant:
+            return utc
+        if n > 100_000:  # a repetition of a few hours holds fewer slots than that, even at one a second
+            break
+    raise ConfigurationError(f"cron expression {cron!r} has no slot after {instant.isoformat()}")
 
 
 def _due_slots(cron: str, tz: str, first: dt.datetime, now: dt.datetime, limit: int) -> list[dt.datetime]:
@@ -188,9 +223,13 @@ def _due_slots(cron: str, tz: str, first: dt.datetime, now: dt.datetime, limit: 
     # cronsim walks backwards from strictly before its start: start at the next whole second (in UTC, where a
     # second is a second) so that ``now``'s own second — a slot at ``now`` — is included.
     start = (now.replace(microsecond=0) + dt.timedelta(seconds=1)).astimezone(_zone(tz))
+    if _repeated(start):
+        start = _repetition_end(start)
     slots: list[dt.datetime] = []
     for slot in CronSim(cron, start, reverse=True):
         utc = slot.astimezone(dt.UTC)
+        if utc > now:
+            continue
         if utc < first or len(slots) >= limit:
             break
         slots.append(utc)

@@ -259,6 +259,35 @@ def test_daylight_saving_fall_back_runs_a_daily_job_once_in_the_repeated_hour(db
     assert schedule_row(db, "daily").next_run_at == at("2024-10-28T01:30:00+00:00")  # 02:30 CET
 
 
+@pytest.mark.parametrize("how", ["late firer", "synced then", "resumed then"])
+def test_a_schedule_first_planned_in_the_second_pass_of_a_repeated_hour_fires_its_slot_once(
+    db: Engine, how: str
+) -> None:
+    """Berlin, 27 October 2024, daily at 02:45: the slot is the first pass (00:45 UTC). Planned at 02:10 of the
+    second pass (01:10 UTC) — a firer late across the change, a deploy's sync, a resume — the next slot was
+    read at 02:45 of the first pass, already past: each tick fired it again and its key was free again once the
+    job ran (a hostile review: 600 runs in 600 one-second ticks). Now: once at most, then the 28th."""
+    daily = Schedule("nightly", "45 2 * * *", task="d", tz="Europe/Berlin")
+    second_pass = at("2024-10-27T01:10:00+00:00")  # 02:10 CET
+    if how == "late firer":
+        sync_schedules(db, JobSchedule, [daily], now=at("2024-10-26T12:00:00+00:00"))
+    elif how == "synced then":
+        sync_schedules(db, JobSchedule, [daily], now=second_pass)
+    else:
+        sync_schedules(db, JobSchedule, [daily], now=at("2024-10-26T12:00:00+00:00"))
+        pause_schedule(db, JobSchedule, "nightly")
+        assert resume_schedule(db, JobSchedule, "nightly", now=second_pass) is True
+    if how != "late firer":
+        assert schedule_row(db, "nightly").next_run_at == at("2024-10-28T01:45:00+00:00")  # 02:45 CET
+    for tick in range(0, 120, 2):
+        fire(db, second_pass + dt.timedelta(seconds=tick))
+        with db.begin() as conn:  # the job ran: its key no longer holds back another of the slot
+            conn.execute(text("UPDATE jobs SET status = 'done', finished_at = now() WHERE status = 'queued'"))
+    runs = [j.run_at for j in fired(db)]
+    assert runs == ([at("2024-10-27T00:45:00+00:00")] if how == "late firer" else [])
+    assert schedule_row(db, "nightly").next_run_at == at("2024-10-28T01:45:00+00:00")
+
+
 def test_a_paused_schedule_does_not_fire_and_resuming_skips_the_paused_slots(db: Engine) -> None:
     sync_schedules(db, JobSchedule, [Schedule("s", "*/10 * * * *", task="t", catch_up="all")],
                    now=at("2024-06-01T12:00:00+00:00"))  # fmt: skip
