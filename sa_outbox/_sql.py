@@ -301,6 +301,9 @@ def _keyed_probe(
         .where(*conditions, *where)
         .order_by(*order)
         .offset(literal_column("0", Integer))
+        # every other FROM it names is the query's around it, at any depth (the finished ids' relation is
+        # several levels up: see _claim_statement)
+        .correlate_except(other)
     )
 
 
@@ -572,9 +575,24 @@ def _claim_statement(
         bindparam("batch", type_=Integer) if limit is None else literal_column(str(int(limit)), Integer)
     )
 
+    # ``finished`` (an ARRAY(SELECT …) of the finalize's RETURNING) is read through a one-row relation the pick
+    # is LATERAL to, not where the probes need it: written there, each probe's subplan had an InitPlan of its
+    # own, evaluated on its first use. A row lock that meets a row updated since the snapshot (a producer's ON
+    # CONFLICT "replace" of a queued job) rechecks the row in an EvalPlanQual copy of the executor, and
+    # PostgreSQL (15.x at least) gives that copy only the parameter values already computed: had that probe not
+    # run yet, the recheck read an unset parameter and the backend died of SIGSEGV, and the whole cluster
+    # restarted (a hostile review: unique_running workers beside bulk "replace" enqueues, 11-21 crashes a
+    # minute). A LATERAL reference is a parameter the join sets before the pick runs.
+    # (OFFSET 0: not pulled up, which would put the expression back into each probe)
+    fin = (
+        None
+        if finished is None
+        else select(finished.label("ids")).offset(literal_column("0", Integer)).subquery("finished_ids")
+    )
+
     def not_finished(other: Any) -> list[ColumnElement[bool]]:
         # A row this statement's finalize has just finished is still unfinished in the statement's snapshot.
-        return [] if finished is None else [other.c.id != all_(finished)]
+        return [] if fin is None else [other.c.id != all_(fin.c.ids)]
 
     def eligible(cand: Any) -> list[ColumnElement[bool]]:
         """The probes' conditions on a candidate row (``cand``: the table's columns or the locked subquery's)."""
@@ -625,6 +643,7 @@ def _claim_statement(
                     select(literal(1))
                     .select_from(prev)
                     .where(prev.c.aggregate_id == cand.aggregate_id, prev.c.id < cand.id, *before_it)
+                    .correlate_except(prev)
                 )
             if ordered_types:
                 in_scope = cand.event_type == any_(bindparam("ordered_types", type_=ARRAY(Text)))
@@ -801,6 +820,9 @@ def _claim_statement(
             branches.append(select(*branch.c))
         appended = union_all(*branches).subquery("queues")
         picked = select(*appended.c).limit(limit_clause)
+    if fin is not None:
+        after_finish = picked.lateral("after_finish")
+        picked = select(*after_finish.c).select_from(fin.join(after_finish, true()))
     cte = picked.cte("picked").prefix_with("MATERIALIZED")
     values: dict[str, Any] = {
         "status": const(spec.active),

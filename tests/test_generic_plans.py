@@ -197,6 +197,29 @@ def test_generic_plan_never_scans_the_table(table_shape: Engine, label: str) -> 
     assert not [s for s in found if s[0] == "Seq Scan" and s[1] in ("outbox", "jobs")], (label, found)
 
 
+def _finalized_reads_under_a_subplan(node: dict[str, Any], in_subplan: bool = False) -> int:
+    inside = in_subplan or node.get("Parent Relationship") == "SubPlan"
+    own = int(inside and node.get("Node Type") == "CTE Scan" and node.get("CTE Name") == "finalized")
+    return own + sum(_finalized_reads_under_a_subplan(child, inside) for child in node.get("Plans", []))
+
+
+FINISHED_READERS = sorted(
+    label
+    for label in STATEMENTS
+    if "finalize+claim" in label and ("ordered" in label or "unique_running" in label)
+)
+
+
+@pytest.mark.parametrize("label", FINISHED_READERS)
+def test_no_probe_reads_the_finalized_rows_itself(table_shape: Engine, label: str) -> None:
+    """The ids the statement's finalize has just finished are computed once, before the pick runs, and passed
+    to the probes as a parameter: a probe that read them through an InitPlan of its own read an unset
+    parameter when a row lock's EvalPlanQual recheck ran it first — a SIGSEGV that restarted the whole
+    PostgreSQL 15 cluster (unique_running workers beside bulk "replace" enqueues: 11-21 crashes a minute)."""
+    stmt, params = STATEMENTS[label]
+    assert _finalized_reads_under_a_subplan(generic_plan(table_shape, stmt, params)) == 0, label
+
+
 def test_running_workers_keep_the_generic_plan(shared_engine: Engine) -> None:
     """Three workers at batch 1 side by side: with the batch written into the claim and the outcome ids
     hidden from the planner, PostgreSQL settles on each prepared statement's generic plan
