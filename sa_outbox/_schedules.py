@@ -287,20 +287,32 @@ def _fire_statement(schedules: Table, jobs: Table) -> Any:
             bindparam("expected", type_=ARRAY(DateTime(timezone=True))),
             bindparam("nexts", type_=ARRAY(DateTime(timezone=True))),
             bindparam("lasts", type_=ARRAY(DateTime(timezone=True))),
+            bindparam("crons", type_=ARRAY(Text)),
+            bindparam("zones", type_=ARRAY(Text)),
         )
         .table_valued(
             column("name", Text),
             column("expected", DateTime(timezone=True)),
             column("next", DateTime(timezone=True)),
             column("last", DateTime(timezone=True)),
+            column("cron", Text),
+            column("zone", Text),
         )
         .render_derived(name="m")
     )
-    # The compare-and-set: a schedule moves only from the next_run_at this firing read. A firer that read the
-    # same row and lost the race (or a pause, or a sync that changed the cron, in between) matches nothing.
+    # The compare-and-set: a schedule moves only from the next_run_at, cron and time zone this firing read. A
+    # firer that read the same row and lost the race (or a pause, or a sync that changed the cron, in between)
+    # matches nothing — also when the new cron's next slot happens to be the same instant (a review: */10 to
+    # */30 at 12:00 fired 12:10, a slot of the old expression, and moved on by it).
     moved = (
         update(schedules)
-        .where(s.name == moves.c.name, s.next_run_at == moves.c.expected, not_(s.paused))
+        .where(
+            s.name == moves.c.name,
+            s.next_run_at == moves.c.expected,
+            s.cron == moves.c.cron,
+            s.timezone == moves.c.zone,
+            not_(s.paused),
+        )
         .values(
             next_run_at=moves.c.next,
             last_run_at=func.coalesce(moves.c.last, s.last_run_at),
@@ -461,7 +473,14 @@ def fire(conn: Connection, model: Any, job_model: Any, due: Sequence[Due]) -> in
     if not due:
         return 0
     schedules, jobs = _check_model(model, "schedules"), _check_model(job_model, "jobs")
-    moves: dict[str, list[Any]] = {"names": [], "expected": [], "nexts": [], "lasts": []}
+    moves: dict[str, list[Any]] = {
+        "names": [],
+        "expected": [],
+        "nexts": [],
+        "lasts": [],
+        "crons": [],
+        "zones": [],
+    }
     slots: dict[str, list[Any]] = {"slot_names": [], "slots": [], "slot_keys": [], "slot_headers": []}
     queues: list[str] = []
     skipped: dict[str, bool] = {}
@@ -471,6 +490,8 @@ def fire(conn: Connection, model: Any, job_model: Any, due: Sequence[Due]) -> in
         moves["expected"].append(d.next_run_at)
         moves["nexts"].append(nxt)
         moves["lasts"].append(fired[-1] if fired else None)
+        moves["crons"].append(d.cron)
+        moves["zones"].append(d.timezone)
         skipped[d.name] = left
         for slot in fired:
             key = slot_key(d.name, slot)

@@ -129,7 +129,8 @@ def _enqueue_case(items: list[Any]) -> tuple[Executable, dict[str, Any]]:
 def _fire_case() -> tuple[Executable, dict[str, Any]]:
     now = dt.datetime(2024, 6, 1, tzinfo=dt.UTC)
     return _schedules._fire_statement(JobSchedule.__table__, Job.__table__), {
-        "names": ["s"], "expected": [now], "nexts": [now], "lasts": [now], "slot_names": ["s"], "slots": [now],
+        "names": ["s"], "expected": [now], "nexts": [now], "lasts": [now], "crons": ["* * * * *"], "zones": ["UTC"],
+        "slot_names": ["s"], "slots": [now],
         "slot_keys": ["schedule:s:x"], "slot_headers": [None], "default_max_attempts": 10, "channels": [],
         "payloads": [],
     }  # fmt: skip

@@ -302,6 +302,26 @@ def test_a_paused_schedule_does_not_fire_and_resuming_skips_the_paused_slots(db:
         pause_schedule(db, JobSchedule, "nope")
 
 
+def test_a_firing_read_before_a_cron_change_does_not_move_the_schedule_by_the_old_cron(db: Engine) -> None:
+    """A firer read the schedule (due 12:00 on */10); a deploy's sync then changed it to */30, whose next slot
+    is 12:00 as well. The compare-and-set on next_run_at alone let the stale firing through: it moved the
+    schedule on to 12:10, a slot */30 does not have, which then fired (a review). It fires nothing now; the
+    next firing reads */30 and fires 12:00, then 12:30."""
+    sync_schedules(
+        db, JobSchedule, [Schedule("r", "*/10 * * * *", task="t")], now=at("2026-01-05T11:55:00+00:00")
+    )
+    with db.connect() as loop:
+        due = _schedules.read_due(loop, JobSchedule, now=at("2026-01-05T12:00:01+00:00"))
+        loop.commit()
+        sync_schedules(db, JobSchedule, [Schedule("r", "*/30 * * * *", task="t")],
+                       now=at("2026-01-05T11:59:59+00:00"))  # fmt: skip
+        assert _schedules.fire(loop, JobSchedule, Job, due) == 0
+        loop.commit()
+    for when in ("2026-01-05T12:00:02+00:00", "2026-01-05T12:10:01+00:00", "2026-01-05T12:30:01+00:00"):
+        fire(db, when)
+    assert [j.run_at for j in fired(db)] == [at("2026-01-05T12:00:00+00:00"), at("2026-01-05T12:30:00+00:00")]
+
+
 def test_run_now_enqueues_a_job_at_once_and_leaves_the_schedule_alone(db: Engine) -> None:
     sync_schedules(db, JobSchedule, [Schedule("s", "0 3 * * *", task="t", payload={"p": 1}, queue="q")])
     before = schedule_row(db, "s")
