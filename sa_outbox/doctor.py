@@ -9,6 +9,7 @@ like ``CREATE INDEX CONCURRENTLY`` or ``ALTER SYSTEM`` cannot share a transactio
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -184,8 +185,11 @@ def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
     out = []
     for index in sorted(placed.indexes, key=lambda i: str(i.name)):
         name = str(index.name)
-        ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).replace(
-            "CREATE INDEX", "CREATE INDEX CONCURRENTLY"
+        # CONCURRENTLY for a unique index too: a plain build holds a SHARE lock, every claim and finalize waits
+        ddl = re.sub(
+            r"^CREATE (UNIQUE )?INDEX",
+            r"CREATE \1INDEX CONCURRENTLY",
+            str(CreateIndex(index).compile(dialect=conn.dialect)),
         )
         if name not in present:
             out.append(Finding("indexes", table.fullname, "fail", f"index {name} is missing", ddl))

@@ -56,6 +56,22 @@ def test_healthy_installation_is_all_ok(
     assert code == 0 and json.loads(capsys.readouterr().out)["ok"] is True  # a warning is not a failure
 
 
+def test_a_missing_unique_index_is_fixed_by_a_concurrent_build(engine: Engine) -> None:
+    """A plain CREATE UNIQUE INDEX holds a SHARE lock on jobs for the whole build: every claim and finalize
+    would wait. The fix builds it CONCURRENTLY like the others (a review found the plain form)."""
+    with engine.begin() as conn:
+        conn.execute(text("DROP INDEX ux_jobs_unique"))
+    try:
+        [missing] = [f for f in by_check(run(engine), "indexes", "jobs") if f.status == "fail"]
+        assert "ux_jobs_unique is missing" in missing.message
+        assert missing.fix is not None and missing.fix.startswith(
+            "CREATE UNIQUE INDEX CONCURRENTLY ux_jobs_unique "
+        )
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(missing.fix.replace(" CONCURRENTLY", "")))
+
+
 def test_dropped_partial_index_fails_the_plan_and_index_checks(engine: Engine, db_url: URL) -> None:
     seed_events(engine, 5)
     with engine.begin() as conn:
