@@ -73,6 +73,9 @@ from .errors import ConfigurationError, Defer, JobCancelled, PayloadError, Perma
 
 __all__ = ["AsyncWorker", "Handler", "TaskRegistry", "Worker"]
 
+#: Seconds before a worker looks again for a missing schedules or queue-pause table (a migration may add it).
+MISSING_TABLE_RETRY = 60.0
+
 log = logging.getLogger("sa_outbox.worker")
 
 #: ``last_error`` of a job given back unstarted because its queue was paused after it was claimed.
@@ -544,6 +547,7 @@ class WorkerBase(LoopBase):
         self._unguardable: set[tuple[int, int]] = set()
         self._guard_logged: set[int] = set()
         self._pause_table: Table | None = queue_table(self.spec.table)
+        self._absent: dict[str, float] = {}  # a table found missing → when to look for it again (monotonic)
         self._threads = CallThreads("sa_outbox-handler")
         #: A SystemExit/KeyboardInterrupt from a handler, or an unclassified error with stop_on_unclassified.
         self._fatal: BaseException | None = None
@@ -640,16 +644,15 @@ class WorkerBase(LoopBase):
         for name, limit in self.limits.items():
             if limit.rate_window is not None:
                 _steps.forget_starts(conn, self.spec, name, limit.rate_window)
-        if self.schedules is not None:
+        if self.schedules is not None and self._present("schedules"):
             try:
                 fired = fire_due_schedules(conn, self.schedules, self.model, limit=100)
             except ProgrammingError as exc:
-                if is_schema_error(exc):  # no schedules table (yet): this worker cannot fire them
-                    log.warning(
-                        "schedules table of %s is missing (%s): not firing schedules until it is created "
-                        "(run the migration)", self.schedules.__name__, getattr(exc, "orig", exc),
-                    )  # fmt: skip
-                    self.schedules = None
+                # no schedules table (yet): looked for again every MISSING_TABLE_RETRY seconds
+                if is_schema_error(exc):
+                    self._missing("schedules", f"schedules table of {self.schedules.__name__} is missing "
+                                  f"({getattr(exc, 'orig', exc)}): not firing schedules until it is created (run "
+                                  "the migration; this worker looks again every minute)")  # fmt: skip
                 else:  # e.g. permission denied: named, and tried again at the next step
                     self._warn_once("schedules", f"cannot fire the schedules of {self.schedules.__name__}: "
                                     f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
@@ -663,7 +666,7 @@ class WorkerBase(LoopBase):
         does this before its first claim, then with every maintenance step."""
         table = self._pause_table
         read_at = time.monotonic()
-        if table is None:
+        if table is None or not self._present("queues"):
             self._pauses_read, self._pauses_read_at = True, read_at
             return
         try:
@@ -675,12 +678,11 @@ class WorkerBase(LoopBase):
                 ).scalars()
             )
         except ProgrammingError as exc:
-            if is_schema_error(exc):  # no <jobs>_queues table: this database cannot pause queues
-                log.warning(
-                    "queue table %s is missing (%s): pausing queues is unavailable until it is created "
-                    "(run the migration)", table.fullname, getattr(exc, "orig", exc),
-                )  # fmt: skip
-                self._pause_table = None
+            # no <jobs>_queues table (yet): looked for again every MISSING_TABLE_RETRY seconds
+            if is_schema_error(exc):
+                self._missing("queues", f"queue table {table.fullname} is missing ({getattr(exc, 'orig', exc)}): "
+                              "pausing queues is unavailable until it is created (run the migration; this worker "
+                              "looks again every minute)")  # fmt: skip
             else:  # e.g. permission denied: named, and tried again at the next step
                 self._warn_once("queues", f"cannot read which queues are paused from {table.fullname}: "
                                 f"{getattr(exc, 'orig', exc)} (see docs/production.md for the grants)")  # fmt: skip
@@ -695,6 +697,23 @@ class WorkerBase(LoopBase):
         self._paused = paused
         if paused:  # claimed before the pause was seen, not started: given back rather than started late
             self._release_unstarted(PAUSED_RELEASE, paused)
+
+    def _missing(self, what: str, message: str) -> None:
+        """``what``'s table is missing: warned once, looked for again after MISSING_TABLE_RETRY seconds — a
+        migration run while this worker runs turns the feature on without a restart (a review: a worker started
+        before the migration never fired schedules, and would never have read a pause)."""
+        self._warn_once(what, message)
+        self._absent[what] = time.monotonic() + MISSING_TABLE_RETRY
+
+    def _present(self, what: str) -> bool:
+        """Whether to use ``what``'s table at this step: not known missing, or due to be looked for again."""
+        retry_at = self._absent.get(what)
+        if retry_at is None:
+            return True
+        if time.monotonic() < retry_at:
+            return False
+        del self._absent[what]
+        return True
 
     def _warn_once(self, what: str, message: str) -> None:
         """A WARNING the first time ``what`` fails with ``message`` (the maintenance step runs every second)."""

@@ -575,3 +575,41 @@ def test_cli_schedules_list_pause_resume_run_now(
     assert count_rows(db, "jobs", "task = 'report'") == 1
     assert main(["schedules", "pause", "nope", *url]) == 2
     assert "no schedule named 'nope'" in capsys.readouterr().err
+
+
+def test_a_worker_started_before_the_migration_fires_schedules_and_reads_pauses_once_it_ran(
+    db: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The schedules and queue-pause tables are missing when the worker starts (a database behind the code):
+    warned once, and looked for again every MISSING_TABLE_RETRY seconds (0 here) — after the migration the same
+    worker fires the schedule and honours a pause. Before, it never fired (a review: 0 jobs in 8 s while a
+    fresh worker fired 5) and would never have read a pause."""
+    from sa_outbox import _worker
+    from sa_outbox.admin import pause_queue, resume_queue
+
+    monkeypatch.setattr(_worker, "MISSING_TABLE_RETRY", 0.0)
+    sync_schedules(db, JobSchedule, [Schedule("s", "* * * * *", task="tick", payload={"n": 1})],
+                   now=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=2))  # fmt: skip
+    with db.begin() as conn:
+        conn.execute(text("ALTER TABLE schedules RENAME TO schedules_not_yet"))
+        conn.execute(text("ALTER TABLE jobs_queues RENAME TO jobs_queues_not_yet"))
+    seen: list[Any] = []
+    w = Worker(db, Job, {"tick": lambda job: seen.append(job.payload)}, schedules=JobSchedule, listen=False)
+    try:
+        with caplog.at_level("WARNING", logger="sa_outbox.worker"):
+            assert w.run_once() == 0
+            assert w.run_once() == 0
+        assert sum("schedules table of JobSchedule is missing" in r.getMessage() for r in caplog.records) == 1
+        assert sum("queue table jobs_queues is missing" in r.getMessage() for r in caplog.records) == 1
+        with db.begin() as conn:  # the migration
+            conn.execute(text("ALTER TABLE schedules_not_yet RENAME TO schedules"))
+            conn.execute(text("ALTER TABLE jobs_queues_not_yet RENAME TO jobs_queues"))
+        pause_queue(db, Job, "default")
+        assert w.run_once() == 0 and seen == []  # fired, but its queue is paused: not claimed
+        resume_queue(db, Job, "default")
+        assert w.run_once() == 1 and seen == [{"n": 1}]
+    finally:
+        w.close()
+        with db.begin() as conn:
+            conn.execute(text("ALTER TABLE IF EXISTS schedules_not_yet RENAME TO schedules"))
+            conn.execute(text("ALTER TABLE IF EXISTS jobs_queues_not_yet RENAME TO jobs_queues"))
