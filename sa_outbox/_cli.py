@@ -966,6 +966,9 @@ def _configure_logging(level_name: str) -> None:
 
 def _database_error(exc: Exception) -> tuple[int, str]:
     """Exit code and one-line message for a database error that reached the top."""
+    from sqlalchemy.exc import ProgrammingError
+
+    from ._db import is_schema_error
     from ._dbfaults import connection_error_cause, is_connect_failure, is_permanent_connection_error
 
     cause = connection_error_cause(exc)
@@ -974,6 +977,10 @@ def _database_error(exc: Exception) -> tuple[int, str]:
                             "database URL (--url / DATABASE_URL)")  # fmt: skip
     if is_connect_failure(exc) or getattr(exc, "connection_invalidated", False):
         return EXIT_UNREACHABLE, f"cannot reach the database: {cause}; is PostgreSQL running and reachable?"
+    if isinstance(exc, ProgrammingError) and is_schema_error(exc):
+        # a table or column the code needs is not there: the schema is behind the code (or the name is wrong)
+        return EXIT_USAGE, (f"the database refused the command: {cause}; the schema may be behind this version "
+                            "of sa_outbox: run the migration (alembic upgrade head), or check the table names")  # fmt: skip
     return EXIT_USAGE, f"the database refused the command: {cause}"
 
 

@@ -76,6 +76,24 @@ def test_an_unknown_role_fails_fast_naming_it(capsys: pytest.CaptureFixture[str]
     assert code == EXIT_USAGE and 'role "no_such_role_x1" does not exist' in one_line_error(err)
 
 
+def test_a_table_behind_the_code_names_the_migration(
+    capsys: pytest.CaptureFixture[str], engine: Engine, db_url: URL
+) -> None:
+    """A jobs table made by an older revision (no concurrency_key, no <jobs>_queues table): the refusal says
+    the schema may be behind and names the migration, instead of only PostgreSQL's '… does not exist' (a
+    review: status, check, doctor, queues list, jobs cancel and dead list all stopped there)."""
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE old_jobs (LIKE jobs INCLUDING DEFAULTS)"))
+        conn.execute(text("ALTER TABLE old_jobs DROP COLUMN concurrency_key"))
+    try:
+        code, _, err = run(capsys, db_url, "queues", "list", "--jobs-table", "old_jobs")
+        line = one_line_error(err)
+        assert code == EXIT_USAGE and "does not exist" in line and "alembic upgrade head" in line
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE old_jobs"))
+
+
 def test_a_log_level_that_does_not_exist_is_refused(capsys: pytest.CaptureFixture[str], db_url: URL) -> None:
     code = main(["--log-level", "LOUD", "status", "--url", db_url.render_as_string(hide_password=False)])
     assert code == EXIT_USAGE and "invalid --log-level 'LOUD'" in one_line_error(capsys.readouterr().err)
