@@ -279,3 +279,46 @@ def test_one_running_index_revision_rebuilds_a_failed_concurrent_build_instead_o
         assert found[0][2].endswith("(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)")
     finally:
         engine.dispose()
+
+
+def test_dead_index_revision_rebuilds_a_failed_concurrent_build(scratch_url: URL) -> None:
+    """0007 after an operator's ``CREATE INDEX CONCURRENTLY … ix_outbox_dead`` that failed: IF NOT EXISTS alone
+    kept the INVALID index at head (a review); the revision builds it again."""
+    migrate(scratch_url, "0006")
+    engine = create_engine(scratch_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("CREATE INDEX ix_outbox_dead ON outbox (id) WHERE status = 'dead'"))
+            conn.execute(
+                text("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'ix_outbox_dead'::regclass")
+            )
+        migrate(scratch_url, "head")
+        with engine.connect() as conn:
+            found = conn.execute(
+                text(
+                    "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                    "WHERE i.indrelid = 'outbox'::regclass AND c.relname = 'ix_outbox_dead'"
+                )
+            ).all()
+        assert found == [("ix_outbox_dead", True)]
+    finally:
+        engine.dispose()
+
+
+def test_unique_revision_takes_a_column_and_indexes_built_beforehand(scratch_url: URL) -> None:
+    """0005's advice for a big jobs table: add the column, build both indexes concurrently, then run the
+    revision — which finds them and builds nothing (its advice before could not be followed: the index build
+    named a column the revision itself adds)."""
+    migrate(scratch_url, "0004")
+    engine = create_engine(scratch_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("ALTER TABLE jobs ADD COLUMN unique_key text"))
+            conn.execute(text("CREATE UNIQUE INDEX CONCURRENTLY ux_jobs_unique ON jobs (unique_key) "
+                              "WHERE status = 'queued' AND lease_version = 0 AND unique_key IS NOT NULL"))  # fmt: skip
+            conn.execute(text("CREATE INDEX CONCURRENTLY ix_jobs_unique_active ON jobs (unique_key, status, id) "
+                              "WHERE status IN ('queued', 'running') AND unique_key IS NOT NULL"))  # fmt: skip
+        migrate(scratch_url, "head")
+        assert "unique_key" in _columns(scratch_url, "jobs") and "schedules" in _tables(scratch_url)
+    finally:
+        engine.dispose()

@@ -1,11 +1,14 @@
 """unique jobs and cron schedules: the jobs' unique_key with its two partial indexes, and the schedules table
 (sa_outbox reference models)
 
-``unique_key`` is a nullable text column: existing rows keep NULL (no rewrite) and hold no key. Both indexes
-are partial on ``unique_key IS NOT NULL``, so they start empty; building them still reads the jobs table once
-under a SHARE lock (inserts wait meanwhile). On a very large jobs table, build them first with
-``CREATE INDEX CONCURRENTLY`` under the same names and predicates: this revision creates them only if they
-do not exist.
+``unique_key`` is a nullable text column: existing rows keep NULL (no rewrite) and hold no key; adding it
+takes an ACCESS EXCLUSIVE lock for a moment (reads and writes wait for it, and it waits for every running
+transaction on the table). Both indexes are partial on ``unique_key IS NOT NULL``, so they start empty; building
+them still reads the jobs table once under a SHARE lock (writes wait meanwhile, reads do not). They cannot be
+built beforehand (the column comes with this revision); on a very large jobs table, run the revision at a
+quiet time, or add the column yourself first (``ALTER TABLE jobs ADD COLUMN unique_key text``), build both
+indexes with ``CREATE INDEX CONCURRENTLY`` under the same names and predicates, and then run it: it adds the
+column and creates the indexes only if they do not exist.
 
 Revision ID: 0005
 Revises: 0004
@@ -31,7 +34,8 @@ UNIQUE_ACTIVE = "status IN ('queued', 'running') AND unique_key IS NOT NULL"
 
 
 def upgrade() -> None:
-    op.add_column("jobs", sa.Column("unique_key", sa.Text(), nullable=True))
+    # (IF NOT EXISTS: the column may have been added by hand to build the indexes concurrently, see above)
+    op.execute("ALTER TABLE jobs ADD COLUMN IF NOT EXISTS unique_key text")
     op.create_index(
         op.f("ux_jobs_unique"),
         "jobs",
