@@ -175,6 +175,21 @@ def test_debounce_pushes_run_at_but_never_past_created_at_plus_max_delay(engine:
     assert jobs(engine, "unique_key = 'd'")[0].run_at == now + dt.timedelta(seconds=10)
 
 
+def test_a_debounce_never_pulls_the_waiting_job_earlier(engine: Engine) -> None:
+    """now() is the calling transaction's start: a call from a transaction that began before the previous
+    call's computed an earlier run_at and pulled the job forward, into the quiet period (a review: due in 4.99 s
+    became 2.97 s). Here the waiting job is due in 20 s (as a later call left it); a push of 5 s keeps it."""
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {"v": 1}, unique_key="d", on_conflict="debounce", debounce=5, max_delay=60)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET run_at = now() + interval '20 seconds' WHERE unique_key = 'd'"))
+    [before] = jobs(engine, "unique_key = 'd'")
+    with Session(engine) as s, s.begin():
+        enqueue(s, Job, "t", {"v": 2}, unique_key="d", on_conflict="debounce", debounce=5, max_delay=60)
+    [after] = jobs(engine, "unique_key = 'd'")
+    assert after.run_at == before.run_at and after.payload == {"v": 2}
+
+
 def test_an_overdue_debounced_job_is_not_pushed_back(engine: Engine) -> None:
     with Session(engine) as s, s.begin():
         enqueue(s, Job, "t", {}, unique_key="d", on_conflict="debounce", debounce=1, max_delay=3)
