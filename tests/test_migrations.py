@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.engine import URL
 
 from sa_outbox.models import Base
@@ -244,6 +244,27 @@ def test_unique_and_schedules_revision_keeps_existing_jobs_and_goes_back(scratch
         engine.dispose()
 
 
+def _failed_concurrent_build(conn: Any, name: str, on: str) -> None:
+    """What a failed or cancelled ``CREATE INDEX CONCURRENTLY name ON on`` leaves: the index, marked not valid."""
+    conn.execute(text(f"CREATE INDEX {name} ON {on}"))
+    conn.execute(text(f"UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{name}'::regclass"))
+
+
+def _indexes(engine: Engine, table: str, names: tuple[str, ...]) -> list[Any]:
+    """(name, valid, definition) of the indexes of ``table`` among ``names``."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT c.relname, i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+                    "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = CAST(:t AS regclass) "
+                    "AND c.relname = ANY(:names)"
+                ),
+                {"t": table, "names": list(names)},
+            )
+        )
+
+
 def test_one_running_index_revision_rebuilds_a_failed_concurrent_build_instead_of_renaming_it(
     scratch_url: URL,
 ) -> None:
@@ -259,22 +280,9 @@ def test_one_running_index_revision_rebuilds_a_failed_concurrent_build_instead_o
                     "INSERT INTO jobs (task, payload, status, locked_at) VALUES ('t', '{}', 'running', now())"
                 )
             )
-            conn.execute(text("CREATE INDEX ix_jobs_running_0008 ON jobs (queue) WHERE status = 'running'"))
-            # what a cancelled concurrent build leaves: the index exists, marked not valid
-            conn.execute(
-                text(
-                    "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'ix_jobs_running_0008'::regclass"
-                )
-            )
+            _failed_concurrent_build(conn, "ix_jobs_running_0008", "jobs (queue) WHERE status = 'running'")
         migrate(scratch_url, "head")
-        with engine.connect() as conn:
-            found = conn.execute(
-                text(
-                    "SELECT c.relname, i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i "
-                    "JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = 'jobs'::regclass "
-                    "AND c.relname IN ('ix_jobs_running', 'ix_jobs_limited', 'ix_jobs_running_0008')"
-                )
-            ).all()
+        found = _indexes(engine, "jobs", ("ix_jobs_running", "ix_jobs_limited", "ix_jobs_running_0008"))
         assert [(name, valid) for name, valid, _ in found] == [("ix_jobs_running", True)]
         assert found[0][2].endswith("(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)")
     finally:
@@ -288,19 +296,11 @@ def test_dead_index_revision_rebuilds_a_failed_concurrent_build(scratch_url: URL
     engine = create_engine(scratch_url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
-            conn.execute(text("CREATE INDEX ix_outbox_dead ON outbox (id) WHERE status = 'dead'"))
-            conn.execute(
-                text("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'ix_outbox_dead'::regclass")
-            )
+            _failed_concurrent_build(conn, "ix_outbox_dead", "outbox (id) WHERE status = 'dead'")
         migrate(scratch_url, "head")
-        with engine.connect() as conn:
-            found = conn.execute(
-                text(
-                    "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-                    "WHERE i.indrelid = 'outbox'::regclass AND c.relname = 'ix_outbox_dead'"
-                )
-            ).all()
-        assert found == [("ix_outbox_dead", True)]
+        assert [(name, valid) for name, valid, _ in _indexes(engine, "outbox", ("ix_outbox_dead",))] == [
+            ("ix_outbox_dead", True)
+        ]
     finally:
         engine.dispose()
 
