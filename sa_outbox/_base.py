@@ -135,9 +135,11 @@ class RunPolicy:
                 f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
             ) from exc
         delay = min(self.cap, DATABASE_OUTAGE.delay(self.failures))
+        # the cause as the server put it: a deadlock or a serialization failure is retried the same way, and
+        # read "database unavailable" alone (a review)
         self.log.warning(
-            "database unavailable (%s), retrying in %.2fs", type(exc).__name__, delay,
-            extra={"owner": self.owner, "failures": self.failures},
+            "database unavailable or the step was refused (%s: %.200s), retrying in %.2fs", type(exc).__name__,
+            connection_error_cause(exc), delay, extra={"owner": self.owner, "failures": self.failures},
         )  # fmt: skip
         return delay
 

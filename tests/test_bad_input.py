@@ -47,6 +47,49 @@ def test_missing_table_says_to_run_the_migration(engine: Engine) -> None:
         d.run_once()
 
 
+def _a_real_deadlock(engine: Engine) -> Exception:
+    """The error PostgreSQL raises in the transaction it picks as a deadlock's victim."""
+    from sqlalchemy import text
+
+    errors: list[Exception] = []
+    ready = threading.Barrier(2)
+
+    def side(first: int, second: int) -> None:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": 7_000_000 + first})
+            ready.wait(10)
+            try:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": 7_000_000 + second})
+            except Exception as exc:  # the victim
+                errors.append(exc)
+            conn.rollback()
+
+    threads = [threading.Thread(target=side, args=pair) for pair in ((1, 2), (2, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_a_retried_step_names_its_cause_a_deadlock_is_not_only_database_unavailable(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deadlock (or a serialization failure) is retried like an outage, and the warning said only "database
+    unavailable (OperationalError)" (a review read it as an outage). It now carries the server's words."""
+    import logging
+
+    from sa_outbox._base import RunPolicy
+
+    deadlock = _a_real_deadlock(engine)
+    log = logging.getLogger("sa_outbox.worker")
+    with caplog.at_level("WARNING", logger="sa_outbox.worker"):
+        RunPolicy(log, "w", None).failed(deadlock)
+    [record] = caplog.records
+    assert "deadlock detected" in record.getMessage() and "retrying in" in record.getMessage()
+
+
 def test_database_unreachable_at_start_retries_then_fails_clearly(caplog: pytest.LogCaptureFixture) -> None:
     engine = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
     d = Dispatcher(engine, OutboxEvent, RecordingPublisher(), listen=False)
