@@ -1536,10 +1536,12 @@ class Scenario:
         queue = self.rng.choice(QUEUES)
         windows = self.model.pauses[queue]
         if self.model.paused(queue):
-            resume_queue(self.engine, Job, queue)
+            assert resume_queue(self.engine, Job, queue) is True, queue  # it was paused: resumed
             windows[-1][1] = time.monotonic()
             self.log.append(f"resume {queue}")
         else:
+            # a resume of a queue that is not paused changes nothing and says so (an operator's typo or double click)
+            assert resume_queue(self.engine, Job, queue) is False, queue
             pause_queue(self.engine, Job, queue, by="model")
             windows.append([time.monotonic(), float("inf")])
             self.log.append(f"pause {queue}")
@@ -1555,7 +1557,7 @@ class Scenario:
         """An operator pauses the cron schedule, or resumes it (C2: no slot of a pause ever fires)."""
         if self.cron_pauses and self.cron_pauses[-1][1] is None:
             self.cron_pauses[-1][1] = self._db_now()
-            resume_schedule(self.engine, JobSchedule, CRON)
+            assert resume_schedule(self.engine, JobSchedule, CRON) is True
             self.log.append("resume the cron schedule")
         else:
             pause_schedule(self.engine, JobSchedule, CRON)
@@ -1800,7 +1802,7 @@ class Scenario:
         self.outage.clear()
         for queue, windows in self.model.pauses.items():
             if self.model.paused(queue):
-                resume_queue(self.engine, Job, queue)
+                assert resume_queue(self.engine, Job, queue) is True, queue
                 windows[-1][1] = time.monotonic()
         if not self.dispatchers:
             self.start_dispatcher(is_async=False, bounded=False)
@@ -1835,7 +1837,7 @@ class Scenario:
         drain can end (C4: and nothing fires after it)."""
         if self.cron_pauses and self.cron_pauses[-1][1] is None:
             self.cron_pauses[-1][1] = self._db_now()
-            resume_schedule(self.engine, JobSchedule, CRON)
+            assert resume_schedule(self.engine, JobSchedule, CRON) is True
         since = self._db_now()
         deadline = time.monotonic() + 15.0
         while time.monotonic() < deadline:
