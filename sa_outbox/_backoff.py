@@ -8,6 +8,8 @@
 * :data:`DATABASE_OUTAGE` — how long a loop waits before trying a database that is down again;
 * :data:`STATEMENT_RETRY` — the waits between retries of one statement (a finalize) after a connection fault;
 * :data:`LISTEN_RECONNECT` — how long a waker polls before it tries its LISTEN connection again;
+* :data:`MIGRATION_LOCK_RETRY` — how long a migration revision that gave up waiting for a lock waits before
+  it runs again (:func:`sa_outbox.migration.run_migrations_with_lock_retries`);
 * :data:`DESTINATION_OUTAGE` — how long a dispatcher stops claiming after its destination was unavailable
   (the circuit breaker), before it sends one probe message.
 """
@@ -20,7 +22,14 @@ from dataclasses import dataclass
 
 from ._durations import Duration, to_seconds
 
-__all__ = ["DATABASE_OUTAGE", "DESTINATION_OUTAGE", "LISTEN_RECONNECT", "STATEMENT_RETRY", "Backoff"]
+__all__ = [
+    "DATABASE_OUTAGE",
+    "DESTINATION_OUTAGE",
+    "LISTEN_RECONNECT",
+    "MIGRATION_LOCK_RETRY",
+    "STATEMENT_RETRY",
+    "Backoff",
+]
 
 
 @dataclass(frozen=True)
@@ -79,3 +88,5 @@ LISTEN_RECONNECT = 5.0
 #: A dispatcher whose destination is unavailable claims nothing for this long (then sends one probe):
 #: 1 s, 2 s, … up to 60 s.
 DESTINATION_OUTAGE = _HalfJitter(0.5, 60.0)
+#: A migration revision that gave up waiting for a lock (``lock_timeout``) runs again after 0.1 s … 5 s.
+MIGRATION_LOCK_RETRY = _HalfJitter(0.1, 5.0)

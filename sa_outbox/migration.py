@@ -27,17 +27,28 @@ that creates the first partitions (each with the storage parameters — a partit
 
 from __future__ import annotations
 
-from datetime import datetime
+import logging
+import time
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import MetaData, Table, event, text
+from sqlalchemy import MetaData, Table, event, func, select, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from ._backoff import MIGRATION_LOCK_RETRY
+from ._durations import Duration, to_seconds
+from .errors import ConfigurationError, OutboxError
+
+log = logging.getLogger("sa_outbox.migration")
 
 __all__ = [
     "QUEUE_STORAGE_PARAMETERS",
+    "commit_between_tables",
     "create_partitions",
     "install",
     "reset_queue_storage_parameters",
+    "run_migrations_with_lock_retries",
     "set_queue_storage_parameters",
     "storage_parameters_sql",
 ]
@@ -54,6 +65,128 @@ QUEUE_STORAGE_PARAMETERS: dict[str, str] = {
     "autovacuum_vacuum_insert_scale_factor": "0.01",
     "autovacuum_analyze_scale_factor": "0.02",
 }
+
+
+#: SQLSTATEs of a revision that could not take its locks: lock_not_available (``lock_timeout``) and
+#: deadlock_detected.
+_LOCK_FAULTS = frozenset({"55P03", "40P01"})
+
+
+def run_migrations_with_lock_retries(
+    context: Any,
+    connection: Connection,
+    *,
+    lock_timeout: Duration = timedelta(milliseconds=500),
+    give_up_after: Duration = timedelta(minutes=10),
+    **configure: Any,
+) -> None:
+    """Run alembic's revisions on a live database: each revision in its own transaction, each lock wait bounded,
+    a revision that could not take its locks rolled back and run again — for ``env.py``'s online mode::
+
+        with engine.connect() as connection:
+            run_migrations_with_lock_retries(context, connection, target_metadata=target_metadata)
+
+    ``context`` is alembic's ``context`` module (or its ``EnvironmentContext``); ``configure`` goes to
+    ``context.configure`` with ``transaction_per_migration=True``.
+
+    Why: a revision's ``ALTER TABLE`` needs an ``ACCESS EXCLUSIVE`` lock. In one transaction for every revision,
+    an upgrade that altered ``outbox`` and then ``jobs`` held the first while it waited for the second — which a
+    service's transaction held while it waited for ``outbox`` (an event and a job written together): a deadlock
+    that rolled back the upgrade or the service's transaction. And a lock wait queues every later reader and
+    writer of the table behind it, so an upgrade stuck behind one long transaction stops the service.
+
+    What it guarantees:
+
+    * every statement waits at most ``lock_timeout`` (0.5 s) for a lock. Keep it below the server's
+      ``deadlock_timeout`` (1 s by default): the upgrade then gives up before PostgreSQL picks a victim, so a
+      service's transaction is never the one rolled back;
+    * a revision that gave up (or met a deadlock) is rolled back whole — its own changes and its
+      ``alembic_version`` row together — and run again after a short randomised wait, the revisions before it
+      staying committed;
+    * after ``give_up_after`` (10 minutes) of retries it raises :class:`~sa_outbox.errors.OutboxError` naming
+      the revision reached and the last lock fault; the database is then at a revision boundary, and a
+      second ``alembic upgrade head`` continues from there;
+    * any other error propagates at once, its revision rolled back.
+
+    A revision that must not run in a transaction (``CREATE INDEX CONCURRENTLY``) uses alembic's
+    ``autocommit_block()`` as usual.
+    """
+    wait = to_seconds(lock_timeout, name="lock_timeout", allow_zero=False)
+    budget = to_seconds(give_up_after, name="give_up_after")
+    if connection.in_transaction():
+        raise ConfigurationError(
+            "run_migrations_with_lock_retries needs a connection outside a transaction (engine.connect(), not "
+            "engine.begin()): it commits each revision on its own"
+        )
+    context.configure(connection=connection, transaction_per_migration=True, **configure)
+    deadline = time.monotonic() + budget
+    failures = 0
+    while True:
+        # a session setting, committed: a rolled-back revision must not take it back with it
+        connection.execute(select(func.set_config("lock_timeout", f"{max(1, round(wait * 1000))}ms", False)))
+        connection.commit()
+        try:
+            with context.begin_transaction():
+                context.run_migrations()
+            return
+        except DBAPIError as exc:
+            code = getattr(exc.orig, "sqlstate", None)
+            if connection.in_transaction():
+                connection.rollback()
+            if code not in _LOCK_FAULTS:
+                raise
+            reached = _revision(connection)
+            failures += 1
+            if time.monotonic() >= deadline:
+                raise OutboxError(
+                    f"migration stopped at revision {reached}: the next revision could not take its locks in "
+                    f"{failures} tries over {budget:g} s (lock_timeout {wait:g} s) — last: {str(exc.orig).strip()}. "
+                    "A long transaction holds the table: `sa-outbox locks` shows it; run `alembic upgrade head` "
+                    "again to continue from this revision"
+                ) from exc
+            delay = MIGRATION_LOCK_RETRY.delay(failures - 1)
+            log.warning(
+                "migration: the revision after %s could not take its locks (%s, try %d); rolled back, running it "
+                "again in %.2f s",
+                reached,
+                "lock_timeout" if code == "55P03" else "deadlock",
+                failures,
+                delay,
+            )
+            time.sleep(delay)
+
+
+def commit_between_tables(op: Any) -> None:
+    """In a revision that alters more than one busy table: commit what it did so far and go on in a new
+    transaction, so it never holds one table's lock while it waits for another's.
+
+    A service that writes an event and a job in one transaction holds one table while it waits for the other;
+    a revision holding ``outbox`` while waiting for ``jobs`` meets, sooner or later, a transaction holding
+    ``jobs`` while waiting for ``outbox``. With bounded lock waits that is no deadlock any more, but the
+    revision gives up every time a service is always busy in both orders. Table by table it waits only for
+    the transactions that hold the one table, and those end.
+
+    Write the revision so that running it again after a commit point is harmless (``ADD COLUMN IF NOT
+    EXISTS``, ``DROP … IF EXISTS``): a retry starts the revision from its top. It commits only when alembic
+    runs one transaction per revision (:func:`run_migrations_with_lock_retries`); under the caller's
+    transaction, or one transaction for every revision, or in ``--sql`` mode, it does nothing.
+    """
+    ctx = op.get_context()
+    if ctx.as_sql or not ctx.opts.get("transaction_per_migration"):
+        return
+    with ctx.autocommit_block():
+        pass
+
+
+def _revision(connection: Connection) -> str:
+    """The revision(s) in ``alembic_version``, for a message."""
+    try:
+        heads = connection.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+    except DBAPIError:
+        heads = []
+    finally:
+        connection.rollback()
+    return ", ".join(heads) if heads else "base"
 
 
 def _qualified(op_or_conn: Any, table: str, schema: str | None) -> str:

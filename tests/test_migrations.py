@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +15,17 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, inspect, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
+from sa_outbox.errors import ConfigurationError
+from sa_outbox.migration import run_migrations_with_lock_retries
 from sa_outbox.models import Base
 
-from .conftest import ROOT, migrate, scratch_database
+from .conftest import ROOT, alembic_config, migrate, scratch_database
 
 
 @pytest.fixture
@@ -322,3 +330,141 @@ def test_unique_revision_takes_a_column_and_indexes_built_beforehand(scratch_url
         assert "unique_key" in _columns(scratch_url, "jobs") and "schedules" in _tables(scratch_url)
     finally:
         engine.dispose()
+
+
+def _head(url: URL) -> str:
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    assert head is not None
+    return head
+
+
+def _traffic(
+    url: URL, first: str, second: str, stop: threading.Event, done: list[int], errors: list[str]
+) -> None:
+    """A service's transactions while the upgrade runs: a row in ``first``, a moment, a row in ``second``."""
+    rows = {
+        "outbox": "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', '1', 'E', '{}')",
+        "jobs": "INSERT INTO jobs (task, payload) VALUES ('t', '{}')",
+    }
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            while not stop.is_set():
+                try:
+                    with conn.begin():
+                        conn.execute(text(rows[first]))
+                        conn.execute(text("SELECT pg_sleep(0.005)"))
+                        conn.execute(text(rows[second]))
+                    done.append(1)
+                except DBAPIError as exc:  # recorded, and the test fails on it
+                    errors.append(f"{first}->{second}: {exc.orig!r}")
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_under_live_traffic_takes_its_locks_without_deadlocking_the_service(scratch_url: URL) -> None:
+    """``alembic upgrade head`` from 0002 while four connections write events and jobs in both orders (a
+    review: one transaction for every revision held ``outbox`` from 0003 while it waited for ``jobs``, which a
+    service's transaction held while it waited for ``outbox`` — a deadlock, the upgrade or the service's
+    transaction rolled back). Each revision is its own transaction now, its lock waits bounded by
+    ``lock_timeout`` and retried: the upgrade reaches head and every service transaction commits."""
+    migrate(scratch_url, "0002")
+    stop = threading.Event()
+    done: list[int] = []
+    errors: list[str] = []
+    threads = [
+        threading.Thread(target=_traffic, args=(scratch_url, first, second, stop, done, errors))
+        for first, second in (("jobs", "outbox"), ("outbox", "jobs")) * 2
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.3)
+        env = {**os.environ, "DATABASE_URL": scratch_url.render_as_string(hide_password=False)}
+        up = subprocess.run(
+            [sys.executable, "-m", "alembic", "upgrade", "head"],
+            cwd=ROOT, capture_output=True, text=True, env=env, timeout=240,
+        )  # fmt: skip
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert errors == []
+    engine = create_engine(scratch_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == _head(
+                scratch_url
+            )
+            written = conn.execute(
+                text("SELECT (SELECT count(*) FROM outbox), (SELECT count(*) FROM jobs)")
+            ).one()
+    finally:
+        engine.dispose()
+    assert len(done) > 0 and tuple(written) == (len(done), len(done))
+
+
+def test_upgrade_behind_a_long_transaction_gives_up_at_a_revision_boundary_and_resumes(
+    scratch_url: URL,
+) -> None:
+    """A transaction that holds ``jobs`` for the whole upgrade: every try of 0003's ``jobs`` step waits
+    ``lock_timeout`` and is rolled back; after ``give_up_after`` the upgrade stops with a message naming the
+    revision reached, the service's transaction untouched. Run again once it ended, it goes on to head."""
+    migrate(scratch_url, "0002")
+    env = {**os.environ, "DATABASE_URL": scratch_url.render_as_string(hide_password=False)}
+    upgrade = [
+        sys.executable,
+        "-m",
+        "alembic",
+        "-x",
+        "lock_timeout=0.2",
+        "-x",
+        "give_up_after=1.5",
+        "upgrade",
+        "head",
+    ]
+    engine = create_engine(scratch_url, poolclass=NullPool)
+    try:
+        with engine.connect() as holder:
+            holder.execute(text("INSERT INTO jobs (task, payload) VALUES ('long', '{}')"))
+            stuck = subprocess.run(upgrade, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+            assert holder.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 1  # still usable
+            holder.commit()
+        assert stuck.returncode != 0
+        assert "migration stopped at revision 0002" in stuck.stderr, stuck.stderr[-2000:]
+        assert "could not take its locks" in stuck.stderr and "lock timeout" in stuck.stderr
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
+        again = subprocess.run(upgrade, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+        assert again.returncode == 0, again.stderr[-2000:]
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == _head(
+                scratch_url
+            )
+            assert conn.execute(text("SELECT task FROM jobs")).scalars().all() == ["long"]
+        assert _autogenerate_diff(scratch_url) == []
+    finally:
+        engine.dispose()
+
+
+def test_lock_retries_refuse_a_connection_inside_a_transaction_and_bad_durations(scratch_url: URL) -> None:
+    engine = create_engine(scratch_url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn, pytest.raises(ConfigurationError, match="outside a transaction"):
+            run_migrations_with_lock_retries(object(), conn)
+        with engine.connect() as conn:
+            with pytest.raises(ConfigurationError, match="lock_timeout must be > 0"):
+                run_migrations_with_lock_retries(object(), conn, lock_timeout=0)
+            with pytest.raises(ConfigurationError, match="give_up_after must be >= 0"):
+                run_migrations_with_lock_retries(object(), conn, give_up_after=-1)
+    finally:
+        engine.dispose()
+    env = {**os.environ, "DATABASE_URL": scratch_url.render_as_string(hide_password=False)}
+    bad = subprocess.run(
+        [sys.executable, "-m", "alembic", "-x", "lock_timeout=soon", "upgrade", "head"],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "-x lock_timeout=soon: a number of seconds" in bad.stderr
+    assert _tables(scratch_url) == set()
