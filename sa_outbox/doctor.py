@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, text
-from sqlalchemy.schema import CreateIndex
+from sqlalchemy import Connection, Engine, MetaData, Table, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.schema import CreateColumn, CreateIndex, CreateTable
 
 from . import _partitions, _sql
 from ._durations import Duration, to_seconds, to_timedelta
@@ -138,7 +139,8 @@ def _partition_findings(conn: Connection, model: type[Any]) -> list[Finding]:
 def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     spec = _sql.spec_for(model)
     t, name = spec.table.name, spec.table.fullname
-    index = f"ix_{t}_ready" if spec.kind == "outbox" else f"ix_{t}_dequeue"
+    wanted = f"ix_{t}_ready" if spec.kind == "outbox" else f"ix_{t}_dequeue"
+    index = next(_index_name(conn, i.name) for i in spec.table.indexes if str(i.name) == wanted)
     plan = explain_claim(conn, model)
     nodes = _nodes(plan)
     # The partitioned layout: each partition's copy of the index (named by PostgreSQL) and each partition.
@@ -167,46 +169,180 @@ def _claim_plan_finding(conn: Connection, model: type[Any]) -> Finding:
     )  # fmt: skip
 
 
-def _index_findings(conn: Connection, model: type[Any]) -> list[Finding]:
+@dataclass(frozen=True)
+class _Shape:
+    """A table as PostgreSQL's catalogs describe it."""
+
+    #: column -> (``format_type``, NOT NULL)
+    columns: dict[str, tuple[str, bool]]
+    #: CHECK constraint -> ``pg_get_constraintdef``
+    checks: dict[str, str]
+    #: index -> (its definition from ``USING`` on, unique, valid)
+    indexes: dict[str, tuple[str, bool, bool]]
+
+
+_SHAPE_COLUMNS = text(
+    "SELECT attname, format_type(atttypid, atttypmod), attnotnull FROM pg_attribute "
+    "WHERE attrelid = CAST(:t AS regclass) AND attnum > 0 AND NOT attisdropped"
+)
+_SHAPE_CHECKS = text(
+    "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = CAST(:t AS regclass) "
+    "AND contype = 'c'"
+)
+_SHAPE_INDEXES = text(
+    "SELECT i.relname, regexp_replace(pg_get_indexdef(x.indexrelid), '^.*? USING ', ''), x.indisunique, "
+    "x.indisvalid FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indrelid = CAST(:t AS regclass)"
+)
+#: The temporary copy of a model's table that doctor reads its expected shape from (rolled back at once).
+_PROBE = "sa_outbox_doctor_probe"
+
+
+def _shape(conn: Connection, regclass: str) -> _Shape:
+    params = {"t": regclass}
+    return _Shape(
+        columns={r[0]: (r[1], r[2]) for r in conn.execute(_SHAPE_COLUMNS, params)},
+        checks={r[0]: r[1] for r in conn.execute(_SHAPE_CHECKS, params)},
+        indexes={r[0]: (r[1], r[2], r[3]) for r in conn.execute(_SHAPE_INDEXES, params)},
+    )
+
+
+def _expected_shape(conn: Connection, table: Table) -> _Shape | str:
+    """The model's table as this version of sa_outbox creates it, in PostgreSQL's own words: a temporary copy
+    (columns, CHECKs, indexes — the same DDL ``create_all`` sends) read back from the catalogs, in a savepoint
+    rolled back at once. So a column's type, a CHECK or an index predicate is compared as the server
+    normalised it, not as text. When the copy cannot be made (no TEMPORARY privilege, a standby) the reason."""
+    copy = table.to_metadata(MetaData(), schema="pg_temp", name=_PROBE)
+    try:
+        with conn.begin_nested() if conn.in_transaction() else conn.begin() as tx:
+            conn.execute(CreateTable(copy))
+            for index in copy.indexes:
+                conn.execute(CreateIndex(index))
+            shape = _shape(conn, f"pg_temp.{_PROBE}")
+            tx.rollback()
+    except DBAPIError as exc:
+        return f"{type(exc.orig).__name__}: {str(exc.orig).strip().splitlines()[0]}"
+    return shape
+
+
+def _index_name(conn: Connection, name: Any) -> str:
+    """An index name as the DDL creates it: a name longer than PostgreSQL's 63 bytes is shortened by
+    SQLAlchemy (its first 55 characters, ``_`` and four hex digits of a hash) — not as the model spells it."""
+    return str(conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False))
+
+
+def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding], bool]:
+    """The table against the shape this version expects: the table exists; every column of the model, with
+    its type and nullability; every CHECK; every index, by its definition (columns, order, predicate,
+    uniqueness) and validity. Returns the findings and whether the table can be used at all (every column
+    there: the claim and the counts name them all). Columns the model does not have are the team's own."""
     spec = _sql.spec_for(model)
     table = spec.table
+    name = table.fullname
     # the DDL of the fixes names the table and the index where the connection's schema_translate_map puts them
     placed = _sql.translated_spec(conn, spec).table
-    present = {
-        r.indexname: r
-        for r in conn.execute(
-            text(
-                "SELECT i.relname AS indexname, x.indisvalid, x.indisready FROM pg_index x "
-                "JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indrelid = CAST(:t AS regclass)"
-            ),
-            {"t": regclass_name(conn, table)},
+    regclass = regclass_name(conn, table)
+    if conn.execute(text("SELECT to_regclass(:t)"), {"t": regclass}).scalar_one() is None:
+        return [Finding("columns", name, "fail", f"table {regclass} does not exist",
+                        "run the migration (alembic upgrade head), or metadata.create_all() in a script")], False  # fmt: skip
+    have = _shape(conn, regclass)
+    want = _expected_shape(conn, table)
+    out: list[Finding] = []
+    # columns
+    missing = [c for c in table.columns if c.name not in have.columns]
+    changed = (
+        [
+            f"{c}: {have.columns[c][0]}{' NOT NULL' if have.columns[c][1] else ''}, expected {t}"
+            f"{' NOT NULL' if nn else ''}"
+            for c, (t, nn) in want.columns.items()
+            if c in have.columns and have.columns[c] != (t, nn)
+        ]
+        if isinstance(want, _Shape)
+        else []
+    )
+    if missing:
+        added = "\n".join(
+            f"ALTER TABLE {regclass} ADD COLUMN {CreateColumn(c).compile(dialect=conn.dialect)}"
+            for c in missing
         )
-    }
-    out = []
+        out.append(Finding(
+            "columns", name, "fail",
+            f"column{'s' if len(missing) > 1 else ''} {', '.join(c.name for c in missing)} missing: the schema is "
+            "behind this version of sa_outbox, and every claim fails until it is migrated",
+            f"run the migration (alembic upgrade head); the columns this version adds:\n{added}",
+        ))  # fmt: skip
+    if changed:
+        out.append(Finding("columns", name, "fail", "column types differ from the model: " + "; ".join(changed),
+                           "an alembic revision that alters them (autogenerate with compare_type=True sees it)"))  # fmt: skip
+    if not missing and not changed:
+        compared = "" if isinstance(want, _Shape) else f" (types not compared: {want})"
+        out.append(
+            Finding("columns", name, "ok", f"all {len(table.columns)} columns of the model present{compared}")
+        )
+    if missing:
+        return out, False
+    # CHECK constraints
+    if isinstance(want, _Shape):
+        bad_checks = [
+            f"{c} is {have.checks[c]!r}, expected {d!r}" if c in have.checks else f"{c} ({d}) is missing"
+            for c, d in sorted(want.checks.items())
+            if have.checks.get(c) != d
+        ]
+        if bad_checks:
+            fixes = []
+            for c, d in sorted(want.checks.items()):
+                if have.checks.get(c) != d:
+                    q = conn.dialect.identifier_preparer.quote(c)
+                    if c in have.checks:
+                        fixes.append(f"ALTER TABLE {regclass} DROP CONSTRAINT {q}")
+                    fixes.append(f"ALTER TABLE {regclass} ADD CONSTRAINT {q} {d}")
+            out.append(Finding("constraints", name, "fail",
+                               "CHECK constraints differ from this version's: " + "; ".join(bad_checks)
+                               + " (a row the library writes may be refused, or a wrong one let in)",
+                               "run the migration (alembic upgrade head), or:\n" + "\n".join(fixes)))  # fmt: skip
+        else:
+            out.append(
+                Finding("constraints", name, "ok", f"all {len(want.checks)} CHECK constraints as expected")
+            )
+    # indexes
+    bad = 0
     for index in sorted(placed.indexes, key=lambda i: str(i.name)):
-        name = str(index.name)
+        index_name = _index_name(conn, index.name)
         # CONCURRENTLY for a unique index too: a plain build holds a SHARE lock, every claim and finalize waits
         ddl = re.sub(
             r"^CREATE (UNIQUE )?INDEX",
             r"CREATE \1INDEX CONCURRENTLY",
             str(CreateIndex(index).compile(dialect=conn.dialect)),
         )
-        if name not in present:
-            out.append(Finding("indexes", table.fullname, "fail", f"index {name} is missing", ddl))
-        elif not present[name].indisvalid:
-            qualified = _qualified_index(conn, placed, name)
+        qualified = _qualified_index(conn, placed, index_name)
+        if index_name not in have.indexes:
+            out.append(Finding("indexes", name, "fail", f"index {index_name} is missing", ddl))
+        elif not have.indexes[index_name][2]:
             # Two statements, two lines: neither may run inside a transaction block, so they cannot be sent
             # together (psql -c "A; B" runs both in one implicit transaction and fails).
-            out.append(Finding("indexes", table.fullname, "fail",
-                               f"index {name} is INVALID (a failed CREATE INDEX CONCURRENTLY?)",
+            out.append(Finding("indexes", name, "fail",
+                               f"index {index_name} is INVALID (a failed CREATE INDEX CONCURRENTLY?)",
                                f"DROP INDEX CONCURRENTLY {qualified}\n{ddl}"))  # fmt: skip
-    if not out:
+        elif (
+            isinstance(want, _Shape)
+            and index_name in want.indexes
+            and (have.indexes[index_name][:2] != want.indexes[index_name][:2])
+        ):
+            got, expected = have.indexes[index_name], want.indexes[index_name]
+            out.append(Finding("indexes", name, "fail",
+                               f"index {index_name} is {'UNIQUE ' if got[1] else ''}{got[0]}, expected "
+                               f"{'UNIQUE ' if expected[1] else ''}{expected[0]} (an older version's index?)",
+                               f"DROP INDEX CONCURRENTLY {qualified}\n{ddl}"))  # fmt: skip
+        else:
+            continue
+        bad += 1
+    if not bad:
+        compared = "" if isinstance(want, _Shape) else f" (definitions not compared: {want})"
         out.append(
             Finding(
-                "indexes", table.fullname, "ok", f"all {len(table.indexes)} partial indexes present and valid"
+                "indexes", name, "ok", f"all {len(table.indexes)} partial indexes present and valid{compared}"
             )
         )
-    return out
+    return out, True
 
 
 def _reloptions(conn: Connection, model: type[Any]) -> dict[str, str]:
@@ -450,8 +586,12 @@ def doctor(
         holders = long_horizon_holders(conn, threshold)
         for model in models:
             name = _sql.spec_for(model).table.fullname
+            schema, usable = _schema_findings(conn, model)
+            if not usable:  # every other check reads the columns: the migration comes first
+                findings += schema
+                continue
             findings.append(_claim_plan_finding(conn, model))
-            findings += _index_findings(conn, model)
+            findings += schema
             findings += _partition_findings(conn, model)
             have = _reloptions(conn, model)
             storage = _storage_finding(conn, model, have)

@@ -4,22 +4,28 @@ locks shows a blocked UPDATE and its blocker."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.pool import NullPool
 
+from sa_outbox import JobMixin, OutboxMixin
 from sa_outbox._cli import main
 from sa_outbox.doctor import Finding, LockInfo, doctor, locks
 from sa_outbox.errors import ConfigurationError
 from sa_outbox.models import Job, OutboxEvent
 
+from .conftest import migrate, scratch_database
 from .helpers import seed_events
 from .sessions import open_snapshot
 
@@ -393,3 +399,151 @@ def test_doctor_states_how_long_a_failing_row_is_retried_and_warns_when_a_blip_w
     hasty = Worker(engine, Job, {}, backoff=Backoff(0.1, 1, jitter=False), listen=False)
     (finding,) = [f for f in doctor(engine, [Job], target=hasty) if f.check == "retry budget"]
     assert finding.status == "warn" and "about 7 s" in finding.message and finding.fix
+
+
+def _non_ok(findings: list[Finding]) -> list[tuple[str, str | None, str, str]]:
+    """What doctor says is wrong, without the server-wide autovacuum warning of this machine."""
+    return [
+        (f.check, f.table, f.status, f.message) for f in findings if f.status != "ok" and f.table is not None
+    ]
+
+
+def test_an_older_schema_is_named_column_by_column_instead_of_raising(server_url: URL) -> None:
+    """A database at revision 0002 (before headers, jobs control, unique keys, limits): doctor raised the claim
+    EXPLAIN's UndefinedColumn (a review). It now says which columns are missing and how to add them, and skips
+    the checks that read them; the CLI exits 1."""
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        migrate(url, "0002")
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            found = _non_ok(run(engine))
+            assert [(c, t, s) for c, t, s, _ in found] == [
+                ("columns", "outbox", "fail"),
+                ("columns", "jobs", "fail"),
+            ]
+            assert "column headers missing" in found[0][3]
+            assert (
+                "columns headers, cancel_requested_at, result, concurrency_key, unique_key missing"
+                in found[1][3]
+            )
+            fix = next(f.fix for f in run(engine) if f.check == "columns" and f.table == "jobs")
+            assert fix is not None and "ALTER TABLE jobs ADD COLUMN unique_key TEXT" in fix
+            assert main(["doctor", "--url", url.render_as_string(hide_password=False)]) == 1
+        finally:
+            engine.dispose()
+
+
+def test_an_index_of_an_older_version_under_the_same_name_is_not_taken_for_the_new_one(
+    server_url: URL,
+) -> None:
+    """At revision 0006 ``ix_jobs_running`` is the old ``(locked_at)`` index: doctor compared names only and
+    said all indexes were present. It compares definitions as PostgreSQL normalised them now."""
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        migrate(url, "0006")
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            found = _non_ok(run(engine))
+            assert [(c, t) for c, t, _, _ in found] == [("indexes", "outbox"), ("indexes", "jobs")]
+            assert found[0][3] == "index ix_outbox_dead is missing"
+            assert found[1][3].startswith(
+                "index ix_jobs_running is btree (locked_at) WHERE (status = 'running'::text), expected btree "
+                "(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)"
+            )
+            [wrong] = [f for f in run(engine) if f.check == "indexes" and f.table == "jobs"]
+            assert wrong.fix is not None and wrong.fix.splitlines() == [
+                "DROP INDEX CONCURRENTLY ix_jobs_running",
+                "CREATE INDEX CONCURRENTLY ix_jobs_running ON jobs (queue, concurrency_key, locked_at) "
+                "WHERE status = 'running'",
+            ]
+            migrate(url, "head")
+            assert _non_ok(run(engine)) == []
+        finally:
+            engine.dispose()
+
+
+def test_a_check_constraint_or_column_type_that_drifted_is_a_failure(server_url: URL) -> None:
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        migrate(url, "head")
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("ALTER TABLE jobs DROP CONSTRAINT ck_jobs_status"))
+                conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT ck_jobs_status "
+                                  "CHECK (status IN ('queued', 'running', 'done', 'failed'))"))  # fmt: skip
+                conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint"))
+            found = _non_ok(run(engine))
+            assert [(c, t) for c, t, _, _ in found] == [("columns", "outbox"), ("constraints", "jobs")]
+            assert "attempts: bigint NOT NULL, expected integer NOT NULL" in found[0][3]
+            assert "ck_jobs_status is" in found[1][3] and "'cancelled'::text" in found[1][3]
+            [check] = [f for f in run(engine) if f.check == "constraints" and f.table == "jobs"]
+            assert check.fix is not None
+            with engine.begin() as conn:  # the fix as given repairs it
+                for line in check.fix.splitlines()[1:]:
+                    conn.execute(text(line))
+                conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE integer"))
+            assert _non_ok(run(engine)) == []
+        finally:
+            engine.dispose()
+
+
+def test_long_table_names_whose_index_names_were_shortened_are_found(server_url: URL) -> None:
+    """A 50-character jobs table: SQLAlchemy shortens ``ix_<table>_unique_active`` past 63 bytes (a hash
+    suffix); doctor looked for the long name and reported it missing (a review)."""
+
+    class LongBase(DeclarativeBase):
+        pass
+
+    class LongJob(JobMixin, LongBase):
+        __tablename__ = "j" * 45 + "_jobs"
+
+    class LongEvent(OutboxMixin, LongBase):
+        __tablename__ = "e" * 49 + "_outbox"
+
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            LongBase.metadata.create_all(engine)
+            assert _non_ok(doctor(engine, [LongEvent, LongJob])) == []
+            with engine.connect() as conn:
+                short = conn.execute(
+                    text("SELECT indexname FROM pg_indexes WHERE indexname LIKE '%_jobs_u\\_%'")
+                ).scalar_one()
+            assert re.fullmatch(r"ix_j{45}_jobs_u_[0-9a-f]{4}", short)  # 55 characters, "_", 4 of an md5
+            with engine.begin() as conn:
+                conn.execute(text(f"DROP INDEX {short}"))
+            assert _non_ok(doctor(engine, [LongEvent, LongJob])) == [
+                ("indexes", LongJob.__tablename__, "fail", f"index {short} is missing")
+            ]
+        finally:
+            engine.dispose()
+
+
+def test_without_the_temporary_privilege_doctor_checks_names_and_says_so(server_url: URL) -> None:
+    role = f"sa_outbox_doc_{uuid.uuid4().hex[:6]}"
+    admin = create_engine(server_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with scratch_database(server_url, "sa_outbox_doc") as url:
+            migrate(url, "head")
+            owner = create_engine(url, poolclass=NullPool)
+            with owner.begin() as conn:
+                conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+                conn.execute(text(f'REVOKE TEMPORARY ON DATABASE "{url.database}" FROM PUBLIC'))
+                conn.execute(text(f"GRANT SELECT, UPDATE ON ALL TABLES IN SCHEMA public TO {role}"))
+            owner.dispose()
+            reader = create_engine(url.set(username=role, password=None), poolclass=NullPool)
+            try:
+                found = {(f.check, f.table): f for f in doctor(reader, [OutboxEvent, Job])}
+            finally:
+                reader.dispose()
+            for table in ("outbox", "jobs"):
+                assert found["columns", table].status == "ok" and found["indexes", table].status == "ok"
+                assert (
+                    "(types not compared: InsufficientPrivilege: permission denied"
+                    in found["columns", table].message
+                )
+                assert "(definitions not compared: InsufficientPrivilege" in found["indexes", table].message
+                assert ("constraints", table) not in found
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
+        admin.dispose()
