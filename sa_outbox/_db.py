@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, literal, select
 from sqlalchemy.exc import ProgrammingError
@@ -21,9 +22,10 @@ from sqlalchemy.pool import Pool, QueuePool
 from ._execute import forget_cursor, keep_cursor
 from .errors import SchemaError
 
-__all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room"]
+__all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room", "schema_checked"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 _PING = select(literal(1))
 
@@ -40,10 +42,34 @@ def is_schema_error(exc: ProgrammingError) -> bool:
 
 def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
     if getattr(exc.orig, "sqlstate", None) in _SCHEMA_SQLSTATES:
+        cause = str(exc.orig).strip().splitlines()[0]
         return SchemaError(
-            f"table {table!r} is missing or incomplete ({exc.orig}); run the migration (alembic upgrade head) first"
+            f"table {table!r} is missing or incomplete ({cause}); run the migration (alembic upgrade head) first "
+            "(`sa-outbox doctor` names every missing column and index)"
         )
     return None
+
+
+def schema_checked(fn: Callable[P, T]) -> Callable[P, T]:
+    """For an operator call ``fn(bind, model, …)``: a table that is missing or behind this version of sa_outbox
+    (undefined table or column) raises :class:`SchemaError` naming the table and the migration, not the
+    driver's ``ProgrammingError`` — the same error the loops raise. Nothing was changed: the statement failed."""
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except ProgrammingError as exc:
+            model: Any = args[1] if len(args) > 1 else kwargs.get("model")
+            table = getattr(getattr(model, "__table__", None), "fullname", None) or getattr(
+                model, "__name__", "?"
+            )
+            missing = _schema_error(exc, str(table))
+            if missing is not None:
+                raise missing from exc
+            raise
+
+    return checked
 
 
 def pool_has_room(pool: Pool) -> bool:

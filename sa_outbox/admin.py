@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import _partitions, _sql
+from ._db import schema_checked
 from ._durations import Duration, positive_int, to_timedelta
 from ._sql import QueueSpec, queue_table, spec_for
 from .errors import ConfigurationError, PartitionClosedError
@@ -88,6 +89,7 @@ def _filters(
     return filters
 
 
+@schema_checked
 def list_dead(
     engine: Engine, model: type[Any], *, limit: int = 100, ids: Iterable[int] | None = None,
     older_than: Duration | None = None, **filters: Any,
@@ -133,6 +135,7 @@ def _bulk(
     return changed
 
 
+@schema_checked
 def retry_dead(
     engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, all: bool = False,
     older_than: Duration | None = None, batch_size: int = 1000, dry_run: bool = False, **filters: Any,
@@ -144,6 +147,7 @@ def retry_dead(
                  older_than=older_than, filters=filters)  # fmt: skip
 
 
+@schema_checked
 def skip_dead(
     engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, all: bool = False,
     older_than: Duration | None = None, batch_size: int = 1000, dry_run: bool = False, **filters: Any,
@@ -211,6 +215,7 @@ class Cancellation:
     requested: list[int]
 
 
+@schema_checked
 def cancel_jobs(
     bind: Bind, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
     queue: str | None = None,
@@ -238,6 +243,7 @@ def cancel_jobs(
     return _run(bind, act)
 
 
+@schema_checked
 def retry_jobs(
     engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
     queue: str | None = None, statuses: Iterable[str] = ("failed", "cancelled"), all: bool = False,
@@ -279,6 +285,7 @@ def retry_jobs(
     return changed
 
 
+@schema_checked
 def update_jobs(
     engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
     queue: str | None = None, all: bool = False, priority: int | None = None,
@@ -394,6 +401,7 @@ def _in_batches(
     return sorted(changed)
 
 
+@schema_checked
 def job_result(bind: Engine | Connection | Session, model: type[Any], job_id: int) -> Any:
     """The value a done job's handler returned (stored as JSON with its completion; ``None`` if it returned
     nothing or its value could not be stored). Raises ``LookupError`` naming the status of a job that is not
@@ -450,6 +458,7 @@ def _run_logged(bind: Bind, fn: Callable[[Connection], T], done: Callable[[T], N
     return result
 
 
+@schema_checked
 def pause_queue(bind: Bind, model: type[Any], queue: str, *, by: str | None = None) -> Any:
     """Pause a queue: no worker anywhere claims its jobs until :func:`resume_queue` (workers learn it within
     about a second; jobs already running finish). A queue with no jobs yet may be paused too: its jobs wait
@@ -472,6 +481,7 @@ def pause_queue(bind: Bind, model: type[Any], queue: str, *, by: str | None = No
     return _run_logged(bind, lambda conn: conn.execute(stmt) and None, done)
 
 
+@schema_checked
 def resume_queue(bind: Bind, model: type[Any], queue: str) -> Any:
     """Resume a paused queue; returns True, or False when no queue of that exact name (names are
     case-sensitive) was paused — nothing changed then, and nothing is logged. Await it with an async bind.
@@ -492,6 +502,7 @@ def resume_queue(bind: Bind, model: type[Any], queue: str) -> Any:
     return _run_logged(bind, lambda conn: conn.execute(stmt).first() is not None, done)
 
 
+@schema_checked
 def list_queues(bind: Engine | Connection | Session, model: type[Any]) -> list[QueueState]:
     """Every queue that has unfinished jobs or a state row, with its pause state and queued/running counts."""
     spec = _jobs_spec(model)

@@ -30,6 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import Select
 
 from . import _partitions, _steps
+from ._db import schema_checked
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._sql import QueueSpec, const, queue_table, spec_for, translated_spec
 from .errors import ConfigurationError
@@ -482,6 +483,7 @@ def essentials(conn: Connection, model: type[Any], *, stale_after: Duration = 60
     )  # fmt: skip
 
 
+@schema_checked
 def queue_status(
     engine: Engine | Connection,
     model: type[Any],
@@ -630,6 +632,7 @@ def _jobs_extras(
     return paused, keys
 
 
+@schema_checked
 def purge(
     engine: Engine, model: type[Any], *, older_than: Duration, batch_size: int = 10_000, dry_run: bool = False
 ) -> int:

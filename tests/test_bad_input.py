@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, MetaData, create_engine
+from sqlalchemy import Engine, MetaData, create_engine, text
+from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.pool import NullPool
 
 from sa_outbox import (
     ConfigurationError,
@@ -27,7 +29,7 @@ from sa_outbox.admin import update_jobs
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
-from .conftest import count_rows
+from .conftest import count_rows, migrate, scratch_database
 from .helpers import row, seed_jobs
 
 
@@ -45,6 +47,40 @@ def test_missing_table_says_to_run_the_migration(engine: Engine) -> None:
         SchemaError, match=r"(?s)table 'never_migrated_outbox' is missing .* run the migration"
     ):
         d.run_once()
+
+
+def test_operator_calls_on_an_older_schema_raise_schema_error_naming_the_migration(server_url: URL) -> None:
+    """A database at revision 0002: an operator call that needs a newer column or table raised the driver's
+    UndefinedColumn (a review); it raises SchemaError naming the table, the migration and doctor, as the loops
+    do — and changes nothing. (Calls that need only what 0002 has still work.)"""
+    from sa_outbox import admin, monitoring
+
+    calls: list[tuple[str, Any]] = [  # each needs a column or table 0002 does not have
+        ("outbox", lambda e: admin.list_dead(e, OutboxEvent)),
+        ("jobs", lambda e: admin.cancel_jobs(e, Job, ids=[1])),
+        ("jobs", lambda e: admin.job_result(e, Job, 1)),
+        ("jobs", lambda e: admin.pause_queue(e, Job, "mail")),
+        ("jobs", lambda e: admin.resume_queue(e, Job, "mail")),
+        ("jobs", lambda e: admin.list_queues(e, Job)),
+        ("jobs", lambda e: monitoring.queue_status(e, Job)),
+    ]
+    with scratch_database(server_url, "sa_outbox_old") as url:
+        migrate(url, "0002")
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("INSERT INTO jobs (task, payload, status) VALUES ('t', '{}', 'failed')"))
+            for i, (table, call) in enumerate(calls):
+                with pytest.raises(SchemaError) as raised:
+                    call(engine)
+                message = str(raised.value)
+                assert message.startswith(f"table '{table}' is missing or incomplete (")
+                assert "alembic upgrade head" in message and "sa-outbox doctor" in message, (i, message)
+            with engine.connect() as conn:
+                assert conn.execute(text("SELECT status, priority FROM jobs")).one() == ("failed", 0)
+            assert monitoring.queue_status(engine, OutboxEvent).counts["pending"] == 0
+        finally:
+            engine.dispose()
 
 
 def _a_real_deadlock(engine: Engine) -> Exception:
