@@ -1128,6 +1128,7 @@ class Scenario:
         rng.shuffle(planned)
         tx: set[int] = set()
         items: list[dict[str, Any]] = []
+        caps: dict[str, float] = {}
         for p, key in planned:
             task = "model_tx" if rng.random() < 0.4 else "model"
             if task == "model_tx":
@@ -1141,6 +1142,9 @@ class Scenario:
                 item.update(queue=rng.choice(unique_queues), unique_key=key, on_conflict=rules[key])
                 if rules[key] == "debounce":
                     item["debounce"] = rng.choice((0.02, 0.1, 0.3))
+                    if rng.random() < 0.5:
+                        item["max_delay"] = item["debounce"] * rng.choice((1, 1.5, 4))
+                    caps[key] = item.get("max_delay", item["debounce"] * 10)  # the key's last item's cap
             items.append(item)
         seq_of = Job.payload["seq"].as_integer()
         keys = sorted({k for _, k in planned if k is not None})
@@ -1153,6 +1157,14 @@ class Scenario:
             ids = enqueue_many(s, Job, items)
             assert len(ids) == len(planned)
             now = dict(s.execute(select(Job.id, seq_of).where(Job.id.in_(ids))).all())
+            # a debounced key's job is never pushed past its cap: due by created_at + max_delay (a waiting job
+            # created by an earlier call keeps its created_at, so a key under constant traffic still runs)
+            late = s.execute(select(Job.unique_key, Job.run_at, Job.created_at).where(
+                Job.unique_key.in_(sorted(caps)), Job.status == "queued", Job.lease_version == 0)).all()  # fmt: skip
+            for key, run_at, created_at in late:
+                assert run_at <= created_at + timedelta(seconds=caps[key]), (
+                    f"debounced key {key} due at {run_at}, past its cap {caps[key]}s after {created_at}"
+                )
             s.commit() if commit else s.rollback()
         written = {now[i] for i in ids}
         replaced = {seq for i, seq in before.items() if i in now and now[i] != seq}
