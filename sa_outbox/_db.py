@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, literal, select
 from sqlalchemy.exc import ProgrammingError
@@ -57,19 +58,32 @@ def schema_checked(fn: Callable[P, T]) -> Callable[P, T]:
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> T:
+        model: Any = args[1] if len(args) > 1 else kwargs.get("model")
+        table = str(
+            getattr(getattr(model, "__table__", None), "fullname", None) or getattr(model, "__name__", "?")
+        )
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except ProgrammingError as exc:
-            model: Any = args[1] if len(args) > 1 else kwargs.get("model")
-            table = getattr(getattr(model, "__table__", None), "fullname", None) or getattr(
-                model, "__name__", "?"
-            )
-            missing = _schema_error(exc, str(table))
+            missing = _schema_error(exc, table)
             if missing is not None:
                 raise missing from exc
             raise
+        if inspect.isawaitable(result):  # an async bind: the statement runs at the caller's await
+            return cast(T, _awaited(result, table))
+        return result
 
     return checked
+
+
+async def _awaited(awaitable: Awaitable[T], table: str) -> T:
+    try:
+        return await awaitable
+    except ProgrammingError as exc:
+        missing = _schema_error(exc, table)
+        if missing is not None:
+            raise missing from exc
+        raise
 
 
 def pool_has_room(pool: Pool) -> bool:

@@ -28,6 +28,7 @@ that creates the first partitions (each with the storage parameters — a partit
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import datetime, timedelta
 from typing import Any
@@ -100,12 +101,14 @@ def run_migrations_with_lock_retries(
     * every statement waits at most ``lock_timeout`` (0.5 s) for a lock. Keep it below the server's
       ``deadlock_timeout`` (1 s by default): the upgrade then gives up before PostgreSQL picks a victim, so a
       service's transaction is never the one rolled back;
-    * a revision that gave up (or met a deadlock) is rolled back whole — its own changes and its
-      ``alembic_version`` row together — and run again after a short randomised wait, the revisions before it
-      staying committed;
+    * a revision that gave up (or met a deadlock) is rolled back — its changes since its last
+      :func:`commit_between_tables` and its ``alembic_version`` row together — and run again from its top after
+      a short randomised wait, the revisions before it staying committed;
     * after ``give_up_after`` (10 minutes) of retries it raises :class:`~sa_outbox.errors.OutboxError` naming
-      the revision reached and the last lock fault; the database is then at a revision boundary, and a
-      second ``alembic upgrade head`` continues from there;
+      the revision reached and the last lock fault; a second ``alembic upgrade head`` continues from there;
+    * a relative target (``upgrade +2``, ``downgrade -1``) is not retried — counted again from the revision
+      reached it would go further than asked (a downgrade would drop one revision too many): the first lock
+      fault raises ``OutboxError`` saying so;
     * any other error propagates at once, its revision rolled back.
 
     A revision that must not run in a transaction (``CREATE INDEX CONCURRENTLY``) uses alembic's
@@ -137,6 +140,14 @@ def run_migrations_with_lock_retries(
                 raise
             reached = _revision(connection)
             failures += 1
+            target = _relative_target(context)
+            if target is not None:  # counted again from here, "+2" would go past where it was asked to stop
+                raise OutboxError(
+                    f"migration stopped at revision {reached}: the next revision could not take its locks "
+                    f"({str(exc.orig).strip().splitlines()[0]}), and a relative target ({target}) is not retried "
+                    "— the revisions already done would be counted again. Run it again with the revision to "
+                    "reach, by name"
+                ) from exc
             if time.monotonic() >= deadline:
                 raise OutboxError(
                     f"migration stopped at revision {reached}: the next revision could not take its locks in "
@@ -176,6 +187,17 @@ def commit_between_tables(op: Any) -> None:
         return
     with ctx.autocommit_block():
         pass
+
+
+def _relative_target(context: Any) -> str | None:
+    """The ``upgrade``/``downgrade`` target when it is relative (``+2``, ``-1``, ``head-1``, ``ae1027+1``)."""
+    try:
+        target = context.get_revision_argument()
+    except Exception:  # not every command has one; an unknown target is treated as absolute
+        return None
+    targets = target if isinstance(target, tuple | list) else (target,)
+    relative = [str(t) for t in targets if t is not None and re.search(r"[+-]\d+$", str(t))]
+    return ", ".join(relative) or None
 
 
 def _revision(connection: Connection) -> str:

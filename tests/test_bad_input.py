@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import signal
 import threading
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, MetaData, create_engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.pool import NullPool
 
@@ -76,6 +78,26 @@ def test_operator_calls_on_an_older_schema_raise_schema_error_naming_the_migrati
                 message = str(raised.value)
                 assert message.startswith(f"table '{table}' is missing or incomplete (")
                 assert "alembic upgrade head" in message and "sa-outbox doctor" in message, (i, message)
+
+            async def through_an_async_bind() -> list[str]:  # the statement runs at the caller's await
+                async_engine = create_async_engine(url, poolclass=NullPool)
+                messages = []
+                try:
+                    async with async_engine.connect() as conn:
+                        for call in (admin.pause_queue, admin.resume_queue):
+                            with pytest.raises(SchemaError) as raised:
+                                await call(conn, Job, "mail")
+                            messages.append(str(raised.value))
+                            await conn.rollback()
+                        with pytest.raises(SchemaError) as raised:
+                            await admin.cancel_jobs(conn, Job, ids=[1])
+                        messages.append(str(raised.value))
+                finally:
+                    await async_engine.dispose()
+                return messages
+
+            for message in asyncio.run(through_an_async_bind()):
+                assert message.startswith("table 'jobs' is missing or incomplete (") and "alembic" in message
             with engine.connect() as conn:
                 assert conn.execute(text("SELECT status, priority FROM jobs")).one() == ("failed", 0)
             assert monitoring.queue_status(engine, OutboxEvent).counts["pending"] == 0

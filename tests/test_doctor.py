@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import BigInteger, Column, Engine, ForeignKey, MetaData, Text, create_engine, text
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
 from sa_outbox import JobMixin, OutboxMixin
@@ -417,14 +417,18 @@ def test_an_older_schema_is_named_column_by_column_instead_of_raising(server_url
         engine = create_engine(url, poolclass=NullPool)
         try:
             found = _non_ok(run(engine))
-            assert [(c, t, s) for c, t, s, _ in found] == [
-                ("columns", "outbox", "fail"),
-                ("columns", "jobs", "fail"),
-            ]
+            assert [(c, t, s) for c, t, s, _ in found] == [("columns", "outbox", "fail")] + [
+                ("columns", "jobs", "fail")
+            ] * 2
             assert "column headers missing" in found[0][3]
             assert (
                 "columns headers, cancel_requested_at, result, concurrency_key, unique_key missing"
                 in found[1][3]
+            )
+            # and what 0004 changed in a column 0002 has
+            assert (
+                "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10"
+                in found[2][3]
             )
             fix = next(f.fix for f in run(engine) if f.check == "columns" and f.table == "jobs")
             assert fix is not None and "ALTER TABLE jobs ADD COLUMN unique_key TEXT" in fix
@@ -473,7 +477,7 @@ def test_a_check_constraint_or_column_type_that_drifted_is_a_failure(server_url:
                 conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint"))
             found = _non_ok(run(engine))
             assert [(c, t) for c, t, _, _ in found] == [("columns", "outbox"), ("constraints", "jobs")]
-            assert "attempts: bigint NOT NULL, expected integer NOT NULL" in found[0][3]
+            assert "attempts: bigint NOT NULL DEFAULT 0, expected integer NOT NULL DEFAULT 0" in found[0][3]
             assert "ck_jobs_status is" in found[1][3] and "'cancelled'::text" in found[1][3]
             [check] = [f for f in run(engine) if f.check == "constraints" and f.table == "jobs"]
             assert check.fix is not None
@@ -547,3 +551,83 @@ def test_without_the_temporary_privilege_doctor_checks_names_and_says_so(server_
         with admin.connect() as conn:
             conn.execute(text(f"DROP ROLE IF EXISTS {role}"))
         admin.dispose()
+
+
+def test_what_makes_every_write_fail_or_differ_is_not_ok(server_url: URL) -> None:
+    """A review's tables that doctor passed as ok while every library write failed or differed: the identity
+    dropped from ``id`` and the ``status`` default dropped (NotNullViolation on every event and job), the
+    pre-0004 ``max_attempts`` default, and a CHECK under another name that refuses ``cancelled``."""
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        migrate(url, "head")
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("ALTER TABLE outbox ALTER COLUMN id DROP IDENTITY"))
+                conn.execute(text("ALTER TABLE outbox ALTER COLUMN status DROP DEFAULT"))
+                conn.execute(text("ALTER TABLE jobs ALTER COLUMN max_attempts SET DEFAULT 3"))
+                conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT no_cancel CHECK (status <> 'cancelled')"))
+            found = {(f.check, f.table): f for f in run(engine) if f.status != "ok" and f.table is not None}
+            assert sorted(found) == [("columns", "jobs"), ("columns", "outbox"), ("constraints", "jobs")]
+            outbox = found["columns", "outbox"].message
+            assert "id: bigint NOT NULL, expected bigint NOT NULL GENERATED ALWAYS AS IDENTITY" in outbox
+            assert "status: text NOT NULL, expected text NOT NULL DEFAULT 'pending'::text" in outbox
+            assert "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10" in (
+                found["columns", "jobs"].message
+            )
+            check = found["constraints", "jobs"]
+            assert (
+                check.status == "warn"
+                and "no_cancel (CHECK ((status <> 'cancelled'::text)))" in check.message
+            )
+            assert check.fix == "ALTER TABLE jobs DROP CONSTRAINT no_cancel"
+        finally:
+            engine.dispose()
+
+
+def test_user_models_with_foreign_keys_flag_indexes_and_no_indexes_get_findings_not_exceptions(
+    server_url: URL,
+) -> None:
+    """A review: doctor raised NoReferencedTableError for a model with a foreign key (its temporary copy
+    named the referenced table in pg_temp), StopIteration for a model whose ``__table_args__`` left out the
+    mixin's indexes, and passed a ``Column(index=True, unique=True)`` index rebuilt without UNIQUE (the
+    copy's index got another name from ``ix_%(column_0_label)s``)."""
+
+    class UserBase(DeclarativeBase):
+        metadata = MetaData(naming_convention={"ix": "ix_%(column_0_label)s"})
+
+    class Tenant(UserBase):
+        __tablename__ = "tenants"
+        id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+    class TenantEvent(OutboxMixin, UserBase):
+        __tablename__ = "tenant_outbox"
+        tenant_id = Column(BigInteger, ForeignKey("tenants.id"), nullable=True)
+
+    class OrderJob(JobMixin, UserBase):
+        __tablename__ = "order_jobs"
+        order_ref = Column(Text, index=True, unique=True)
+
+    class BareBase(DeclarativeBase):
+        pass
+
+    class Bare(OutboxMixin, BareBase):
+        __tablename__ = "bare_outbox"
+        __table_args__ = ({"comment": "no indexes"},)
+
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            UserBase.metadata.create_all(engine)
+            BareBase.metadata.create_all(engine)
+            assert _non_ok(doctor(engine, [TenantEvent, OrderJob])) == []
+            with engine.begin() as conn:
+                conn.execute(text("DROP INDEX ix_order_jobs_order_ref"))
+                conn.execute(text("CREATE INDEX ix_order_jobs_order_ref ON order_jobs (order_ref)"))
+            assert _non_ok(doctor(engine, [TenantEvent, OrderJob])) == [
+                ("indexes", "order_jobs", "fail", "index ix_order_jobs_order_ref is btree (order_ref), expected "
+                 "UNIQUE btree (order_ref) (an older version's index?)")
+            ]  # fmt: skip
+            [plan] = [f for f in doctor(engine, [Bare]) if f.check == "claim plan"]
+            assert plan.status == "fail" and "ix_bare_outbox_ready" in plan.message
+        finally:
+            engine.dispose()

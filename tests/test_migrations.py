@@ -468,3 +468,30 @@ def test_lock_retries_refuse_a_connection_inside_a_transaction_and_bad_durations
     )  # fmt: skip
     assert bad.returncode != 0 and "-x lock_timeout=soon: a number of seconds" in bad.stderr
     assert _tables(scratch_url) == set()
+
+
+def test_a_relative_target_is_not_retried_past_where_it_was_asked_to_stop(scratch_url: URL) -> None:
+    """A review: ``downgrade -2`` whose second revision met a lock was re-run as ``-2`` from the revision it had
+    reached, and went one revision too far (0006's downgrade dropped concurrency_key and jobs_starts). A
+    relative target now stops at the first lock fault and says why; the revisions done stay done."""
+    migrate(scratch_url, "0005")
+    env = {**os.environ, "DATABASE_URL": scratch_url.render_as_string(hide_password=False)}
+    engine = create_engine(scratch_url, poolclass=NullPool)
+    try:
+        with engine.connect() as holder:
+            holder.execute(text("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                                "VALUES ('o', '1', 'E', '{}')"))  # fmt: skip
+            up = subprocess.run(
+                [sys.executable, "-m", "alembic", "-x", "lock_timeout=0.2", "upgrade", "+2"],
+                cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
+            )  # fmt: skip
+            holder.commit()
+        assert up.returncode != 0
+        assert (
+            "migration stopped at revision 0006" in up.stderr
+            and "relative target (+2) is not retried" in (up.stderr)
+        )
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0006"
+    finally:
+        engine.dispose()
