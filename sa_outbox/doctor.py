@@ -251,9 +251,11 @@ def _index_key(index: Any) -> tuple[Any, ...]:
 
 
 def _index_name(conn: Connection, name: Any) -> str:
-    """An index name as the DDL creates it: a name longer than PostgreSQL's 63 bytes is shortened by
-    SQLAlchemy (its first 55 characters, ``_`` and four hex digits of a hash) — not as the model spells it."""
-    return str(conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False))
+    """An index name as the DDL creates it, not as the model spells it: longer than 63 characters, SQLAlchemy
+    shortens it (its first 55 characters, ``_`` and four hex digits of a hash); longer than 63 bytes
+    (``NAMEDATALEN - 1``, multi-byte characters), PostgreSQL then cuts it at the last whole character."""
+    rendered = str(conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False))
+    return rendered.encode()[:63].decode("utf-8", "ignore")
 
 
 def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding], bool]:

@@ -503,11 +503,14 @@ def test_long_table_names_whose_index_names_were_shortened_are_found(server_url:
     class LongEvent(OutboxMixin, LongBase):
         __tablename__ = "e" * 49 + "_outbox"
 
+    class AccentJob(JobMixin, LongBase):  # under 63 characters, over 63 bytes: PostgreSQL cuts these by bytes
+        __tablename__ = "é" * 25 + "_jobs"
+
     with scratch_database(server_url, "sa_outbox_doc") as url:
         engine = create_engine(url, poolclass=NullPool)
         try:
             LongBase.metadata.create_all(engine)
-            assert _non_ok(doctor(engine, [LongEvent, LongJob])) == []
+            assert _non_ok(doctor(engine, [LongEvent, LongJob, AccentJob])) == []
             with engine.connect() as conn:
                 short = conn.execute(
                     text("SELECT indexname FROM pg_indexes WHERE indexname LIKE '%_jobs_u\\_%'")
