@@ -20,6 +20,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
 
 from sa_outbox.embedded import embedded_server_url
 
@@ -98,6 +99,18 @@ def migrate(url: URL, revision: str = "head", *, down: bool = False) -> None:
             (command.downgrade if down else command.upgrade)(cfg, revision)
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def migrated_database(server_url: URL, revision: str, prefix: str) -> Iterator[tuple[URL, Engine]]:
+    """A scratch database migrated to ``revision``, and an engine on it (no pool: nothing left connected)."""
+    with scratch_database(server_url, prefix) as url:
+        migrate(url, revision)
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            yield url, engine
+        finally:
+            engine.dispose()
 
 
 @pytest.fixture(scope="session")

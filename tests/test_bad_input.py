@@ -31,7 +31,7 @@ from sa_outbox.admin import update_jobs
 from sa_outbox.models import Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher
 
-from .conftest import count_rows, migrate, scratch_database
+from .conftest import count_rows, migrated_database
 from .helpers import row, seed_jobs
 
 
@@ -66,43 +66,38 @@ def test_operator_calls_on_an_older_schema_raise_schema_error_naming_the_migrati
         ("jobs", lambda e: admin.list_queues(e, Job)),
         ("jobs", lambda e: monitoring.queue_status(e, Job)),
     ]
-    with scratch_database(server_url, "sa_outbox_old") as url:
-        migrate(url, "0002")
-        engine = create_engine(url, poolclass=NullPool)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("INSERT INTO jobs (task, payload, status) VALUES ('t', '{}', 'failed')"))
-            for i, (table, call) in enumerate(calls):
-                with pytest.raises(SchemaError) as raised:
-                    call(engine)
-                message = str(raised.value)
-                assert message.startswith(f"table '{table}' is missing or incomplete (")
-                assert "alembic upgrade head" in message and "sa-outbox doctor" in message, (i, message)
+    with migrated_database(server_url, "0002", "sa_outbox_old") as (url, engine):
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO jobs (task, payload, status) VALUES ('t', '{}', 'failed')"))
+        for i, (table, call) in enumerate(calls):
+            with pytest.raises(SchemaError) as raised:
+                call(engine)
+            message = str(raised.value)
+            assert message.startswith(f"table '{table}' is missing or incomplete (")
+            assert "alembic upgrade head" in message and "sa-outbox doctor" in message, (i, message)
 
-            async def through_an_async_bind() -> list[str]:  # the statement runs at the caller's await
-                async_engine = create_async_engine(url, poolclass=NullPool)
-                messages = []
-                try:
-                    async with async_engine.connect() as conn:
-                        for call in (admin.pause_queue, admin.resume_queue):
-                            with pytest.raises(SchemaError) as raised:
-                                await call(conn, Job, "mail")
-                            messages.append(str(raised.value))
-                            await conn.rollback()
+        async def through_an_async_bind() -> list[str]:  # the statement runs at the caller's await
+            async_engine = create_async_engine(url, poolclass=NullPool)
+            messages = []
+            try:
+                async with async_engine.connect() as conn:
+                    for call in (admin.pause_queue, admin.resume_queue):
                         with pytest.raises(SchemaError) as raised:
-                            await admin.cancel_jobs(conn, Job, ids=[1])
+                            await call(conn, Job, "mail")
                         messages.append(str(raised.value))
-                finally:
-                    await async_engine.dispose()
-                return messages
+                        await conn.rollback()
+                    with pytest.raises(SchemaError) as raised:
+                        await admin.cancel_jobs(conn, Job, ids=[1])
+                    messages.append(str(raised.value))
+            finally:
+                await async_engine.dispose()
+            return messages
 
-            for message in asyncio.run(through_an_async_bind()):
-                assert message.startswith("table 'jobs' is missing or incomplete (") and "alembic" in message
-            with engine.connect() as conn:
-                assert conn.execute(text("SELECT status, priority FROM jobs")).one() == ("failed", 0)
-            assert monitoring.queue_status(engine, OutboxEvent).counts["pending"] == 0
-        finally:
-            engine.dispose()
+        for message in asyncio.run(through_an_async_bind()):
+            assert message.startswith("table 'jobs' is missing or incomplete (") and "alembic" in message
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT status, priority FROM jobs")).one() == ("failed", 0)
+        assert monitoring.queue_status(engine, OutboxEvent).counts["pending"] == 0
 
 
 def _a_real_deadlock(engine: Engine) -> Exception:

@@ -25,7 +25,7 @@ from sa_outbox.doctor import Finding, LockInfo, doctor, locks
 from sa_outbox.errors import ConfigurationError
 from sa_outbox.models import Job, OutboxEvent
 
-from .conftest import migrate, scratch_database
+from .conftest import migrate, migrated_database, scratch_database
 from .helpers import seed_events
 from .sessions import open_snapshot
 
@@ -412,29 +412,20 @@ def test_an_older_schema_is_named_column_by_column_instead_of_raising(server_url
     """A database at revision 0002 (before headers, jobs control, unique keys, limits): doctor raised the claim
     EXPLAIN's UndefinedColumn (a review). It now says which columns are missing and how to add them, and skips
     the checks that read them; the CLI exits 1."""
-    with scratch_database(server_url, "sa_outbox_doc") as url:
-        migrate(url, "0002")
-        engine = create_engine(url, poolclass=NullPool)
-        try:
-            found = _non_ok(run(engine))
-            assert [(c, t, s) for c, t, s, _ in found] == [("columns", "outbox", "fail")] + [
-                ("columns", "jobs", "fail")
-            ] * 2
-            assert "column headers missing" in found[0][3]
-            assert (
-                "columns headers, cancel_requested_at, result, concurrency_key, unique_key missing"
-                in found[1][3]
-            )
-            # and what 0004 changed in a column 0002 has
-            assert (
-                "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10"
-                in found[2][3]
-            )
-            fix = next(f.fix for f in run(engine) if f.check == "columns" and f.table == "jobs")
-            assert fix is not None and "ALTER TABLE jobs ADD COLUMN unique_key TEXT" in fix
-            assert main(["doctor", "--url", url.render_as_string(hide_password=False)]) == 1
-        finally:
-            engine.dispose()
+    with migrated_database(server_url, "0002", "sa_outbox_doc") as (url, engine):
+        found = _non_ok(run(engine))
+        assert [(c, t, s) for c, t, s, _ in found] == [("columns", "outbox", "fail")] + [
+            ("columns", "jobs", "fail")
+        ] * 2
+        assert "column headers missing" in found[0][3]
+        assert (
+            "columns headers, cancel_requested_at, result, concurrency_key, unique_key missing" in found[1][3]
+        )
+        # and what 0004 changed in a column 0002 has
+        assert "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10" in found[2][3]
+        fix = next(f.fix for f in run(engine) if f.check == "columns" and f.table == "jobs")
+        assert fix is not None and "ALTER TABLE jobs ADD COLUMN unique_key TEXT" in fix
+        assert main(["doctor", "--url", url.render_as_string(hide_password=False)]) == 1
 
 
 def test_an_index_of_an_older_version_under_the_same_name_is_not_taken_for_the_new_one(
@@ -442,52 +433,42 @@ def test_an_index_of_an_older_version_under_the_same_name_is_not_taken_for_the_n
 ) -> None:
     """At revision 0006 ``ix_jobs_running`` is the old ``(locked_at)`` index: doctor compared names only and
     said all indexes were present. It compares definitions as PostgreSQL normalised them now."""
-    with scratch_database(server_url, "sa_outbox_doc") as url:
-        migrate(url, "0006")
-        engine = create_engine(url, poolclass=NullPool)
-        try:
-            found = _non_ok(run(engine))
-            assert [(c, t) for c, t, _, _ in found] == [("indexes", "outbox"), ("indexes", "jobs")]
-            assert found[0][3] == "index ix_outbox_dead is missing"
-            assert found[1][3].startswith(
-                "index ix_jobs_running is btree (locked_at) WHERE (status = 'running'::text), expected btree "
-                "(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)"
-            )
-            [wrong] = [f for f in run(engine) if f.check == "indexes" and f.table == "jobs"]
-            assert wrong.fix is not None and wrong.fix.splitlines() == [
-                "DROP INDEX CONCURRENTLY ix_jobs_running",
-                "CREATE INDEX CONCURRENTLY ix_jobs_running ON jobs (queue, concurrency_key, locked_at) "
-                "WHERE status = 'running'",
-            ]
-            migrate(url, "head")
-            assert _non_ok(run(engine)) == []
-        finally:
-            engine.dispose()
+    with migrated_database(server_url, "0006", "sa_outbox_doc") as (url, engine):
+        found = _non_ok(run(engine))
+        assert [(c, t) for c, t, _, _ in found] == [("indexes", "outbox"), ("indexes", "jobs")]
+        assert found[0][3] == "index ix_outbox_dead is missing"
+        assert found[1][3].startswith(
+            "index ix_jobs_running is btree (locked_at) WHERE (status = 'running'::text), expected btree "
+            "(queue, concurrency_key, locked_at) WHERE (status = 'running'::text)"
+        )
+        [wrong] = [f for f in run(engine) if f.check == "indexes" and f.table == "jobs"]
+        assert wrong.fix is not None and wrong.fix.splitlines() == [
+            "DROP INDEX CONCURRENTLY ix_jobs_running",
+            "CREATE INDEX CONCURRENTLY ix_jobs_running ON jobs (queue, concurrency_key, locked_at) "
+            "WHERE status = 'running'",
+        ]
+        migrate(url, "head")
+        assert _non_ok(run(engine)) == []
 
 
 def test_a_check_constraint_or_column_type_that_drifted_is_a_failure(server_url: URL) -> None:
-    with scratch_database(server_url, "sa_outbox_doc") as url:
-        migrate(url, "head")
-        engine = create_engine(url, poolclass=NullPool)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("ALTER TABLE jobs DROP CONSTRAINT ck_jobs_status"))
-                conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT ck_jobs_status "
-                                  "CHECK (status IN ('queued', 'running', 'done', 'failed'))"))  # fmt: skip
-                conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint"))
-            found = _non_ok(run(engine))
-            assert [(c, t) for c, t, _, _ in found] == [("columns", "outbox"), ("constraints", "jobs")]
-            assert "attempts: bigint NOT NULL DEFAULT 0, expected integer NOT NULL DEFAULT 0" in found[0][3]
-            assert "ck_jobs_status is" in found[1][3] and "'cancelled'::text" in found[1][3]
-            [check] = [f for f in run(engine) if f.check == "constraints" and f.table == "jobs"]
-            assert check.fix is not None
-            with engine.begin() as conn:  # the fix as given repairs it
-                for line in check.fix.splitlines()[1:]:
-                    conn.execute(text(line))
-                conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE integer"))
-            assert _non_ok(run(engine)) == []
-        finally:
-            engine.dispose()
+    with migrated_database(server_url, "head", "sa_outbox_doc") as (_url, engine):
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE jobs DROP CONSTRAINT ck_jobs_status"))
+            conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT ck_jobs_status "
+                              "CHECK (status IN ('queued', 'running', 'done', 'failed'))"))  # fmt: skip
+            conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint"))
+        found = _non_ok(run(engine))
+        assert [(c, t) for c, t, _, _ in found] == [("columns", "outbox"), ("constraints", "jobs")]
+        assert "attempts: bigint NOT NULL DEFAULT 0, expected integer NOT NULL DEFAULT 0" in found[0][3]
+        assert "ck_jobs_status is" in found[1][3] and "'cancelled'::text" in found[1][3]
+        [check] = [f for f in run(engine) if f.check == "constraints" and f.table == "jobs"]
+        assert check.fix is not None
+        with engine.begin() as conn:  # the fix as given repairs it
+            for line in check.fix.splitlines()[1:]:
+                conn.execute(text(line))
+            conn.execute(text("ALTER TABLE outbox ALTER COLUMN attempts TYPE integer"))
+        assert _non_ok(run(engine)) == []
 
 
 def test_long_table_names_whose_index_names_were_shortened_are_found(server_url: URL) -> None:
@@ -560,31 +541,23 @@ def test_what_makes_every_write_fail_or_differ_is_not_ok(server_url: URL) -> Non
     """A review's tables that doctor passed as ok while every library write failed or differed: the identity
     dropped from ``id`` and the ``status`` default dropped (NotNullViolation on every event and job), the
     pre-0004 ``max_attempts`` default, and a CHECK under another name that refuses ``cancelled``."""
-    with scratch_database(server_url, "sa_outbox_doc") as url:
-        migrate(url, "head")
-        engine = create_engine(url, poolclass=NullPool)
-        try:
-            with engine.begin() as conn:
-                conn.execute(text("ALTER TABLE outbox ALTER COLUMN id DROP IDENTITY"))
-                conn.execute(text("ALTER TABLE outbox ALTER COLUMN status DROP DEFAULT"))
-                conn.execute(text("ALTER TABLE jobs ALTER COLUMN max_attempts SET DEFAULT 3"))
-                conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT no_cancel CHECK (status <> 'cancelled')"))
-            found = {(f.check, f.table): f for f in run(engine) if f.status != "ok" and f.table is not None}
-            assert sorted(found) == [("columns", "jobs"), ("columns", "outbox"), ("constraints", "jobs")]
-            outbox = found["columns", "outbox"].message
-            assert "id: bigint NOT NULL, expected bigint NOT NULL GENERATED ALWAYS AS IDENTITY" in outbox
-            assert "status: text NOT NULL, expected text NOT NULL DEFAULT 'pending'::text" in outbox
-            assert "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10" in (
-                found["columns", "jobs"].message
-            )
-            check = found["constraints", "jobs"]
-            assert (
-                check.status == "warn"
-                and "no_cancel (CHECK ((status <> 'cancelled'::text)))" in check.message
-            )
-            assert check.fix == "ALTER TABLE jobs DROP CONSTRAINT no_cancel"
-        finally:
-            engine.dispose()
+    with migrated_database(server_url, "head", "sa_outbox_doc") as (_url, engine):
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE outbox ALTER COLUMN id DROP IDENTITY"))
+            conn.execute(text("ALTER TABLE outbox ALTER COLUMN status DROP DEFAULT"))
+            conn.execute(text("ALTER TABLE jobs ALTER COLUMN max_attempts SET DEFAULT 3"))
+            conn.execute(text("ALTER TABLE jobs ADD CONSTRAINT no_cancel CHECK (status <> 'cancelled')"))
+        found = {(f.check, f.table): f for f in run(engine) if f.status != "ok" and f.table is not None}
+        assert sorted(found) == [("columns", "jobs"), ("columns", "outbox"), ("constraints", "jobs")]
+        outbox = found["columns", "outbox"].message
+        assert "id: bigint NOT NULL, expected bigint NOT NULL GENERATED ALWAYS AS IDENTITY" in outbox
+        assert "status: text NOT NULL, expected text NOT NULL DEFAULT 'pending'::text" in outbox
+        assert "max_attempts: integer NOT NULL DEFAULT 3, expected integer NOT NULL DEFAULT 10" in (
+            found["columns", "jobs"].message
+        )
+        check = found["constraints", "jobs"]
+        assert check.status == "warn" and "no_cancel (CHECK ((status <> 'cancelled'::text)))" in check.message
+        assert check.fix == "ALTER TABLE jobs DROP CONSTRAINT no_cancel"
 
 
 def test_user_models_with_foreign_keys_flag_indexes_and_no_indexes_get_findings_not_exceptions(
