@@ -1265,6 +1265,11 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
     rescue took the batch at once) — their rescue waits while the first writes what it published. In ordered
     mode (three aggregates of two events) each aggregate's events also go out in order."""
     alias = f"{db_url.database}_cut"
+    # What keeps a rescue off a batch published before the outage is time: the first dispatcher tries again at
+    # least every lease / 4 (jittered), the others wait 1.5 × that — a margin of lease / 8 (7.5 s with the
+    # default lease). At lease 2 s that was 0.25 s, and a loaded CI machine missed it (2 runs of about 110:
+    # events published twice, in 2 of about 100 runs); 3 s gives 0.375 s.
+    lease = 3.0
     for n in range(6):
         seed_events(engine, 1, aggregate=f"agg-{n % 3}", start=n)
     cut = threading.Event()
@@ -1287,7 +1292,7 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
         runners.append(PooledRunner(flavour, deng, url, db_url))
         loops.append(
             runners[-1].dispatcher(
-                publisher, batch=3, lease=2.0, publish_timeout=1.0, poll_interval=0.2, ordered=ordered
+                publisher, batch=3, lease=lease, publish_timeout=1.0, poll_interval=0.2, ordered=ordered
             )
         )
         threads.append(runners[-1].run_in_thread(loops[-1]))
@@ -1297,7 +1302,7 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
         assert wait_until(cut.is_set, 10)
         if second == "cut off too":
             start()
-        time.sleep(4.0)  # twice the lease
+        time.sleep(2 * lease)
         bouncer.admin(f"ENABLE {alias}")
         bouncer.admin(f"RESUME {alias}")
         if second == "started as it ends":
