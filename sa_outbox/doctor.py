@@ -254,7 +254,9 @@ def _index_name(conn: Connection, name: Any) -> str:
     """An index name as the DDL creates it, not as the model spells it: longer than 63 characters, SQLAlchemy
     shortens it (its first 55 characters, ``_`` and four hex digits of a hash); longer than 63 bytes
     (``NAMEDATALEN - 1``, multi-byte characters), PostgreSQL then cuts it at the last whole character."""
-    rendered = str(conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False))
+    rendered = str(
+        conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False)
+    )
     return rendered.encode()[:63].decode("utf-8", "ignore")
 
 
