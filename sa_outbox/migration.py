@@ -27,6 +27,7 @@ that creates the first partitions (each with the storage parameters — a partit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -111,8 +112,11 @@ def run_migrations_with_lock_retries(
       fault raises ``OutboxError`` saying so;
     * any other error propagates at once, its revision rolled back.
 
-    A revision that must not run in a transaction (``CREATE INDEX CONCURRENTLY``) uses alembic's
-    ``autocommit_block()`` as usual.
+    A revision that must not run in a transaction uses alembic's ``autocommit_block()`` as usual. A ``CREATE
+    INDEX CONCURRENTLY`` there waits for every transaction older than it, and that wait is a lock wait: under
+    ``lock_timeout`` it fails and leaves an ``INVALID`` index behind. Run ``SET lock_timeout = 0`` first in that
+    block and set it back to your ``lock_timeout`` at its end. The session's own ``lock_timeout`` is put back
+    when the revisions are done.
     """
     wait = to_seconds(lock_timeout, name="lock_timeout", allow_zero=False)
     budget = to_seconds(give_up_after, name="give_up_after")
@@ -122,6 +126,19 @@ def run_migrations_with_lock_retries(
             "engine.begin()): it commits each revision on its own"
         )
     context.configure(connection=connection, transaction_per_migration=True, **configure)
+    before = connection.execute(select(func.current_setting("lock_timeout"))).scalar_one()
+    connection.commit()
+    try:
+        _run_retried(context, connection, wait, budget)
+    finally:  # a pooled connection goes back as it came
+        with contextlib.suppress(DBAPIError):
+            if connection.in_transaction():
+                connection.rollback()
+            connection.execute(select(func.set_config("lock_timeout", before, False)))
+            connection.commit()
+
+
+def _run_retried(context: Any, connection: Connection, wait: float, budget: float) -> None:
     deadline = time.monotonic() + budget
     failures = 0
     while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -493,5 +494,50 @@ def test_a_relative_target_is_not_retried_past_where_it_was_asked_to_stop(scratc
         )
         with engine.connect() as conn:
             assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0006"
+    finally:
+        engine.dispose()
+
+
+class _Context:
+    """Stands in for alembic's context: each try reads the session's lock_timeout; the first meets a real lock
+    timeout (a table lock another connection holds)."""
+
+    def __init__(self, connection: Any, holder: Any) -> None:
+        self.connection, self.holder, self.tries, self.seen = connection, holder, 0, []
+
+    def configure(self, **kw: Any) -> None:
+        assert kw["transaction_per_migration"] is True and kw["connection"] is self.connection
+
+    def begin_transaction(self) -> Any:
+        return contextlib.nullcontext()
+
+    def get_revision_argument(self) -> str:
+        return "head"
+
+    def run_migrations(self) -> None:
+        self.tries += 1
+        self.seen.append(self.connection.execute(text("SHOW lock_timeout")).scalar_one())
+        if self.tries == 1:
+            self.connection.execute(text("LOCK TABLE held IN ACCESS EXCLUSIVE MODE"))
+
+
+def test_lock_retries_set_the_timeout_for_each_try_and_put_the_sessions_back(scratch_url: URL) -> None:
+    engine = create_engine(scratch_url)  # pooled: the connection goes back to the pool afterwards
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE held (id int)"))
+        with engine.connect() as holder, engine.connect() as conn:
+            holder.execute(text("LOCK TABLE held IN SHARE MODE"))
+            conn.execute(text("SET lock_timeout = '7s'"))
+            conn.commit()
+            context = _Context(conn, holder)
+            timer = threading.Timer(1.0, holder.commit)
+            timer.start()
+            try:
+                run_migrations_with_lock_retries(context, conn, lock_timeout=0.2)
+            finally:
+                timer.cancel()
+            assert context.tries >= 2 and set(context.seen) == {"200ms"}
+            assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "7s"
     finally:
         engine.dispose()
