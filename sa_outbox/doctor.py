@@ -262,8 +262,9 @@ def _index_name(conn: Connection, name: Any) -> str:
 
 def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding], bool]:
     """The table against the shape this version expects: the table exists; every column of the model, with
-    its type and nullability; every CHECK; every index, by its definition (columns, order, predicate,
-    uniqueness) and validity. Returns the findings and whether the table can be used at all (every column
+    its type, nullability, identity and default; every CHECK and the primary key (and CHECKs of one's own on
+    the model's columns, a warning); every index, by its definition (columns, order, predicate, uniqueness)
+    and validity. Returns the findings and whether the table can be used at all (every column
     there: the claim and the counts name them all). Columns the model does not have are the team's own."""
     spec = _sql.spec_for(model)
     table = spec.table
