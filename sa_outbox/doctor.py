@@ -179,8 +179,8 @@ class _Shape:
     checks: dict[str, str]
     #: CHECK constraint -> the columns it reads
     check_columns: dict[str, list[str]]
-    #: index -> (its definition from ``USING`` on, unique, valid)
-    indexes: dict[str, tuple[str, bool, bool]]
+    #: index -> (its definition from ``USING`` on, unique, valid, backs a constraint)
+    indexes: dict[str, tuple[str, bool, bool, bool]]
 
 
 _SHAPE_COLUMNS = text(
@@ -199,7 +199,9 @@ _SHAPE_CHECKS = text(
 )
 _SHAPE_INDEXES = text(
     "SELECT i.relname, regexp_replace(pg_get_indexdef(x.indexrelid), '^.*? USING ', ''), x.indisunique, "
-    "x.indisvalid FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid WHERE x.indrelid = CAST(:t AS regclass)"
+    "x.indisvalid, EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = x.indexrelid "
+    "AND c.conrelid = x.indrelid) FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+    "WHERE x.indrelid = CAST(:t AS regclass)"
 )
 
 
@@ -210,7 +212,7 @@ def _shape(conn: Connection, regclass: str) -> _Shape:
         columns={r[0]: r[1] for r in conn.execute(_SHAPE_COLUMNS, params)},
         checks={r[0]: r[1] for r in constraints},
         check_columns={r[0]: list(r[2]) for r in constraints if r[3] == "c"},
-        indexes={r[0]: (r[1], r[2], r[3]) for r in conn.execute(_SHAPE_INDEXES, params)},
+        indexes={r[0]: (r[1], r[2], r[3], r[4]) for r in conn.execute(_SHAPE_INDEXES, params)},
     )
 
 
@@ -379,6 +381,15 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
         else:
             continue
         bad += 1
+    known = {_index_name(conn, i.name) for i in placed.indexes}
+    stale = sorted(n for n, shape in have.indexes.items() if n not in known and not shape[3])
+    if stale:
+        out.append(Finding("indexes", name, "warn",
+                           f"index{'es' if len(stale) > 1 else ''} {', '.join(stale)} not in the model: every claim "
+                           "and finalize writes an entry to each (a queue row's updates are never HOT) — an older "
+                           "version's (revision 0008 replaced ix_<jobs>_limited)? Drop it unless your own "
+                           "queries read it",
+                           "\n".join(f"DROP INDEX CONCURRENTLY {_qualified_index(conn, placed, n)}" for n in stale)))  # fmt: skip
     if not bad:
         compared = "" if isinstance(want, _Shape) else f" (definitions not compared: {want})"
         out.append(
