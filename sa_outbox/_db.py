@@ -23,7 +23,7 @@ from sqlalchemy.pool import Pool, QueuePool
 from ._execute import forget_cursor, keep_cursor
 from .errors import SchemaError
 
-__all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room", "schema_checked"]
+__all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room", "schema_checked", "schema_errors"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -42,7 +42,7 @@ def is_schema_error(exc: ProgrammingError) -> bool:
 
 
 def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
-    if getattr(exc.orig, "sqlstate", None) in _SCHEMA_SQLSTATES:
+    if is_schema_error(exc):
         cause = str(exc.orig).strip().splitlines()[0]
         return SchemaError(
             f"table {table!r} is missing or incomplete ({cause}); run the migration (alembic upgrade head) first "
@@ -51,10 +51,24 @@ def _schema_error(exc: ProgrammingError, table: str) -> SchemaError | None:
     return None
 
 
+@contextmanager
+def schema_errors(table: str) -> Iterator[None]:
+    """A missing or older table (undefined table or column) inside raises :class:`SchemaError` naming
+    ``table`` and the migration; any other ``ProgrammingError`` passes through. The one place the loops and
+    the operator calls turn the driver's error into sa_outbox's."""
+    try:
+        yield
+    except ProgrammingError as exc:
+        missing = _schema_error(exc, table)
+        if missing is not None:
+            raise missing from exc
+        raise
+
+
 def schema_checked(fn: Callable[P, T]) -> Callable[P, T]:
     """For an operator call ``fn(bind, model, …)``: a table that is missing or behind this version of sa_outbox
-    (undefined table or column) raises :class:`SchemaError` naming the table and the migration, not the
-    driver's ``ProgrammingError`` — the same error the loops raise. Nothing was changed: the statement failed."""
+    raises :class:`SchemaError` (:func:`schema_errors`) — the same error the loops raise — with a sync bind at
+    the call, with an async one at the caller's ``await``. Nothing was changed: the statement failed."""
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -62,13 +76,8 @@ def schema_checked(fn: Callable[P, T]) -> Callable[P, T]:
         table = str(
             getattr(getattr(model, "__table__", None), "fullname", None) or getattr(model, "__name__", "?")
         )
-        try:
+        with schema_errors(table):
             result = fn(*args, **kwargs)
-        except ProgrammingError as exc:
-            missing = _schema_error(exc, table)
-            if missing is not None:
-                raise missing from exc
-            raise
         if inspect.isawaitable(result):  # an async bind: the statement runs at the caller's await
             return cast(T, _awaited(result, table))
         return result
@@ -77,13 +86,8 @@ def schema_checked(fn: Callable[P, T]) -> Callable[P, T]:
 
 
 async def _awaited(awaitable: Awaitable[T], table: str) -> T:
-    try:
+    with schema_errors(table):
         return await awaitable
-    except ProgrammingError as exc:
-        missing = _schema_error(exc, table)
-        if missing is not None:
-            raise missing from exc
-        raise
 
 
 def pool_has_room(pool: Pool) -> bool:
@@ -111,13 +115,8 @@ class LoopConnection:
             keep_cursor(conn)
             self._conn = conn
         try:
-            yield conn
-        except ProgrammingError as exc:
-            self.drop()
-            missing = _schema_error(exc, self.table)
-            if missing is not None:
-                raise missing from exc
-            raise
+            with schema_errors(self.table):
+                yield conn
         except BaseException:
             self.drop()
             raise
@@ -179,13 +178,8 @@ class AsyncLoopConnection:
             keep_cursor(conn.sync_connection)
             self._conn = conn
         try:
-            return await conn.run_sync(fn)
-        except ProgrammingError as exc:
-            await self.drop()
-            missing = _schema_error(exc, self.table)
-            if missing is not None:
-                raise missing from exc
-            raise
+            with schema_errors(self.table):
+                return await conn.run_sync(fn)
         except BaseException:
             await self.drop()
             raise
