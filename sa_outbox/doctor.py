@@ -227,11 +227,9 @@ def _expected_shape(conn: Connection, table: Table) -> _Shape | str:
         copy = table.to_metadata(MetaData(), schema="pg_temp")
         # a name a naming convention derives from the column's label (``ix_%(column_0_label)s``) would now read
         # ``pg_temp_…``: give each copied index its model's name
-        names = {str(i.name) for i in table.indexes}
         originals = {_index_key(i): i.name for i in table.indexes}
         for index in copy.indexes:
-            if str(index.name) not in names and _index_key(index) in originals:
-                index.name = originals[_index_key(index)]
+            index.name = originals.get(_index_key(index), index.name)
         with conn.begin_nested() if conn.in_transaction() else conn.begin() as tx:
             conn.execute(CreateTable(copy, include_foreign_key_constraints=[]))
             for index in copy.indexes:
@@ -336,16 +334,16 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
                                "run the migration (alembic upgrade head), or:\n" + "\n".join(fixes)))  # fmt: skip
         model_columns = {c.name for c in table.columns}
         extra = [
-            f"{c} ({have.checks[c]})"
+            c
             for c, cols in sorted(have.check_columns.items())
             if c not in want.checks and model_columns.intersection(cols)
         ]
         if extra:
             out.append(Finding("constraints", name, "warn",
                                "CHECK constraints on the library's columns that this version does not define: "
-                               + "; ".join(extra) + " (a row the library writes may be refused)",
-                               "\n".join(f"ALTER TABLE {regclass} DROP CONSTRAINT {prep.quote(c.split(' (')[0])}"
-                                         for c in extra)))  # fmt: skip
+                               + "; ".join(f"{c} ({have.checks[c]})" for c in extra)
+                               + " (a row the library writes may be refused)",
+                               "\n".join(f"ALTER TABLE {regclass} DROP CONSTRAINT {prep.quote(c)}" for c in extra)))  # fmt: skip
         if not bad_checks and not extra:
             out.append(Finding("constraints", name, "ok",
                                f"all {len(want.checks)} CHECK and primary key constraints as expected"))  # fmt: skip
