@@ -27,7 +27,6 @@ that creates the first partitions (each with the storage parameters — a partit
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
@@ -99,7 +98,7 @@ def run_migrations_with_lock_retries(
 
     What it guarantees:
 
-    * every statement waits at most ``lock_timeout`` (0.5 s) for a lock. Keep it below the server's
+    * every statement in a revision's transaction waits at most ``lock_timeout`` (0.5 s) for a lock. Keep it below the server's
       ``deadlock_timeout`` (1 s by default): the upgrade then gives up before PostgreSQL picks a victim, so a
       service's transaction is never the one rolled back;
     * a revision that gave up (or met a deadlock) is rolled back — its changes since its last
@@ -112,11 +111,11 @@ def run_migrations_with_lock_retries(
       fault raises ``OutboxError`` saying so;
     * any other error propagates at once, its revision rolled back.
 
-    A revision that must not run in a transaction uses alembic's ``autocommit_block()`` as usual. A ``CREATE
-    INDEX CONCURRENTLY`` there waits for every transaction older than it, and that wait is a lock wait: under
-    ``lock_timeout`` it fails and leaves an ``INVALID`` index behind. Run ``SET lock_timeout = 0`` first in that
-    block and set it back to your ``lock_timeout`` at its end. The session's own ``lock_timeout`` is put back
-    when the revisions are done.
+    ``lock_timeout`` is set with ``SET LOCAL`` as each transaction begins: the session keeps its own setting
+    (a pooled connection, or a PgBouncer server connection in transaction mode, goes back as it came). A
+    revision that must not run in a transaction uses alembic's ``autocommit_block()`` as usual, and what runs
+    there is not bounded: a ``CREATE INDEX CONCURRENTLY`` waits for every transaction older than it, and
+    failing that wait would leave an ``INVALID`` index behind.
     """
     wait = to_seconds(lock_timeout, name="lock_timeout", allow_zero=False)
     budget = to_seconds(give_up_after, name="give_up_after")
@@ -126,25 +125,26 @@ def run_migrations_with_lock_retries(
             "engine.begin()): it commits each revision on its own"
         )
     context.configure(connection=connection, transaction_per_migration=True, **configure)
-    before = connection.execute(select(func.current_setting("lock_timeout"))).scalar_one()
-    connection.commit()
+    timeout = select(func.set_config("lock_timeout", f"{max(1, round(wait * 1000))}ms", True))
+
+    def bounded(conn: Connection) -> None:
+        # SET LOCAL at each transaction's start: it ends with the transaction (nothing left on a pooled or a
+        # PgBouncer server connection), and an autocommit_block (CREATE INDEX CONCURRENTLY, whose wait for
+        # older transactions is a lock wait) is not bounded
+        if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            conn.execute(timeout)
+
+    event.listen(connection, "begin", bounded)
     try:
         _run_retried(context, connection, wait, budget)
-    finally:  # a pooled connection goes back as it came
-        with contextlib.suppress(DBAPIError):
-            if connection.in_transaction():
-                connection.rollback()
-            connection.execute(select(func.set_config("lock_timeout", before, False)))
-            connection.commit()
+    finally:
+        event.remove(connection, "begin", bounded)
 
 
 def _run_retried(context: Any, connection: Connection, wait: float, budget: float) -> None:
     deadline = time.monotonic() + budget
     failures = 0
     while True:
-        # a session setting, committed: a rolled-back revision must not take it back with it
-        connection.execute(select(func.set_config("lock_timeout", f"{max(1, round(wait * 1000))}ms", False)))
-        connection.commit()
         try:
             with context.begin_transaction():
                 context.run_migrations()

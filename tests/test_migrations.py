@@ -519,6 +519,7 @@ class _Context:
         self.seen.append(self.connection.execute(text("SHOW lock_timeout")).scalar_one())
         if self.tries == 1:
             self.connection.execute(text("LOCK TABLE held IN ACCESS EXCLUSIVE MODE"))
+        self.connection.commit()  # as alembic commits each revision
 
 
 def test_lock_retries_set_the_timeout_for_each_try_and_put_the_sessions_back(scratch_url: URL) -> None:

@@ -18,6 +18,7 @@ databases (aliases of the one test database, each its own pool of server connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -1326,3 +1327,44 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
         for agg in ("agg-0", "agg-1", "agg-2"):
             ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == agg]
             assert ns == sorted(ns), (agg, ns)
+
+
+def test_migrations_through_pgbouncer_leave_no_lock_timeout_on_the_server_connection(
+    bouncer: PrivatePgBouncer, db_url: URL
+) -> None:
+    """``run_migrations_with_lock_retries`` bounds each revision's lock waits with ``SET LOCAL``: through
+    PgBouncer in transaction mode (one server connection here) a session ``SET`` would stay on the server
+    connection for the next client, and would not even follow the upgrade's next transaction."""
+    from sa_outbox.migration import run_migrations_with_lock_retries
+
+    url = bouncer.url(f"{db_url.database}_one")
+    engine, _ = pgbouncer_engine(url)
+    seen: list[str] = []
+    between: list[str] = []
+
+    class TwoRevisions:  # alembic's context, as run_migrations_with_lock_retries uses it
+        def configure(self, **kw: Any) -> None:
+            assert kw["transaction_per_migration"] is True
+
+        def begin_transaction(self) -> Any:
+            return contextlib.nullcontext()
+
+        def get_revision_argument(self) -> str:
+            return "head"
+
+        def run_migrations(self) -> None:
+            for _ in range(2):  # each revision its own transaction, committed
+                seen.append(conn.execute(text("SHOW lock_timeout")).scalar_one())
+                conn.commit()
+                with engine.connect() as other:  # another client, on the same (only) server connection
+                    between.append(other.execute(text("SHOW lock_timeout")).scalar_one())
+
+    try:
+        with engine.connect() as conn:
+            run_migrations_with_lock_retries(TwoRevisions(), conn, lock_timeout=0.25)
+        with engine.connect() as other:  # the next client, on the same (only) server connection
+            after = other.execute(text("SHOW lock_timeout")).scalar_one()
+    finally:
+        engine.dispose()
+    assert seen == ["250ms", "250ms"]
+    assert between == ["0", "0"] and after == "0"
