@@ -44,7 +44,8 @@ database, real threads with their own connections, real backend terminations. Ru
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
 * in half the scenarios a cron schedule (``* * * * * *``, a random catch-up policy) fires a job a second into
   q1 or q2, fired by the workers given the schedules model (about half of them, several at once), which an
-  operator pauses and resumes now and then (``pause_schedule``, ``resume_schedule``);
+  operator pauses and resumes now and then (``pause_schedule``, ``resume_schedule``) and a deploy re-syncs to
+  every even second and back (``sync_schedules``);
 * let time pass.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
@@ -110,7 +111,10 @@ With a cron schedule (the C invariants, at the end)
     C3  the schedule resumed and a worker that fires it running, a new slot fires within 15 s (checked as the
         drain begins, which then pauses the schedule for good);
     C4  every job of the schedule is ``done``, its handler having run it, and none was written after that
-        final pause.
+        final pause;
+    C5  a deploy's ``sync_schedules`` switches the expression between every second and every even second now
+        and then (with the operator's pauses): from the moment after the sync's commit on, no slot of the old
+        expression fires.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -758,11 +762,16 @@ class Scenario:
         )
         self.async_url = async_url
         self.profile = profile
+        #: C5: the cron expression in force from each moment on (a deploy's sync changes it while loops fire it);
+        #: drawn from a generator of its own, so the other streams of a seed stay what they were
+        self.resync_rng = random.Random(f"resync {seed}")
+        self.cron_changes: list[tuple[datetime, str]] = []
         if self.cron:
-            sync_schedules(self.engine, JobSchedule, [
-                Schedule(CRON, "* * * * * *", task=CRON, payload=CRON_PAYLOAD, queue=self.cron_rng.choice(("q1", "q2")),
-                         catch_up=self.cron_rng.choice(("latest", "all", "none")), priority=self.cron_rng.choice((0, 3)))
-            ])  # fmt: skip
+            self.cron_schedule = Schedule(
+                CRON, "* * * * * *", task=CRON, payload=CRON_PAYLOAD, queue=self.cron_rng.choice(("q1", "q2")),
+                catch_up=self.cron_rng.choice(("latest", "all", "none")), priority=self.cron_rng.choice((0, 3)))  # fmt: skip
+            sync_schedules(self.engine, JobSchedule, [self.cron_schedule])
+            self.cron_changes.append((self._db_now(), self.cron_schedule.cron))
         self.model = Model()
         self.record = Record()
         if self.loop_engine_kwargs:
@@ -1559,6 +1568,8 @@ class Scenario:
             self.log.append(f"pause {queue}")
         if self.cron and self.cron_rng.random() < 0.4:
             self._toggle_cron()
+        if self.cron and self.resync_rng.random() < 0.3:
+            self._resync_cron()
 
     def _db_now(self) -> datetime:
         with self.engine.connect() as conn:
@@ -1575,6 +1586,16 @@ class Scenario:
             pause_schedule(self.engine, JobSchedule, CRON)
             self.cron_pauses.append([self._db_now(), None])
             self.log.append("pause the cron schedule")
+
+    def _resync_cron(self) -> None:
+        """A deploy's ``sync_schedules`` changes the cron expression between every second and every even second
+        while workers fire it (C5: from the sync's commit on, no slot of the old expression fires — the fire's
+        compare-and-set also matches the cron it read)."""
+        cron = "*/2 * * * * *" if self.cron_changes[-1][1] == "* * * * * *" else "* * * * * *"
+        self.cron_schedule = replace(self.cron_schedule, cron=cron)
+        sync_schedules(self.engine, JobSchedule, [self.cron_schedule])
+        self.cron_changes.append((self._db_now(), cron))  # (read after the commit: at or after it)
+        self.log.append(f"sync the cron schedule to {cron!r}")
 
     def rule_pause(self) -> None:
         time.sleep(self.rng.uniform(0.05, 0.3))
@@ -1786,6 +1807,9 @@ class Scenario:
                 if not self.locked_pending:
                     self.log.append("coverage: locked pending events")
                     self.rule_lock_pending_events()
+                if self.cron and len(self.cron_changes) == 1:  # C5 in every scenario with a cron schedule
+                    self.log.append("coverage: a deploy re-syncs the cron schedule")
+                    self._resync_cron()
                 self.steps_over = time.monotonic()
                 self._end_db_outage()
                 self._end_refusal()
@@ -1887,9 +1911,16 @@ class Scenario:
                 assert not (begin <= slot and (end is None or slot < end)), (
                     f"cron job {j.id} of slot {slot} fired during the pause {begin} .. {end}"
                 )
+            in_force = [cron for at, cron in self.cron_changes if at <= slot]
+            assert not in_force or in_force[-1] == "* * * * * *" or slot.second % 2 == 0, (  # C5
+                f"cron job {j.id} of slot {slot} fired under {in_force[-1]!r} (changes: {self.cron_changes})"
+            )
             assert j.status == "done" and -j.id in delivered, j  # C4
         assert len(jobs) == self.cron_jobs_at_pause, (len(jobs), self.cron_jobs_at_pause)  # C4
-        self.log.append(f"cron: {len(jobs)} jobs, {len(self.cron_pauses)} pauses")
+        self.log.append(
+            f"cron: {len(jobs)} jobs, {len(self.cron_pauses)} pauses, "
+            f"{len(self.cron_changes) - 1} changes of its expression"
+        )
 
     def _settled(self) -> bool:
         return not self._unsettled()
