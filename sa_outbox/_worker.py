@@ -524,6 +524,10 @@ class WorkerBase(LoopBase):
         #: Jobs claimed again while a run of theirs goes on here (another worker's rescue took the row back), id ->
         #: the newer claim (:meth:`_accept`).
         self._parked: dict[int, ClaimedJob] = {}
+        #: Runs that ended while a claim was in flight, id -> (the job, the outcomes of its run): that claim may
+        #: hold a newer lease of the job (committed, its rows not yet here), which then takes these outcomes
+        #: (:meth:`_accept`). Recorded as they are when it lands without one.
+        self._ended_meanwhile: dict[int, tuple[ClaimedJob, list[Outcome]]] = {}
         #: Leases of claims :meth:`_accept` held back whose attempt is still to be given back
         #: (:meth:`_refund_held_back_on`).
         self._to_refund: list[tuple[int, int]] = []
@@ -741,11 +745,14 @@ class WorkerBase(LoopBase):
     def _accept(self, rows: Sequence[Any]) -> int:
         """Claimed rows join the jobs in hand. A job claimed again while a run of it goes on here (its lease ran
         out unrenewed — the database out of reach — and another worker's rescue put it back) is not started
-        beside that run: it waits for it (:meth:`_run_ended`), sharing its cancel flag."""
+        beside that run: it waits for it (:meth:`_run_ended`), sharing its cancel flag. A job whose run ended
+        while this claim was in flight takes that run's outcomes on its newer lease (:meth:`_ended_in_flight`)."""
         jobs = []
         running = self._running_jobs()  # (a loop running one job at a time claims only between jobs)
         in_run = {r.job.id: r.job.lease_version for r in running} if running else None
         for row in rows:
+            if self._ended_meanwhile and self._took_over(row):
+                continue
             if in_run and row[0] in in_run:
                 token = self._tokens.get(row[0]) or CancelToken()
                 self._ages[row[0]] = row[-1]
@@ -766,7 +773,54 @@ class WorkerBase(LoopBase):
         # (held already, from when the claim was sent: every claim path holds its rows as they land — and a row
         # the loop's own rescue has taken back since is not held again here)
         self._queue.extend(jobs)
+        self._record_ended_meanwhile()
         return len(jobs)
+
+    def _claim_in_flight(self) -> bool:
+        """Whether a claim has been sent whose rows have not been accepted yet (a loop that claims on a thread
+        of its own, or sends its claim ahead; the others accept a claim's rows before they collect a run)."""
+        return False
+
+    def _ended_in_flight(self, job: ClaimedJob, outcomes: Iterable[Outcome]) -> None:
+        """Keep the outcomes of a run that ended while a claim was in flight until that claim lands: it may have
+        taken the job again (another worker's rescue put the row back during the run) and committed, its rows
+        not yet accepted — written on the old lease, they were refused as a lost lease, and the newer claim then
+        ran the job a second time with its attempt counted (clean-clone CI, stop 58: "retries exhausted (2/2)"
+        after one run that failed). Nothing is written meanwhile: an outcome goes with the next statement, sent
+        after the claim in flight lands."""
+        self._ended_meanwhile[job.id] = (job, list(outcomes))
+
+    def _took_over(self, row: Any) -> bool:
+        """A claimed row of a job whose run ended while this claim was in flight (:meth:`_ended_in_flight`):
+        when the run's result is still the job's (as :meth:`_run_ended` decides it for a claim that waited), it
+        is written on the newer lease with that claim's counted attempts given back, and the row does not run.
+        Else the run's outcomes are a lost lease, and the row joins the jobs in hand."""
+        ended = self._ended_meanwhile.pop(row[0], None)
+        if ended is None:
+            return False
+        job, outcomes = ended
+        newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
+        if (newer.task, newer.payload, newer.headers) != (job.task, job.payload, job.headers):
+            self._superseded(outcomes)
+            return False
+        self._ages[row[0]] = row[-1]
+        log.info(
+            "job %s (%s): the result of its run on lease %s is written on lease %s (claimed as the run ended)",
+            job.id, job.task, job.lease_version, newer.lease_version,
+            extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": newer.lease_version},
+        )  # fmt: skip
+        refund = max(0, newer.attempts - job.attempts)
+        self._done.add(
+            [replace(o, lease_version=newer.lease_version, refund=o.refund + refund) for o in outcomes]
+        )
+        return True
+
+    def _record_ended_meanwhile(self) -> None:
+        """The claim in flight has landed (or failed): the outcomes kept for it go to be written as they are."""
+        if self._ended_meanwhile:
+            ended, self._ended_meanwhile = self._ended_meanwhile, {}
+            for _, outcomes in ended.values():
+                self._done.add(outcomes)
 
     def _refund_held_back_on(self, conn: Connection) -> None:
         """Give back at once the attempt of each claim :meth:`_accept` held back that still waits: such a claim
@@ -915,10 +969,13 @@ class WorkerBase(LoopBase):
 
     def _finish(self, job: ClaimedJob, ran: _Ran) -> None:
         """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
+        in_flight = self._claim_in_flight() and job.id not in self._parked
         job, write, refund = self._run_ended(job, ran)
-        record = self._done.add if write else self._superseded
+        record: Callable[[Iterable[Outcome]], None] = self._done.add if write else self._superseded
         if refund:
             record = functools.partial(self._refunded, refund)
+        elif in_flight:
+            record = functools.partial(self._ended_in_flight, job)
         self._pace.observe(ran.seconds)
         self._observe_handled(ran.seconds, job.created_at)
         if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
@@ -1302,6 +1359,9 @@ class Worker(WorkerBase):
         #: Holds the lease guards (one transaction at a time; only the heartbeat's thread, under _beat_lock).
         self._guard_db = LoopConnection(engine, self.spec.table.name)
 
+    def _claim_in_flight(self) -> bool:
+        return self._inflight is not None
+
     def _poke(self) -> None:
         self._waker.poke()
 
@@ -1599,6 +1659,7 @@ class Worker(WorkerBase):
             applied, rows = inflight.future.result()
         except BaseException:
             self._done.add(inflight.outcomes)
+            self._record_ended_meanwhile()
             raise
         self._report(inflight.outcomes, applied)
         return self._accepted(rows), inflight.wanted

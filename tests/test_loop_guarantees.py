@@ -620,6 +620,64 @@ def test_a_run_whose_result_a_newer_claim_takes_is_decided_on_its_own_attempts(
     assert (r.status, r.lease_version, r.attempts) == ("queued", 2, 1), r
 
 
+def test_a_newer_claim_still_in_flight_when_the_run_ends_takes_its_result(engine: Engine) -> None:
+    """The newer claim has committed (the handler sees lease 2 in the table) but its rows have not reached the
+    loop when the run ends: the run's outcome went to lease 1 and was refused as a lost lease, then the rows
+    landed and the job ran a second time with its second attempt counted — failed "retries exhausted (2/2)"
+    after one failing run and one run that should never have happened (clean-clone CI, stop 58, once on the
+    embedded server). The claim thread holds its rows back here until the run has ended and been collected:
+    the run's result is written on the newer lease, decided on the run's own attempts."""
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 1, task="t", max_attempts=2)
+    runs: list[int] = []
+    ended = threading.Event()
+    held_back: list[int] = []
+
+    def body(job: ClaimedJob) -> None:
+        runs.append(job.lease_version)
+        if job.lease_version == 1:
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+            assert wait_until(lambda: row(engine, "jobs", 1).lease_version == 2, 5)
+            ended.set()
+        raise RetryableError("first run failed")
+
+    w = Worker(engine, Job, {"t": body}, concurrency=2, poll_interval=0.05, listen=False,
+               backoff=Backoff(base=60, jitter=False))  # fmt: skip
+    submit = w._claimer.submit
+
+    def lands_after_the_run(fn: Any, *args: Any) -> Any:
+        def claim() -> Any:
+            applied, rows = fn(*args)
+            if any((r[0], r[1]) == (1, 2) for r in rows):  # committed: held back until the run has ended
+                held_back.append(2)
+                assert ended.wait(5)
+                time.sleep(0.3)  # (the loop collects the ended run meanwhile)
+            return applied, rows
+
+        return submit(claim)
+
+    w._claimer.submit = lands_after_the_run  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
+    thread.start()
+    try:
+        settled = lambda: (r := row(engine, "jobs", 1)).lease_version >= 2 and r.status != "running"  # noqa: E731
+        assert wait_until(settled, 10), row(engine, "jobs", 1)
+        time.sleep(0.3)  # a second run, if there were one, would start now
+    finally:
+        w.stop()
+        thread.join(10)
+        w.close()
+    r = row(engine, "jobs", 1)
+    assert held_back == [2]
+    assert runs == [1], runs
+    assert (r.status, r.lease_version, r.attempts) == ("queued", 2, 1), (r.status, r.lease_version, r.attempts,
+                                                                          r.last_error)  # fmt: skip
+    assert w.stats.lost_leases == 0, w.stats
+
+
 def test_a_job_claimed_again_while_it_runs_never_burns_an_attempt(runner: Runner, engine: Engine) -> None:
     """A worker whose renewals keep failing (here a trigger refuses them) loses the lease of the job it runs to
     another worker's rescue, claims it again — held back, not started — loses that lease too, and so on. Each
