@@ -172,7 +172,7 @@ def _observed(conn: Connection) -> bool:
     )
 
 
-def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
+def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = True) -> list[Any]:
     """Execute one of the library's statements and return its rows (tuples in RETURNING order).
 
     The statements are SQLAlchemy Core, built once per table (``_sql.py``, the producer's insert). On a
@@ -189,6 +189,7 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
     listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
     tracing) take SQLAlchemy's regular execution path, so they see every statement; so does a connection
     with a ``schema_translate_map`` (a tenant's schema: SQLAlchemy renders it into each execution).
+    ``prepare=False``: not prepared — planned for these parameters' values, never by a generic plan.
     """
     pooled = conn.connection
     driver = getattr(pooled, "driver_connection", None)
@@ -198,9 +199,9 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
         # (``connect_args={"prepare_threshold": None}``, e.g. behind PgBouncer in transaction mode). Results in
         # binary format: ~20 µs less client CPU per claim than parsing text (the statements return only
         # built-in types).
-        prepare = None if driver.prepare_threshold is None else True
+        prepared: bool | None = None if driver.prepare_threshold is None else prepare
         try:
-            if prepare and (found := _direct(pooled, driver, compiled)) is not None:
+            if prepared and (found := _direct(pooled, driver, compiled)) is not None:
                 direct, tx = found
                 return direct.run(tx, compiled, full)
             cur = pooled.info.get(_CURSOR)  # a loop's connection keeps one (keep_cursor)
@@ -210,17 +211,17 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any]) -> list[Any]:
                 cur = pooled.info[_CURSOR] = driver.cursor()
             if isinstance(cur, psycopg.AsyncCursor):
                 # Called through AsyncConnection.run_sync: SQLAlchemy's greenlet bridge awaits the driver.
-                await_only(cur.execute(compiled.sql, full, prepare=prepare, binary=True))
+                await_only(cur.execute(compiled.sql, full, prepare=prepared, binary=True))
                 result = cur.pgresult
                 if result is not None and result.status == _TUPLES_OK:
                     return await_only(cur.fetchall())
                 return []
-            cur.execute(compiled.sql, full, prepare=prepare, binary=True)
+            cur.execute(compiled.sql, full, prepare=prepared, binary=True)
             # (``pgresult.status`` rather than ``description``, which builds column objects on every access)
             result = cur.pgresult
             return cur.fetchall() if result is not None and result.status == _TUPLES_OK else []
         except psycopg.Error as exc:
-            error = _translated(conn, driver, exc, compiled, full, prepared=bool(prepare))
+            error = _translated(conn, driver, exc, compiled, full, prepared=bool(prepared))
             raise error from error.__cause__
     regular = conn.execute(stmt, params)
     return [tuple(r) for r in regular] if regular.returns_rows else []

@@ -10,11 +10,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from sa_outbox import PayloadError, enqueue, enqueue_many
 from sa_outbox._names import channel_for
@@ -270,3 +271,39 @@ def test_two_calls_giving_two_keys_other_rules_never_deadlock(
     with engine.connect() as conn:
         per_key = conn.execute(text("SELECT unique_key, count(*) FROM jobs GROUP BY 1")).all()
     assert len(per_key) == 2 * rounds and {n for _, n in per_key} == {1}
+
+
+@pytest.mark.parametrize("rule", ["skip", "replace", "debounce"])
+def test_a_call_of_many_items_is_planned_for_its_own_values(engine: Engine, rule: str) -> None:
+    """A call of many keyed items is sent unprepared — PostgreSQL plans it for its own arrays — while a small one
+    is server-side prepared as every other statement of the library. On a prepared statement's generic plan
+    (from the sixth call on) 20,000 mixed items that all met a waiting job took 2.2 s a call against 0.4 s
+    (the waiting jobs read through another index and tested against every skip key one by one). Each call of
+    the same shape writes what it should either way."""
+    from sa_outbox._enqueue import PLANNED_ALONE_FROM
+
+    fresh = create_engine(engine.url, poolclass=NullPool)  # a new session each call: nothing prepared before
+
+    def call(n: int) -> int:
+        items = [
+            {"task": "t", "payload": {"i": i}, "unique_key": f"{rule}-{n}-{i}", "on_conflict": rule,
+             **({"debounce": 5} if rule == "debounce" else {})}
+            for i in range(n)
+        ]  # fmt: skip
+        with Session(fresh) as s, s.begin():
+            ids = enqueue_many(s, Job, items)
+            again = enqueue_many(s, Job, items)  # every key meets its waiting job
+            prepared = s.execute(
+                text("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%INSERT INTO jobs%'")
+            ).scalar_one()
+        assert again == ids and len(set(ids)) == n
+        return int(prepared)
+
+    small, large = PLANNED_ALONE_FROM - 1, PLANNED_ALONE_FROM
+    try:
+        assert call(large) == 0
+        assert call(small) == 1  # prepared, as every statement of the library (the control)
+    finally:
+        fresh.dispose()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM jobs")).scalar_one() == small + large
