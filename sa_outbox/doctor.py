@@ -181,6 +181,9 @@ class _Shape:
     check_columns: dict[str, list[str]]
     #: index -> (its definition from ``USING`` on, unique, valid, backs a constraint)
     indexes: dict[str, tuple[str, bool, bool, bool]]
+    #: column of a collatable type -> (its collation, quoted as ``COLLATE`` takes it; whether it is
+    #: deterministic; the column's type)
+    collations: dict[str, tuple[str, bool, str]]
 
 
 _SHAPE_COLUMNS = text(
@@ -196,6 +199,13 @@ _SHAPE_CHECKS = text(
     "SELECT c.conname, pg_get_constraintdef(c.oid), "
     "ARRAY(SELECT a.attname FROM pg_attribute a WHERE a.attrelid = c.conrelid AND a.attnum = ANY (c.conkey)), "
     "c.contype FROM pg_constraint c WHERE c.conrelid = CAST(:t AS regclass) AND c.contype IN ('c', 'p')"
+)
+_SHAPE_COLLATIONS = text(
+    "SELECT a.attname, quote_ident(n.nspname) || '.' || quote_ident(co.collname), co.collisdeterministic, "
+    "format_type(a.atttypid, a.atttypmod) "
+    "FROM pg_attribute a JOIN pg_collation co ON co.oid = a.attcollation "
+    "JOIN pg_namespace n ON n.oid = co.collnamespace "
+    "WHERE a.attrelid = CAST(:t AS regclass) AND a.attnum > 0 AND NOT a.attisdropped"
 )
 _SHAPE_INDEXES = text(
     "SELECT i.relname, regexp_replace(pg_get_indexdef(x.indexrelid), '^.*? USING ', ''), x.indisunique, "
@@ -213,6 +223,7 @@ def _shape(conn: Connection, regclass: str) -> _Shape:
         checks={r[0]: r[1] for r in constraints},
         check_columns={r[0]: list(r[2]) for r in constraints if r[3] == "c"},
         indexes={r[0]: (r[1], r[2], r[3], r[4]) for r in conn.execute(_SHAPE_INDEXES, params)},
+        collations={r[0]: (r[1], r[2], r[3]) for r in conn.execute(_SHAPE_COLLATIONS, params)},
     )
 
 
@@ -313,6 +324,8 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
         )
     if missing:
         return out, False
+    if isinstance(want, _Shape):
+        out += _collation_findings(regclass, name, have, want)
     # CHECK and primary key constraints
     if isinstance(want, _Shape):
         prep = conn.dialect.identifier_preparer
@@ -396,6 +409,36 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
             )
         )
     return out, True
+
+
+def _collation_findings(regclass: str, name: str, have: _Shape, want: _Shape) -> list[Finding]:
+    """Text columns whose collation is not the model's. A nondeterministic one (an ICU collation that ignores
+    case or accents) makes texts it calls equal one value: two aggregates one ordered stream, two unique keys
+    one key, two queue names one queue — a failure. A deterministic one only orders the indexes differently
+    (``COLLATE "C"`` for speed is common): said, as a warning."""
+    differ = {
+        c: (have.collations[c], d)
+        for c, d in want.collations.items()
+        if c in have.collations and have.collations[c][0] != d[0]
+    }
+    if not differ:
+        return []
+    loose = [c for c, (got, _) in differ.items() if not got[1]]
+    said = "; ".join(f"{c}: {got[0]}, expected {expected[0]}" for c, (got, expected) in differ.items())
+    fix = "\n".join(
+        f"ALTER TABLE {regclass} ALTER COLUMN {c} TYPE {got[2]} COLLATE {expected[0]}"
+        for c, (got, expected) in differ.items()
+    )
+    if loose:
+        return [Finding("columns", name, "fail",
+                        f"columns with a nondeterministic collation ({said}): texts it calls equal are one value — "
+                        f"{', '.join(loose)} of two rows that differ only in case or accents match as one "
+                        "(one aggregate's order, one unique key, one queue)",
+                        f"an alembic revision that sets the model's collation back:\n{fix}")]  # fmt: skip
+    return [Finding("columns", name, "warn",
+                    f"columns with another collation than the model's ({said}): the indexes order them by it, "
+                    "which the library does not rely on; said in case it was not meant",
+                    f"to go back to the model's (an alembic revision):\n{fix}")]  # fmt: skip
 
 
 def _reloptions(conn: Connection, model: type[Any]) -> dict[str, str]:

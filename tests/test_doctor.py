@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import BigInteger, Column, Engine, ForeignKey, MetaData, Text, create_engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import NullPool
 
@@ -617,3 +618,42 @@ def test_user_models_with_foreign_keys_flag_indexes_and_no_indexes_get_findings_
             assert plan.status == "fail" and "ix_bare_outbox_ready" in plan.message
         finally:
             engine.dispose()
+
+
+def test_a_column_of_another_collation_is_said_and_its_fix_repairs_it(server_url: URL) -> None:
+    """A deterministic collation other than the model's (``COLLATE "C"``, as a team may set for speed) only
+    orders the indexes differently: a warning naming the column, whose fix restores the model's collation."""
+    with migrated_database(server_url, "head", "sa_outbox_doc") as (_url, engine):
+        with engine.begin() as conn:
+            conn.execute(text('ALTER TABLE outbox ALTER COLUMN aggregate_id TYPE text COLLATE "C"'))
+        found = _non_ok(run(engine))
+        assert [(c, t, s) for c, t, s, _ in found] == [("columns", "outbox", "warn")], found
+        assert 'aggregate_id: pg_catalog."C", expected pg_catalog."default"' in found[0][3]
+        [finding] = [f for f in run(engine) if f.status == "warn" and f.table == "outbox"]
+        assert finding.fix is not None
+        with engine.begin() as conn:  # the fix as given repairs it
+            conn.execute(text(finding.fix.splitlines()[-1]))
+        assert _non_ok(run(engine)) == []
+
+
+def test_a_nondeterministic_collation_is_a_failure(server_url: URL) -> None:
+    """An ICU collation that ignores case makes "Order-1" and "order-1" one unique key (and one aggregate, one
+    queue): a failure. A server built without ICU (the embedded one) cannot have such a column at all."""
+    with migrated_database(server_url, "head", "sa_outbox_doc") as (_url, engine):
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', "
+                                  "deterministic = false)"))  # fmt: skip
+        except DBAPIError as exc:
+            assert "ICU is not supported" in str(exc.orig), exc
+            return
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE jobs ALTER COLUMN unique_key TYPE text COLLATE ci"))
+        found = _non_ok(run(engine))
+        assert [(c, t, s) for c, t, s, _ in found] == [("columns", "jobs", "fail")], found
+        assert 'unique_key: public.ci, expected pg_catalog."default"' in found[0][3]
+        assert "nondeterministic" in found[0][3]
+        [finding] = [f for f in run(engine) if f.status == "fail"]
+        with engine.begin() as conn:
+            conn.execute(text(str(finding.fix).splitlines()[-1]))
+        assert _non_ok(run(engine)) == []
