@@ -27,7 +27,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * a burst of jobs in queue ``qb``, which only such fast workers serve (one is started when none runs);
 * enqueue jobs in bulk (``enqueue_many``), and with a unique key (``on_conflict="skip"``: a key whose job
   has not started yet gets no second one), alone or in an ``enqueue_many`` call that mixes skip, replace
-  (the waiting job takes the call's task, queue and payload: its old seq is gone) and debounce by key;
+  (the waiting job takes the call's task, queue and payload: its old seq is gone) and debounce by key — the
+  scenario's first such call and a tenth of the others of 65 items, sent unprepared (planned for their own
+  arrays);
 * in a quarter of the scenarios the outbox is day-partitioned, with a partition for yesterday that some
   events are written into; ``maintain_partitions`` (a rule, and some dispatchers' own step) retires it while
   the loops claim, once every row in it is finished — in some runs dropping its dead rows too (which then
@@ -171,6 +173,7 @@ from sa_outbox import (
     skip_dead,
     sync_schedules,
 )
+from sa_outbox._enqueue import PLANNED_ALONE_FROM
 from sa_outbox._sql import partition_table, spec_for
 from sa_outbox._worker import WorkerBase
 from sa_outbox.admin import pause_queue, resume_queue, retry_dead, retry_jobs, update_jobs
@@ -801,6 +804,8 @@ class Scenario:
         self.steps_over: float | None = None
         self.locked_pending = 0  # pending events a user's transaction locked (rule_lock_pending_events)
         self.analyzed = 0  # ANALYZE runs amid the loops (rule_analyze)
+        #: enqueue_many calls of PLANNED_ALONE_FROM items or more (sent unprepared, planned for their arrays)
+        self.planned_alone = 0
         #: q3's rule: a Limit for every worker, or (a quarter of the scenarios) unique keys and unique_running.
         self.limit: Limit | None = None if self.rng.random() < 0.25 else self.rng.choice(LIMITS)
         self.sampler = LimitSampler(self.engine, self.limit)
@@ -1130,7 +1135,10 @@ class Scenario:
         rules = {k: rng.choice(("skip", "replace", "debounce")) for k in UNIQUE_KEYS}
         unique_queues = (LIMITED, "q1") if self.limit is None else ("q1", "q2")
         planned: list[tuple[Planned, str | None]] = [(first, first_key)]
-        for _ in range(rng.randint(1, 6)):
+        # The scenario's first such call, and a tenth of the others, is large enough to go unprepared (planned
+        # for its own arrays, _enqueue.PLANNED_ALONE_FROM); the keys then come several times over.
+        large = not self.planned_alone or rng.random() < 0.1
+        for _ in range(PLANNED_ALONE_FROM if large else rng.randint(1, 6)):
             plan = [rng.choice(JOB_ACTIONS) for _ in range(rng.randint(0, 2))]
             key = rng.choice((*UNIQUE_KEYS, None))
             planned.append((Planned(next(self.seq), plan, key is None and rng.random() < 0.05), key))
@@ -1175,6 +1183,7 @@ class Scenario:
                     f"debounced key {key} due at {run_at}, past its cap {caps[key]}s after {created_at}"
                 )
             s.commit() if commit else s.rollback()
+        self.planned_alone += len(items) >= PLANNED_ALONE_FROM
         written = {now[i] for i in ids}
         replaced = {seq for i, seq in before.items() if i in now and now[i] != seq}
         self.log.append(

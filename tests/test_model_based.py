@@ -34,9 +34,10 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
     together): the invariants were checked with that path under terminations and stops. Likewise a
     transaction held a running job's row past stale_after in one of them at least (I9), one locked pending
     events for a moment while the loops ran, one analyzed the tables under them, and a cron schedule fired in
-    one (C1-C4), its expression changed by a sync meanwhile (C5)."""
+    one (C1-C4), its expression changed by a sync meanwhile (C5), and an enqueue_many call of mixed unique
+    rules went unprepared."""
     seeds = [int(s) for s in _given.split(",")] if _given else list(_FIXED)
-    sent_ahead = holds = locked = analyzed = cron_jobs = resyncs = 0
+    sent_ahead = holds = locked = analyzed = cron_jobs = resyncs = planned_alone = 0
     for i, seed in enumerate(seeds):
         if i:
             empty_tables(engine)  # each seed starts from empty tables, as a test of its own would
@@ -47,6 +48,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         analyzed += scenario.analyzed
         cron_jobs += scenario.cron_jobs_at_pause or 0
         resyncs += max(0, len(scenario.cron_changes) - 1)
+        planned_alone += scenario.planned_alone
     if not _given:
         assert sent_ahead > 0, f"no claim was sent ahead in seeds {_FIXED}"
         assert holds > 0, f"no job row was held past stale_after in seeds {_FIXED}"
@@ -54,6 +56,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         assert analyzed > 0, f"no ANALYZE ran amid the loops in seeds {_FIXED}"
         assert cron_jobs > 0, f"no cron schedule fired in seeds {_FIXED}"
         assert resyncs > 0, f"no cron schedule was re-synced to another expression in seeds {_FIXED}"
+        assert planned_alone > 0, f"no enqueue_many call was large enough to go unprepared in seeds {_FIXED}"
 
 
 def test_model_based_ci_profile_seed_from_the_clock(engine: Engine, async_url: URL) -> None:
