@@ -524,6 +524,10 @@ class WorkerBase(LoopBase):
         #: Jobs claimed again while a run of theirs goes on here (another worker's rescue took the row back), id ->
         #: the newer claim (:meth:`_accept`).
         self._parked: dict[int, ClaimedJob] = {}
+        #: Ids whose claim in ``_parked`` does not follow on from this worker's own lease (:meth:`_continues`):
+        #: another worker claimed the row in between — and ran it — or an operator reset its attempts. Such a
+        #: claim never takes the run's result: it runs after that run.
+        self._parked_apart: set[int] = set()
         #: Runs that ended while a claim was in flight, id -> (the job, the outcomes of its run): that claim may
         #: hold a newer lease of the job (committed, its rows not yet here), which then takes these outcomes
         #: (:meth:`_accept`). Recorded as they are when it lands without one.
@@ -749,21 +753,25 @@ class WorkerBase(LoopBase):
         while this claim was in flight takes that run's outcomes on its newer lease (:meth:`_ended_in_flight`)."""
         jobs = []
         running = self._running_jobs()  # (a loop running one job at a time claims only between jobs)
-        in_run = {r.job.id: r.job.lease_version for r in running} if running else None
+        in_run = {r.job.id: r.job for r in running} if running else None
         for row in rows:
             if self._ended_meanwhile and self._took_over(row):
                 continue
             if in_run and row[0] in in_run:
                 token = self._tokens.get(row[0]) or CancelToken()
                 self._ages[row[0]] = row[-1]
+                newer = ClaimedJob.from_row(row, token, self._loads)
                 older = self._parked.get(row[0])
+                base = in_run[row[0]] if older is None else older
+                if row[0] in self._parked_apart or not self._continues(base, newer):
+                    self._parked_apart.add(row[0])
                 if older is not None:  # its lease was taken back too: nothing will be written on it
                     self._done.given_back((older.id, older.lease_version), forget=True)
-                newer = self._parked[row[0]] = ClaimedJob.from_row(row, token, self._loads)
+                self._parked[row[0]] = newer
                 self._to_refund.append((newer.id, newer.lease_version))
                 log.warning(
                     "job %s (%s) was claimed again (lease %s) while its run on lease %s goes on here: not started "
-                    "beside it", newer.id, newer.task, newer.lease_version, in_run[row[0]],
+                    "beside it", newer.id, newer.task, newer.lease_version, in_run[row[0]].lease_version,
                     extra={"table": self.spec.table.name, "row_id": newer.id, "lease_version": newer.lease_version},
                 )  # fmt: skip
                 continue
@@ -775,6 +783,17 @@ class WorkerBase(LoopBase):
         self._queue.extend(jobs)
         self._record_ended_meanwhile()
         return len(jobs)
+
+    def _continues(self, base: ClaimedJob, newer: ClaimedJob) -> bool:
+        """Whether ``newer`` is the very next claim of the row after ``base``, a lease of this worker's: no claim
+        in between (each moves ``lease_version`` on by one) and the attempts counted on from ``base``'s (its
+        own attempt less one given back). Only then may it take the result of the run on ``base``'s lease: a
+        review had another worker's rescue take the row, that worker claim and run it (a failure), then this
+        worker's claim take it again — the run's result written on the newest lease gave that other run's
+        attempt back too, and a job of three attempts ran four times; and an operator's ``retry_jobs`` between
+        the two claims (attempts back to 0) was used up by the run that began before it, never run."""
+        counted = base.attempts - (1 if self._done.gave_back((base.id, base.lease_version)) else 0)
+        return newer.lease_version == base.lease_version + 1 and newer.attempts == counted + 1
 
     def _claim_in_flight(self) -> bool:
         """Whether a claim has been sent whose rows have not been accepted yet (a loop that claims on a thread
@@ -800,7 +819,8 @@ class WorkerBase(LoopBase):
             return False
         job, outcomes = ended
         newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
-        if (newer.task, newer.payload, newer.headers) != (job.task, job.payload, job.headers):
+        same = (newer.task, newer.payload, newer.headers) == (job.task, job.payload, job.headers)
+        if not (same and self._continues(job, newer)):
             self._superseded(outcomes)
             return False
         self._ages[row[0]] = row[-1]
@@ -923,15 +943,18 @@ class WorkerBase(LoopBase):
         a newer claim of it: ``job``, written, none. With one that waited for this run (:meth:`_accept`): the
         newer claim takes this run's result when that result is still the job's — the run wrote nothing of its
         own (a handler in a transaction commits its work with its completion, fenced by the old lease: refused,
-        rolled back) and the job was not changed meanwhile (an operator's update; compared as the handler saw
-        it) — decided on the attempts of the run that happened, the attempts the newer claims counted given
+        rolled back), the job was not changed meanwhile (an operator's update; compared as the handler saw
+        it) and no other claim came between (:meth:`_continues`) — decided on the attempts of the run that happened, the attempts the newer claims counted given
         back (they never ran). Else this run's outcome is a lost lease, never written (the newer claim holds the
         row), and the newer claim runs now, after it — or is given back if the loop is ending."""
         newer = self._parked.pop(job.id, None) if self._parked else None
         if newer is None:
             return job, True, 0
+        apart = job.id in self._parked_apart
+        self._parked_apart.discard(job.id)
         if (
             ran is not None
+            and not apart
             and not (ran.committed or ran.lost)
             and (newer.task, newer.payload, newer.headers) == (job.task, job.payload, job.headers)
         ):
@@ -952,6 +975,7 @@ class WorkerBase(LoopBase):
         for newer in self._parked.values():
             self._done.add([self._not_started(newer, "released: worker stopping")])
         self._parked.clear()
+        self._parked_apart.clear()
 
     def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
         """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""

@@ -678,6 +678,126 @@ def test_a_newer_claim_still_in_flight_when_the_run_ends_takes_its_result(engine
     assert w.stats.lost_leases == 0, w.stats
 
 
+def _claimed_again_after_another(
+    engine: Engine, *, max_attempts: int, between: Callable[[Any], None], in_flight: bool,
+    other_queues: tuple[str, ...] = ("default",),
+) -> tuple[list[tuple[str, int, int]], Any]:  # fmt: skip
+    """Worker A runs job 1 and its lease runs out (``locked_at`` moved back an hour; A has no heartbeat); in the
+    handler ``between(other)`` runs with another worker (``other``), then A's own claim takes the row again (the
+    handler waits for it) —
+    its rows held back by the claim thread until A's run has ended (``in_flight``), or landing while the run
+    goes on (parked). Every run fails. Returns each run's (worker, lease_version, attempts) and the row."""
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 1, task="t", max_attempts=max_attempts)
+    runs: list[tuple[str, int, int]] = []
+    ready, ended = threading.Event(), threading.Event()
+
+    def theirs(job: ClaimedJob) -> None:
+        runs.append(("other", job.lease_version, job.attempts))
+        raise RetryableError("the other worker's run failed")
+
+    other = Worker(
+        engine, Job, {"t": theirs}, listen=False, heartbeat=0, backoff=Backoff(base=0.01, jitter=False)
+    )
+
+    def mine(job: ClaimedJob) -> None:
+        runs.append(("A", job.lease_version, job.attempts))
+        if not ready.is_set():
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE jobs SET locked_at = now() - interval '1 hour' WHERE id = 1"))
+            between(other)
+            before = row(engine, "jobs", 1).lease_version  # A's claim comes next
+            ready.set()
+            assert wait_until(lambda: row(engine, "jobs", 1).lease_version > before, 10), row(
+                engine, "jobs", 1
+            )
+            if not in_flight:
+                time.sleep(0.5)  # the claim lands, and waits for this run
+            ended.set()
+        raise RetryableError("A's run failed")
+
+    w = Worker(engine, Job, {"t": mine}, concurrency=2, poll_interval=0.05, listen=False, heartbeat=0,
+               backoff=Backoff(base=0.05, jitter=False))  # fmt: skip
+    submit = w._claimer.submit
+
+    def after_between(fn: Any, *args: Any) -> Any:
+        def claim() -> Any:
+            if runs and not ready.is_set():  # (A's first claim goes at once)
+                assert ready.wait(10)
+            applied, rows = fn(*args)
+            if in_flight and ready.is_set() and not ended.is_set() and any(r[0] == 1 for r in rows):
+                assert ended.wait(10)
+                time.sleep(0.3)  # (the loop collects the ended run meanwhile)
+            return applied, rows
+
+        return submit(claim)
+
+    w._claimer.submit = after_between  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
+    thread.start()
+    try:
+        settled = lambda: ended.is_set() and row(engine, "jobs", 1).status in ("failed", "queued")  # noqa: E731
+        assert wait_until(lambda: settled() and not w._running, 15), row(engine, "jobs", 1)
+        time.sleep(0.5)  # a run still to come would start now
+        assert wait_until(lambda: row(engine, "jobs", 1).status == "failed", 10), (
+            runs,
+            row(engine, "jobs", 1),
+        )
+    finally:
+        w.stop()
+        thread.join(15)
+        w.close()
+        other.close()
+    return runs, row(engine, "jobs", 1)
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in flight", "parked"])
+def test_a_claim_that_another_workers_run_came_before_never_takes_the_result(
+    engine: Engine, in_flight: bool
+) -> None:
+    """Between the lease of A's run and A's new claim, another worker's rescue took the row, and that worker
+    claimed and ran it (a failure). A's run's result written on its newest lease gave that run's attempt back
+    too: a job of three attempts ran four times (a review, both when the claim waited for the run and when it
+    landed after it). A claim that does not follow on from A's own lease never takes the run's result: A's run
+    is a lost lease, the claim runs after it — three runs, three attempts, failed."""
+    runs, r = _claimed_again_after_another(
+        engine, max_attempts=3, between=lambda other: other.run_once(), in_flight=in_flight
+    )
+    assert [(w, v) for w, v, _ in runs] == [("A", 1), ("other", 2), ("A", 3)], runs
+    assert (r.status, r.lease_version, r.attempts) == ("failed", 3, 3), (
+        r.status,
+        r.lease_version,
+        r.attempts,
+    )
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in flight", "parked"])
+def test_an_operators_retry_between_two_claims_runs(engine: Engine, in_flight: bool) -> None:
+    """A's lease ran out and another worker's rescue failed the job (its one attempt used); an operator's
+    retry_jobs put it back (attempts 0) and A's claim took it again. The run that began before the retry took
+    the retry's claim as its own: the retry never ran (a review). Its claim's attempts do not follow on from
+    A's lease: it runs, after A's run."""
+    from sa_outbox.admin import retry_jobs
+    from sa_outbox.models import Job
+
+    def rescue_then_retry(other: Any) -> None:
+        other.run_once()  # (its rescue only: it serves another queue)
+        assert row(engine, "jobs", 1).status == "failed"
+        assert retry_jobs(engine, Job, ids=[1]) == [1]
+
+    runs, r = _claimed_again_after_another(
+        engine, max_attempts=1, between=rescue_then_retry, in_flight=in_flight
+    )
+    assert [(w, v, a) for w, v, a in runs] == [("A", 1, 1), ("A", 2, 1)], runs
+    assert (r.status, r.lease_version, r.attempts) == ("failed", 2, 1), (
+        r.status,
+        r.lease_version,
+        r.attempts,
+    )
+
+
 def test_a_job_claimed_again_while_it_runs_never_burns_an_attempt(runner: Runner, engine: Engine) -> None:
     """A worker whose renewals keep failing (here a trigger refuses them) loses the lease of the job it runs to
     another worker's rescue, claims it again — held back, not started — loses that lease too, and so on. Each
