@@ -615,9 +615,9 @@ def _params(batch: Batch, parts: frozenset[str], optional: frozenset[str]) -> di
     if "skip" in parts:
         params["j_skip_keys"] = [k for k, m in zip(batch.keys, batch.modes, strict=True) if m == "skip"]
         if parts & {"replace", "debounce"}:
-            params["j_skip_set"] = json.dumps(dict.fromkeys(params["j_skip_keys"], 1))
+            params["j_skip_set"] = _keys_json(dict.fromkeys(params["j_skip_keys"], 1))
     if "debounce" in parts:
-        params["j_caps"] = json.dumps(
+        params["j_caps"] = _keys_json(
             {
                 k: s
                 for k, s, m in zip(batch.keys, batch.max_delays, batch.modes, strict=True)
@@ -625,6 +625,13 @@ def _params(batch: Batch, parts: frozenset[str], optional: frozenset[str]) -> di
             }
         )
     return params
+
+
+def _keys_json(by_key: Mapping[str | None, Any]) -> str:
+    """A JSON object keyed by unique keys, their characters as they are: a database that is not UTF8 refuses a
+    ``\\uXXXX`` escape of a non-ASCII character in jsonb (a review: a skip key "é" beside a replace row failed
+    in a SQL_ASCII database), where the key itself, sent as text, is taken."""
+    return json.dumps(by_key, ensure_ascii=False, separators=(",", ":"))
 
 
 #: How many times a statement runs again for skip rows whose waiting job it could not see (each time a

@@ -189,7 +189,8 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = 
     listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
     tracing) take SQLAlchemy's regular execution path, so they see every statement; so does a connection
     with a ``schema_translate_map`` (a tenant's schema: SQLAlchemy renders it into each execution).
-    ``prepare=False``: not prepared — planned for these parameters' values, never by a generic plan.
+    ``prepare=False``: not server-side prepared — planned at each call, for these parameters' values (unless
+    ``plan_cache_mode`` forces a generic plan even then).
     """
     pooled = conn.connection
     driver = getattr(pooled, "driver_connection", None)

@@ -665,3 +665,47 @@ def test_a_worker_with_unique_running_waits_for_a_keys_running_job(engine: Engin
     plain.close()
     with pytest.raises(ConfigurationError, match="Limit\\(1, per_key=True\\)"):
         Worker(engine, Job, {}, unique_running=True, limits={"default": Limit(2)})
+
+
+def test_non_ascii_keys_under_every_rule_in_a_database_that_is_not_utf8(server_url: URL) -> None:
+    """The skip keys' and the debounce caps' JSON objects keep a key's characters as they are: a SQL_ASCII
+    database refuses a ``\\uXXXX`` escape of a non-ASCII character in jsonb, so a skip key "é" beside a replace
+    row failed there (a review), and so did any non-ASCII debounce key — the keys themselves, sent as text,
+    are taken. The same call in a LATIN1 database."""
+    from sa_outbox.models import Base
+
+    from .conftest import scratch_database
+
+    for encoding in ("SQL_ASCII", "LATIN1"):
+        admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+        with scratch_database(server_url, "sa_outbox_enc") as url:
+            name = url.database
+            with admin.connect() as conn:  # the same database again, in this encoding
+                conn.execute(text(f'DROP DATABASE "{name}"'))
+                conn.execute(text(f"CREATE DATABASE \"{name}\" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' "
+                                  "TEMPLATE template0"))  # fmt: skip
+            admin.dispose()
+            engine = create_engine(url, connect_args={"client_encoding": "utf8"})
+            try:
+                Base.metadata.create_all(engine)
+                items: list[Any] = [
+                    {"task": "t", "payload": {}, "unique_key": "é-skip", "on_conflict": "skip"},
+                    {"task": "t", "payload": {}, "unique_key": "é-replace", "on_conflict": "replace"},
+                    {
+                        "task": "t",
+                        "payload": {},
+                        "unique_key": "é-debounce",
+                        "on_conflict": "debounce",
+                        "debounce": 5,
+                    },
+                ]
+                calls = []
+                for _ in range(2):  # the second call meets each key's waiting job
+                    with Session(engine) as s, s.begin():
+                        calls.append(enqueue_many(s, Job, items))
+                assert calls[0] == calls[1] and sorted(calls[0]) == [1, 2, 3], (encoding, calls)
+                with engine.connect() as conn:
+                    keys = dict(conn.execute(text("SELECT id, unique_key FROM jobs")).all())
+                assert [keys[i] for i in calls[0]] == [item["unique_key"] for item in items], (encoding, keys)
+            finally:
+                engine.dispose()
