@@ -1414,6 +1414,19 @@ def retry_jobs_statement(spec: QueueSpec, statuses: list[str]) -> Update:
     c = spec.c
     wanted = [const(s) for s in statuses]
     waiting, sibling = spec.table.alias("waiting_same_key"), spec.table.alias("retried_same_key")
+    # The first such job of each key among :ids, found once (an InitPlan): asked per row instead ("no such job
+    # of its key with a smaller id among :ids"), each row read the primary key for every id — a batch of 4,000
+    # never-started keyed jobs took 1.9 s, twice the ids four times the time (a review).
+    firsts = (
+        select(func.min(sibling.c.id))
+        .where(
+            sibling.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+            sibling.c.unique_key.is_not(None),
+            sibling.c.lease_version == literal_column("0", Integer),
+            sibling.c.status.in_(wanted),
+        )
+        .group_by(sibling.c.unique_key)
+    )
     key_free = or_(
         c.lease_version != literal_column("0", Integer),
         c.unique_key.is_(None),
@@ -1423,13 +1436,7 @@ def retry_jobs_statement(spec: QueueSpec, statuses: list[str]) -> Update:
                 waiting.c.status == const("queued"),
                 waiting.c.lease_version == literal_column("0", Integer),
             ),
-            ~exists().where(
-                sibling.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-                sibling.c.id < c.id,
-                sibling.c.unique_key == c.unique_key,
-                sibling.c.lease_version == literal_column("0", Integer),
-                sibling.c.status.in_(wanted),
-            ),
+            c.id == any_(func.array(firsts.scalar_subquery())),
         ),
     )
     return (
