@@ -620,6 +620,33 @@ def test_a_run_whose_result_a_newer_claim_takes_is_decided_on_its_own_attempts(
     assert (r.status, r.lease_version, r.attempts) == ("queued", 2, 1), r
 
 
+def _hold_claims(
+    w: Any,
+    hold: Callable[[list[Any]], bool],
+    *,
+    until: threading.Event,
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Wrap a sync Worker's claim thread: ``before()`` runs before each claim is sent; a claim whose rows
+    ``hold(rows)`` picks has committed, but reaches the loop only once ``until`` is set, and 0.3 s later (the
+    loop collects a run that ended meanwhile)."""
+    submit = w._claimer.submit
+
+    def send(fn: Any, *args: Any) -> Any:
+        def claim() -> Any:
+            if before is not None:
+                before()
+            applied, rows = fn(*args)
+            if hold(rows):
+                assert until.wait(10)
+                time.sleep(0.3)
+            return applied, rows
+
+        return submit(claim)
+
+    w._claimer.submit = send
+
+
 def test_a_newer_claim_still_in_flight_when_the_run_ends_takes_its_result(engine: Engine) -> None:
     """The newer claim has committed (the handler sees lease 2 in the table) but its rows have not reached the
     loop when the run ends: the run's outcome went to lease 1 and was refused as a lost lease, then the rows
@@ -646,20 +673,14 @@ def test_a_newer_claim_still_in_flight_when_the_run_ends_takes_its_result(engine
 
     w = Worker(engine, Job, {"t": body}, concurrency=2, poll_interval=0.05, listen=False,
                backoff=Backoff(base=60, jitter=False))  # fmt: skip
-    submit = w._claimer.submit
 
-    def lands_after_the_run(fn: Any, *args: Any) -> Any:
-        def claim() -> Any:
-            applied, rows = fn(*args)
-            if any((r[0], r[1]) == (1, 2) for r in rows):  # committed: held back until the run has ended
-                held_back.append(2)
-                assert ended.wait(5)
-                time.sleep(0.3)  # (the loop collects the ended run meanwhile)
-            return applied, rows
+    def lease_2(rows: list[Any]) -> bool:  # committed: held back until the run has ended
+        if any((r[0], r[1]) == (1, 2) for r in rows):
+            held_back.append(2)
+            return True
+        return False
 
-        return submit(claim)
-
-    w._claimer.submit = lands_after_the_run  # type: ignore[method-assign]
+    _hold_claims(w, lease_2, until=ended)
     thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
     thread.start()
     try:
@@ -720,21 +741,15 @@ def _claimed_again_after_another(
 
     w = Worker(engine, Job, {"t": mine}, concurrency=2, poll_interval=0.05, listen=False, heartbeat=0,
                backoff=Backoff(base=0.05, jitter=False))  # fmt: skip
-    submit = w._claimer.submit
 
-    def after_between(fn: Any, *args: Any) -> Any:
-        def claim() -> Any:
-            if runs and not ready.is_set():  # (A's first claim goes at once)
-                assert ready.wait(10)
-            applied, rows = fn(*args)
-            if in_flight and ready.is_set() and not ended.is_set() and any(r[0] == 1 for r in rows):
-                assert ended.wait(10)
-                time.sleep(0.3)  # (the loop collects the ended run meanwhile)
-            return applied, rows
+    def after_between() -> None:
+        if runs and not ready.is_set():  # (A's first claim goes at once)
+            assert ready.wait(10)
 
-        return submit(claim)
+    def held(rows: list[Any]) -> bool:
+        return in_flight and ready.is_set() and not ended.is_set() and any(r[0] == 1 for r in rows)
 
-    w._claimer.submit = after_between  # type: ignore[method-assign]
+    _hold_claims(w, held, until=ended, before=after_between)
     thread = threading.Thread(target=lambda: w.run(install_signal_handlers=False))
     thread.start()
     try:
