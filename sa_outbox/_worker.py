@@ -528,6 +528,9 @@ class WorkerBase(LoopBase):
         #: another worker claimed the row in between — and ran it — or an operator reset its attempts. Such a
         #: claim never takes the run's result: it runs after that run.
         self._parked_apart: set[int] = set()
+        #: Leases of held-back claims whose refund statement's answer was lost (:meth:`_refund_held_back_on`):
+        #: recorded as given back, but maybe not applied.
+        self._refund_in_doubt: set[tuple[int, int]] = set()
         #: Runs that ended while a claim was in flight, id -> (the job, the outcomes of its run): that claim may
         #: hold a newer lease of the job (committed, its rows not yet here), which then takes these outcomes
         #: (:meth:`_accept`). Recorded as they are when it lands without one.
@@ -767,6 +770,7 @@ class WorkerBase(LoopBase):
                     self._parked_apart.add(row[0])
                 if older is not None:  # its lease was taken back too: nothing will be written on it
                     self._done.given_back((older.id, older.lease_version), forget=True)
+                    self._refund_in_doubt.discard((older.id, older.lease_version))
                 self._parked[row[0]] = newer
                 self._to_refund.append((newer.id, newer.lease_version))
                 log.warning(
@@ -792,8 +796,12 @@ class WorkerBase(LoopBase):
         worker's claim take it again — the run's result written on the newest lease gave that other run's
         attempt back too, and a job of three attempts ran four times; and an operator's ``retry_jobs`` between
         the two claims (attempts back to 0) was used up by the run that began before it, never run."""
-        counted = base.attempts - (1 if self._done.gave_back((base.id, base.lease_version)) else 0)
-        return newer.lease_version == base.lease_version + 1 and newer.attempts == counted + 1
+        lease = (base.id, base.lease_version)
+        counted = base.attempts - (1 if self._done.gave_back(lease) else 0)
+        # a refund whose answer was lost may not have been applied: then the attempt is still counted (a review:
+        # the run's success thrown away as a lost lease, and the job run again)
+        either = (counted + 1, base.attempts + 1) if lease in self._refund_in_doubt else (counted + 1,)
+        return newer.lease_version == base.lease_version + 1 and newer.attempts in either
 
     def _claim_in_flight(self) -> bool:
         """Whether a claim has been sent whose rows have not been accepted yet (a loop that claims on a thread
@@ -867,6 +875,7 @@ class WorkerBase(LoopBase):
                     # a job of two attempts ran three times when the outcome gave it back again).
                     for p in waiting.values():
                         self._done.given_back((p.id, p.lease_version))
+                        self._refund_in_doubt.add((p.id, p.lease_version))
                     raise
                 # Refused (a user's trigger, a row-level security check): the attempt stays counted until the
                 # run ends, as before there was this statement — never a reason to end the loop (a review: the
@@ -952,6 +961,7 @@ class WorkerBase(LoopBase):
             return job, True, 0
         apart = job.id in self._parked_apart
         self._parked_apart.discard(job.id)
+        self._refund_in_doubt.discard((newer.id, newer.lease_version))
         if (
             ran is not None
             and not apart
@@ -976,6 +986,7 @@ class WorkerBase(LoopBase):
             self._done.add([self._not_started(newer, "released: worker stopping")])
         self._parked.clear()
         self._parked_apart.clear()
+        self._refund_in_doubt.clear()
 
     def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
         """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""

@@ -89,7 +89,8 @@ After every step
         most of ``stale_after``), so a rescue and a new claim can only come after its start;
     I12 no worker starts a job while it runs that job already (unless that run outlived the worker's
         handler_timeout, which gave up on it): a job claimed again while its first run goes on — another
-        worker's rescue took it back — waits for that run, whose result it takes;
+        worker's rescue took it back — waits for that run, whose result it takes when no other claim came
+        between (else it runs after it);
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison

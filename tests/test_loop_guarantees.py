@@ -920,6 +920,72 @@ def test_a_refund_whose_answer_is_lost_is_not_given_back_twice(runner: Runner, e
     assert lost and (r.status, r.lease_version, r.attempts) == ("done", 2, 1), (r, lost)
 
 
+@pytest.mark.parametrize("succeeds", [True, False], ids=["success", "failure"])
+def test_a_refund_lost_before_it_was_applied_still_lets_the_next_claim_take_the_result(
+    runner: Runner, engine: Engine, succeeds: bool
+) -> None:
+    """The held-back claim's refund never reaches the server and its answer is lost (here: refused before it is
+    sent, as a connection error), so it counts as given back although the attempt is still counted; then
+    another rescue, and the worker claims the job a third time. That claim's attempts are one more than the
+    worker expected: it was taken for another worker's claim, the run's success thrown away as a lost lease
+    and the job run again (a review, sync and async; a failing run: failed "3/3" after two runs). A refund in
+    doubt allows either count: one run, its result written on the newest lease — done with attempts 1, or
+    retried and run twice more (three runs, three attempts)."""
+    seed_jobs(engine, 1, task="t", max_attempts=3)
+    cut = threading.Event()
+    cut.set()
+    lost: list[str] = []
+    runs: list[int] = []
+
+    def never_sent(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        if cut.is_set() and statement.startswith("UPDATE jobs SET attempts="):
+            lost.append(statement)
+            raise OperationalError(
+                statement, params, Exception("connection lost"), connection_invalidated=True
+            )
+
+    def rescued() -> None:  # another worker's rescue
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE jobs SET status = 'queued', locked_by = NULL, locked_at = NULL"))
+
+    def body(job: ClaimedJob) -> None:
+        runs.append(job.lease_version)
+        if job.lease_version == 1:
+            rescued()
+            assert wait_until(lambda: bool(lost), 5)
+            rescued()
+            cut.clear()  # (the third claim's refund goes through)
+            assert wait_until(lambda: row(engine, "jobs", 1).lease_version == 3, 5), row(engine, "jobs", 1)
+            time.sleep(0.3)
+        if not succeeds:
+            raise RetryableError("failed")
+
+    async def body_async(job: ClaimedJob) -> None:
+        await asyncio.to_thread(body, job)
+
+    watched = runner.aengine.sync_engine if runner.aengine is not None else engine
+    event.listen(watched, "before_cursor_execute", never_sent)
+    try:
+        w = runner.worker({"t": body_async if runner.kind == "async" else body}, concurrency=2, poll_interval=0.05,
+                          backoff=Backoff(base=0.05, jitter=False))  # fmt: skip
+        ended = ("done",) if succeeds else ("failed",)
+        assert run_until(runner, w, lambda: row(engine, "jobs", 1).status in ended, timeout=20), row(
+            engine, "jobs", 1
+        )
+    finally:
+        event.remove(watched, "before_cursor_execute", never_sent)
+    r = row(engine, "jobs", 1)
+    assert lost
+    if succeeds:
+        assert (runs, r.status, r.lease_version, r.attempts) == ([1], "done", 3, 1), (
+            runs,
+            r.status,
+            r.attempts,
+        )
+    else:
+        assert len(runs) == 3 and (r.status, r.attempts) == ("failed", 3), (runs, r.status, r.attempts)
+
+
 def test_a_refund_refused_by_a_trigger_leaves_the_worker_running(runner: Runner, engine: Engine) -> None:
     """A trigger that refuses every update of a running job's row (renewals and the held-back claim's refund
     alike) made the refund raise out of the claim, and the worker exited (a review, sync and async). Logged
