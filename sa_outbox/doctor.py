@@ -325,7 +325,7 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
     if missing:
         return out, False
     if isinstance(want, _Shape):
-        out += _collation_findings(regclass, name, have, want)
+        out += _collation_findings(conn, regclass, name, have, want)
     # CHECK and primary key constraints
     if isinstance(want, _Shape):
         prep = conn.dialect.identifier_preparer
@@ -411,7 +411,9 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
     return out, True
 
 
-def _collation_findings(regclass: str, name: str, have: _Shape, want: _Shape) -> list[Finding]:
+def _collation_findings(
+    conn: Connection, regclass: str, name: str, have: _Shape, want: _Shape
+) -> list[Finding]:
     """Text columns whose collation is not the model's. A nondeterministic one (an ICU collation that ignores
     case or accents) makes texts it calls equal one value: two aggregates one ordered stream, two unique keys
     one key, two queue names one queue — a failure. A deterministic one only orders the indexes differently
@@ -425,8 +427,9 @@ def _collation_findings(regclass: str, name: str, have: _Shape, want: _Shape) ->
         return []
     loose = [c for c, (got, _) in differ.items() if not got[1]]
     said = "; ".join(f"{c}: {got[0]}, expected {expected[0]}" for c, (got, expected) in differ.items())
+    prep = conn.dialect.identifier_preparer
     fix = "\n".join(
-        f"ALTER TABLE {regclass} ALTER COLUMN {c} TYPE {got[2]} COLLATE {expected[0]}"
+        f"ALTER TABLE {regclass} ALTER COLUMN {prep.quote(c)} TYPE {got[2]} COLLATE {expected[0]}"
         for c, (got, expected) in differ.items()
     )
     if loose:

@@ -657,3 +657,29 @@ def test_a_nondeterministic_collation_is_a_failure(server_url: URL) -> None:
         with engine.begin() as conn:
             conn.execute(text(str(finding.fix).splitlines()[-1]))
         assert _non_ok(run(engine)) == []
+
+
+def test_a_collation_fix_quotes_a_column_name_that_needs_it(server_url: URL) -> None:
+    """A column of the team's own on the model whose name needs quoting ("TenantId"): the fix quoted only the
+    table, and failed on the column (a review: column "tenantid" does not exist)."""
+
+    class QuotedBase(DeclarativeBase):
+        pass
+
+    class TenantJob(JobMixin, QuotedBase):
+        __tablename__ = "tenant_jobs"
+        tenant: Mapped[str | None] = mapped_column("TenantId", Text)
+
+    with scratch_database(server_url, "sa_outbox_doc") as url:
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            QuotedBase.metadata.create_all(engine)
+            with engine.begin() as conn:
+                conn.execute(text('ALTER TABLE tenant_jobs ALTER COLUMN "TenantId" TYPE text COLLATE "C"'))
+            [finding] = [f for f in doctor(engine, [TenantJob]) if f.status != "ok" and f.table is not None]
+            assert finding.status == "warn" and 'ALTER COLUMN "TenantId"' in str(finding.fix), finding
+            with engine.begin() as conn:
+                conn.execute(text(str(finding.fix).splitlines()[-1]))
+            assert _non_ok(doctor(engine, [TenantJob])) == []
+        finally:
+            engine.dispose()
