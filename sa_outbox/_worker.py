@@ -531,10 +531,11 @@ class WorkerBase(LoopBase):
         #: Leases of held-back claims whose refund statement's answer was lost (:meth:`_refund_held_back_on`):
         #: recorded as given back, but maybe not applied.
         self._refund_in_doubt: set[tuple[int, int]] = set()
-        #: Runs that ended while a claim was in flight, id -> (the job, the outcomes of its run): that claim may
-        #: hold a newer lease of the job (committed, its rows not yet here), which then takes these outcomes
-        #: (:meth:`_accept`). Recorded as they are when it lands without one.
-        self._ended_meanwhile: dict[int, tuple[ClaimedJob, list[Outcome]]] = {}
+        #: Runs that ended while a claim was in flight, id -> (the job, its run's result): that claim may hold a
+        #: newer lease of the job (committed, its rows not yet here), which the run's result is then decided
+        #: with, as for a claim that waited for the run (:meth:`_landed_after_its_run`); recorded as they are
+        #: when it lands without one.
+        self._ended_meanwhile: dict[int, tuple[ClaimedJob, _Ran]] = {}
         #: Leases of claims :meth:`_accept` held back whose attempt is still to be given back
         #: (:meth:`_refund_held_back_on`).
         self._to_refund: list[tuple[int, int]] = []
@@ -753,12 +754,13 @@ class WorkerBase(LoopBase):
         """Claimed rows join the jobs in hand. A job claimed again while a run of it goes on here (its lease ran
         out unrenewed — the database out of reach — and another worker's rescue put it back) is not started
         beside that run: it waits for it (:meth:`_run_ended`), sharing its cancel flag. A job whose run ended
-        while this claim was in flight takes that run's outcomes on its newer lease (:meth:`_ended_in_flight`)."""
+        while this claim was in flight is decided the same way (:meth:`_landed_after_its_run`)."""
         jobs = []
         running = self._running_jobs()  # (a loop running one job at a time claims only between jobs)
         in_run = {r.job.id: r.job for r in running} if running else None
         for row in rows:
-            if self._ended_meanwhile and self._took_over(row):
+            if self._ended_meanwhile and row[0] in self._ended_meanwhile:
+                self._landed_after_its_run(row)
                 continue
             if in_run and row[0] in in_run:
                 token = self._tokens.get(row[0]) or CancelToken()
@@ -808,47 +810,30 @@ class WorkerBase(LoopBase):
         of its own, or sends its claim ahead; the others accept a claim's rows before they collect a run)."""
         return False
 
-    def _ended_in_flight(self, job: ClaimedJob, outcomes: Iterable[Outcome]) -> None:
-        """Keep the outcomes of a run that ended while a claim was in flight until that claim lands: it may have
-        taken the job again (another worker's rescue put the row back during the run) and committed, its rows
-        not yet accepted — written on the old lease, they were refused as a lost lease, and the newer claim then
-        ran the job a second time with its attempt counted (clean-clone CI, stop 58: "retries exhausted (2/2)"
-        after one run that failed). Nothing is written meanwhile: an outcome goes with the next statement, sent
-        after the claim in flight lands."""
-        self._ended_meanwhile[job.id] = (job, list(outcomes))
-
-    def _took_over(self, row: Any) -> bool:
-        """A claimed row of a job whose run ended while this claim was in flight (:meth:`_ended_in_flight`):
-        when the run's result is still the job's (as :meth:`_run_ended` decides it for a claim that waited), it
-        is written on the newer lease with that claim's counted attempts given back, and the row does not run.
-        Else the run's outcomes are a lost lease, and the row joins the jobs in hand."""
-        ended = self._ended_meanwhile.pop(row[0], None)
-        if ended is None:
-            return False
-        job, outcomes = ended
-        newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
-        same = (newer.task, newer.payload, newer.headers) == (job.task, job.payload, job.headers)
-        if not (same and self._continues(job, newer)):
-            self._superseded(outcomes)
-            return False
+    def _landed_after_its_run(self, row: Any) -> None:
+        """A claimed row of a job whose run ended here while this claim was in flight (:meth:`_finish`): another
+        worker's rescue put the row back during the run and this claim took it again, committed before the run
+        ended, its rows reaching the loop after. Written on the old lease, the run's outcome was refused as a
+        lost lease and the row then ran a second time with its attempt counted (clean-clone CI, stop 58:
+        "retries exhausted (2/2)" after one run that failed). The claim is put in ``_parked`` as one that waited
+        for the run, and the run's result decided at once by :meth:`_run_ended` — the same rule, on the newer
+        claim's row (its ``max_attempts`` included): taken by the claim, or a lost lease and the claim runs
+        next. Its attempt needs no refund statement: the outcome gives it back."""
+        job, ran = self._ended_meanwhile.pop(row[0])
         self._ages[row[0]] = row[-1]
-        log.info(
-            "job %s (%s): the result of its run on lease %s is written on lease %s (claimed as the run ended)",
-            job.id, job.task, job.lease_version, newer.lease_version,
-            extra={"table": self.spec.table.name, "row_id": job.id, "lease_version": newer.lease_version},
-        )  # fmt: skip
-        refund = max(0, newer.attempts - job.attempts)
-        self._done.add(
-            [replace(o, lease_version=newer.lease_version, refund=o.refund + refund) for o in outcomes]
-        )
-        return True
+        newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
+        if not self._continues(job, newer):
+            self._parked_apart.add(row[0])
+        self._parked[row[0]] = newer
+        self._record_run(job, ran)
 
     def _record_ended_meanwhile(self) -> None:
-        """The claim in flight has landed (or failed): the outcomes kept for it go to be written as they are."""
+        """The claim in flight has landed (or failed): the runs that ended meanwhile without a newer claim of
+        their job in it are recorded as they are."""
         if self._ended_meanwhile:
             ended, self._ended_meanwhile = self._ended_meanwhile, {}
-            for _, outcomes in ended.values():
-                self._done.add(outcomes)
+            for job, ran in ended.values():
+                self._record_run(job, ran)
 
     def _refund_held_back_on(self, conn: Connection) -> None:
         """Give back at once the attempt of each claim :meth:`_accept` held back that still waits: such a claim
@@ -1003,16 +988,30 @@ class WorkerBase(LoopBase):
         self._report(list(outcomes), set())
 
     def _finish(self, job: ClaimedJob, ran: _Ran) -> None:
-        """Record a job's result: timing, the outcome to write, and whether the loop must stop on it."""
-        in_flight = self._claim_in_flight() and job.id not in self._parked
+        """Record a job's result: timing, the outcome to write, and whether the loop must stop on it. While a
+        claim is in flight that may hold a newer lease of the job, the result waits for it to land
+        (:meth:`_landed_after_its_run`; nothing is written meanwhile anyway: an outcome goes with the next
+        statement, sent after that claim lands) — unless the run's transaction wrote its own completion, or its
+        error stops the loop, which must be known at once."""
+        self._pace.observe(ran.seconds)
+        self._observe_handled(ran.seconds, job.created_at)
+        if (
+            self._claim_in_flight()
+            and job.id not in self._parked
+            and not (ran.committed or ran.lost)
+            and not self._stops_loop(ran.error)
+        ):
+            self._ended_meanwhile[job.id] = (job, ran)
+            return
+        self._record_run(job, ran)
+
+    def _record_run(self, job: ClaimedJob, ran: _Ran) -> None:
+        """The outcome of a run's result, for the job or for a newer claim of it that takes it
+        (:meth:`_run_ended`), and whether the loop must stop on it."""
         job, write, refund = self._run_ended(job, ran)
         record: Callable[[Iterable[Outcome]], None] = self._done.add if write else self._superseded
         if refund:
             record = functools.partial(self._refunded, refund)
-        elif in_flight:
-            record = functools.partial(self._ended_in_flight, job)
-        self._pace.observe(ran.seconds)
-        self._observe_handled(ran.seconds, job.created_at)
         if ran.error is None and not (ran.committed or ran.lost):  # done (what decide() says, without asking)
             result = None if ran.value is None else _encode_result(job, ran.value, self._max_result_bytes())
             record((_steps.done_outcome(job.id, job.lease_version, self.spec.done, result),))

@@ -719,9 +719,8 @@ def _claimed_again_after_another(
         runs.append(("other", job.lease_version, job.attempts))
         raise RetryableError("the other worker's run failed")
 
-    other = Worker(
-        engine, Job, {"t": theirs}, listen=False, heartbeat=0, backoff=Backoff(base=0.01, jitter=False)
-    )
+    other = Worker(engine, Job, {"t": theirs}, queues=other_queues, listen=False, heartbeat=0,
+                   backoff=Backoff(base=0.01, jitter=False))  # fmt: skip
 
     def mine(job: ClaimedJob) -> None:
         runs.append(("A", job.lease_version, job.attempts))
@@ -811,6 +810,30 @@ def test_an_operators_retry_between_two_claims_runs(engine: Engine, in_flight: b
         r.lease_version,
         r.attempts,
     )
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in flight", "parked"])
+def test_max_attempts_lowered_between_two_claims_decides_the_run_the_same_either_way(
+    engine: Engine, in_flight: bool
+) -> None:
+    """An operator lowers max_attempts (2 -> 1) while the job waits between another worker's rescue and this
+    worker's claim; the run on the old lease fails. A claim that waited for the run decided it on the newer
+    claim's max_attempts (failed 1/1); one whose rows landed just after the run ended had its outcome decided
+    on the old lease's (a retry) and moved onto the newer lease: the job ran again and failed "2/1" (a
+    review). Both now go through one decision."""
+    from sa_outbox.admin import update_jobs
+    from sa_outbox.models import Job
+
+    def rescue_then_lower(other: Any) -> None:
+        other.run_once()  # (its rescue only: it serves another queue)
+        assert update_jobs(engine, Job, ids=[1], max_attempts=1) == [1]
+
+    runs, r = _claimed_again_after_another(
+        engine, max_attempts=2, between=rescue_then_lower, in_flight=in_flight, other_queues=("nothing-here",)
+    )
+    assert runs == [("A", 1, 1)], runs
+    assert (r.status, r.lease_version, r.attempts) == ("failed", 2, 1), (r.status, r.attempts, r.last_error)
+    assert "(1/1)" in r.last_error
 
 
 def test_a_job_claimed_again_while_it_runs_never_burns_an_attempt(runner: Runner, engine: Engine) -> None:
