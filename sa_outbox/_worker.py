@@ -938,9 +938,10 @@ class WorkerBase(LoopBase):
         newer claim takes this run's result when that result is still the job's — the run wrote nothing of its
         own (a handler in a transaction commits its work with its completion, fenced by the old lease: refused,
         rolled back), the job was not changed meanwhile (an operator's update; compared as the handler saw
-        it) and no other claim came between (:meth:`_continues`) — decided on the attempts of the run that happened, the attempts the newer claims counted given
-        back (they never ran). Else this run's outcome is a lost lease, never written (the newer claim holds the
-        row), and the newer claim runs now, after it — or is given back if the loop is ending."""
+        it) and no other claim came between (:meth:`_continues`) — decided on the attempts of the run that
+        happened, the attempts the newer claims counted given back (they never ran). Else this run's outcome
+        is a lost lease, never written (the newer claim holds the row), and the newer claim runs now, after
+        it — or is given back if the loop is ending."""
         newer = self._parked.pop(job.id, None) if self._parked else None
         if newer is None:
             return job, True, 0
