@@ -40,6 +40,8 @@ class Completer:
         #: Leases (id, lease_version) whose claim's attempt was given back already (a worker's claim of a job it
         #: is running, held back): the outcome written on such a lease gives one attempt fewer back.
         self._given_back: set[tuple[int, int]] = set()
+        #: Those of them whose refund's answer was lost: recorded as given back, but maybe not applied.
+        self._in_doubt: set[tuple[int, int]] = set()
 
     def add(self, outcomes: Iterable[Outcome]) -> None:
         if not self._outcomes:
@@ -48,25 +50,34 @@ class Completer:
             outcomes = [self._counted(o) for o in outcomes]
         self._outcomes.extend(outcomes)
 
-    def given_back(self, lease: tuple[int, int], forget: bool = False) -> None:
+    def given_back(self, lease: tuple[int, int], forget: bool = False, in_doubt: bool = False) -> None:
         """Record that ``lease``'s claim has had its attempt given back — once, however often that is said (the
         refund is idempotent, and may be recorded before its answer is known) — or, ``forget``, drop that
         record: the lease is gone and no outcome will be written on it."""
         if forget:
             self._given_back.discard(lease)
+            self._in_doubt.discard(lease)
         else:
             self._given_back.add(lease)
+            if in_doubt:
+                self._in_doubt.add(lease)
 
     def gave_back(self, lease: tuple[int, int]) -> bool:
         """Whether ``lease``'s claim had its attempt given back (an outcome written elsewhere — a handler's
         transaction — then gives one fewer back; :meth:`given_back` with ``forget`` once written)."""
         return lease in self._given_back
 
+    def in_doubt(self, lease: tuple[int, int]) -> bool:
+        """Whether ``lease``'s attempt was recorded as given back by a refund whose answer was lost (``in_doubt``
+        of :meth:`given_back`): it may still be counted."""
+        return lease in self._in_doubt
+
     def _counted(self, o: Outcome) -> Outcome:
         lease = (o.id, o.lease_version)
         if lease not in self._given_back:
             return o
         self._given_back.discard(lease)
+        self._in_doubt.discard(lease)
         return replace(o, refund=o.refund - 1)
 
     def take(self) -> list[Outcome]:

@@ -528,9 +528,6 @@ class WorkerBase(LoopBase):
         #: another worker claimed the row in between — and ran it — or an operator reset its attempts. Such a
         #: claim never takes the run's result: it runs after that run.
         self._parked_apart: set[int] = set()
-        #: Leases of held-back claims whose refund statement's answer was lost (:meth:`_refund_held_back_on`):
-        #: recorded as given back, but maybe not applied.
-        self._refund_in_doubt: set[tuple[int, int]] = set()
         #: Runs that ended while a claim was in flight, id -> (the job, its run's result): that claim may hold a
         #: newer lease of the job (committed, its rows not yet here), which the run's result is then decided
         #: with, as for a claim that waited for the run (:meth:`_landed_after_its_run`); recorded as they are
@@ -772,7 +769,6 @@ class WorkerBase(LoopBase):
                     self._parked_apart.add(row[0])
                 if older is not None:  # its lease was taken back too: nothing will be written on it
                     self._done.given_back((older.id, older.lease_version), forget=True)
-                    self._refund_in_doubt.discard((older.id, older.lease_version))
                 self._parked[row[0]] = newer
                 self._to_refund.append((newer.id, newer.lease_version))
                 log.warning(
@@ -802,7 +798,7 @@ class WorkerBase(LoopBase):
         counted = base.attempts - (1 if self._done.gave_back(lease) else 0)
         # a refund whose answer was lost may not have been applied: then the attempt is still counted (a review:
         # the run's success thrown away as a lost lease, and the job run again)
-        either = (counted + 1, base.attempts + 1) if lease in self._refund_in_doubt else (counted + 1,)
+        either = (counted + 1, base.attempts + 1) if self._done.in_doubt(lease) else (counted + 1,)
         return newer.lease_version == base.lease_version + 1 and newer.attempts in either
 
     def _claim_in_flight(self) -> bool:
@@ -859,8 +855,7 @@ class WorkerBase(LoopBase):
                     # counted, as before this statement existed, never one run past max_attempts (a review:
                     # a job of two attempts ran three times when the outcome gave it back again).
                     for p in waiting.values():
-                        self._done.given_back((p.id, p.lease_version))
-                        self._refund_in_doubt.add((p.id, p.lease_version))
+                        self._done.given_back((p.id, p.lease_version), in_doubt=True)
                     raise
                 # Refused (a user's trigger, a row-level security check): the attempt stays counted until the
                 # run ends, as before there was this statement — never a reason to end the loop (a review: the
@@ -947,7 +942,6 @@ class WorkerBase(LoopBase):
             return job, True, 0
         apart = job.id in self._parked_apart
         self._parked_apart.discard(job.id)
-        self._refund_in_doubt.discard((newer.id, newer.lease_version))
         if (
             ran is not None
             and not apart
@@ -972,7 +966,6 @@ class WorkerBase(LoopBase):
             self._done.add([self._not_started(newer, "released: worker stopping")])
         self._parked.clear()
         self._parked_apart.clear()
-        self._refund_in_doubt.clear()
 
     def _ended_unfinished(self, job: ClaimedJob, reason: str) -> None:
         """A job whose run was cancelled (not by a cancellation request, which is a result) is given back."""
