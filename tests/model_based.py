@@ -10,7 +10,8 @@ database, real threads with their own connections, real backend terminations. Ru
 * enqueue jobs;
 * start a dispatcher or a worker (sync or async; random batch, concurrency, handler timeout, LISTEN on/off;
   often a sync inline worker with instant handlers on one or two queues, whose claims go out ahead of the
-  jobs in hand;
+  jobs in hand; some sync workers' claims reach the loop 50-350 ms after they committed, so runs end while a
+  claim is in flight — one that may hold a newer lease of the job a run had (``land_late``);
   a fifth of them stop by themselves after ``run(max_batches=N)``), stop one gracefully, cancel an async
   one's ``run()`` (once, or twice a few ms apart);
 * terminate every backend of the loops (``pg_terminate_backend``);
@@ -41,6 +42,9 @@ database, real threads with their own connections, real backend terminations. Ru
   then after a step (a stream of its own), while the rules go on;
 * a trigger refuses every renewal of a running job for 1–4 s (a stream of its own), while the rules go on:
   beats fail and leases run out under running handlers;
+* another worker's rescue takes a running job or two back from under their runs (their leases moved an hour
+  back, as a worker frozen past ``stale_after`` leaves them; a stream of its own): their workers may claim
+  them again while the runs go on, and with late landings after the runs ended;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -175,6 +179,7 @@ from sa_outbox import (
     sync_schedules,
 )
 from sa_outbox._enqueue import PLANNED_ALONE_FROM
+from sa_outbox._names import channel_for
 from sa_outbox._sql import partition_table, spec_for
 from sa_outbox._worker import WorkerBase
 from sa_outbox.admin import pause_queue, resume_queue, retry_dead, retry_jobs, update_jobs
@@ -224,6 +229,14 @@ _REFUSE_RENEWALS = (
     "CREATE OR REPLACE TRIGGER model_no_renewal BEFORE UPDATE ON jobs FOR EACH ROW "
     "EXECUTE FUNCTION model_no_renewal()"
 )
+#: rule_take_back_running's pick: running jobs (not a held one), locked so no beat renews them meanwhile.
+_RUNNING_TO_TAKE = text(
+    "SELECT id, queue FROM jobs WHERE status = 'running' AND task <> 'model_cron' "
+    "AND NOT ((payload ->> 'seq')::int = ANY(CAST(:held AS int[]))) "
+    "ORDER BY (payload ->> 'seq')::int = ANY(CAST(:in_run AS int[])) DESC, random() LIMIT :n FOR UPDATE SKIP LOCKED"
+)
+_WAKE_WORKERS = text("SELECT pg_notify(:channel, :queue)")
+_LEASE_AN_HOUR_BACK = text("UPDATE jobs SET locked_at = locked_at - interval '1 hour' WHERE id = ANY(:ids)")
 CRON = "model_cron"  # the schedule's name and its jobs' task
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
 
@@ -274,6 +287,12 @@ class Record:
         self.in_run: dict[tuple[str, int], list[float]] = {}
         self.beside_itself: list[str] = []
         self.runs: list[tuple[str, int, int, float]] = []  # (worker, seq, lease_version, start) of each run
+        #: Runs that ended while a claim of their worker was in flight (their result waited for it to land),
+        #: and claims that landed with a newer lease of a job whose run had ended meanwhile (land_late).
+        self.ended_in_flight = 0
+        self.landed_after_run = 0
+        #: Claims of a job its worker was running (parked behind the run, or landed after it: WorkerBase._accept).
+        self.claimed_while_running = 0
 
     def check_payload(self, payload: Any) -> None:
         """I7: a claimed payload decodes as the loops' engine decodes JSON, to the value produced (the loops'
@@ -335,9 +354,25 @@ class Record:
         """Record every batch a worker takes into its hands (``WorkerBase._accept``, which every claim path
         ends in), in the order it takes them (I10)."""
         real = WorkerBase._accept
+        real_finish, real_landed = WorkerBase._finish, WorkerBase._landed_after_its_run
+
+        def finish(worker: Any, job: ClaimedJob, ran: Any) -> None:
+            real_finish(worker, job, ran)
+            if job.id in worker._ended_meanwhile:
+                with self.lock:
+                    self.ended_in_flight += 1
+
+        def landed(worker: Any, row: Any) -> None:
+            with self.lock:
+                self.landed_after_run += 1
+            real_landed(worker, row)
 
         def accept(worker: Any, rows: Any) -> int:
             n = real(worker, rows)
+            parked = sum(1 for r in rows if getattr(worker._parked.get(r[0]), "lease_version", None) == r[1])
+            if parked:
+                with self.lock:
+                    self.claimed_while_running += parked
             taken = list(worker._queue)[len(worker._queue) - n :]
             batch = [(seq_of(j), j.lease_version, j.queue, j.priority) for j in taken]
             with self.lock:
@@ -345,10 +380,38 @@ class Record:
             return n
 
         WorkerBase._accept = accept  # type: ignore[method-assign]
+        WorkerBase._finish = finish  # type: ignore[method-assign]
+        WorkerBase._landed_after_its_run = landed  # type: ignore[method-assign]
         try:
             yield
         finally:
             WorkerBase._accept = real  # type: ignore[method-assign]
+            WorkerBase._finish = real_finish  # type: ignore[method-assign]
+            WorkerBase._landed_after_its_run = real_landed  # type: ignore[method-assign]
+
+
+def land_late(worker: Worker, rng: random.Random) -> Worker:
+    """A sync worker whose claims, sent on its claim thread, reach the loop 50-350 ms after they committed (two in
+    three of them): a slow round trip's answer, a GIL the claim thread waits for. Runs end meanwhile — a job's
+    result then waits for the claim to land, and when the claim took that job again (its lease ran out under
+    the run: renewals refused, the database out of reach, and another worker's rescue put it back) the run
+    is decided on the newer lease or as a lost lease (``WorkerBase._finish``, ``_landed_after_its_run``; I3,
+    I4, I11, I12 check what came of it). ``rng`` is drawn from the loop's thread only."""
+    submit = worker._claimer.submit
+
+    def send(fn: Any, *args: Any) -> Any:
+        delay = rng.choice((0.0, 0.05, 0.15, 0.35, 0.15, 0.0))
+
+        def claim() -> Any:
+            result = fn(*args)
+            if delay:
+                time.sleep(delay)
+            return result
+
+        return submit(claim)
+
+    worker._claimer.submit = send  # type: ignore[method-assign]
+    return worker
 
 
 def seq_of(job: ClaimedJob) -> int:
@@ -740,6 +803,9 @@ class Scenario:
         #: queue of QUEUES, fired by the workers that are given the schedules (some of them), paused and
         #: resumed by an operator now and then: see the C invariants.
         self.cron_rng = random.Random(f"cron {seed}")
+        #: which sync workers' claims land late (:func:`land_late`), and each such worker's own delays
+        self.late_rng = random.Random(f"late landings {seed}")
+        self.take_back_rng = random.Random(f"take back {seed}")
         self.cron = self.cron_rng.random() < 0.5
         #: The schedule's pauses, by the database clock: [after the pause returned, before the resume began].
         self.cron_pauses: list[list[datetime | None]] = []
@@ -799,6 +865,9 @@ class Scenario:
         self.holder: threading.Thread | None = None
         self.cutter: threading.Thread | None = None  # rule_db_outage's
         self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
+        #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
+        self.hold_seqs: set[int] = set()
+        self.taken_back = 0  # jobs rule_take_back_running took from under their runs
         self.refusal_epochs = 0  # refusals begun plus refusals lifted (odd: renewals are refused now)
         self.db_outages = 0
         #: When the rules ended (the final drain begins).
@@ -1318,6 +1387,9 @@ class Scenario:
         elif LIMITED in queues:
             options["limits"] = {LIMITED: self.limit}
         cls: Any = AsyncWorker if is_async else Worker
+        late: random.Random | None = None
+        if not is_async and not fast and self.late_rng.random() < 0.4:
+            late = random.Random(self.late_rng.random())
         if set(queues) == set(QUEUES):
             self.every_queue.add(name)
         if burst:
@@ -1327,10 +1399,15 @@ class Scenario:
         run_kwargs = self._run_kwargs(bounded)
         self.log.append(
             f"start {name} async={is_async} async_handler={async_handler} pace={pace} queues={queues} {options} "
-            f"{run_kwargs}"
+            f"{run_kwargs}{' claims land late' if late else ''}"
         )
+
+        def build(e: Any) -> Any:
+            loop = cls(e, Job, handlers, queues=queues, **options)
+            return loop if late is None else land_late(loop, late)
+
         self.workers.append(
-            LoopThread(name, lambda e: cls(e, Job, handlers, queues=queues, **options), is_async=is_async,
+            LoopThread(name, build, is_async=is_async,
                        engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
                        engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
         )  # fmt: skip
@@ -1461,6 +1538,37 @@ class Scenario:
         self.log.append(
             f"renewals of running jobs{' of odd ids' if odd_only else ''} refused for {span:.1f}s"
         )
+
+    def rule_take_back_running(self) -> None:
+        """Another worker's rescue takes one or two running jobs back from under their runs, as if the workers
+        running them had been frozen (a stop-the-world pause, SIGSTOP) past stale_after: their leases are moved
+        an hour back and the real rescue statement puts them back (only leases that old: no other row). Their
+        workers' beats then find the leases lost; a worker may claim such a job again while its run goes on
+        (held back behind the run, I12), and with late landings (:func:`land_late`) that claim may land after
+        the run has ended: the run is then decided on the newer lease, or as a lost lease (I3, I4, I11, I12).
+        The rows rule_hold_job_row holds are left to it (I9). Jobs whose handlers are running now (a "hang"
+        plan's: the others end at once) go first, and the workers are woken as a NOTIFY of new jobs would: so
+        that a worker claims a job again while its own run of it goes on, not only after."""
+        want = self.take_back_rng.randint(1, 2)
+        with self.record.lock:
+            in_run = sorted({seq for (_, seq), starts in self.record.in_run.items() if starts})
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '1s'"))
+                picked = conn.execute(
+                    _RUNNING_TO_TAKE, {"held": sorted(self.hold_seqs), "in_run": in_run, "n": want}
+                ).all()
+                if not picked:
+                    return
+                conn.execute(_LEASE_AN_HOUR_BACK, {"ids": [i for i, _ in picked]})
+                taken = _steps.rescue(conn, spec_for(Job), stale_after=timedelta(minutes=30))
+                for queue in {q for _, q in picked}:
+                    conn.execute(_WAKE_WORKERS, {"channel": channel_for(Job.__tablename__), "queue": queue})
+        except DBAPIError as exc:  # (a connection fault or a lock wait: nothing taken back this time)
+            self.log.append(f"nothing taken back: {exc.orig}")
+            return
+        self.taken_back += len(taken)
+        self.log.append(f"rescue took back running jobs {[(i, st, v) for i, st, v in taken]}")
 
     def _lift_refusal(self) -> None:
         with self.engine.begin() as conn:
@@ -1636,6 +1744,7 @@ class Scenario:
                 priority=100,
             )
         self.model.jobs[p.seq] = p
+        self.hold_seqs.add(p.seq)
 
         def hold() -> None:
             with self.engine.connect() as conn:
@@ -1764,6 +1873,8 @@ class Scenario:
     DB_OUTAGE_EVERY = 1 / 25
     #: rule_refuse_renewals starts after a step with this probability (its own generator, as ANALYZE_EVERY).
     REFUSE_RENEWALS_EVERY = 1 / 25
+    #: rule_take_back_running runs after a step with this probability (its own generator, as ANALYZE_EVERY).
+    TAKE_BACK_EVERY = 1 / 5
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -1806,6 +1917,8 @@ class Scenario:
                         self.rule_db_outage()
                     if self.refusal_rng.random() < self.REFUSE_RENEWALS_EVERY:
                         self.rule_refuse_renewals()
+                    if self.take_back_rng.random() < self.TAKE_BACK_EVERY:
+                        self.rule_take_back_running()
                     self._reap_exited()
                     self.check_always()
                 # Every scenario meets a held job row and a locked pending event at least once: a seed whose rules
@@ -1829,6 +1942,12 @@ class Scenario:
             finally:
                 self.sent_ahead = counter.sent_ahead
                 self.log.append(f"claims sent ahead of the jobs in hand: {counter.sent_ahead}")
+                self.log.append(
+                    f"runs ended with a claim in flight: {self.record.ended_in_flight}; claims that landed with "
+                    f"a newer lease of such a run's job: {self.record.landed_after_run}; claims of a job its worker was "
+                    f"running: {self.record.claimed_while_running}; running jobs taken back: "
+                    f"{self.taken_back}"
+                )
                 for lt in self.dispatchers + self.workers:
                     lt.stop()
                 self.sampler.stop()
