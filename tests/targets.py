@@ -49,7 +49,8 @@ def worker() -> Worker:
             )
 
     return Worker(engine, Job, {"record": record}, batch=int(os.environ.get("BATCH", "10")), poll_interval=0.2,
-                  stale_after=float(os.environ.get("STALE_AFTER", "60")))  # fmt: skip
+                  stale_after=float(os.environ.get("STALE_AFTER", "60")),
+                  concurrency=int(os.environ.get("CONCURRENCY", "1")))  # fmt: skip
 
 
 def async_dispatcher() -> object:

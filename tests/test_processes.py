@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -56,6 +58,11 @@ def wait_for(predicate: Any, timeout: float = 30.0, every: float = 0.05) -> None
             return
         time.sleep(every)
     raise AssertionError("condition not reached in time")
+
+
+def scalar_row(engine: Engine, sql: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(text(sql)).one()
 
 
 def stop(proc: subprocess.Popen[str], timeout: float = 30.0) -> tuple[int, str]:
@@ -261,6 +268,49 @@ def test_kill_9_worker_job_is_reaped_and_completed_and_old_token_is_fenced(
             eng.finalize(conn, JOBS, [eng.Outcome(old.id, old.lease_version, "failed", error="zombie")])
             == set()
         )
+
+
+def test_kill_9_while_a_claim_waits_behind_the_run_of_its_job_leaves_the_attempts_to_the_runs(
+    side_tables: Engine, db_url: URL
+) -> None:
+    """A worker process runs a job of two attempts; another worker's rescue takes its lease back under the run
+    and the process claims the job again (lease 2), held back behind its own run — then it is killed (-9). The
+    held-back claim's attempt was given back at once: a rescue after the kill puts the job back, and it runs
+    and is done on its second attempt — it is not failed "after max attempts (worker crash?)" with one run
+    begun and none ended (a review saw that before the refund)."""
+    engine = side_tables
+    seed_jobs(engine, 1, task="record", max_attempts=2)
+    proc = spawn("worker", db_url, JOB_DELAY="60", STALE_AFTER="60", CONCURRENCY="2")
+    try:
+        wait_for(lambda: statuses(engine, "jobs") == {"running": 1})
+        expire_leases(engine, "jobs")  # its lease runs out under the run: another worker's rescue takes it
+        with engine.begin() as conn:
+            assert [(i, st) for i, st, _ in eng.rescue(conn, JOBS, stale_after=timedelta(seconds=60))] == [
+                (1, "queued")
+            ]
+        got = "SELECT status, lease_version, attempts FROM jobs WHERE id = 1"
+        # claimed again by the process (lease 2) while its run goes on ...
+        wait_for(lambda: tuple(scalar_row(engine, got))[:2] == ("running", 2), timeout=15)
+        # ... and that claim's attempt given back (with the worker's next statement)
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: scalar_row(engine, got).attempts == 1, timeout=5)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+    assert scalar(engine, "SELECT count(*) FROM job_calls") == 0  # its run never ended
+    expire_leases(engine, "jobs")  # stale_after has passed since the kill
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    calls: list[int] = []
+    w = Worker(engine, Job, {"record": lambda j: calls.append(j.attempts)}, stale_after=60, listen=False)
+    w.run_once()  # the rescue puts it back
+    w.run_once()  # and it runs
+    w.close()
+    with engine.connect() as conn:
+        now = conn.execute(text("SELECT status, attempts, lease_version FROM jobs")).one()
+    assert calls == [2]
+    assert (now.status, now.attempts, now.lease_version) == ("done", 2, 3)
 
 
 def test_cli_runs_an_async_dispatcher_target_and_stops_on_sigterm(side_tables: Engine, db_url: URL) -> None:
