@@ -42,9 +42,10 @@ database, real threads with their own connections, real backend terminations. Ru
   then after a step (a stream of its own), while the rules go on;
 * a trigger refuses every renewal of a running job for 1–4 s (a stream of its own), while the rules go on:
   beats fail and leases run out under running handlers;
-* another worker's rescue takes a running job or two back from under their runs (their leases moved an hour
-  back, as a worker frozen past ``stale_after`` leaves them; a stream of its own): their workers may claim
-  them again while the runs go on, and with late landings after the runs ended;
+* another worker's rescue takes a job or two back from under their handlers' runs (their leases moved an hour
+  back, as a worker frozen mid-run past ``stale_after`` leaves them; a stream of its own; a job whose run
+  lingers is enqueued for it): their workers may claim them again while the runs go on, and with late
+  landings after the runs ended;
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -198,6 +199,7 @@ PARTITIONED_TABLE = "model_outbox_p"
 LOOP_APP = {"application_name": "model-loop"}
 HANG = 0.7  # longer than any publish_timeout / handler_timeout below
 LONG = 4.5  # a "long" job's run: longer than stale_after and than rule_hold_job_row's hold of its row
+LINGER = 1.2  # a "linger" job's run: a success that takes a while (rule_take_back_running's own job)
 EVENT_ACTIONS = ("retry", "defer", "hang", "boom", "noanswer")
 QUEUES = ("q1", "q2", "q3")
 LIMITED = "q3"
@@ -229,11 +231,14 @@ _REFUSE_RENEWALS = (
     "CREATE OR REPLACE TRIGGER model_no_renewal BEFORE UPDATE ON jobs FOR EACH ROW "
     "EXECUTE FUNCTION model_no_renewal()"
 )
-#: rule_take_back_running's pick: running jobs (not a held one), locked so no beat renews them meanwhile.
+#: rule_take_back_running's pick: the rows of handler calls going on (seq and lease version), locked so no beat
+#: renews them meanwhile (a row another transaction holds is passed over).
 _RUNNING_TO_TAKE = text(
-    "SELECT id, queue FROM jobs WHERE status = 'running' AND task <> 'model_cron' "
-    "AND NOT ((payload ->> 'seq')::int = ANY(CAST(:held AS int[]))) "
-    "ORDER BY (payload ->> 'seq')::int = ANY(CAST(:in_run AS int[])) DESC, random() LIMIT :n FOR UPDATE SKIP LOCKED"
+    "SELECT id, queue, (payload ->> 'seq')::int AS seq FROM jobs "
+    "JOIN unnest(CAST(:seqs AS int[]), CAST(:versions AS bigint[])) AS r(seq, version) "
+    "ON (payload ->> 'seq')::int = r.seq AND lease_version = r.version "
+    "WHERE status = 'running' AND task <> 'model_cron' "
+    "ORDER BY random() LIMIT :n FOR UPDATE OF jobs SKIP LOCKED"
 )
 _WAKE_WORKERS = text("SELECT pg_notify(:channel, :queue)")
 _LEASE_AN_HOUR_BACK = text("UPDATE jobs SET locked_at = locked_at - interval '1 hour' WHERE id = ANY(:ids)")
@@ -285,6 +290,8 @@ class Record:
         self.batches: list[tuple[int, list[tuple[int, int, str, int]]]] = []
         #: I12: the runs going on, (worker, seq) -> when each started; and the starts beside one of them.
         self.in_run: dict[tuple[str, int], list[float]] = {}
+        #: The (seq, lease_version) of each handler call going on (rule_take_back_running takes only those).
+        self.in_run_leases: Counter[tuple[int, int]] = Counter()
         self.beside_itself: list[str] = []
         self.runs: list[tuple[str, int, int, float]] = []  # (worker, seq, lease_version, start) of each run
         #: Runs that ended while a claim of their worker was in flight (their result waited for it to land),
@@ -320,16 +327,22 @@ class Record:
         with self.lock:
             runs = self.in_run.setdefault(key, [])
             if any(timeout is None or now - began < timeout for began in runs):
+                ages = ", ".join(f"{now - began:.3f}" for began in runs)
                 self.beside_itself.append(
-                    f"{who} started job {key[1]} (lease {job.lease_version}) while running it"
+                    f"{who} started job {key[1]} (lease {job.lease_version}) while running it (runs of {ages} s "
+                    f"going on; handler_timeout {timeout})"
                 )
             runs.append(now)
             self.runs.append((who, key[1], job.lease_version, now))
+            self.in_run_leases[key[1], job.lease_version] += 1
         try:
             yield
         finally:
             with self.lock:
                 runs.remove(now)
+                self.in_run_leases[key[1], job.lease_version] -= 1
+                if not self.in_run_leases[key[1], job.lease_version]:
+                    del self.in_run_leases[key[1], job.lease_version]
 
     def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
         """Record one call; returns its position (for :meth:`settle`)."""
@@ -496,6 +509,9 @@ def make_handler(
         if action == "long":  # a success that takes LONG (see rule_hold_job_row)
             record.add("handle", payload["seq"], job.lease_version, "ok", queue=job.queue)
             return action
+        if action == "linger":  # a success after LINGER (rule_take_back_running's): "ok" once it has returned
+            at = record.add("handle", payload["seq"], job.lease_version, "cut short", queue=job.queue)
+            return f"linger {at}"
         if session is not None and action == "ok":
             # A transactional handler's success is one only if its transaction commits with the completion:
             # a completion that failed (a terminated connection) rolls the call back and the job runs again
@@ -523,6 +539,9 @@ def make_handler(
     def linger(done: str) -> None:  # what a "long" or a "hang" plan does once act() has recorded the call
         if done == "long":
             time.sleep(LONG)
+        elif done.startswith("linger "):
+            time.sleep(LINGER)
+            record.settle(int(done.split()[1]), "ok")
         elif done == "hang":
             time.sleep(HANG)
             raise RetryableError("planned hang")
@@ -530,6 +549,9 @@ def make_handler(
     async def linger_async(done: str) -> None:
         if done == "long":
             await asyncio.sleep(LONG)
+        elif done.startswith("linger "):
+            await asyncio.sleep(LINGER)
+            record.settle(int(done.split()[1]), "ok")
         elif done == "hang":
             await asyncio.sleep(HANG)
             raise RetryableError("planned hang")
@@ -753,6 +775,7 @@ class Model:
     #: replace/debounce took over before it started: none may ever run, nor be found in the table
     superseded_jobs: set[int] = field(default_factory=set)
     old_jobs: set[int] = field(default_factory=set)  # written past the workers' give_up_after (F8)
+    taken_back: set[int] = field(default_factory=set)  # jobs rule_take_back_running took from under a run
     order: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(list))
     skipped: dict[int, int] = field(default_factory=dict)  # seq -> position in the record when skipped
     in_transaction: set[int] = field(default_factory=set)  # jobs whose handler writes an effect in its tx
@@ -868,6 +891,7 @@ class Scenario:
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
         self.taken_back = 0  # jobs rule_take_back_running took from under their runs
+        self.lingering = False  # whether rule_take_back_running has enqueued its lingering job
         self.refusal_epochs = 0  # refusals begun plus refusals lifted (odd: renewals are refused now)
         self.db_outages = 0
         #: When the rules ended (the final drain begins).
@@ -1539,35 +1563,60 @@ class Scenario:
             f"renewals of running jobs{' of odd ids' if odd_only else ''} refused for {span:.1f}s"
         )
 
-    def rule_take_back_running(self) -> None:
-        """Another worker's rescue takes one or two running jobs back from under their runs, as if the workers
-        running them had been frozen (a stop-the-world pause, SIGSTOP) past stale_after: their leases are moved
-        an hour back and the real rescue statement puts them back (only leases that old: no other row). Their
-        workers' beats then find the leases lost; a worker may claim such a job again while its run goes on
-        (held back behind the run, I12), and with late landings (:func:`land_late`) that claim may land after
-        the run has ended: the run is then decided on the newer lease, or as a lost lease (I3, I4, I11, I12).
-        The rows rule_hold_job_row holds are left to it (I9). Jobs whose handlers are running now (a "hang"
-        plan's: the others end at once) go first, and the workers are woken as a NOTIFY of new jobs would: so
+    def rule_take_back_running(self, *, linger: bool = False, wait: float = 2.0) -> None:
+        """Another worker's rescue takes one or two jobs back from under their handlers' runs, as if the workers
+        running them had been frozen (a stop-the-world pause, SIGSTOP) past stale_after mid-run: their leases
+        are moved an hour back and the real rescue statement puts them back (only leases that old: no other
+        row). Their workers' beats then find the leases lost; a worker may claim such a job again while its run
+        goes on (held back behind the run, I12), and with late landings (:func:`land_late`) that claim may land
+        after the run has ended: the run is then decided on the newer lease, or as a lost lease (I3, I4, I12).
+        Only leases whose handler runs now are taken: a job claimed and not started yet is not one a frozen
+        worker would start on waking (its lease unconfirmed for longer than stale_after: I11), while this
+        worker is not frozen. A one-attempt job taken back fails as a crashed worker's does (F8). The rows
+        rule_hold_job_row holds are left to it (I9). The workers are woken as a NOTIFY of new jobs would, so
         that a worker claims a job again while its own run of it goes on, not only after."""
         want = self.take_back_rng.randint(1, 2)
-        with self.record.lock:
-            in_run = sorted({seq for (_, seq), starts in self.record.in_run.items() if starts})
+        until = time.monotonic()
+        if linger or not self.lingering:
+            # most handlers end at once: the first time (or ``linger``), a job whose run lingers (a success after
+            # LINGER) is enqueued at the front of a queue, and taken back if a worker runs it within ``wait``
+            p = Planned(next(self.seq), ["linger"], False)
+            queue = self.take_back_rng.choice([q for q in QUEUES if not self.model.paused(q)] or QUEUES)
+            key = self.take_back_rng.choice(KEYS) if queue == LIMITED and self.limit is not None else None
+            with Session(self.engine) as s, s.begin():
+                enqueue(s, Job, "model", self._payload(p), queue=queue, max_attempts=10, concurrency_key=key,
+                        priority=100)  # fmt: skip
+            self.model.jobs[p.seq] = p
+            self.lingering = True
+            until += wait
+        while True:
+            with self.record.lock:
+                in_run = sorted(run for run in self.record.in_run_leases if run[0] not in self.hold_seqs)
+            if in_run or time.monotonic() >= until:
+                break
+            time.sleep(0.005)
+        if not in_run:
+            self.log.append("take back: no run goes on")
+            return
         try:
             with self.engine.begin() as conn:
                 conn.execute(text("SET LOCAL lock_timeout = '1s'"))
                 picked = conn.execute(
-                    _RUNNING_TO_TAKE, {"held": sorted(self.hold_seqs), "in_run": in_run, "n": want}
-                ).all()
+                    _RUNNING_TO_TAKE,
+                    {"seqs": [s for s, _ in in_run], "versions": [v for _, v in in_run], "n": want},
+                ).all()  # fmt: skip
                 if not picked:
+                    self.log.append(f"take back: none of the runs going on {in_run} holds its row's lease")
                     return
-                conn.execute(_LEASE_AN_HOUR_BACK, {"ids": [i for i, _ in picked]})
+                conn.execute(_LEASE_AN_HOUR_BACK, {"ids": [i for i, _, _ in picked]})
                 taken = _steps.rescue(conn, spec_for(Job), stale_after=timedelta(minutes=30))
-                for queue in {q for _, q in picked}:
+                for queue in {q for _, q, _ in picked}:
                     conn.execute(_WAKE_WORKERS, {"channel": channel_for(Job.__tablename__), "queue": queue})
         except DBAPIError as exc:  # (a connection fault or a lock wait: nothing taken back this time)
             self.log.append(f"nothing taken back: {exc.orig}")
             return
         self.taken_back += len(taken)
+        self.model.taken_back.update(seq for _, _, seq in picked)
         self.log.append(f"rescue took back running jobs {[(i, st, v) for i, st, v in taken]}")
 
     def _lift_refusal(self) -> None:
@@ -1930,6 +1979,12 @@ class Scenario:
                 if not self.locked_pending:
                     self.log.append("coverage: locked pending events")
                     self.rule_lock_pending_events()
+                # (whether a run went on at the moments the rule was drawn depends on timing)
+                if not self.taken_back:
+                    self.log.append("coverage: a running job taken back")
+                    if not any(lt.name in self.every_queue for lt in self.workers):
+                        self.start_worker(is_async=False, bounded=False, every_queue=True)
+                    self.rule_take_back_running(linger=True, wait=5.0)
                 if self.cron and len(self.cron_changes) == 1:  # C5 in every scenario with a cron schedule
                     self.log.append("coverage: a deploy re-syncs the cron schedule")
                     self._resync_cron()
@@ -2258,11 +2313,17 @@ class Scenario:
                 # F8: a failure fails it (it was written past give_up_after); done if it never failed, or if the
                 # claim that met a failure lost its lease and a later claim succeeded. A one-attempt job's handler
                 # that overran its worker's handler_timeout (on a loaded machine, seed 108 of the long profile)
-                # spent its one attempt: that failure is named as such, give_up_after having nothing to add
+                # spent its one attempt: that failure is named as such, give_up_after having nothing to add; so does
+                # a one-attempt job a rescue took back from under its run (rule_take_back_running: a crashed
+                # worker's job, the poison-message rule)
                 assert row.status == "done" or (
                     row.status == "failed"
                     and (
                         (row.last_error or "").startswith("gave up: written")
+                        or (
+                            seq in self.model.taken_back
+                            and "after max attempts (worker crash?)" in (row.last_error or "")
+                        )
                         or (
                             p.plan
                             and set(p.plan) == {"noanswer"}
@@ -2285,7 +2346,11 @@ class Scenario:
                         seq in self.model.in_transaction
                         and self.terminations > 0
                         and error.startswith("retries exhausted (1/1)")
-                        and "terminating connection due to administrator command" in error
+                        # (the server's notice, or the closed socket when the client read that first)
+                        and (
+                            "terminating connection due to administrator command" in error
+                            or "server closed the connection unexpectedly" in error
+                        )
                     )
                 ), why
             else:
