@@ -65,6 +65,10 @@ LAST_ERROR_MAX = 2000
 #: How ``last_error`` starts when a NoAnswer on a row's last attempt gave that attempt back (``_steps.decide``;
 #: the rescue reads it).
 NO_ANSWER_PREFIX = "no answer on its last attempt"
+#: How ``last_error`` starts on a row given back because its destination was unavailable, and on the rest of
+#: the batch released with it (``_steps.unavailable``; ``status``, ``doctor`` and the rescue read them).
+UNAVAILABLE_PREFIX = "DestinationUnavailable: "
+RELEASED_UNAVAILABLE = "released: destination unavailable"
 
 
 @dataclass(frozen=True, eq=False)
@@ -892,10 +896,18 @@ def rescue_statement(spec: QueueSpec) -> Update:
     # A row whose last outcome gave its last attempt back for want of an answer (NoAnswer: see
     # ``_steps.decide``) sits at its last attempt at every claim while the stall lasts: a crash then is not
     # the poison rule's "kills every worker" (a hostile review: kill -9 during a write pause sent such a row,
-    # already on the broker six times, to dead and blocked its aggregate). It goes back once; a second crash in
-    # a row — the rescue's reason is appended to last_error — is the poison rule again.
+    # already on the broker six times, to dead and blocked its aggregate). So does a row whose last outcome
+    # was an outage's refund (DestinationUnavailable, or its batch released for one): a stall's refund, then
+    # the outage's, then a kill -9 during the circuit's probe sent it to dead (a hostile review, stop 60). It
+    # goes back once; a second crash in a row — the rescue's reason is appended to last_error — is the poison
+    # rule again.
     refunded = and_(
-        c.last_error.startswith(NO_ANSWER_PREFIX, autoescape=True),
+        or_(
+            *(
+                c.last_error.startswith(marker, autoescape=True)
+                for marker in (NO_ANSWER_PREFIX, UNAVAILABLE_PREFIX, RELEASED_UNAVAILABLE)
+            )
+        ),
         c.last_error.not_like("%lease expired (owner %"),
     )
     exhausted = and_(c.attempts >= spec.max_attempts(), not_(func.coalesce(refunded, false())))

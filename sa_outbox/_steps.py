@@ -153,10 +153,10 @@ def gave_up(
     return Outcome(id, lease_version, spec.dead, error=text[: _sql.LAST_ERROR_MAX], kind="dead")
 
 
-#: How ``last_error`` starts on a row given back because its destination was unavailable (``status`` and
-#: ``doctor`` look for these), and on the rest of the batch released with it.
-UNAVAILABLE_PREFIX = "DestinationUnavailable: "
-RELEASED_UNAVAILABLE = "released: destination unavailable"
+#: How ``last_error`` starts on a row given back because its destination was unavailable (``status``,
+#: ``doctor`` and the rescue look for these), and on the rest of the batch released with it.
+UNAVAILABLE_PREFIX = _sql.UNAVAILABLE_PREFIX
+RELEASED_UNAVAILABLE = _sql.RELEASED_UNAVAILABLE
 
 
 def release(spec: QueueSpec, id: int, lease_version: int, reason: str) -> Outcome:

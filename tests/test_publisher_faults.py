@@ -1315,11 +1315,25 @@ def test_decide_refunds_only_the_last_attempt_of_no_answer() -> None:
     assert plain.status == "dead"
 
 
-def test_a_crash_right_after_a_no_answer_refund_rescues_the_row_once_not_to_dead(engine: Engine) -> None:
+@pytest.mark.parametrize(
+    "last_error",
+    [
+        "no answer on its last attempt (2/2), tried again later: NoAnswer: x",
+        "DestinationUnavailable: connection refused",
+        "released: destination unavailable",
+    ],
+    ids=["no-answer", "unavailable", "released-unavailable"],
+)
+def test_a_crash_right_after_an_outage_refund_rescues_the_row_once_not_to_dead(
+    engine: Engine, last_error: str
+) -> None:
     """A row whose last attempt was refunded for NoAnswer is at its last attempt at every claim while the stall
     lasts; a dispatcher killed then left it to the rescue's poison rule, which sent it to dead (a hostile
     review: kill -9 during a write pause, the event already on the broker six times, its aggregate blocked).
-    The rescue gives it back once; a second crash in a row is the poison rule again."""
+    The rescue gives it back once; a second crash in a row is the poison rule again. The same for a row whose
+    last outcome was the refund of an outage (DestinationUnavailable, or the rest of its batch released for
+    one): a stall's NoAnswer refund followed by an outage, then a kill -9 during the circuit's probe, sent the
+    row to dead (a hostile review, stop 60: Redis CLIENT PAUSE WRITE, then ALL)."""
     from sa_outbox._sql import spec_for
     from sa_outbox._steps import claim, rescue
 
@@ -1328,8 +1342,7 @@ def test_a_crash_right_after_a_no_answer_refund_rescues_the_row_once_not_to_dead
     spec = spec_for(OutboxEvent)
     seed_events(engine, 1, aggregate="a")
     with engine.begin() as conn:
-        conn.execute(text("UPDATE outbox SET attempts = 1, last_error = :e"),
-                     {"e": "no answer on its last attempt (2/2), tried again later: NoAnswer: x"})  # fmt: skip
+        conn.execute(text("UPDATE outbox SET attempts = 1, last_error = :e"), {"e": last_error})
     outcomes = []
     for _ in range(2):
         with engine.begin() as conn:
