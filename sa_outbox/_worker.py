@@ -760,16 +760,10 @@ class WorkerBase(LoopBase):
                 self._landed_after_its_run(row)
                 continue
             if in_run and row[0] in in_run:
-                token = self._tokens.get(row[0]) or CancelToken()
-                self._ages[row[0]] = row[-1]
-                newer = ClaimedJob.from_row(row, token, self._loads)
                 older = self._parked.get(row[0])
-                base = in_run[row[0]] if older is None else older
-                if row[0] in self._parked_apart or not self._continues(base, newer):
-                    self._parked_apart.add(row[0])
+                newer = self._park(row, in_run[row[0]] if older is None else older)
                 if older is not None:  # its lease was taken back too: nothing will be written on it
                     self._done.given_back((older.id, older.lease_version), forget=True)
-                self._parked[row[0]] = newer
                 self._to_refund.append((newer.id, newer.lease_version))
                 log.warning(
                     "job %s (%s) was claimed again (lease %s) while its run on lease %s goes on here: not started "
@@ -801,6 +795,18 @@ class WorkerBase(LoopBase):
         either = (counted + 1, base.attempts + 1) if self._done.in_doubt(lease) else (counted + 1,)
         return newer.lease_version == base.lease_version + 1 and newer.attempts in either
 
+    def _park(self, row: Any, base: ClaimedJob) -> ClaimedJob:
+        """Hold the claimed ``row`` as a newer claim of ``base``'s job that waits for the run on ``base``'s lease
+        (in ``_parked``, sharing the job's cancel flag), marked apart when it may not take that run's result
+        (:meth:`_continues`); the one place both ways a claim meets its job's run (:meth:`_accept`,
+        :meth:`_landed_after_its_run`) park it."""
+        self._ages[row[0]] = row[-1]
+        newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
+        if row[0] in self._parked_apart or not self._continues(base, newer):
+            self._parked_apart.add(row[0])
+        self._parked[row[0]] = newer
+        return newer
+
     def _claim_in_flight(self) -> bool:
         """Whether a claim has been sent whose rows have not been accepted yet (a loop that claims on a thread
         of its own, or sends its claim ahead; the others accept a claim's rows before they collect a run)."""
@@ -816,11 +822,7 @@ class WorkerBase(LoopBase):
         claim's row (its ``max_attempts`` included): taken by the claim, or a lost lease and the claim runs
         next. Its attempt needs no refund statement: the outcome gives it back."""
         job, ran = self._ended_meanwhile.pop(row[0])
-        self._ages[row[0]] = row[-1]
-        newer = ClaimedJob.from_row(row, self._tokens.get(row[0]) or CancelToken(), self._loads)
-        if not self._continues(job, newer):
-            self._parked_apart.add(row[0])
-        self._parked[row[0]] = newer
+        self._park(row, job)
         self._record_run(job, ran)
 
     def _record_ended_meanwhile(self) -> None:
