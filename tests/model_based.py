@@ -288,10 +288,9 @@ class Record:
         #: Each batch a worker took (I10): its concurrency and the batch's (seq, lease_version, queue, priority)
         #: in the order it took them.
         self.batches: list[tuple[int, list[tuple[int, int, str, int]]]] = []
-        #: I12: the runs going on, (worker, seq) -> when each started; and the starts beside one of them.
-        self.in_run: dict[tuple[str, int], list[float]] = {}
-        #: The (seq, lease_version) of each handler call going on (rule_take_back_running takes only those).
-        self.in_run_leases: Counter[tuple[int, int]] = Counter()
+        #: I12: the runs going on, (worker, seq) -> (when each started, its lease_version); and the starts beside
+        #: one of them. (rule_take_back_running takes only the leases of runs going on.)
+        self.in_run: dict[tuple[str, int], list[tuple[float, int]]] = {}
         self.beside_itself: list[str] = []
         self.runs: list[tuple[str, int, int, float]] = []  # (worker, seq, lease_version, start) of each run
         #: Runs that ended while a claim of their worker was in flight (their result waited for it to land),
@@ -326,23 +325,25 @@ class Record:
         key, now = (who, job.payload["seq"]), time.monotonic()
         with self.lock:
             runs = self.in_run.setdefault(key, [])
-            if any(timeout is None or now - began < timeout for began in runs):
-                ages = ", ".join(f"{now - began:.3f}" for began in runs)
+            if any(timeout is None or now - began < timeout for began, _ in runs):
+                ages = ", ".join(f"{now - began:.3f}" for began, _ in runs)
                 self.beside_itself.append(
                     f"{who} started job {key[1]} (lease {job.lease_version}) while running it (runs of {ages} s "
                     f"going on; handler_timeout {timeout})"
                 )
-            runs.append(now)
+            run = (now, job.lease_version)
+            runs.append(run)
             self.runs.append((who, key[1], job.lease_version, now))
-            self.in_run_leases[key[1], job.lease_version] += 1
         try:
             yield
         finally:
             with self.lock:
-                runs.remove(now)
-                self.in_run_leases[key[1], job.lease_version] -= 1
-                if not self.in_run_leases[key[1], job.lease_version]:
-                    del self.in_run_leases[key[1], job.lease_version]
+                runs.remove(run)
+
+    def leases_in_run(self) -> list[tuple[int, int]]:
+        """The (seq, lease_version) of every handler call going on."""
+        with self.lock:
+            return sorted({(seq, lease) for (_, seq), runs in self.in_run.items() for _, lease in runs})
 
     def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
         """Record one call; returns its position (for :meth:`settle`)."""
@@ -1590,8 +1591,7 @@ class Scenario:
             self.lingering = True
             until += wait
         while True:
-            with self.record.lock:
-                in_run = sorted(run for run in self.record.in_run_leases if run[0] not in self.hold_seqs)
+            in_run = [run for run in self.record.leases_in_run() if run[0] not in self.hold_seqs]
             if in_run or time.monotonic() >= until:
                 break
             time.sleep(0.005)
