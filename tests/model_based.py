@@ -45,7 +45,8 @@ database, real threads with their own connections, real backend terminations. Ru
 * another worker's rescue takes a job or two back from under their handlers' runs (their leases moved an hour
   back, as a worker frozen mid-run past ``stale_after`` leaves them; a stream of its own; a job whose run
   lingers is enqueued for it): their workers may claim them again while the runs go on, and with late
-  landings after the runs ended;
+  landings after the runs ended; when the draws never lined that up, a step at the end of the rules makes
+  it happen (a worker of its own whose claim of the job again lands after the run: ``rule_hand_over``, H1);
 * a job that runs longer than ``stale_after`` is enqueued, and once it runs a user's transaction holds its row
   (``FOR UPDATE``) for longer than ``stale_after``, in a thread of its own while the rules go on — no beat can
   renew that lease meanwhile — and another worker's rescue comes the moment the row is free;
@@ -96,6 +97,8 @@ After every step
         handler_timeout, which gave up on it): a job claimed again while its first run goes on — another
         worker's rescue took it back — waits for that run, whose result it takes when no other claim came
         between (else it runs after it);
+    H1  (``rule_hand_over``) a claim that took a job again during its run and landed after the run ended takes
+        the run's outcome: the job ran once and is done on the newer lease;
 At the end (faults off, loops drained)
     F1  nothing lost: every committed event is delivered (a row missing from the table is one of yesterday's,
         retired with its partition, and was delivered or skipped), except poison ones and those behind a poison
@@ -208,6 +211,8 @@ GIVE_UP_AFTER = 3600.0
 #: Only "fast" workers serve it (sync, inline, instant handlers, this one queue): a burst of jobs written there
 #: is claimed by them, each claim sent ahead of the jobs in hand on the worker's own connection.
 BURST = "qb"
+#: rule_hand_over's own queue, served by the one worker that step starts.
+HANDOVER = "qh"
 KEYS = ("k1", "k2", "k3")
 UNIQUE_KEYS = ("u1", "u2", "u3")
 #: The scenario picks one; every worker serves q3 with it (a limit is the fleet's, so all agree).
@@ -420,6 +425,34 @@ def land_late(worker: Worker, rng: random.Random) -> Worker:
             result = fn(*args)
             if delay:
                 time.sleep(delay)
+            return result
+
+        return submit(claim)
+
+    worker._claimer.submit = send  # type: ignore[method-assign]
+    return worker
+
+
+def land_after_the_run(worker: Worker, record: Record, who: str) -> Worker:
+    """A sync worker whose claim that took a job again (lease 2 or later) reaches the loop only once the job's
+    run on this worker has ended (and 50 ms more): the claim committed during the run, so the run ends with it
+    in flight and its rows land after — the in-flight hand-over (``_landed_after_its_run``) every time, not by
+    chance (:meth:`Scenario.rule_hand_over`). Other claims land as they come."""
+    submit = worker._claimer.submit
+
+    def send(fn: Any, *args: Any) -> Any:
+        def claim() -> Any:
+            result = fn(*args)
+            again = [row for row in result[1] if row[1] >= 2]
+            if again:
+                seqs = {json.loads(row[6]).get("seq") for row in again}
+                deadline = time.monotonic() + 2 * LINGER
+                while time.monotonic() < deadline:
+                    with record.lock:
+                        if not any(record.in_run.get((who, seq)) for seq in seqs):
+                            break
+                    time.sleep(0.005)
+                time.sleep(0.05)  # (from the handler's return to the loop's _finish)
             return result
 
         return submit(claim)
@@ -892,6 +925,7 @@ class Scenario:
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
         self.taken_back = 0  # jobs rule_take_back_running took from under their runs
+        self.handed_over = 0  # claims rule_hand_over saw land after their job's run ended (H1)
         self.lingering = False  # whether rule_take_back_running has enqueued its lingering job
         self.refusal_epochs = 0  # refusals begun plus refusals lifted (odd: renewals are refused now)
         self.db_outages = 0
@@ -1619,6 +1653,85 @@ class Scenario:
         self.model.taken_back.update(seq for _, _, seq in picked)
         self.log.append(f"rescue took back running jobs {[(i, st, v) for i, st, v in taken]}")
 
+    def rule_hand_over(self) -> None:
+        """The in-flight hand-over, made to happen (the drawn rules almost never line it up): a worker of its own
+        (sync, concurrency 2 — a free slot to claim with while a job runs —, listening, only ``HANDOVER``) runs
+        a "linger" job; 0.3 s into the run another worker's rescue takes it back and a NOTIFY wakes the worker,
+        whose claim takes the job again (lease 2) while the run goes on and lands only after the run has
+        ended (:func:`land_after_the_run`). The run's success must then be written on lease 2 — one run, the
+        job done — never refused as a lost lease and run again with an attempt counted (stop 58's bug). When
+        the timing did not line it up (a fault, a slow box), the step says so in the log; the fixed seeds
+        assert the hand-over happened in one of them at least."""
+        name = f"worker-{next(self.names)}"
+        options: dict[str, Any] = dict(batch=1, concurrency=2, handler_timeout=None, stale_after=3.0, heartbeat=0.3,
+                                       backoff=FAST, poll_interval=0.3, listen=True)  # fmt: skip
+        if self.limit is None:
+            options["unique_running"] = True  # (the fleet's rule)
+        if self.give_up:
+            options["give_up_after"] = GIVE_UP_AFTER
+        handlers = {"model": make_handler(self.record, is_async=False, who=name)}
+        record = self.record
+        self.log.append(f"start {name} (hand-over) queues=({HANDOVER},) {options}")
+
+        def build(e: Any) -> Any:
+            return land_after_the_run(Worker(e, Job, handlers, queues=(HANDOVER,), **options), record, name)
+
+        self.workers.append(
+            LoopThread(name, build, is_async=False, engine=self.loop_engine, async_url=self.async_url,
+                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
+        )  # fmt: skip
+        p = Planned(next(self.seq), ["linger"], False)
+        with Session(self.engine) as s, s.begin():
+            enqueue(s, Job, "model", self._payload(p), queue=HANDOVER, max_attempts=10)
+        self.model.jobs[p.seq] = p
+        landed_before = self.record.landed_after_run
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with self.record.lock:
+                run = next(iter(self.record.in_run.get((name, p.seq)) or ()), None)
+            if run is not None:
+                break
+            time.sleep(0.005)
+        else:
+            self.log.append(f"hand-over: job seq {p.seq} did not start within 5 s")
+            return
+        time.sleep(max(0.0, run[0] + 0.3 - time.monotonic()))
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(text("SET LOCAL lock_timeout = '1s'"))
+                picked = conn.execute(_RUNNING_TO_TAKE, {"seqs": [p.seq], "versions": [run[1]], "n": 1}).all()
+                if not picked:
+                    self.log.append(f"hand-over: job seq {p.seq}'s row no longer holds lease {run[1]}")
+                    return
+                conn.execute(_LEASE_AN_HOUR_BACK, {"ids": [picked[0].id]})
+                taken = _steps.rescue(conn, spec_for(Job), stale_after=timedelta(minutes=30))
+                conn.execute(_WAKE_WORKERS, {"channel": channel_for(Job.__tablename__), "queue": HANDOVER})
+        except DBAPIError as exc:
+            self.log.append(f"hand-over: nothing taken back: {exc.orig}")
+            return
+        self.taken_back += len(taken)
+        self.model.taken_back.add(p.seq)
+        self.log.append(f"hand-over: rescue took back {[(i, st, v) for i, st, v in taken]}")
+        job_id = picked[0].id
+        deadline = time.monotonic() + 3 * LINGER
+        while time.monotonic() < deadline:
+            with self.engine.connect() as conn:
+                row = conn.execute(select(Job.status, Job.lease_version).where(Job.id == job_id)).one()
+            if row.status == "done":
+                break
+            time.sleep(0.02)
+        with self.record.lock:
+            handed = self.record.landed_after_run - landed_before
+            runs = [r for r in self.record.runs if r[1] == p.seq]
+        self.handed_over += handed
+        self.log.append(f"hand-over: {handed} claim(s) landed after the run; job {job_id} {row}; runs {runs}")
+        if handed:
+            # H1: the claim that landed after the run took its outcome: one run, done on the newer lease
+            assert (row.status, row.lease_version, len(runs)) == ("done", 2, 1), (
+                f"H1: job seq {p.seq} (id {job_id}) handed over to the claim that landed after its run: "
+                f"{row.status} lease {row.lease_version} after {len(runs)} run(s) {runs}"
+            )
+
     def _lift_refusal(self) -> None:
         with self.engine.begin() as conn:
             conn.execute(text("DROP TRIGGER IF EXISTS model_no_renewal ON jobs"))
@@ -1985,6 +2098,9 @@ class Scenario:
                     if not any(lt.name in self.every_queue for lt in self.workers):
                         self.start_worker(is_async=False, bounded=False, every_queue=True)
                     self.rule_take_back_running(linger=True, wait=5.0)
+                if not self.record.landed_after_run:
+                    self.log.append("coverage: a claim lands after its job's run ended, with a newer lease")
+                    self.rule_hand_over()
                 if self.cron and len(self.cron_changes) == 1:  # C5 in every scenario with a cron schedule
                     self.log.append("coverage: a deploy re-syncs the cron schedule")
                     self._resync_cron()
@@ -2230,9 +2346,25 @@ class Scenario:
         if extra > explained:
             twice_ok = {k for k, n in successes.items() if n > 1}
             trail = [r for r in rec if (r[0], r[1]) in twice_ok]
+            # (what the next such failure needs to say which path ran a job again: each run's worker and start,
+            # the loops that counted a lost lease or a timeout, the loops that left, and the rows)
+            seqs = {seq for _, seq in twice_ok}
+            with self.record.lock:
+                runs = [r for r in self.record.runs if r[1] in seqs]
+            loops = self.dispatchers + self.workers + self.finished
+            counted = {lt.name: (lt.loop.stats.lost_leases, lt.loop.stats.timed_out) for lt in loops
+                       if lt.loop and (lt.loop.stats.lost_leases or lt.loop.stats.timed_out)}  # fmt: skip
+            left = {lt.name: repr(lt.exited) for lt in self.finished if lt.exited is not None}
+            with self.engine.connect() as conn:
+                seq_col = Job.payload["seq"].as_integer()
+                rows = conn.execute(
+                    select(seq_col, Job.id, Job.status, Job.attempts, Job.lease_version, Job.last_error)
+                    .where(seq_col.in_(sorted(seqs)))
+                ).all()  # fmt: skip
             raise AssertionError(
                 f"{extra} duplicate successes but {self.lost_leases()} lost leases and {self.timed_out()} "
-                f"timed-out calls: {trail}"
+                f"timed-out calls: {trail}; runs (worker, seq, lease, start) {runs}; loops that counted a lost "
+                f"lease or a timeout {counted}; loops that left {left}; rows {[tuple(r) for r in rows]}"
             )
 
     def check_idle(self, counter: StatementCounter) -> None:

@@ -35,11 +35,12 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
     transaction held a running job's row past stale_after in one of them at least (I9), one locked pending
     events for a moment while the loops ran, one analyzed the tables under them, and a cron schedule fired in
     one (C1-C4), its expression changed by a sync meanwhile (C5), an enqueue_many call of mixed unique
-    rules went unprepared, a run ended while its worker's claim was in flight (its result waited for it), and
-    a rescue took a running job back from under its run."""
+    rules went unprepared, a run ended while its worker's claim was in flight (its result waited for it), a
+    rescue took a running job back from under its run, and a claim that had taken a job again landed after
+    the job's run ended (the run's outcome then written on the newer lease: H1)."""
     seeds = [int(s) for s in _given.split(",")] if _given else list(_FIXED)
     sent_ahead = holds = locked = analyzed = cron_jobs = resyncs = planned_alone = 0
-    ended_in_flight = taken_back = 0
+    ended_in_flight = taken_back = handed_over = 0
     for i, seed in enumerate(seeds):
         if i:
             empty_tables(engine)  # each seed starts from empty tables, as a test of its own would
@@ -53,6 +54,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         planned_alone += scenario.planned_alone
         ended_in_flight += scenario.record.ended_in_flight
         taken_back += scenario.taken_back
+        handed_over += scenario.handed_over
     if not _given:
         assert sent_ahead > 0, f"no claim was sent ahead in seeds {_FIXED}"
         assert holds > 0, f"no job row was held past stale_after in seeds {_FIXED}"
@@ -63,6 +65,9 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         assert planned_alone > 0, f"no enqueue_many call was large enough to go unprepared in seeds {_FIXED}"
         assert ended_in_flight > 0, f"no run ended while its worker's claim was in flight in seeds {_FIXED}"
         assert taken_back > 0, f"no running job was taken back from under its run in seeds {_FIXED}"
+        assert handed_over > 0, (
+            f"no claim landed after its job's run ended, with a newer lease, in seeds {_FIXED}"
+        )
 
 
 def test_model_based_ci_profile_seed_from_the_clock(engine: Engine, async_url: URL) -> None:
