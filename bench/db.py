@@ -3,6 +3,8 @@ document's own DDL in the schema ``docbench``, dropped at the end."""
 
 from __future__ import annotations
 
+import re
+
 from sqlalchemy import Engine, create_engine, make_url, text
 
 from sa_outbox.models import Base
@@ -12,12 +14,24 @@ from . import baseline
 NAME = "sa_outbox_bench"
 
 
-def create(server_url: str) -> str:
+def create(server_url: str, icu_locale: str | None = None) -> str:
+    """Create the benchmark's database (dropped first if left over) with the library's tables and the
+    document's schema; ``icu_locale``: its default collation an ICU one of that locale (``en-US``: text
+    compares linguistically, as on many production databases) instead of the server's template's."""
     url = make_url(server_url)
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"DROP DATABASE IF EXISTS {NAME} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {NAME}"))
+        if icu_locale is None:
+            conn.execute(text(f"CREATE DATABASE {NAME}"))
+        else:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", icu_locale):
+                raise ValueError(f"--icu-locale {icu_locale!r}: a locale name such as en-US")
+            conn.execute(
+                text(
+                    f"CREATE DATABASE {NAME} TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE '{icu_locale}'"
+                )
+            )
     admin.dispose()
     bench_url = url.set(database=NAME).render_as_string(hide_password=False)
     engine = create_engine(bench_url)
