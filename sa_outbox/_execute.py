@@ -23,7 +23,7 @@ from psycopg import abc, generators
 from psycopg import sql as pgsql
 from psycopg.adapt import PyFormat, Transformer
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.util import await_only
 
 from .errors import ConfigurationError
@@ -172,6 +172,22 @@ def _observed(conn: Connection) -> bool:
     )
 
 
+def _pooled(conn: Connection, sql: str | None = None) -> Any:
+    """``conn.connection`` — but never a connection made again behind the loop's back. Read on a ``Connection``
+    that a lost connection invalidated (outside a SQLAlchemy transaction, where the loops' statements run),
+    SQLAlchemy quietly takes a fresh connection from the pool, without the AUTOCOMMIT the loop set on the old
+    one: every statement after it then ran in psycopg's implicit transaction, which nothing commits. A limited
+    queue's claim lost its connection inside its block, the block's ROLLBACK connected again, and the loop's
+    later claims and finalizes were rolled back at the next fault — after their jobs had run: the same lease
+    version handed out twice (the model-based suite; AsyncWorkers with a limited queue under terminations
+    accepted the same claim twice, 2-5 times a minute). On such a connection this raises the loss instead (a
+    connection fault: the loop drops it and connects again, in autocommit)."""
+    if conn.invalidated and conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+        lost = psycopg.OperationalError("the connection was lost; a loop's connection is not made again here")
+        raise OperationalError(sql, None, lost, connection_invalidated=True)
+    return conn.connection
+
+
 def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = True) -> list[Any]:
     """Execute one of the library's statements and return its rows (tuples in RETURNING order).
 
@@ -192,7 +208,7 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = 
     ``prepare=False``: not server-side prepared — planned at each call, for these parameters' values (unless
     ``plan_cache_mode`` forces a generic plan even then).
     """
-    pooled = conn.connection
+    pooled = _pooled(conn)
     driver = getattr(pooled, "driver_connection", None)
     if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection) and _ours(conn):
         compiled, full = _bound(stmt, conn, params)
@@ -233,7 +249,7 @@ def send(conn: Connection, stmt: Any, params: dict[str, Any]) -> Callable[[], li
     (the rows :func:`run` would return, the same errors), and nothing else may use ``conn`` until it has been
     called. None when the statement cannot go this way — only a loop's own sync connection on the direct path
     (:class:`_Direct`) can — and nothing was sent: the caller then runs it with :func:`run`."""
-    pooled = conn.connection
+    pooled = _pooled(conn)
     driver = getattr(pooled, "driver_connection", None)
     if not isinstance(driver, psycopg.Connection) or driver.prepare_threshold is None or not _ours(conn):
         return None
@@ -509,7 +525,7 @@ def control(conn: Connection, sql: str) -> None:
     """Send one transaction-control command (``BEGIN``, ``COMMIT``, ``ROLLBACK``) on one of the loops'
     autocommit connections, unprepared: a block that spans several steps — :func:`transaction`, or the
     heartbeat's lease guard, whose statements an async loop sends from separate ``run_sync`` calls."""
-    driver = getattr(conn.connection, "driver_connection", None)
+    driver = getattr(_pooled(conn, sql), "driver_connection", None)
     try:
         if isinstance(driver, psycopg.AsyncConnection) and not _observed(conn):
             await_only(driver.execute(sql, prepare=False))
@@ -524,7 +540,7 @@ def control(conn: Connection, sql: str) -> None:
 
 def in_block(conn: Connection) -> bool:
     """Whether one of the loops' autocommit connections is inside a block :func:`control` began."""
-    driver = getattr(conn.connection, "driver_connection", None)
+    driver = getattr(_pooled(conn), "driver_connection", None)
     if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
         return driver.pgconn.transaction_status != _IDLE
     return False

@@ -1,0 +1,203 @@
+"""A loop's connection lost inside a limited queue's transaction block (``_execute.transaction``) must not come
+back as a connection outside autocommit.
+
+Found by the model-based suite's long profile (seeds 105, 115, 116: "one claim handled twice", a worker's jobs in
+hand holding one claim twice) and reduced with real workers: three AsyncWorkers with a limited queue, their
+backends terminated every 20 ms for 2.9 s at a time, accepted the same (job, lease_version) twice within 40 s
+(2-5 pairs a run). The claim statement failed on the terminated backend and invalidated the SQLAlchemy
+``Connection``; the block's ``ROLLBACK`` then read ``conn.connection``, and SQLAlchemy quietly connected again —
+a fresh connection from the pool, without the AUTOCOMMIT the loop had set on the old one. Every later statement
+of that loop (claims, finalizes) ran in psycopg's implicit transaction, never committed: the worker ran the jobs
+it claimed there, the next termination rolled the claims back, and the rows were claimed again under the same
+lease versions — the fencing token handed out twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
+
+from sa_outbox import AsyncWorker, Backoff, Defer, Limit, Worker, enqueue_many
+from sa_outbox._db import AsyncLoopConnection, LoopConnection
+from sa_outbox._execute import in_block, run, transaction
+from sa_outbox._worker import WorkerBase
+from sa_outbox.models import Job
+
+from .helpers import seed_jobs
+
+_MARK = text("UPDATE jobs SET priority = 7 WHERE id = 1")
+
+
+def _terminate_inside_a_block(killer: Engine) -> Any:
+    """A step on the loop's connection: a transaction block whose statement meets its terminated backend — the
+    error caught by the caller, as ``_claim_on`` does when earlier queues' claims of the turn committed."""
+
+    def step(conn: Connection) -> None:
+        # (read from the driver, not by a statement through SQLAlchemy: that would begin a SQLAlchemy-level
+        # transaction, which a loop's statements never do, and which keeps an invalidated Connection from
+        # connecting again)
+        pid = conn.connection.driver_connection.info.backend_pid
+        with pytest.raises(DBAPIError), transaction(conn):
+            with killer.connect() as other:
+                other.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+                other.commit()
+            run(conn, _MARK, {}, prepare=False)
+
+    return step
+
+
+def _mark(conn: Connection) -> bool:
+    """The next step: one autocommit statement; whether the connection is left inside a block after it."""
+    run(conn, _MARK, {}, prepare=False)
+    return in_block(conn)
+
+
+def _committed(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT priority FROM jobs WHERE id = 1")).scalar_one())
+
+
+def test_a_sync_loop_connection_lost_in_a_block_is_replaced_in_autocommit(engine: Engine) -> None:
+    seed_jobs(engine, 1)
+    loop = LoopConnection(engine, "jobs")
+    try:
+        loop.run(_terminate_inside_a_block(engine))
+        left_in_block = loop.run(_mark)
+        assert (left_in_block, _committed(engine)) == (False, 7), (
+            "the statement after the lost connection ran inside a transaction nobody commits"
+        )
+    finally:
+        loop.drop()
+
+
+def test_an_async_loop_connection_lost_in_a_block_is_replaced_in_autocommit(
+    engine: Engine, async_url: URL
+) -> None:
+    seed_jobs(engine, 1)
+
+    async def main() -> tuple[bool, int]:
+        aengine = create_async_engine(async_url)
+        loop = AsyncLoopConnection(aengine, "jobs")
+        try:
+            await loop.run(_terminate_inside_a_block(engine))
+            left_in_block = await loop.run(_mark)
+            return left_in_block, _committed(engine)
+        finally:
+            await loop.drop()
+            await aengine.dispose()
+
+    assert asyncio.run(main()) == (False, 7), (
+        "the statement after the lost connection ran inside a transaction"
+    )
+
+
+_LOOPS_APP = "lost-connection-loops"
+_TERMINATE = text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :app")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connections(
+    engine: Engine, async_url: URL, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers of the reduction above, for 40 s at most: three workers (fair shares of q1/q2/q3, q3 limited
+    to 2), 400 jobs deferred on their first two leases, the workers' backends terminated every 20 ms for 2.9 s
+    at a time with 1.5 s between; every claim a worker takes into its hands is counted by (job id,
+    lease_version), which no two claims may share. Before the fix: 2-10 pairs per run (async), in every run."""
+    taken: Counter[tuple[int, int]] = Counter()
+    lock = threading.Lock()
+    real_accept = WorkerBase._accept
+
+    def accept(worker: Any, rows: Any) -> int:
+        with lock:
+            taken.update((row[0], row[1]) for row in rows)
+        return real_accept(worker, rows)
+
+    monkeypatch.setattr(WorkerBase, "_accept", accept)
+    rng = random.Random(1)
+    with Session(engine) as s, s.begin():
+        enqueue_many(s, Job, [{"task": "t", "payload": {"i": i}, "queue": rng.choice(["q1", "q2", "q3"]),
+                               "max_attempts": 100} for i in range(400)])  # fmt: skip
+
+    def handler(job: Any) -> None:
+        time.sleep(0.002)
+        if job.lease_version <= 2:
+            raise Defer(0.02, "twice")
+
+    async def ahandler(job: Any) -> None:
+        await asyncio.sleep(0.002)
+        if job.lease_version <= 2:
+            raise Defer(0.02, "twice")
+
+    options: dict[str, Any] = dict(
+        queues={"q1": 1, "q2": 2, "q3": 2}, limits={"q3": Limit(2)}, batch=1, concurrency=2, handler_timeout=0.4,
+        stale_after=3.0, heartbeat=0.3, backoff=Backoff(0.01, 0.05, jitter=True), poll_interval=0.3, listen=False,
+    )  # fmt: skip
+    stop = threading.Event()
+
+    def outages() -> None:
+        with engine.connect() as conn:
+            while not stop.is_set():
+                until = time.monotonic() + 2.9
+                while time.monotonic() < until and not stop.is_set():
+                    conn.execute(_TERMINATE, {"app": _LOOPS_APP})
+                    conn.commit()
+                    time.sleep(0.02)
+                stop.wait(1.5)
+
+    def left() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM jobs WHERE status <> 'done'")).scalar_one())
+
+    cutter = threading.Thread(target=outages, daemon=True)
+    cutter.start()
+    deadline = time.monotonic() + 40
+    try:
+        if flavour == "async":
+
+            async def main() -> None:
+                aengine = create_async_engine(async_url, connect_args={"application_name": _LOOPS_APP})
+                workers = [AsyncWorker(aengine, Job, {"t": ahandler}, **options) for _ in range(3)]
+                runs = [asyncio.ensure_future(w.run(install_signal_handlers=False)) for w in workers]
+                while time.monotonic() < deadline and left():
+                    await asyncio.sleep(0.5)
+                for w in workers:
+                    w.stop()
+                await asyncio.gather(*runs, return_exceptions=True)
+                await aengine.dispose()
+
+            asyncio.run(main())
+        else:
+            sengine = create_engine(engine.url, connect_args={"application_name": _LOOPS_APP})
+            workers = [Worker(sengine, Job, {"t": handler}, **options) for _ in range(3)]
+            threads = [
+                threading.Thread(target=w.run, kwargs={"install_signal_handlers": False}) for w in workers
+            ]
+            for t in threads:
+                t.start()
+            while time.monotonic() < deadline and left():
+                time.sleep(0.5)
+            for w in workers:
+                w.stop()
+            for t in threads:
+                t.join(30)
+            for w in workers:
+                w.close()
+            sengine.dispose()
+    finally:
+        stop.set()
+        cutter.join(10)
+    twice = {claim: n for claim, n in taken.items() if n > 1}
+    assert len(taken) >= 400, f"the workers took only {len(taken)} claims"
+    assert not twice, f"claims (job id, lease_version) handed out more than once: {twice}"
