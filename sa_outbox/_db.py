@@ -99,6 +99,15 @@ def pool_has_room(pool: Pool) -> bool:
     return max_overflow < 0 or pool.checkedout() < pool.size() + max_overflow
 
 
+def _in_autocommit(conn: Connection) -> bool:
+    """Whether a loop's (valid) connection is still the autocommit one it set up. SQLAlchemy replaces the DBAPI
+    connection of an invalidated ``Connection`` when it is next used outside a SQLAlchemy transaction, without
+    the AUTOCOMMIT option: the library's own statements refuse that (``_execute._pooled``), and a step that got
+    one by another way is not followed by a step on it — statements there would run in an implicit transaction
+    that nothing commits (docs/design.md, the claim)."""
+    return bool(getattr(conn.connection.driver_connection, "autocommit", True))
+
+
 class LoopConnection:
     """One autocommit connection used by one thread."""
 
@@ -110,6 +119,9 @@ class LoopConnection:
     @contextmanager
     def use(self) -> Iterator[Connection]:
         conn = self._conn
+        if conn is not None and not (conn.closed or conn.invalidated) and not _in_autocommit(conn):
+            self.drop()  # (its implicit transaction rolls back with it)
+            conn = None
         if conn is None or conn.closed or conn.invalidated:
             conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             keep_cursor(conn)
@@ -171,6 +183,10 @@ class AsyncLoopConnection:
 
     async def run(self, fn: Callable[[Connection], T]) -> T:
         conn = self._conn
+        sync = None if conn is None or conn.closed or conn.invalidated else conn.sync_connection
+        if sync is not None and not _in_autocommit(sync):
+            await self.drop()  # (its implicit transaction rolls back with it)
+            conn = None
         if conn is None or conn.closed or conn.invalidated:
             conn = await self.engine.connect()
             await conn.execution_options(isolation_level="AUTOCOMMIT")

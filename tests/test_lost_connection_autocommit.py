@@ -81,6 +81,28 @@ def test_a_sync_loop_connection_lost_in_a_block_is_replaced_in_autocommit(engine
         loop.drop()
 
 
+def test_a_loop_connection_connected_again_by_sqlalchemy_is_not_used_for_the_next_step(
+    engine: Engine,
+) -> None:
+    """The net under ``_pooled``: a step whose Connection SQLAlchemy connected again by its own path (a statement
+    through SQLAlchemy on an invalidated Connection) leaves a connection outside autocommit — the next step does
+    not run on it."""
+    seed_jobs(engine, 1)
+    loop = LoopConnection(engine, "jobs")
+
+    def connected_again(conn: Connection) -> bool:
+        conn.invalidate()
+        conn.exec_driver_sql("SELECT 1")  # (SQLAlchemy takes a fresh connection: no AUTOCOMMIT on it)
+        return bool(conn.connection.driver_connection.autocommit)
+
+    try:
+        assert loop.run(connected_again) is False  # (the premise: SQLAlchemy's fresh connection)
+        left_in_block = loop.run(_mark)
+        assert (left_in_block, _committed(engine)) == (False, 7)
+    finally:
+        loop.drop()
+
+
 def test_an_async_loop_connection_lost_in_a_block_is_replaced_in_autocommit(
     engine: Engine, async_url: URL
 ) -> None:
