@@ -2,9 +2,9 @@
 back as a connection outside autocommit.
 
 Found by the model-based suite's long profile (seeds 105, 115, 116: "one claim handled twice", a worker's jobs in
-hand holding one claim twice) and reduced with real workers: three AsyncWorkers with a limited queue, their
+hand holding one claim twice) and reduced with real workers: three workers with a limited queue, their
 backends terminated every 20 ms for 2.9 s at a time, accepted the same (job, lease_version) twice within 40 s
-(2-5 pairs a run). The claim statement failed on the terminated backend and invalidated the SQLAlchemy
+(2-10 pairs a run: AsyncWorkers in every run, sync Workers too). The claim statement failed on the terminated backend and invalidated the SQLAlchemy
 ``Connection``; the block's ``ROLLBACK`` then read ``conn.connection``, and SQLAlchemy quietly connected again —
 a fresh connection from the pool, without the AUTOCOMMIT the loop had set on the old one. Every later statement
 of that loop (claims, finalizes) ran in psycopg's implicit transaction, never committed: the worker ran the jobs
