@@ -181,11 +181,16 @@ def _pooled(conn: Connection, sql: str | None = None) -> Any:
     later claims and finalizes were rolled back at the next fault — after their jobs had run: the same lease
     version handed out twice (found by the model-based suite; workers of a limited queue, sync or async, under
     backend terminations took 2-10 claims twice in 40 s). On such a connection this raises the loss instead (a
-    connection fault: the loop drops it and connects again, in autocommit)."""
-    if conn.invalidated and conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+    connection fault: the loop drops it and connects again, in autocommit) — and on one that SQLAlchemy has
+    already connected again by its own path (a statement through ``conn.execute`` after a lost connection in
+    the same step: no longer invalidated, no longer in autocommit; a hostile review's script)."""
+    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        return conn.connection  # (not a loop's connection: SQLAlchemy's rules, the caller's transaction)
+    pooled = None if conn.invalidated else conn.connection
+    if pooled is None or not getattr(pooled.driver_connection, "autocommit", True):
         lost = psycopg.OperationalError("the connection was lost; a loop's connection is not made again here")
         raise OperationalError(sql, None, lost, connection_invalidated=True)
-    return conn.connection
+    return pooled
 
 
 def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = True) -> list[Any]:

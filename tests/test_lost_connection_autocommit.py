@@ -103,6 +103,39 @@ def test_a_loop_connection_connected_again_by_sqlalchemy_is_not_used_for_the_nex
         loop.drop()
 
 
+def test_no_library_statement_runs_on_a_loop_connection_sqlalchemy_connected_again_within_the_step(
+    engine: Engine,
+) -> None:
+    """Within one step (a hostile review's script): a statement's lost connection caught, then a statement
+    through SQLAlchemy's own path connects again without AUTOCOMMIT (no SQLAlchemy transaction on the loop's
+    Connection yet), and the Connection no longer reads as invalidated — the library's next statement must
+    refuse it, not run in an implicit transaction nothing commits."""
+    seed_jobs(engine, 1)
+    loop = LoopConnection(engine, "jobs")
+
+    def step(conn: Connection) -> tuple[bool, bool]:
+        pid = conn.connection.driver_connection.info.backend_pid
+        with engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            other.commit()
+        with pytest.raises(DBAPIError):
+            run(conn, _MARK, {}, prepare=False)
+        conn.execute(text("SELECT 1"))  # (SQLAlchemy's path: a fresh connection, no AUTOCOMMIT on it)
+        connected_again = not conn.connection.driver_connection.autocommit
+        try:
+            run(conn, _MARK, {}, prepare=False)
+        except DBAPIError as exc:
+            return connected_again, bool(exc.connection_invalidated)
+        return connected_again, False
+
+    try:
+        assert loop.run(step) == (True, True), "a library statement ran outside autocommit"
+        assert _committed(engine) == 0  # (nothing ran)
+        assert (loop.run(_mark), _committed(engine)) == (False, 7)
+    finally:
+        loop.drop()
+
+
 def test_an_async_loop_connection_lost_in_a_block_is_replaced_in_autocommit(
     engine: Engine, async_url: URL
 ) -> None:
