@@ -2530,6 +2530,18 @@ class Scenario:
                             and set(p.plan) == {"noanswer"}
                             and _timed_out_on_its_attempt(row.last_error)
                         )
+                        # (as for a younger one-attempt job below: a transactional handler whose session's
+                        # connection was terminated under it spent its one attempt — seed 116 of the long profile)
+                        or (
+                            seq in self.model.in_transaction
+                            and self.terminations > 0
+                            and (row.last_error or "").startswith("retries exhausted (1/1)")
+                            and (
+                                "terminating connection due to administrator command"
+                                in (row.last_error or "")
+                                or "server closed the connection unexpectedly" in (row.last_error or "")
+                            )
+                        )
                     )
                 ), why
                 # (not "an empty plan ends done": on a loaded machine an instant handler can overrun its timeout)
