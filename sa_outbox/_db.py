@@ -20,7 +20,7 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import Pool, QueuePool
 
-from ._execute import forget_cursor, keep_cursor
+from ._execute import forget_cursor, in_autocommit, keep_cursor
 from .errors import SchemaError
 
 __all__ = ["AsyncLoopConnection", "LoopConnection", "pool_has_room", "schema_checked", "schema_errors"]
@@ -105,7 +105,7 @@ def _in_autocommit(conn: Connection) -> bool:
     the AUTOCOMMIT option: the library's own statements refuse that (``_execute._pooled``), and a step that got
     one by another way is not followed by a step on it — statements there would run in an implicit transaction
     that nothing commits (docs/design.md, the claim)."""
-    return bool(getattr(conn.connection.driver_connection, "autocommit", True))
+    return in_autocommit(conn.connection)
 
 
 class LoopConnection:

@@ -172,6 +172,12 @@ def _observed(conn: Connection) -> bool:
     )
 
 
+def in_autocommit(pooled: Any) -> bool:
+    """Whether a pooled connection's driver is in autocommit (drivers without the notion count as in it): the
+    one test of a loop's connection still being the one it set up (:func:`_pooled`, ``_db``'s steps)."""
+    return bool(getattr(pooled.driver_connection, "autocommit", True))
+
+
 def _pooled(conn: Connection, sql: str | None = None) -> Any:
     """``conn.connection`` — but never a connection made again behind the loop's back. Read on a ``Connection``
     that a lost connection invalidated (outside a SQLAlchemy transaction, where the loops' statements run),
@@ -187,7 +193,7 @@ def _pooled(conn: Connection, sql: str | None = None) -> Any:
     if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
         return conn.connection  # (not a loop's connection: SQLAlchemy's rules, the caller's transaction)
     pooled = None if conn.invalidated else conn.connection
-    if pooled is None or not getattr(pooled.driver_connection, "autocommit", True):
+    if pooled is None or not in_autocommit(pooled):
         lost = psycopg.OperationalError("the connection was lost; a loop's connection is not made again here")
         raise OperationalError(sql, None, lost, connection_invalidated=True)
     return pooled
