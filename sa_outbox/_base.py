@@ -104,10 +104,12 @@ class RunPolicy:
         owner: str,
         startup_timeout: Duration | None,
         cap: float = DATABASE_OUTAGE.cap,
+        sooner: str = "",
     ) -> None:
         self.log = log
         self.owner = owner
         self.cap = cap
+        self.sooner = sooner  # what may end the wait sooner, said with it ("" — nothing but a wake-up)
         self.limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
         self.started = time.monotonic()
         self.reached = False
@@ -138,8 +140,8 @@ class RunPolicy:
         # the cause as the server put it: a deadlock or a serialization failure is retried the same way, and
         # read "database unavailable" alone (a review)
         self.log.warning(
-            "database unavailable or the step was refused (%s: %.200s), retrying in %.2fs", type(exc).__name__,
-            connection_error_cause(exc), delay, extra={"owner": self.owner, "failures": self.failures},
+            "database unavailable or the step was refused (%s: %.200s), retrying in %.2fs%s", type(exc).__name__,
+            connection_error_cause(exc), delay, self.sooner, extra={"owner": self.owner, "failures": self.failures},
         )  # fmt: skip
         return delay
 
@@ -152,6 +154,8 @@ class LoopBase:
     _kind: ClassVar[str] = "outbox"
     #: The engine classes a flavour accepts (``Engine`` or ``AsyncEngine``).
     _engine_types: ClassVar[tuple[type[Any], ...]] = ()
+    #: Said after run()'s wait after a database fault: what ends it sooner, if anything does.
+    _fault_wait_ends: ClassVar[str] = ""
     #: Longest an outcome waits before it is written on its own (when no claim takes it along).
     _flush_after: ClassVar[float] = 0.05
 
@@ -480,7 +484,9 @@ class LoopBase:
             self._trouble_since, self._noticed_at, self._calm_from = now, now, now + grace
             self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
                            "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
-        return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
+        return RunPolicy(
+            self._log, self.owner, startup_timeout, cap=self._outage_retry_cap(), sooner=self._fault_wait_ends
+        )
 
     def _outage_retry_cap(self) -> float:
         """The longest run() waits between two tries to reach a database that is down."""

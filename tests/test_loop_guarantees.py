@@ -21,7 +21,8 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
-from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _steps
+from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _base, _steps
+from sa_outbox._backoff import _HalfJitter
 from sa_outbox._services import Requeued
 from sa_outbox.testing import RecordingPublisher
 
@@ -138,6 +139,43 @@ def test_after_a_database_fault_a_worker_rescues_only_once_the_others_could_rene
         w.stop()
         thread.join(30)
     assert ran == [(1, 2)] and w.stats.rescued == 1
+
+
+def test_a_worker_waiting_out_a_fault_tries_again_once_its_heartbeat_gets_through(
+    runner: Runner, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run() waits out a connection fault with backoff that grows to 30 s while the faults go on; when a
+    flapping connection keeps meeting them, a worker may sleep that long after the database is back — with
+    jobs in hand (finished, their outcomes unwritten; claimed, not started), which its heartbeat renews so
+    that nobody else takes them. A beat that gets through meanwhile shows the database answers: the wait
+    ends and the loop tries again. Found by the lost-connection runs (workers cut off every 20 ms for 2.9 s
+    at a time): a worker held a claimed job for 38 s, asleep in an 18 s backoff. Here every wait after a fault
+    is 30-60 s; the job's handler returns after every backend was cut, so the turn that would write its
+    outcome fails, and nothing else wakes the loop — before: done only after that wait (`{'running': 1}`
+    15 s on); now within a few heartbeats (0.2 s)."""
+    monkeypatch.setattr(_base, "DATABASE_OUTAGE", _HalfJitter(60.0, 60.0))
+    gate = threading.Event()
+    started: list[int] = []
+
+    def handler(job: ClaimedJob) -> None:
+        started.append(job.id)
+        gate.wait(20)
+
+    seed_jobs(engine, 1, task="t")
+    w = runner.worker({"t": handler}, concurrency=1, stale_after=3.0, heartbeat=0.2, poll_interval=0.05)
+    thread = runner.run_in_thread(w)
+    try:
+        assert wait_until(lambda: started == [1], 10), started
+        _cut_every_backend(engine)
+        gate.set()
+        assert wait_until(lambda: w.stats.db_errors >= 1, 10)  # the turn after the run met the fault
+        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 15), statuses(engine, "jobs")
+    finally:
+        gate.set()
+        w.stop()
+        thread.join(70)
+    assert not thread.is_alive()
+    assert started == [1]
 
 
 def test_a_connection_that_keeps_failing_still_rescues_what_ran_out_before_the_faults_began(
