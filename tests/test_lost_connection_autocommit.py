@@ -15,17 +15,22 @@ lease versions — the fencing token handed out twice.
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import random
+import sys
 import threading
 import time
+import traceback
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
 from sa_outbox import AsyncWorker, Backoff, Defer, Limit, Worker, enqueue_many
@@ -166,10 +171,56 @@ _TERMINATE = text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE 
 def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connections(
     engine: Engine, async_url: URL, flavour: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The workers of the reduction above, for 40 s at most: three workers (fair shares of q1/q2/q3, q3 limited
-    to 2), 400 jobs deferred on their first two leases, the workers' backends terminated every 20 ms for 2.9 s
-    at a time with 1.5 s between; every claim a worker takes into its hands is counted by (job id,
+    """The workers of the reduction above: three workers (fair shares of q1/q2/q3, q3 limited to 2), 400 jobs
+    deferred on their first two leases, the workers' backends terminated every 20 ms for 2.9 s at a time with
+    1.5 s between, for 30 s at most; every claim a worker takes into its hands is counted by (job id,
     lease_version), which no two claims may share. Before the fix: 2-10 pairs per run (async), in every run."""
+    app = {"application_name": _LOOPS_APP}
+
+    def terminate(conn: Connection) -> None:
+        conn.execute(_TERMINATE, {"app": _LOOPS_APP})
+
+    limited_workers_losing_connections(
+        engine,
+        flavour,
+        monkeypatch,
+        sync_engine=lambda: create_engine(engine.url, connect_args=app),
+        async_engine=lambda: create_async_engine(async_url, connect_args=app),
+        terminate=terminate,
+    )
+
+
+def _in_hand(workers: list[Any]) -> list[dict[str, Any]]:
+    """What each worker holds (a failing run's diagnostics): jobs in hand not started, claims waiting for a
+    run, runs that ended while a claim was in flight, runs going on, leases held."""
+    return [
+        {
+            "queue": [(j.id, j.lease_version) for j in list(w._queue)],
+            "parked": {i: j.lease_version for i, j in dict(w._parked).items()},
+            "ended_meanwhile": list(dict(w._ended_meanwhile)),
+            "running": [(r.job.id, r.job.lease_version) for r in w._running_jobs()],
+            "held": w._held.pairs(),
+            "stopped": w._stopped(),
+            "fatal": w._fatal,
+        }
+        for w in workers
+    ]
+
+
+def limited_workers_losing_connections(
+    engine: Engine,
+    flavour: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    sync_engine: Callable[[], Engine],
+    async_engine: Callable[[], AsyncEngine],
+    terminate: Callable[[Connection], None],
+) -> None:
+    """The run of the test above, on the workers' engine from ``sync_engine`` / ``async_engine`` (direct, or
+    through a pooler); ``terminate`` (on a direct connection of ``engine``) cuts the workers' backends. Asserts
+    that no (job id, lease_version) reached a worker's hands twice and that every job was done — usually in
+    10-20 s, within 75 s in any case: the outages end after 30 s at the latest, and run()'s wait after a fault
+    grows to 30 s (a worker holding no job has no heartbeat to end it sooner)."""
     taken: Counter[tuple[int, int]] = Counter()
     lock = threading.Lock()
     real_accept = WorkerBase._accept
@@ -200,14 +251,17 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
         stale_after=3.0, heartbeat=0.3, backoff=Backoff(0.01, 0.05, jitter=True), poll_interval=0.3, listen=False,
     )  # fmt: skip
     stop = threading.Event()
+    cuts = 0
 
     def outages() -> None:
+        nonlocal cuts
         with engine.connect() as conn:
-            while not stop.is_set():
+            while not stop.is_set() and time.monotonic() < cut_until:
                 until = time.monotonic() + 2.9
                 while time.monotonic() < until and not stop.is_set():
-                    conn.execute(_TERMINATE, {"app": _LOOPS_APP})
+                    terminate(conn)
                     conn.commit()
+                    cuts += 1
                     time.sleep(0.02)
                 stop.wait(1.5)
 
@@ -215,18 +269,34 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
         with engine.connect() as conn:
             return int(conn.execute(text("SELECT count(*) FROM jobs WHERE status <> 'done'")).scalar_one())
 
+    hands: list[dict[str, Any]] = []
+    stacks: list[str] = []
+    records: list[logging.LogRecord] = []
+    collect = logging.Handler(logging.INFO)
+    collect.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("sa_outbox")
+    level = logger.level
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    began = time.monotonic()
+    cut_until, deadline = began + 30, began + 75
     cutter = threading.Thread(target=outages, daemon=True)
     cutter.start()
-    deadline = time.monotonic() + 40
     try:
         if flavour == "async":
 
             async def main() -> None:
-                aengine = create_async_engine(async_url, connect_args={"application_name": _LOOPS_APP})
+                aengine = async_engine()
                 workers = [AsyncWorker(aengine, Job, {"t": ahandler}, **options) for _ in range(3)]
                 runs = [asyncio.ensure_future(w.run(install_signal_handlers=False)) for w in workers]
                 while time.monotonic() < deadline and left():
                     await asyncio.sleep(0.5)
+                hands.extend(_in_hand(workers))
+                if left():
+                    for task in asyncio.all_tasks():
+                        out = io.StringIO()
+                        task.print_stack(limit=12, file=out)
+                        stacks.append(out.getvalue())
                 for w in workers:
                     w.stop()
                 await asyncio.gather(*runs, return_exceptions=True)
@@ -234,7 +304,7 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
 
             asyncio.run(main())
         else:
-            sengine = create_engine(engine.url, connect_args={"application_name": _LOOPS_APP})
+            sengine = sync_engine()
             workers = [Worker(sengine, Job, {"t": handler}, **options) for _ in range(3)]
             threads = [
                 threading.Thread(target=w.run, kwargs={"install_signal_handlers": False}) for w in workers
@@ -243,6 +313,12 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
                 t.start()
             while time.monotonic() < deadline and left():
                 time.sleep(0.5)
+            hands.extend(_in_hand(workers))
+            if left():
+                frames = sys._current_frames()
+                stacks.extend(
+                    "".join(traceback.format_stack(frames[t.ident], limit=12)) for t in threads if t.ident
+                )
             for w in workers:
                 w.stop()
             for t in threads:
@@ -253,6 +329,26 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
     finally:
         stop.set()
         cutter.join(10)
+        logger.removeHandler(collect)
+        logger.setLevel(level)
     twice = {claim: n for claim, n in taken.items() if n > 1}
+    assert cuts > 0
+    with engine.connect() as conn:
+        unfinished = [
+            (*r, sorted(lease for (job, lease) in taken if job == r[0]))
+            for r in conn.execute(text(
+                "SELECT id, queue, status, attempts, lease_version, locked_by, now() - locked_at, run_at - now(), "
+                "last_error FROM jobs WHERE status <> 'done'"
+            ))
+        ]  # fmt: skip
+    said = [
+        f"{r.created:.3f} {r.threadName} {r.getMessage()}"
+        for r in records
+        if any(f"job {u[0]} " in r.getMessage() or f"job {u[0]}," in r.getMessage() for u in unfinished)
+    ]
+    assert not unfinished, (
+        f"jobs not done after {time.monotonic() - began:.1f} s: {unfinished}; in hand: {hands}; "
+        f"said of them: {said}; stacks:\n" + "\n".join(stacks)
+    )
     assert len(taken) >= 400, f"the workers took only {len(taken)} claims"
     assert not twice, f"claims (job id, lease_version) handed out more than once: {twice}"

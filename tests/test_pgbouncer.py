@@ -70,6 +70,7 @@ from .factories import FAST, Runner
 from .helpers import fresh_schema, row, seed_events, seed_jobs, statuses
 from .models import Order
 from .test_loop_guarantees import wait_until
+from .test_lost_connection_autocommit import limited_workers_losing_connections
 
 POOL = 4  # server connections of the main alias: fewer than the clients of most tests, so they share them
 
@@ -168,7 +169,8 @@ class PrivatePgBouncer(_Server):
 def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
     name = str(db_url.database)
     aliases = {name: (name, POOL), f"{name}_one": (name, 1), f"{name}_shared": (name, 2),
-               f"{name}_listen": (name, 2), f"{name}_cut": (name, 2)}  # fmt: skip
+               f"{name}_listen": (name, 2), f"{name}_cut": (name, 2),
+               f"{name}_lost": (name, 6)}  # fmt: skip
     server = PrivatePgBouncer(server_url, aliases)
     server.start()
     try:
@@ -1327,6 +1329,35 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
         for agg in ("agg-0", "agg-1", "agg-2"):
             ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == agg]
             assert ns == sorted(ns), (agg, ns)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+def test_no_claim_is_handed_out_twice_when_limited_workers_lose_server_connections_through_pgbouncer(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lost-connection run of test_lost_connection_autocommit (three workers, a limited queue's claims in a
+    transaction block, the backends terminated every 20 ms for 2.9 s at a time) through PgBouncer in
+    transaction pooling mode: there the server connection dies under a client connection that PgBouncer may
+    keep or close, and the block's BEGIN ... COMMIT is the one stretch that pins a server connection. No
+    (job id, lease_version) may reach a worker's hands twice, and every job is done."""
+    alias = f"{db_url.database}_lost"
+    url = bouncer.url(alias)
+
+    def terminate(conn: Any) -> None:
+        # (only this database's: a pid PgBouncer still lists may be gone and reused by another test's backend)
+        conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE pid = ANY(CAST(:p AS int[])) AND datname = current_database()"),
+                     {"p": bouncer.server_pids(alias)})  # fmt: skip
+
+    limited_workers_losing_connections(
+        engine,
+        flavour,
+        monkeypatch,
+        sync_engine=lambda: pgbouncer_engine(url)[0],
+        async_engine=lambda: pgbouncer_async_engine(url)[0],
+        terminate=terminate,
+    )
 
 
 def test_migrations_through_pgbouncer_leave_no_lock_timeout_on_the_server_connection(
