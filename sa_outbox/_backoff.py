@@ -81,6 +81,10 @@ JOBS_BACKOFF = Backoff(1.0, 300.0, jitter=False)
 
 #: Between attempts to reach a database that is down: 0.2 s, 0.4 s, … up to 30 s.
 DATABASE_OUTAGE = _HalfJitter(0.1, 30.0)
+#: A worker's wait after a database fault ends at a heartbeat that gets through (the database answers), but
+#: not before it has lasted this long: a fault that keeps coming is tried at most once a second or so, not at
+#: the pace of a short heartbeat (a review: every 0.05 s, with a WARNING each time).
+BEAT_ENDS_FAULT_WAIT_AFTER = 1.0
 #: Between retries of one statement after a connection fault (tenacity's ``wait``): 0.1 s … 5 s.
 STATEMENT_RETRY = _HalfJitter(0.05, 5.0)
 #: A waker whose LISTEN connection failed polls for this long before it tries again.

@@ -104,12 +104,10 @@ class RunPolicy:
         owner: str,
         startup_timeout: Duration | None,
         cap: float = DATABASE_OUTAGE.cap,
-        sooner: str = "",
     ) -> None:
         self.log = log
         self.owner = owner
         self.cap = cap
-        self.sooner = sooner  # what may end the wait sooner, said with it ("" — nothing but a wake-up)
         self.limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
         self.started = time.monotonic()
         self.reached = False
@@ -119,10 +117,11 @@ class RunPolicy:
         self.failures = 0
         self.reached = True
 
-    def failed(self, exc: BaseException) -> float:
+    def failed(self, exc: BaseException, sooner: str = "") -> float:
         """The delay before the next try after ``exc``; re-raises what is not an outage, and names the cause
         of a connection that can never succeed (no such database or role, authentication failed, unknown
-        host) at once instead of retrying it as an outage."""
+        host) at once instead of retrying it as an outage. ``sooner``: what may end the wait before the delay,
+        said with it in the log."""
         if not is_connection_error(exc):
             raise exc
         if is_permanent_connection_error(exc):
@@ -141,7 +140,7 @@ class RunPolicy:
         # read "database unavailable" alone (a review)
         self.log.warning(
             "database unavailable or the step was refused (%s: %.200s), retrying in %.2fs%s", type(exc).__name__,
-            connection_error_cause(exc), delay, self.sooner, extra={"owner": self.owner, "failures": self.failures},
+            connection_error_cause(exc), delay, sooner, extra={"owner": self.owner, "failures": self.failures},
         )  # fmt: skip
         return delay
 
@@ -154,8 +153,6 @@ class LoopBase:
     _kind: ClassVar[str] = "outbox"
     #: The engine classes a flavour accepts (``Engine`` or ``AsyncEngine``).
     _engine_types: ClassVar[tuple[type[Any], ...]] = ()
-    #: Said after run()'s wait after a database fault: what ends it sooner, if anything does.
-    _fault_wait_ends: ClassVar[str] = ""
     #: Longest an outcome waits before it is written on its own (when no claim takes it along).
     _flush_after: ClassVar[float] = 0.05
 
@@ -484,9 +481,7 @@ class LoopBase:
             self._trouble_since, self._noticed_at, self._calm_from = now, now, now + grace
             self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
                            "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
-        return RunPolicy(
-            self._log, self.owner, startup_timeout, cap=self._outage_retry_cap(), sooner=self._fault_wait_ends
-        )
+        return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
 
     def _outage_retry_cap(self) -> float:
         """The longest run() waits between two tries to reach a database that is down."""

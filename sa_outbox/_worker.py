@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session
 from tenacity import AsyncRetrying, Retrying
 
 from . import _steps, _tracing
-from ._backoff import JOBS_BACKOFF, Backoff
+from ._backoff import BEAT_ENDS_FAULT_WAIT_AFTER, JOBS_BACKOFF, Backoff
 from ._base import (
     CLAIM_GRACE,
     LoopBase,
@@ -418,7 +418,6 @@ class WorkerBase(LoopBase):
     _kind = "jobs"
     _owner_prefix = "worker"
     _log = log
-    _fault_wait_ends = ", or once a heartbeat renews the jobs in hand"  # (see _beat_result)
     #: Whether this flavour can await ``async def`` handlers.
     _awaits_handlers: ClassVar[bool] = False
 
@@ -520,8 +519,11 @@ class WorkerBase(LoopBase):
         self._pace = _Pace()
         #: Claimed jobs that have not started yet.
         self._queue: deque[ClaimedJob] = deque()
-        #: Whether run() is waiting out a database fault (:meth:`_beat_result` ends that wait).
-        self._waiting_out_fault = False
+        #: run()'s wait after a database fault, as a beat sees it (:meth:`_beat_result`): None (no such wait),
+        #: "noting" (its first BEAT_ENDS_FAULT_WAIT_AFTER: a beat is noted) or "poking" (a beat ends it).
+        self._fault_wait: str | None = None
+        #: Whether a beat got through during the first part of the wait.
+        self._beat_in_fault_wait = False
         #: The cancel flag of every job in hand (set when the heartbeat learns of a cancellation request).
         self._tokens: dict[int, CancelToken] = {}
         #: Jobs claimed again while a run of theirs goes on here (another worker's rescue took the row back), id ->
@@ -1140,20 +1142,38 @@ class WorkerBase(LoopBase):
     def _beat_pairs(self) -> list[tuple[int, int]]:
         return self._held.pairs()
 
+    def _fault_wait_steps(self, delay: float) -> tuple[float, float]:
+        """run()'s wait of ``delay`` after a database fault, in two parts: the first (at most
+        ``BEAT_ENDS_FAULT_WAIT_AFTER``) ends only as any wait ends (a stop, a notification, a handler done);
+        the second also at a heartbeat that gets through — and none is waited if one got through in the first.
+
+        A beat that gets through shows the database answers, and the jobs the worker holds — finished with
+        their outcomes unwritten, or claimed and not started — are renewed by it for nobody else until the
+        loop's next turn. The wait grows to 30 s while faults go on: after a flapping connection (workers cut
+        off every 20 ms for 2.9 s at a time) a worker held a claimed job for 38 s, asleep in an 18 s wait, its
+        heartbeat renewing the job all along. The backoff is not reset, and a fault that keeps coming (a
+        refused statement: a review's trigger refused every finalize) is tried again no more often than once
+        the first part has passed — not at the pace of a short heartbeat (before: every 0.05 s)."""
+        self._beat_in_fault_wait = False
+        first = min(delay, BEAT_ENDS_FAULT_WAIT_AFTER)
+        return first, delay - first
+
+    def _beat_ends_fault_wait(self) -> str:
+        """What the log of run()'s wait after a fault says may end it sooner: a heartbeat, if one will beat."""
+        if self.heartbeat is None or not self._held.pairs():
+            return ""
+        return f", or once a heartbeat gets through (after {BEAT_ENDS_FAULT_WAIT_AFTER:g} s at the earliest)"
+
     def _beat_result(
         self, pairs: Sequence[tuple[int, int]], renewed: tuple[set[int], set[int]], sent: float
     ) -> None:
-        """A beat sent at ``sent`` renewed the leases of ``renewed[0]`` among ``pairs``.
-
-        If run() is waiting out a database fault meanwhile, the wait ends: the database answers, and the jobs
-        the beat renewed — finished with their outcomes unwritten, or claimed and not started — are held for
-        nobody else until the loop's next turn. That wait grows to 30 s while faults go on: after a flapping
-        connection (workers cut off every 20 ms for 2.9 s at a time) a worker held a claimed job for 38 s,
-        asleep in an 18 s backoff, its heartbeat renewing the job all along. Tried again at once, a turn that
-        meets the fault again waits longer still (its backoff is not reset), and is woken no more often than
-        the heartbeat beats."""
-        if self._waiting_out_fault:
-            self._poke()
+        """A beat sent at ``sent`` renewed the leases of ``renewed[0]`` among ``pairs``; a beat that got through
+        during run()'s wait after a database fault ends that wait (:meth:`_fault_wait_steps`)."""
+        wait = self._fault_wait
+        if wait is not None:
+            self._beat_in_fault_wait = True
+            if wait == "poking":
+                self._poke()
         ids, cancel = renewed
         self._held.confirm(((job_id, version) for job_id, version in pairs if job_id in ids), sent)
         still_held = dict(self._held.pairs())
@@ -1408,6 +1428,18 @@ class Worker(WorkerBase):
     def _poke(self) -> None:
         self._waker.poke()
 
+    def _wait_out_fault(self, delay: float) -> None:
+        """run()'s wait after a database fault, in the two parts of :meth:`_fault_wait_steps`."""
+        first, rest = self._fault_wait_steps(delay)
+        self._fault_wait = "noting"
+        try:
+            if self._waker.wait(first) is None and rest > 0 and not self._beat_in_fault_wait:
+                self._fault_wait = "poking"
+                if not self._beat_in_fault_wait:  # (one that noted a beat after the test above: no wait)
+                    self._waker.wait(rest)
+        finally:
+            self._fault_wait = None
+
     # -- public ----------------------------------------------------------------------------------------
 
     def run_once(self) -> int:
@@ -1452,14 +1484,10 @@ class Worker(WorkerBase):
                     claimed, wanted = self._turn()
                     policy.succeeded()
                 except Exception as exc:
-                    delay = policy.failed(exc)
+                    delay = policy.failed(exc, self._beat_ends_fault_wait())
                     self.stats.db_errors += 1
                     self._db_fault()
-                    self._waiting_out_fault = True
-                    try:
-                        self._waker.wait(delay)
-                    finally:
-                        self._waiting_out_fault = False
+                    self._wait_out_fault(delay)
                     continue
                 if wanted:
                     batches += 1
@@ -1951,6 +1979,18 @@ class AsyncWorker(WorkerBase):
     def _poke(self) -> None:
         self._waker.poke()
 
+    async def _wait_out_fault(self, delay: float) -> None:
+        """run()'s wait after a database fault, in the two parts of :meth:`_fault_wait_steps` (the beats run
+        on this event loop: no beat comes between the test and the wait)."""
+        first, rest = self._fault_wait_steps(delay)
+        self._fault_wait = "noting"
+        try:
+            if await self._waker.wait(first) is None and rest > 0 and not self._beat_in_fault_wait:
+                self._fault_wait = "poking"
+                await self._waker.wait(rest)
+        finally:
+            self._fault_wait = None
+
     # -- public ----------------------------------------------------------------------------------------
 
     async def run_once(self) -> int:
@@ -1986,14 +2026,10 @@ class AsyncWorker(WorkerBase):
                     claimed, wanted = await self._turn()
                     policy.succeeded()
                 except Exception as exc:
-                    delay = policy.failed(exc)
+                    delay = policy.failed(exc, self._beat_ends_fault_wait())
                     self.stats.db_errors += 1
                     self._db_fault()
-                    self._waiting_out_fault = True
-                    try:
-                        await self._waker.wait(delay)
-                    finally:
-                        self._waiting_out_fault = False
+                    await self._wait_out_fault(delay)
                     continue
                 if wanted:
                     batches += 1
