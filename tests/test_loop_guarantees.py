@@ -189,20 +189,12 @@ def test_a_fault_that_keeps_coming_is_tried_again_about_once_a_second_however_sh
     is gone the outcome is written; the job ran once."""
     name = "outcomes_refused"
     seed_jobs(engine, 1, task="t")
-    with engine.begin() as conn:
-        conn.exec_driver_sql(
-            f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.status <> OLD.status "
-            f"AND NEW.status IN ('done', 'failed', 'queued') THEN RAISE EXCEPTION '{name}' USING ERRCODE = "
-            "'disk_full'; END IF; RETURN NEW; END $$"
-        )
-        conn.exec_driver_sql(
-            f"CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION {name}()"
-        )
+    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'failed', 'queued')"
+    _refusing_trigger(engine, name, outcome, errcode="disk_full")
     ran: list[int] = []
     w = runner.worker({"t": lambda job: ran.append(job.id)}, concurrency=1, stale_after=10.0, heartbeat=0.05,
                       poll_interval=0.05)  # fmt: skip
     thread = runner.run_in_thread(w)
-    lifted = False
     try:
         assert wait_until(lambda: w.stats.db_errors >= 1, 10), (ran, statuses(engine, "jobs"))
         time.sleep(2.0)  # (past the backoff's own first steps, which are shorter than a second)
@@ -210,16 +202,10 @@ def test_a_fault_that_keeps_coming_is_tried_again_about_once_a_second_however_sh
         time.sleep(4.0)
         tries = w.stats.db_errors - before
         assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
-        with engine.begin() as conn:
-            conn.exec_driver_sql(f"DROP TRIGGER {name} ON jobs")
-            conn.exec_driver_sql(f"DROP FUNCTION {name}()")
-        lifted = True
+        _refusing_trigger(engine, name, outcome, lift=True)
         assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 10), statuses(engine, "jobs")
     finally:
-        if not lifted:
-            with engine.begin() as conn:
-                conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {name} ON jobs")
-                conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {name}()")
+        _refusing_trigger(engine, name, outcome, lift=True)
         w.stop()
         thread.join(30)
     assert not thread.is_alive()
@@ -478,17 +464,19 @@ def test_a_loop_rescues_a_row_leased_in_its_name_that_it_does_not_hold(
     assert sorted(ran) == [1, 2] and statuses(engine, "jobs") == {"done": 2}
 
 
-def _refusing_trigger(engine: Engine, name: str, condition: str, *, lift: bool = False) -> None:
-    """A trigger on jobs that raises (``name``) for every UPDATE meeting ``condition`` (OLD and NEW): a user's
-    trigger, or a row-level security rule, refusing it; ``lift`` drops it."""
+def _refusing_trigger(
+    engine: Engine, name: str, condition: str, *, lift: bool = False, errcode: str = "raise_exception"
+) -> None:
+    """A trigger on jobs that raises (``name``, with ``errcode``) for every UPDATE meeting ``condition`` (OLD and
+    NEW): a user's trigger, or a row-level security rule, refusing it; ``lift`` drops it (if it is there)."""
     with engine.begin() as conn:
         if lift:
-            conn.exec_driver_sql(f"DROP TRIGGER {name} ON jobs")
-            conn.exec_driver_sql(f"DROP FUNCTION {name}()")
+            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {name} ON jobs")
+            conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {name}()")
             return
         conn.exec_driver_sql(
             f"CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            f"IF {condition} THEN RAISE EXCEPTION '{name}'; END IF; RETURN NEW; END $$"
+            f"IF {condition} THEN RAISE EXCEPTION '{name}' USING ERRCODE = '{errcode}'; END IF; RETURN NEW; END $$"
         )
         conn.exec_driver_sql(
             f"CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION {name}()"
