@@ -2530,17 +2530,9 @@ class Scenario:
                             and set(p.plan) == {"noanswer"}
                             and _timed_out_on_its_attempt(row.last_error)
                         )
-                        # (as for a younger one-attempt job below: a transactional handler whose session's
-                        # connection was terminated under it spent its one attempt — seed 116 of the long profile)
-                        or (
-                            seq in self.model.in_transaction
-                            and self.terminations > 0
-                            and (row.last_error or "").startswith("retries exhausted (1/1)")
-                            and (
-                                "terminating connection due to administrator command"
-                                in (row.last_error or "")
-                                or "server closed the connection unexpectedly" in (row.last_error or "")
-                            )
+                        # (as for a younger one-attempt job below — seed 116 of the long profile)
+                        or _spent_on_a_cut_session(
+                            seq in self.model.in_transaction, self.terminations, row.last_error
                         )
                     )
                 ), why
@@ -2555,16 +2547,7 @@ class Scenario:
                 assert (
                     "after max attempts (worker crash?)" in error
                     or _timed_out_on_its_attempt(error)
-                    or (
-                        seq in self.model.in_transaction
-                        and self.terminations > 0
-                        and error.startswith("retries exhausted (1/1)")
-                        # (the server's notice, or the closed socket when the client read that first)
-                        and (
-                            "terminating connection due to administrator command" in error
-                            or "server closed the connection unexpectedly" in error
-                        )
-                    )
+                    or _spent_on_a_cut_session(seq in self.model.in_transaction, self.terminations, error)
                 ), why
             else:
                 assert row.status == "done" and seq in handled_ok, why
@@ -2573,6 +2556,22 @@ class Scenario:
             assert effects[seq] == expected, (
                 f"job {seq}: {effects[seq]} effect row(s), expected {expected}: {why}"
             )
+
+
+def _spent_on_a_cut_session(in_transaction: bool, terminations: int, error: str | None) -> bool:
+    """A one-attempt job's transactional handler whose session's connection a termination cut under it: an
+    exception like any other, its one attempt spent (docs/jobs.md) — said with the server's notice, or the
+    closed socket when the client read that first."""
+    error = error or ""
+    return (
+        in_transaction
+        and terminations > 0
+        and error.startswith("retries exhausted (1/1)")
+        and (
+            "terminating connection due to administrator command" in error
+            or "server closed the connection unexpectedly" in error
+        )
+    )
 
 
 def _timed_out_on_its_attempt(error: str | None) -> bool:
