@@ -169,7 +169,11 @@ _TERMINATE = text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["async", "sync"])
 def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connections(
-    engine: Engine, async_url: URL, flavour: str, monkeypatch: pytest.MonkeyPatch
+    engine: Engine,
+    async_url: URL,
+    flavour: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The workers of the reduction above: three workers (fair shares of q1/q2/q3, q3 limited to 2), 400 jobs
     deferred on their first two leases, the workers' backends terminated every 20 ms for 2.9 s at a time with
@@ -184,6 +188,7 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_their_connection
         engine,
         flavour,
         monkeypatch,
+        caplog,
         sync_engine=lambda: create_engine(engine.url, connect_args=app),
         async_engine=lambda: create_async_engine(async_url, connect_args=app),
         terminate=terminate,
@@ -211,6 +216,7 @@ def limited_workers_losing_connections(
     engine: Engine,
     flavour: str,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     *,
     sync_engine: Callable[[], Engine],
     async_engine: Callable[[], AsyncEngine],
@@ -271,13 +277,7 @@ def limited_workers_losing_connections(
 
     hands: list[dict[str, Any]] = []
     stacks: list[str] = []
-    records: list[logging.LogRecord] = []
-    collect = logging.Handler(logging.INFO)
-    collect.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("sa_outbox")
-    level = logger.level
-    logger.addHandler(collect)
-    logger.setLevel(logging.INFO)
+    caplog.set_level(logging.INFO, logger="sa_outbox")  # (the INFO lines about the jobs a failure names)
     began = time.monotonic()
     cut_until, deadline = began + 30, began + 75
     cutter = threading.Thread(target=outages, daemon=True)
@@ -329,8 +329,6 @@ def limited_workers_losing_connections(
     finally:
         stop.set()
         cutter.join(10)
-        logger.removeHandler(collect)
-        logger.setLevel(level)
     twice = {claim: n for claim, n in taken.items() if n > 1}
     assert cuts > 0
     with engine.connect() as conn:
@@ -343,7 +341,7 @@ def limited_workers_losing_connections(
         ]  # fmt: skip
     said = [
         f"{r.created:.3f} {r.threadName} {r.getMessage()}"
-        for r in records
+        for r in caplog.records
         if any(f"job {u[0]} " in r.getMessage() or f"job {u[0]}," in r.getMessage() for u in unfinished)
     ]
     assert not unfinished, (

@@ -1334,7 +1334,12 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["async", "sync"])
 def test_no_claim_is_handed_out_twice_when_limited_workers_lose_server_connections_through_pgbouncer(
-    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, monkeypatch: pytest.MonkeyPatch
+    engine: Engine,
+    bouncer: PrivatePgBouncer,
+    db_url: URL,
+    flavour: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The lost-connection run of test_lost_connection_autocommit (three workers, a limited queue's claims in a
     transaction block, the backends terminated every 20 ms for 2.9 s at a time) through PgBouncer in
@@ -1354,6 +1359,7 @@ def test_no_claim_is_handed_out_twice_when_limited_workers_lose_server_connectio
         engine,
         flavour,
         monkeypatch,
+        caplog,
         sync_engine=lambda: pgbouncer_engine(url)[0],
         async_engine=lambda: pgbouncer_async_engine(url)[0],
         terminate=terminate,
