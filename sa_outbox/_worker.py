@@ -1145,7 +1145,8 @@ class WorkerBase(LoopBase):
     def _fault_wait_steps(self, delay: float) -> tuple[float, float]:
         """run()'s wait of ``delay`` after a database fault, in two parts: the first (at most
         ``BEAT_ENDS_FAULT_WAIT_AFTER``) ends only as any wait ends (a stop, a notification, a handler done);
-        the second also at a heartbeat that gets through — and none is waited if one got through in the first.
+        the second also at a heartbeat that gets through — and none is waited if one got through in the first
+        (a beat noted in an earlier wait is forgotten here).
 
         A beat that gets through shows the database answers, and the jobs the worker holds — finished with
         their outcomes unwritten, or claimed and not started — are renewed by it for nobody else until the
