@@ -504,7 +504,7 @@ class Dispatcher(DispatcherBase):
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
                     self._db_fault()
-                    self._waker.wait(delay)
+                    self._waker.wait_out(delay)  # (not ended by a notification: the turn it wakes failed)
                     continue
                 if wanted:
                     batches += 1
@@ -695,7 +695,7 @@ class AsyncDispatcher(DispatcherBase):
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
                     self._db_fault()
-                    await self._waker.wait(delay)
+                    await self._waker.wait_out(delay)  # (not ended by a notification: see Dispatcher.run)
                     continue
                 if wanted:
                     batches += 1

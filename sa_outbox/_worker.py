@@ -1144,9 +1144,9 @@ class WorkerBase(LoopBase):
 
     def _fault_wait_steps(self, delay: float) -> tuple[float, float]:
         """run()'s wait of ``delay`` after a database fault, in two parts: the first (at most
-        ``BEAT_ENDS_FAULT_WAIT_AFTER``) ends only as any wait ends (a stop, a notification, a handler done);
-        the second also at a heartbeat that gets through — and none is waited if one got through in the first
-        (a beat noted in an earlier wait is forgotten here).
+        ``BEAT_ENDS_FAULT_WAIT_AFTER``) ends only at a stop or a handler done (never at a notification:
+        :meth:`sa_outbox._wakeup.Waker.wait_out`); the second also at a heartbeat that gets through — and none
+        is waited if one got through in the first (a beat noted in an earlier wait is forgotten here).
 
         A beat that gets through shows the database answers, and the jobs the worker holds — finished with
         their outcomes unwritten, or claimed and not started — are renewed by it for nobody else until the
@@ -1434,10 +1434,10 @@ class Worker(WorkerBase):
         first, rest = self._fault_wait_steps(delay)
         self._fault_wait = "noting"
         try:
-            if self._waker.wait(first) is None and rest > 0 and not self._beat_in_fault_wait:
+            if self._waker.wait_out(first) is None and rest > 0 and not self._beat_in_fault_wait:
                 self._fault_wait = "poking"
                 if not self._beat_in_fault_wait:  # (one that noted a beat after the test above: no wait)
-                    self._waker.wait(rest)
+                    self._waker.wait_out(rest)
         finally:
             self._fault_wait = None
 
@@ -1986,9 +1986,9 @@ class AsyncWorker(WorkerBase):
         first, rest = self._fault_wait_steps(delay)
         self._fault_wait = "noting"
         try:
-            if await self._waker.wait(first) is None and rest > 0 and not self._beat_in_fault_wait:
+            if await self._waker.wait_out(first) is None and rest > 0 and not self._beat_in_fault_wait:
                 self._fault_wait = "poking"
-                await self._waker.wait(rest)
+                await self._waker.wait_out(rest)
         finally:
             self._fault_wait = None
 

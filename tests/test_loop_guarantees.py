@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +23,7 @@ from sqlalchemy.exc import OperationalError
 
 from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _base, _steps
 from sa_outbox._backoff import _HalfJitter
+from sa_outbox._names import channel_for
 from sa_outbox._services import Requeued
 from sa_outbox.testing import RecordingPublisher
 
@@ -210,6 +211,73 @@ def test_a_fault_that_keeps_coming_is_tried_again_about_once_a_second_however_sh
         thread.join(30)
     assert not thread.is_alive()
     assert ran == [1]
+
+
+def test_notifications_do_not_cut_short_a_workers_wait_after_a_fault(runner: Runner, engine: Engine) -> None:
+    """run()'s wait after a database fault is not ended by a notification: the turn it would wake for is the one
+    that failed. A trigger refuses the job's outcome with ``disk_full`` (an OperationalError run() waits out)
+    while a producer's commits notify the queue 100 times a second, the LISTEN connection hearing them: before,
+    every notification ended the wait — 173-373 failed turns in 4 s (sync and async), a WARNING each, while the
+    log said "retrying in 0.70s". Now the backoff holds (at most 8 asserted, 1-2 seen). Once the trigger is gone the
+    outcome is written; the job ran once."""
+    name = "outcomes_refused_notified"
+    seed_jobs(engine, 1, task="t")
+    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'failed', 'queued')"
+    _refusing_trigger(engine, name, outcome, errcode="disk_full")
+    ran: list[int] = []
+    w = runner.worker({"t": lambda job: ran.append(job.id)}, concurrency=1, stale_after=10.0, heartbeat=0,
+                      poll_interval=0.5, listen=True)  # fmt: skip
+    thread = runner.run_in_thread(w)
+    try:
+        assert wait_until(lambda: w.stats.db_errors >= 1, 10), (ran, statuses(engine, "jobs"))
+        with _notifying(engine, "jobs", "default"):
+            time.sleep(2.0)  # (past the backoff's first steps)
+            before, heard = w.stats.db_errors, w._waker.notifications
+            time.sleep(4.0)
+            tries, heard = w.stats.db_errors - before, w._waker.notifications - heard
+        assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"  # (the premise)
+        assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
+        _refusing_trigger(engine, name, outcome, lift=True)
+        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 15), statuses(engine, "jobs")
+    finally:
+        _refusing_trigger(engine, name, outcome, lift=True)
+        w.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert ran == [1]
+
+
+def test_notifications_do_not_cut_short_a_dispatchers_wait_after_a_fault(
+    runner: Runner, engine: Engine
+) -> None:
+    """The dispatcher's run() waits out a fault the same way: a trigger refuses the event's outcome, a producer
+    notifies the outbox 100 times a second — the dispatcher tries again at its backoff's pace (before: at every
+    notification, 372 failed turns in 4 s). Once the trigger is gone the outcome is written; the event was
+    published once."""
+    name = "outbox_outcomes_refused_notified"
+    seed_events(engine, 1)
+    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'dead', 'pending')"
+    _refusing_trigger(engine, name, outcome, errcode="disk_full", table="outbox")
+    pub = RecordingPublisher()
+    d = runner.dispatcher(pub, poll_interval=0.5, listen=True)
+    thread = runner.run_in_thread(d)
+    try:
+        assert wait_until(lambda: d.stats.db_errors >= 1, 10), statuses(engine, "outbox")
+        with _notifying(engine, "outbox", ""):
+            time.sleep(2.0)
+            before, heard = d.stats.db_errors, d._waker.notifications
+            time.sleep(4.0)
+            tries, heard = d.stats.db_errors - before, d._waker.notifications - heard
+        assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"
+        assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
+        _refusing_trigger(engine, name, outcome, lift=True, table="outbox")
+        assert wait_until(lambda: statuses(engine, "outbox") == {"done": 1}, 15), statuses(engine, "outbox")
+    finally:
+        _refusing_trigger(engine, name, outcome, lift=True, table="outbox")
+        d.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert len(pub.messages) == 1
 
 
 def test_a_connection_that_keeps_failing_still_rescues_what_ran_out_before_the_faults_began(
@@ -465,13 +533,14 @@ def test_a_loop_rescues_a_row_leased_in_its_name_that_it_does_not_hold(
 
 
 def _refusing_trigger(
-    engine: Engine, name: str, condition: str, *, lift: bool = False, errcode: str = "raise_exception"
-) -> None:
-    """A trigger on jobs that raises (``name``, with ``errcode``) for every UPDATE meeting ``condition`` (OLD and
-    NEW): a user's trigger, or a row-level security rule, refusing it; ``lift`` drops it (if it is there)."""
+    engine: Engine, name: str, condition: str, *, lift: bool = False, errcode: str = "raise_exception",
+    table: str = "jobs",
+) -> None:  # fmt: skip
+    """A trigger on ``table`` that raises (``name``, with ``errcode``) for every UPDATE meeting ``condition`` (OLD
+    and NEW): a user's trigger, or a row-level security rule, refusing it; ``lift`` drops it (if it is there)."""
     with engine.begin() as conn:
         if lift:
-            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {name} ON jobs")
+            conn.exec_driver_sql(f"DROP TRIGGER IF EXISTS {name} ON {table}")
             conn.exec_driver_sql(f"DROP FUNCTION IF EXISTS {name}()")
             return
         conn.exec_driver_sql(
@@ -479,8 +548,30 @@ def _refusing_trigger(
             f"IF {condition} THEN RAISE EXCEPTION '{name}' USING ERRCODE = '{errcode}'; END IF; RETURN NEW; END $$"
         )
         conn.exec_driver_sql(
-            f"CREATE TRIGGER {name} BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION {name}()"
+            f"CREATE TRIGGER {name} BEFORE UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {name}()"
         )
+
+
+@contextlib.contextmanager
+def _notifying(engine: Engine, table: str, payload: str, every: float = 0.01) -> Iterator[None]:
+    """A producer's commits, as their wake-ups: a NOTIFY on ``table``'s channel every ``every`` seconds from a
+    thread of its own, for as long as the block runs."""
+    stop = threading.Event()
+
+    def notify() -> None:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            while not stop.is_set():
+                conn.execute(text("SELECT pg_notify(:channel, :payload)"),
+                             {"channel": channel_for(table), "payload": payload})  # fmt: skip
+                stop.wait(every)
+
+    thread = threading.Thread(target=notify, name="notifier")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 #: A renewal of a running job: its locked_at moved on, its lease the same.
