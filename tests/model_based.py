@@ -39,7 +39,9 @@ database, real threads with their own connections, real backend terminations. Ru
 * a user's transaction locks a few pending events (``FOR KEY SHARE``, as a foreign key check does, or ``FOR
   UPDATE``) for a moment while the loops run;
 * the database goes out of the loops' reach for 1–3.5 s (their backends terminated every 20 ms), now and
-  then after a step (a stream of its own), while the rules go on;
+  then after a step (a stream of its own), while the rules go on; in half of these outages (a stream of its
+  own) their LISTEN connections are spared and a producer notifies every queue and the outbox every 10 ms
+  throughout (the terminations then every 10 ms too), so the loops hear wake-ups while their statements fail;
 * a trigger refuses every renewal of a running job for 1–4 s (a stream of its own), while the rules go on:
   beats fail and leases run out under running handlers;
 * another worker's rescue takes a job or two back from under their handlers' runs (their leases moved an hour
@@ -97,6 +99,9 @@ After every step
         handler_timeout, which gave up on it): a job claimed again while its first run goes on — another
         worker's rescue took it back — waits for that run, whose result it takes when no other claim came
         between (else it runs after it);
+    I13 no hot loop through a fault: over an outage a loop fails at most ``FAILED_TURNS_PER_OUTAGE`` turns —
+        its backoff's pace, notifications heard meanwhile or not (before, each one ended the wait: 100 a
+        second made a loop fail 170-370 turns in 4 s);
     H1  (``rule_hand_over``) a claim that took a job again during its run and landed after the run ended takes
         the run's outcome: the job ran once and is done on the newer lease;
 At the end (faults off, loops drained)
@@ -228,6 +233,16 @@ _TERMINATE_LOOPS = text(
     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
     "AND application_name IN ('model-loop', 'sa_outbox.listen')"
 )
+#: Terminates the backends of the loops' engines only: their LISTEN connections go on hearing notifications.
+_TERMINATE_LOOP_STATEMENTS = text(
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND application_name = 'model-loop'"
+)
+#: I13: a loop's failed turns over one outage (1-3.5 s). Its backoff allows about six (0.2 s doubling, scaled by
+#: 0.5-1); a worker's wait also ends when a handler finishes or a beat gets through after a second, and a
+#: turn that claims several queues may count a failure of each. The long profile's 67 outages: at most 27
+#: (15 with the LISTEN connections spared); a wake-up per failure, before: 56-62 at a notification every 20 ms.
+FAILED_TURNS_PER_OUTAGE = 50
 #: rule_refuse_renewals' trigger: an UPDATE that moves a running job's locked_at on (a beat's or a guard's
 #: renewal) fails — of every job, or of the odd ids only (``{which}``: the beats then renew the others one by
 #: one); claims, finalizes, releases and rescues change its status and pass.
@@ -891,6 +906,8 @@ class Scenario:
         self.analyze_rng = random.Random(f"analyze {seed}")
         #: rule_db_outage's draws: a stream of its own, as analyze_rng.
         self.db_outage_rng = random.Random(f"db outage {seed}")
+        #: Whether an outage spares the LISTEN connections and notifies throughout (a stream of its own).
+        self.listen_spared_rng = random.Random(f"listen spared {seed}")
         #: rule_refuse_renewals' draws: a stream of its own, as analyze_rng.
         self.refusal_rng = random.Random(f"refused renewals {seed}")
         self.lock_rng = random.Random(f"lock {seed}")
@@ -971,6 +988,7 @@ class Scenario:
         self.holds: list[tuple[int, int, str, int, int, bool, bool]] = []
         self.holder: threading.Thread | None = None
         self.cutter: threading.Thread | None = None  # rule_db_outage's
+        self.fault_storms: list[str] = []  # I13's violations, found by rule_db_outage's thread
         self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
@@ -1596,23 +1614,43 @@ class Scenario:
         if self.cutter is not None and self.cutter.is_alive():
             return
         span = self.db_outage_rng.uniform(1.0, 3.5)
+        spared = self.listen_spared_rng.random() < 0.5
         self.terminations += 1
         self.db_outages += 1
+        loops = [lt for lt in self.dispatchers + self.workers if lt.loop is not None]
+        failed_before = {lt.name: lt.loop.stats.db_errors for lt in loops}
+        wake_ups = [(channel_for(Job.__tablename__), q) for q in (*QUEUES, BURST, HANDOVER)]
+        wake_ups.append((channel_for(self.Outbox.__tablename__), ""))
 
         def cut() -> None:
             end = time.monotonic() + span
             with self.engine.connect() as conn:
                 while time.monotonic() < end:
-                    conn.execute(_TERMINATE_LOOPS)
+                    conn.execute(_TERMINATE_LOOP_STATEMENTS if spared else _TERMINATE_LOOPS)
+                    if spared:  # a producer's commits, heard by the loops while their statements fail
+                        for channel, queue in wake_ups:
+                            conn.execute(_WAKE_WORKERS, {"channel": channel, "queue": queue})
                     conn.commit()
-                    time.sleep(0.02)
+                    time.sleep(0.01 if spared else 0.02)
             self.terminations += (
                 1  # (its end counts too: I8 and I9 excuse a loop whose backends were terminated)
             )
+            failed_turns = {lt.name: lt.loop.stats.db_errors - failed_before[lt.name] for lt in loops}
+            self.log.append(f"outage over; failed turns: {failed_turns}")
+            for lt in loops:  # I13
+                failed = failed_turns[lt.name]
+                if failed > FAILED_TURNS_PER_OUTAGE:
+                    self.fault_storms.append(
+                        f"{lt.name} failed {failed} turns over a {span:.1f} s outage"
+                        + (" (LISTEN spared, notified every 10 ms)" if spared else "")
+                    )
 
         self.cutter = threading.Thread(target=cut, name="model-db-outage", daemon=True)
         self.cutter.start()
-        self.log.append(f"database out of the loops' reach for {span:.1f}s")
+        self.log.append(
+            f"database out of the loops' reach for {span:.1f}s"
+            + (", their LISTEN connections spared" if spared else "")
+        )
 
     def _end_db_outage(self) -> None:
         if self.cutter is not None:
@@ -2322,6 +2360,8 @@ class Scenario:
         assert not handled & self.model.superseded_jobs, (
             f"a skipped or replaced job was handled: {sorted(handled & self.model.superseded_jobs)}"
         )
+        # I13
+        assert not self.fault_storms, f"I13: hot loop through an outage: {self.fault_storms}"
         # I3 (a claim in a worker's hands twice would run twice: said with the path that put it there again)
         assert not self.record.in_hand_twice, f"I3: a claim in hand twice: {self.record.in_hand_twice[:3]}"
         claims = Counter((kind, seq, lv) for kind, seq, lv, _ in rec)
