@@ -188,28 +188,12 @@ def test_a_fault_that_keeps_coming_is_tried_again_about_once_a_second_however_sh
     had such a worker try again at the heartbeat's pace: 199 failed turns in 10 s, a WARNING each. Now: at
     most about one a second (counted from 2 s after the first fault, over 4 s: 80 before). Once the trigger
     is gone the outcome is written; the job ran once."""
-    name = "outcomes_refused"
     seed_jobs(engine, 1, task="t")
-    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'failed', 'queued')"
-    _refusing_trigger(engine, name, outcome, errcode="disk_full")
     ran: list[int] = []
     w = runner.worker({"t": lambda job: ran.append(job.id)}, concurrency=1, stale_after=10.0, heartbeat=0.05,
                       poll_interval=0.05)  # fmt: skip
-    thread = runner.run_in_thread(w)
-    try:
-        assert wait_until(lambda: w.stats.db_errors >= 1, 10), (ran, statuses(engine, "jobs"))
-        time.sleep(2.0)  # (past the backoff's own first steps, which are shorter than a second)
-        before = w.stats.db_errors
-        time.sleep(4.0)
-        tries = w.stats.db_errors - before
-        assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
-        _refusing_trigger(engine, name, outcome, lift=True)
-        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 10), statuses(engine, "jobs")
-    finally:
-        _refusing_trigger(engine, name, outcome, lift=True)
-        w.stop()
-        thread.join(30)
-    assert not thread.is_alive()
+    tries, _ = _turns_failed_behind_a_refusal(runner, engine, w, "jobs")
+    assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
     assert ran == [1]
 
 
@@ -218,32 +202,15 @@ def test_notifications_do_not_cut_short_a_workers_wait_after_a_fault(runner: Run
     that failed. A trigger refuses the job's outcome with ``disk_full`` (an OperationalError run() waits out)
     while a producer's commits notify the queue 100 times a second, the LISTEN connection hearing them: before,
     every notification ended the wait — 173-373 failed turns in 4 s (sync and async), a WARNING each, while the
-    log said "retrying in 0.70s". Now the backoff holds (at most 8 asserted, 1-2 seen). Once the trigger is gone the
-    outcome is written; the job ran once."""
-    name = "outcomes_refused_notified"
+    log said "retrying in 0.70s". Now the backoff holds (at most 8 asserted, 1-2 seen). Once the trigger is gone
+    the outcome is written; the job ran once."""
     seed_jobs(engine, 1, task="t")
-    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'failed', 'queued')"
-    _refusing_trigger(engine, name, outcome, errcode="disk_full")
     ran: list[int] = []
     w = runner.worker({"t": lambda job: ran.append(job.id)}, concurrency=1, stale_after=10.0, heartbeat=0,
                       poll_interval=0.5, listen=True)  # fmt: skip
-    thread = runner.run_in_thread(w)
-    try:
-        assert wait_until(lambda: w.stats.db_errors >= 1, 10), (ran, statuses(engine, "jobs"))
-        with _notifying(engine, "jobs", "default"):
-            time.sleep(2.0)  # (past the backoff's first steps)
-            before, heard = w.stats.db_errors, w._waker.notifications
-            time.sleep(4.0)
-            tries, heard = w.stats.db_errors - before, w._waker.notifications - heard
-        assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"  # (the premise)
-        assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
-        _refusing_trigger(engine, name, outcome, lift=True)
-        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 15), statuses(engine, "jobs")
-    finally:
-        _refusing_trigger(engine, name, outcome, lift=True)
-        w.stop()
-        thread.join(30)
-    assert not thread.is_alive()
+    tries, heard = _turns_failed_behind_a_refusal(runner, engine, w, "jobs", notify="default")
+    assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"  # (the premise)
+    assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
     assert ran == [1]
 
 
@@ -254,30 +221,42 @@ def test_notifications_do_not_cut_short_a_dispatchers_wait_after_a_fault(
     notifies the outbox 100 times a second — the dispatcher tries again at its backoff's pace (before: at every
     notification, 372 failed turns in 4 s). Once the trigger is gone the outcome is written; the event was
     published once."""
-    name = "outbox_outcomes_refused_notified"
     seed_events(engine, 1)
-    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'dead', 'pending')"
-    _refusing_trigger(engine, name, outcome, errcode="disk_full", table="outbox")
     pub = RecordingPublisher()
     d = runner.dispatcher(pub, poll_interval=0.5, listen=True)
-    thread = runner.run_in_thread(d)
+    tries, heard = _turns_failed_behind_a_refusal(runner, engine, d, "outbox", notify="")
+    assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"
+    assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
+    assert len(pub.messages) == 1
+
+
+def _turns_failed_behind_a_refusal(
+    runner: Runner, engine: Engine, loop: Any, table: str, *, notify: str | None = None
+) -> tuple[int, int]:
+    """Run ``loop`` (in a thread) over ``table``'s one row while a trigger refuses its outcome with ``disk_full``
+    (an OperationalError: a fault run() waits out); return its failed turns over 4 s, counted from 2 s after
+    the first (past the backoff's first steps), and the notifications its LISTEN connection heard meanwhile —
+    ``notify``: a producer's wake-ups with that payload, 100 a second, over those 6 s. Then the trigger is lifted
+    and the outcome (``done``) waited for, and the loop stopped."""
+    name = f"{table}_outcomes_refused"
+    outcome = "NEW.status <> OLD.status AND NEW.status IN ('done', 'dead', 'failed', 'pending', 'queued')"
+    _refusing_trigger(engine, name, outcome, errcode="disk_full", table=table)
+    thread = runner.run_in_thread(loop)
     try:
-        assert wait_until(lambda: d.stats.db_errors >= 1, 10), statuses(engine, "outbox")
-        with _notifying(engine, "outbox", ""):
+        assert wait_until(lambda: loop.stats.db_errors >= 1, 10), statuses(engine, table)
+        with contextlib.nullcontext() if notify is None else _notifying(engine, table, notify):
             time.sleep(2.0)
-            before, heard = d.stats.db_errors, d._waker.notifications
+            before, heard = loop.stats.db_errors, loop._waker.notifications
             time.sleep(4.0)
-            tries, heard = d.stats.db_errors - before, d._waker.notifications - heard
-        assert heard >= 20, f"the LISTEN connection heard {heard} notifications in 4 s"
-        assert 1 <= tries <= 8, f"{tries} failed turns in 4 s"
-        _refusing_trigger(engine, name, outcome, lift=True, table="outbox")
-        assert wait_until(lambda: statuses(engine, "outbox") == {"done": 1}, 15), statuses(engine, "outbox")
+            tries, heard = loop.stats.db_errors - before, loop._waker.notifications - heard
+        _refusing_trigger(engine, name, outcome, lift=True, table=table)
+        assert wait_until(lambda: statuses(engine, table) == {"done": 1}, 15), statuses(engine, table)
     finally:
-        _refusing_trigger(engine, name, outcome, lift=True, table="outbox")
-        d.stop()
+        _refusing_trigger(engine, name, outcome, lift=True, table=table)
+        loop.stop()
         thread.join(30)
     assert not thread.is_alive()
-    assert len(pub.messages) == 1
+    return tries, heard
 
 
 def test_a_connection_that_keeps_failing_still_rescues_what_ran_out_before_the_faults_began(
