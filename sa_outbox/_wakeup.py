@@ -72,9 +72,6 @@ class _Listen:
         if "connect_timeout" not in given:
             self.connect_kwargs["connect_timeout"] = CONNECT_TIMEOUT
         self.notifications = 0
-        #: A notification on our channels arrived while a new connection waited for its probe: the poke that
-        #: carries it is reported as "notify".
-        self.heard_in_probe = False
 
     def may_connect(self) -> bool:
         return self.url is not None and time.monotonic() >= self.next_try
@@ -98,13 +95,16 @@ class _Listen:
         ident = psql.Identifier(channel)
         return channel, psql.SQL("LISTEN {}").format(ident), psql.SQL("NOTIFY {}").format(ident)
 
-    def poked(self) -> Wake:
-        """What a poke means: a notification heard during the probe (counted as one), or a poke."""
-        if self.heard_in_probe:
-            self.heard_in_probe = False
+    def woke(self, poked: bool, heard: bool) -> Wake:
+        """What the self-signals taken at once mean: a poke (``poked``: stop, a handler done …) wins over a
+        notification on our channels that a new connection heard during its probe (``heard``, counted as one);
+        either ends a :meth:`Waker.wait`, only a poke a :meth:`Waker.wait_out`. They are told apart, not one
+        carrying the other: a stop that came with such a notification was read as one, and a wait_out went
+        on to its timeout, up to 30 s (a hostile review: 2-5 s in a sync loop's stop() at a new LISTEN
+        connection's probe)."""
+        if heard:
             self.notifications += 1
-            return "notify"
-        return "poke"
+        return "poke" if poked else "notify"
 
     def deaf(self) -> None:
         """The new LISTEN connection did not hear its own probe: poll, and say why and what to do."""
@@ -121,6 +121,10 @@ class _Listen:
 #: What the connecting thread writes to the self-pipe when a LISTEN connection is ready: it ends the wait in
 #: progress (which then watches the new connection) without counting as a poke.
 _READY = b"c"
+#: What the probe writes to the self-pipe for a notification on our channels it took off the new connection.
+_HEARD = b"n"
+#: What poke() writes.
+_POKE = b"!"
 
 
 class Waker:
@@ -214,30 +218,32 @@ class Waker:
             for n in conn.notifies(timeout=remaining, stop_after=1):
                 if n.channel == channel:
                     heard = True
-                else:
-                    self._listen.heard_in_probe = True  # one of ours: do not swallow it
-                    self.poke()
+                else:  # one of ours: not swallowed, it wakes the wait as a notification
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.write(self._write, _HEARD)
         return heard
 
     def poke(self) -> None:
         """Wake a :meth:`wait` in progress (or the next one) — safe from any thread."""
         with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._write, b"!")
+            os.write(self._write, _POKE)
 
-    def _drain_pokes(self) -> bool:
-        poked = False
+    def _drain_pokes(self) -> Wake:
+        """The self-pipe emptied: what it says (:meth:`_Listen.woke`), or None (nothing, or only _READY)."""
+        poked = heard = False
         with contextlib.suppress(BlockingIOError):
             while data := os.read(self._read, 512):
-                poked = poked or bool(data.replace(_READY, b""))
-        return poked
+                poked = poked or _POKE in data
+                heard = heard or _HEARD in data
+        return self._listen.woke(poked, heard) if poked or heard else None
 
     def wait(self, timeout: float, *, listen: bool = True) -> Wake:
         """Block up to ``timeout`` seconds; say what woke the loop (``None``: the timeout). ``listen=False``
         waits for pokes only (no LISTEN connection is opened for it)."""
         deadline = time.monotonic() + timeout
         while True:
-            if self._drain_pokes():
-                return self._listen.poked()
+            if (woke := self._drain_pokes()) is not None:
+                return woke
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -264,9 +270,10 @@ class Waker:
         alone) a review's 100 commits a second made 370 failed turns in 4 s, a WARNING each, against a
         backoff that said "retrying in 0.70s". The work they announce is claimed when the wait ends."""
         deadline = time.monotonic() + timeout
-        while (woke := self.wait(max(0.0, deadline - time.monotonic()))) == "notify":
-            pass
-        return woke
+        while True:
+            woke = self.wait(max(0.0, deadline - time.monotonic()))
+            if woke == "poke" or time.monotonic() >= deadline:
+                return woke if woke == "poke" else None
 
     def _close_listen(self) -> None:
         with self._lock:
@@ -296,7 +303,9 @@ class AsyncWaker:
         self._listen = _Listen(url, channels)
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._connecting: asyncio.Task[psycopg.AsyncConnection[Any] | None] | None = None
-        self._poked = asyncio.Event()
+        self._poked = asyncio.Event()  # set with either flag below
+        self._poke_flag = False  # poke() was called
+        self._heard_flag = False  # the probe took a notification on our channels off a new connection
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -307,17 +316,28 @@ class AsyncWaker:
         """Wake a :meth:`wait` in progress (or the next one) — safe from any thread."""
         loop = self._loop
         if loop is None or loop.is_closed():
-            self._poked.set()
+            self._set_poked()
             return
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            self._poked.set()
+            self._set_poked()
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._poked.set)
+                loop.call_soon_threadsafe(self._set_poked)
+
+    def _set_poked(self) -> None:
+        self._poke_flag = True
+        self._poked.set()
+
+    def _take_wake(self) -> Wake:
+        """The signals behind a set ``_poked`` taken (:meth:`_Listen.woke`)."""
+        self._poked.clear()
+        poked, heard = self._poke_flag, self._heard_flag
+        self._poke_flag = self._heard_flag = False
+        return self._listen.woke(poked or not heard, heard)
 
     async def _connect(self) -> psycopg.AsyncConnection[Any] | None:
         if self._conn is not None or not self._listen.may_connect():
@@ -364,8 +384,8 @@ class AsyncWaker:
             async for n in conn.notifies(timeout=remaining, stop_after=1):
                 if n.channel == channel:
                     heard = True
-                else:
-                    self._listen.heard_in_probe = True  # one of ours: do not swallow it
+                else:  # one of ours: not swallowed, it wakes the wait as a notification
+                    self._heard_flag = True
                     self._poked.set()
         return heard
 
@@ -385,8 +405,7 @@ class AsyncWaker:
         deadline = time.monotonic() + timeout
         while True:
             if self._poked.is_set():
-                self._poked.clear()
-                return self._listen.poked()
+                return self._take_wake()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -414,13 +433,20 @@ class AsyncWaker:
                 if task is connecting:
                     continue  # it goes on; the next wait races it again
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                try:
                     await task
+                except asyncio.CancelledError:
+                    # the waiter's own end — unless this task was cancelled meanwhile: that one is not ours to
+                    # swallow (a hostile review: run() went on after its cancel() in 3 of 150 tries)
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise
+                except psycopg.Error:
+                    pass
             if connecting is not None and connecting in done:
                 self._connected()
             if poked in done:
-                self._poked.clear()
-                return self._listen.poked()
+                return self._take_wake()
             if listener is not None and listener in done:
                 try:
                     if listener.result():
@@ -433,11 +459,13 @@ class AsyncWaker:
                 return None  # the timeout (or the LISTEN connection ended quietly)
 
     async def wait_out(self, timeout: float) -> Wake:
-        """:meth:`wait`, except that a notification does not end it: see :meth:`Waker.wait_out`."""
+        """:meth:`wait`, except that a notification does not end it, nor a LISTEN connection lost meanwhile (which
+        ends a wait early here): see :meth:`Waker.wait_out`."""
         deadline = time.monotonic() + timeout
-        while (woke := await self.wait(max(0.0, deadline - time.monotonic()))) == "notify":
-            pass
-        return woke
+        while True:
+            woke = await self.wait(max(0.0, deadline - time.monotonic()))
+            if woke == "poke" or time.monotonic() >= deadline:
+                return woke if woke == "poke" else None
 
     @staticmethod
     async def _one(conn: psycopg.AsyncConnection[Any], timeout: float) -> bool:

@@ -240,3 +240,139 @@ def test_a_slow_listen_connect_does_not_hold_the_loop(
         w.stop()
         thread.join(15)
     assert seen == [0]
+
+
+def test_a_stop_that_comes_with_a_notification_heard_during_the_probe_ends_a_wait_out(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run()'s wait after a fault (``wait_out``) ends at a poke — a stop, a handler done — and at no notification.
+    A notification a new LISTEN connection heard during its probe used to reach the wait as a poke marked
+    "heard": a real poke taken with it read as that notification, and wait_out slept on to its timeout (a
+    hostile review: stop() of a sync loop 2-5 s late, up to the 30 s of a long backoff). Both here: the poke
+    ends the wait at once, the notification is counted."""
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+    waker = _wakeup.Waker(engine.url, ["sa_outbox_probe_test"])
+    try:
+        waker._connect()  # the connection made, probed and taken in the background
+        deadline = time.monotonic() + 10
+        while waker._connect() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waker._conn is not None
+        waker.poke()
+        started = time.monotonic()
+        assert waker.wait_out(5) == "poke"
+        assert time.monotonic() - started < 1.0
+        assert waker.notifications == 1
+        waker.poke()  # a plain poke stays a poke, nothing counted
+        assert waker.wait_out(5) == "poke"
+        assert waker.notifications == 1
+    finally:
+        waker.close()
+
+
+def test_an_async_stop_that_comes_with_a_notification_heard_during_the_probe_ends_a_wait_out(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _probe_after_a_table_notification(monkeypatch, "sa_outbox_probe_test")
+
+    async def main() -> tuple[Any, float, int]:
+        waker = _wakeup.AsyncWaker(engine.url, ["sa_outbox_probe_test"])
+        try:
+            waker._start_connecting()
+            assert waker._connecting is not None
+            assert await asyncio.wait_for(waker._connecting, 10) is not None
+            waker.poke()
+            started = time.monotonic()
+            woke = await waker.wait_out(5)
+            return woke, time.monotonic() - started, waker.notifications
+        finally:
+            await waker.close()
+
+    woke, took, heard = asyncio.run(main())
+    assert (woke, heard) == ("poke", 1)
+    assert took < 1.0
+
+
+def _terminate(engine: Engine, pid: int) -> None:
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SELECT pg_terminate_backend(%(pid)s)", {"pid": pid})
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_listen_connection_lost_does_not_cut_a_wait_out_short(engine: Engine, flavour: str) -> None:
+    """A LISTEN connection lost in the middle of run()'s wait after a fault does not end that wait: it lasts its
+    time (the async waker's wait returned at the loss, and the loop tried the failed step again early — a
+    hostile review: after 3.0 s of a 4.8 s backoff)."""
+    channel = "sa_outbox_wait_out_cut"
+
+    def cut_later(pid: int) -> threading.Timer:
+        timer = threading.Timer(0.5, _terminate, (engine, pid))
+        timer.start()
+        return timer
+
+    if flavour == "sync":
+        waker = _wakeup.Waker(engine.url, [channel])
+        try:
+            assert waker.wait(0.3) is None  # (connected, probed, then the timeout)
+            assert waker._conn is not None
+            timer = cut_later(waker._conn.info.backend_pid)
+            started = time.monotonic()
+            woke = waker.wait_out(2.0)
+            took = time.monotonic() - started
+            timer.join()
+        finally:
+            waker.close()
+    else:
+
+        async def main() -> tuple[Any, float]:
+            waker = _wakeup.AsyncWaker(engine.url, [channel])
+            try:
+                assert await waker.wait(0.3) is None
+                assert waker._conn is not None
+                timer = cut_later(waker._conn.info.backend_pid)
+                started = time.monotonic()
+                woke = await waker.wait_out(2.0)
+                took = time.monotonic() - started
+                timer.join()
+                return woke, took
+            finally:
+                await waker.close()
+
+        woke, took = asyncio.run(main())
+    assert woke is None
+    assert took >= 1.9, f"the wait ended after {took:.2f} s of 2.0"
+
+
+def test_a_cancel_while_an_async_wait_takes_down_its_waiters_is_not_swallowed(engine: Engine) -> None:
+    """An async wait cancels the waiter tasks that lost the race and awaits their end; a cancel of the waiting
+    task that came meanwhile used to be swallowed with the waiter's own CancelledError, and the wait returned as
+    if nothing happened (a hostile review: run() of an AsyncWorker/AsyncDispatcher went on after cancel() in
+    2-3 of 150 tries; every time with the cancel timed as here). Now it propagates."""
+    channel = "sa_outbox_cancel_in_cleanup"
+
+    async def main() -> list[str]:
+        waker = _wakeup.AsyncWaker(engine.url, [channel])
+        outcomes = []
+        try:
+            assert await waker.wait(0.3) is None  # (connected: a LISTEN waiter races the poke from now on)
+            for _ in range(5):
+                await waker.wait(0.01)  # (the last trial's poke, which its cancelled wait left for the next)
+                task = asyncio.ensure_future(waker.wait(10))
+                await asyncio.sleep(0.05)
+                waker.poke()  # the poke wins; the wait cancels the LISTEN waiter and awaits it
+                for _ in range(1000):
+                    await asyncio.sleep(0)
+                    waiter = getattr(task, "_fut_waiter", None)
+                    if isinstance(waiter, asyncio.Task) and waiter.cancelling():
+                        break
+                else:
+                    outcomes.append("never in the take-down")
+                    continue
+                task.cancel()
+                await asyncio.wait({task}, timeout=5)
+                outcomes.append("cancelled" if task.cancelled() else f"returned {task.result()!r}")
+        finally:
+            await waker.close()
+        return outcomes
+
+    assert asyncio.run(main()) == ["cancelled"] * 5
