@@ -429,10 +429,10 @@ class AsyncWaker:
                     if left is not None:
                         left.cancel()
                 raise
-            for task in pending:
-                if task is connecting:
-                    continue  # it goes on; the next wait races it again
+            losers = [task for task in pending if task is not connecting]  # (that one goes on: raced again)
+            for task in losers:  # all of them first: a cancel of this task below leaves none running
                 task.cancel()
+            for task in losers:
                 try:
                     await task
                 except asyncio.CancelledError:
