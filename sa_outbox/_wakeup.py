@@ -11,7 +11,8 @@ and waits for it (up to ``PROBE_TIMEOUT``); a connection that does not hear it (
 warning naming ``listen_url``, and the loop polls, trying again after ``PROBE_RETRY``.
 
 :class:`Waker` (threads) and :class:`AsyncWaker` (asyncio) implement the same protocol: ``wait(timeout)``
-returns ``"notify"``, ``"poke"`` or ``None`` (timeout); ``poke()`` may be called from any thread;
+returns ``"notify"``, ``"poke"`` or ``None`` (timeout; the async one's also at a lost LISTEN connection);
+``poke()`` may be called from any thread;
 ``wait_out(timeout)`` is a wait that a notification does not end (run()'s wait after a database fault).
 """
 
@@ -400,7 +401,9 @@ class AsyncWaker:
             self._conn = task.result()
 
     async def wait(self, timeout: float) -> Wake:
-        """Wait up to ``timeout`` seconds; say what woke the loop (``None``: the timeout)."""
+        """Wait up to ``timeout`` seconds; say what woke the loop (``None``: the timeout — or, sooner, the LISTEN
+        connection lost, which this wait does not make again before its end, unlike :meth:`Waker.wait`: the
+        loop's next turn claims, and its next wait connects again)."""
         self._loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
         while True:
