@@ -69,7 +69,7 @@ from .commit_order import assert_serialised
 from .factories import FAST, Runner
 from .helpers import fresh_schema, row, seed_events, seed_jobs, statuses
 from .models import Order
-from .test_loop_guarantees import wait_until
+from .test_loop_guarantees import _turns_failed_behind_a_refusal, wait_until
 from .test_lost_connection_autocommit import limited_workers_losing_connections
 
 POOL = 4  # server connections of the main alias: fewer than the clients of most tests, so they share them
@@ -1405,3 +1405,31 @@ def test_migrations_through_pgbouncer_leave_no_lock_timeout_on_the_server_connec
         engine.dispose()
     assert seen == ["250ms", "250ms"]
     assert between == ["0", "0"] and after == "0"
+
+
+def test_notifications_do_not_cut_short_the_fault_wait_of_loops_through_pgbouncer(
+    prunner: PooledRunner, engine: Engine, db_url: URL
+) -> None:
+    """The loops' statements through PgBouncer, their LISTEN on the server (the helper's ``direct_url``), a
+    trigger refusing their outcomes (a fault the producers do not share) and a producer notifying 100 times a
+    second: a worker and an ordered dispatcher try again at their backoff's pace, not at each notification
+    (test_loop_guarantees' test of the direct path). Once the trigger is gone each outcome is written; ran and
+    published once. Before ecafda2, sync and async: each heard notification was one more failed turn, which
+    took the backoff to its 30 s cap within the 6 s — the job still ``running`` 15 s after the trigger went."""
+    listen = {"listen": True, "listen_url": db_url.set(drivername="postgresql+psycopg")}
+    seed_jobs(engine, 1, task="t")
+    ran: list[int] = []
+    w = prunner.worker({"t": lambda job: ran.append(job.id)}, concurrency=1, stale_after=10.0, heartbeat=0,
+                       poll_interval=0.5, **listen)  # fmt: skip
+    tries, heard = _turns_failed_behind_a_refusal(prunner, engine, w, "jobs", notify="default")
+    assert heard >= 20, f"the worker's LISTEN connection heard {heard} notifications in 4 s"
+    assert 1 <= tries <= 8, f"the worker failed {tries} turns in 4 s"
+    assert ran == [1]
+
+    seed_events(engine, 1)
+    pub = RecordingPublisher()
+    d = prunner.dispatcher(pub, ordered=True, poll_interval=0.5, **listen)
+    tries, heard = _turns_failed_behind_a_refusal(prunner, engine, d, "outbox", notify="")
+    assert heard >= 20, f"the dispatcher's LISTEN connection heard {heard} notifications in 4 s"
+    assert 1 <= tries <= 8, f"the ordered dispatcher failed {tries} turns in 4 s"
+    assert len(pub.messages) == 1
