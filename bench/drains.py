@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,7 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
     rows: list[dict[str, Any]] = []
     for batch in (1, 10, 50):
         runs: dict[str, list[Any]] = {"library": [], "document": [], "ceiling": [], "pgqueuer": []}
+        runs |= {f"library×{k}": [] for k in cfg.library_processes}
         for i in range(cfg.runs):
             contenders: dict[str, Callable[[], Any]] = {
                 "document": lambda b=batch: document_drain(url, engine, n, procs, b, 0.0),
@@ -83,6 +85,10 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
             if have_pgbench:
                 contenders["ceiling"] = lambda b=batch: ceiling_drain(
                     url, engine, n, procs, b, cfg.results_dir / "ceiling"
+                )
+            for k in cfg.library_processes:
+                contenders[f"library×{k}"] = lambda b=batch, k=k: library_drain(
+                    url, engine, n, k, LoopOptions(batch=b)
                 )
             if cfg.with_pgqueuer and batch == 50:
                 from .peers import pgqueuer_drain
@@ -123,6 +129,16 @@ def scenario_jobs(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dic
             rows.append(
                 row(f"… batch {batch}: library / ceiling", summary(lib), reference_name=ceiling.INSTALL_HINT)
             )
+        for k in cfg.library_processes:
+            other = runs[f"library×{k}"]
+            rates = [n / r.seconds for r in other]
+            rows.append(row(
+                f"… batch {batch}: library with {k} process{'es' if k != 1 else ''} vs with {procs} (the same drain "
+                f"on these {os.cpu_count()} cores)", summary(rates),
+                reference=summary(lib), reference_name=f"library, {procs} processes",
+                ratio=paired_ratio(rates, lib), target="(reported)", rss=rss_of(other), cpu=cpu_per_row(other),
+                jobs_per_process=[[rep["jobs"] for rep in r.reports] for r in other],
+            ))  # fmt: skip
         if runs["pgqueuer"]:
             peer = [n / r.seconds for r in runs["pgqueuer"]]
             rows.append(row(

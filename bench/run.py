@@ -80,6 +80,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="only the profile mode (batch 1 and the 5 ms case)")
     p.add_argument("--with-pgqueuer", action="store_true", help="add PgQueuer to the jobs drain at batch 50")
+    p.add_argument(
+        "--library-processes",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="comma-separated process counts: the jobs drain of the library again with each (e.g. 1,2), "
+        "beside its run with the scenario's 4 — how the drain scales on this machine's cores",
+    )
     p.add_argument("--jobs", type=int, default=20_000, help="rows per drain (jobs, outbox, async, profile)")
     p.add_argument(
         "--icu-locale",
@@ -115,6 +122,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [n for n in cfg.names if n not in SCENARIOS and n not in MODES]
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; known: {', '.join([*SCENARIOS, *MODES])}")
+    if cfg.library_processes and "jobs" not in cfg.names:
+        p.error("--library-processes adds runs to the jobs scenario: include it (--scenarios jobs)")
+    if any(k < 1 for k in cfg.library_processes):
+        p.error("--library-processes: process counts of 1 or more")
     if cfg.with_pgqueuer and "jobs" not in cfg.names:
         p.error("--with-pgqueuer adds PgQueuer to the jobs scenario: include it (--scenarios jobs)")
     cfg.results_dir = Path(cfg.json).parent
