@@ -51,17 +51,25 @@ class _Compiled:
     formats: tuple[PyFormat, ...]
 
 
-_COMPILED: dict[tuple[int, str], _Compiled] = {}
+_COMPILED: dict[tuple[int, str, frozenset[tuple[str | None, str | None]] | None], _Compiled] = {}
 
 #: A placeholder with an explicit array cast, as SQLAlchemy's psycopg dialect renders an ARRAY bind parameter.
 _ARRAY_PLACEHOLDER = re.compile(r"%\((\w+)\)s::[A-Z][A-Z ]*(?:\(\d+(?:, ?\d+)?\))?\[\]")
 
 
 def _compiled(stmt: Any, conn: Connection) -> _Compiled:
-    key = (id(stmt), conn.dialect.name)
+    """``stmt`` compiled for ``conn`` — once per statement, dialect and ``schema_translate_map`` (a tenant's
+    schema, written into the SQL: each tenant's statement is a statement of its own, prepared under a name of
+    its own)."""
+    translate = conn.get_execution_options().get("schema_translate_map")
+    key = (id(stmt), conn.dialect.name, frozenset(translate.items()) if translate else None)
     found = _COMPILED.get(key)
     if found is None:
-        c = stmt.compile(dialect=conn.dialect)
+        c = (
+            stmt.compile(dialect=conn.dialect, schema_translate_map=translate, render_schema_translate=True)
+            if translate
+            else stmt.compile(dialect=conn.dialect)
+        )
         sql, static = str(c), {}
         for name, value in c.construct_params(_check=False).items():
             bind = c.binds.get(name)
@@ -214,8 +222,9 @@ def run(conn: Connection, stmt: Any, params: dict[str, Any], *, prepare: bool = 
     The same holds for psycopg's async connection, reached through ``AsyncConnection.run_sync`` (the async
     loops) or an ``AsyncSession`` flush. Other drivers and a connection someone observes (``echo``, or
     listeners for ``before_execute``/``before_cursor_execute``/``after_*``/``handle_error``: SQL logging,
-    tracing) take SQLAlchemy's regular execution path, so they see every statement; so does a connection
-    with a ``schema_translate_map`` (a tenant's schema: SQLAlchemy renders it into each execution).
+    tracing) take SQLAlchemy's regular execution path, so they see every statement. A connection with a
+    ``schema_translate_map`` (a tenant's schema) takes the library's path with the map written into the
+    statement's text (:func:`_compiled`).
     ``prepare=False``: not server-side prepared — planned at each call, for these parameters' values (unless
     ``plan_cache_mode`` forces a generic plan even then).
     """
@@ -286,9 +295,8 @@ def send(conn: Connection, stmt: Any, params: dict[str, Any]) -> Callable[[], li
 
 
 def _ours(conn: Connection) -> bool:
-    """Whether the library's own execution applies to ``conn``: nobody observes it, and no tenant's
-    ``schema_translate_map`` (rendered per execution by SQLAlchemy) is set."""
-    return not _observed(conn) and not conn.get_execution_options().get("schema_translate_map")
+    """Whether the library's own execution applies to ``conn``: nobody observes it."""
+    return not _observed(conn)
 
 
 def _bound(stmt: Any, conn: Connection, params: dict[str, Any]) -> tuple[_Compiled, dict[str, Any]]:
