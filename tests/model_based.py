@@ -58,6 +58,10 @@ database, real threads with their own connections, real backend terminations. Ru
   every even second and back (``sync_schedules``);
 * let time pass.
 
+In a quarter of the scenarios (T1) the loops' engines carry a tenant's ``schema_translate_map`` (to ``public``,
+where the tables are): every loop statement is then compiled and prepared as a tenant's, beside the producers'
+and operators' untranslated statements in the same process.
+
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
 that also writes their fenced completion.
 
@@ -176,6 +180,7 @@ from sa_outbox import (
     Schedule,
     SchemaError,
     Worker,
+    _execute,
     _partitions,
     _steps,
     cancel_jobs,
@@ -267,6 +272,10 @@ _WAKE_WORKERS = text("SELECT pg_notify(:channel, :queue)")
 _LEASE_AN_HOUR_BACK = text("UPDATE jobs SET locked_at = locked_at - interval '1 hour' WHERE id = ANY(:ids)")
 CRON = "model_cron"  # the schedule's name and its jobs' task
 JOB_ACTIONS = ("retry", "defer", "hang", "boom", "exit", "noanswer")
+
+
+#: T1's translate map, as the library's compiled statements are keyed by it.
+PUBLIC_MAP = frozenset({(None, "public")})
 
 
 def decimal_loads(text_: str) -> Any:
@@ -951,6 +960,13 @@ class Scenario:
         self.loop_engine_kwargs: dict[str, Any] = {}
         if random.Random(seed * 7919 + 1).random() < 0.5:
             self.loop_engine_kwargs["json_deserializer"] = decimal_loads
+        #: T1: in a quarter of the scenarios (a stream of its own) the loops' engines carry a tenant's
+        #: ``schema_translate_map`` — to ``public``, where the tables are, so the rows stay where the model reads
+        #: them while every loop statement is compiled, prepared and run as a tenant's (its schema written in),
+        #: beside the producers' and the operators' untranslated ones in the same process.
+        self.translated = random.Random(f"tenant {seed}").random() < 0.25
+        if self.translated:
+            self.loop_engine_kwargs["execution_options"] = {"schema_translate_map": {None: "public"}}
         self.loop_engine = create_engine(
             engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP, **self.loop_engine_kwargs
         )
@@ -968,7 +984,7 @@ class Scenario:
             self.cron_changes.append((self._db_now(), self.cron_schedule.cron))
         self.model = Model()
         self.record = Record()
-        if self.loop_engine_kwargs:
+        if "json_deserializer" in self.loop_engine_kwargs:
             self.record.float_type = Decimal
         self.outage = threading.Event()
         self.seq = itertools.count(1)
@@ -2498,6 +2514,15 @@ class Scenario:
             jobs = {r.payload["seq"]: r for r in conn.execute(select(Job).where(Job.task != CRON))}
         if self.cron:
             self.check_cron({seq for kind, seq, _, action in rec if kind == "cron" and action == "ok"})
+        if self.translated:  # T1: the loops' statements were compiled as a tenant's, the schema written in
+            mapped = [c.sql for k, c in _execute._COMPILED.items() if k[2] and k[2] >= PUBLIC_MAP]
+            tables = ("public.jobs", f"public.{self.Outbox.__table__.name}")
+            assert all(any(t in sql for sql in mapped) for t in tables), (
+                len(mapped),
+                len(_execute._COMPILED),
+                {k[2] for k in _execute._COMPILED},
+                mapped[:2],
+            )
         # F4
         assert not set(events) & self.model.rolled_back_events and not set(jobs) & self.model.rolled_back_jobs
         assert not set(jobs) & self.model.superseded_jobs, sorted(set(jobs) & self.model.superseded_jobs)
