@@ -290,14 +290,36 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+#: ``dead``'s filters of one table: (option, admin keyword) — the outbox's, then the jobs'.
+_DEAD_FILTERS = {
+    "outbox": (
+        ("--event-type", "event_type"),
+        ("--aggregate-type", "aggregate_type"),
+        ("--aggregate", "aggregate_id"),
+    ),
+    "jobs": (("--task", "task"), ("--queue", "queue")),
+}
+
+
 def _dead_filters(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    filters: dict[str, Any] = {"error_contains": args.error, "older_than": args.older_than}
-    if kind == "outbox":
-        filters.update(
-            event_type=args.event_type, aggregate_type=args.aggregate_type, aggregate_id=args.aggregate
+    """The admin call's filters for ``kind``'s table. A filter of the other table is refused, naming it: left
+    out, the command would act on every row the other filters match."""
+    other = "jobs" if kind == "outbox" else "outbox"
+    given = [
+        option
+        for option, _ in _DEAD_FILTERS[other]
+        if getattr(args, option[2:].replace("-", "_")) is not None
+    ]
+    if given:
+        table = "failed jobs (add --jobs)" if other == "jobs" else "dead outbox rows (leave out --jobs)"
+        raise ConfigurationError(
+            f"{', '.join(given)} filter{'' if len(given) > 1 else 's'} {table}; this command acts on "
+            f"{'failed jobs (--jobs)' if kind == 'jobs' else 'dead outbox rows'}"
         )
-    else:
-        filters.update(task=args.task, queue=args.queue)
+    filters: dict[str, Any] = {"error_contains": args.error, "older_than": args.older_than}
+    filters.update(
+        {name: getattr(args, option[2:].replace("-", "_")) for option, name in _DEAD_FILTERS[kind]}
+    )
     return filters
 
 

@@ -156,6 +156,36 @@ def test_dead_list_prints_the_last_line_of_last_error_as_text(
     assert "['" not in out
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("dead", "skip", "--queue", "mail", "--error", "timeout"),  # an outbox skip with a jobs filter
+        ("dead", "retry", "--task", "send_email"),
+        ("dead", "retry", "--task", "t", "1"),
+        ("dead", "list", "--queue", "mail"),
+        ("dead", "retry", "--jobs", "--event-type", "E1", "--older-than", "0s"),  # a jobs retry, an outbox filter
+        ("dead", "skip", "--jobs", "--aggregate", "a1", "--all"),
+    ],
+)
+def test_a_dead_filter_of_the_other_table_is_refused_and_nothing_changes(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    """A filter that does not apply to the table the command acts on is an error naming it — never dropped,
+    which acted on every row the remaining filters matched (a hostile review: ``dead skip --queue mail --error
+    timeout`` without ``--jobs`` marked every dead outbox row with "timeout" done, undelivered)."""
+    seed_events(engine, 3)
+    seed_jobs(engine, 3)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox SET status = 'dead', last_error = 'timeout'"))
+        conn.execute(text("UPDATE jobs SET status = 'failed', last_error = 'timeout'"))
+    code, out, err = run(capsys, db_url, *argv)
+    line = one_line_error(err)
+    assert code == EXIT_USAGE and out == "", (code, out)
+    flag = next(a for a in argv if a in ("--queue", "--task", "--event-type", "--aggregate"))
+    assert flag in line and ("--jobs" in line), line
+    assert statuses(engine) == {"dead": 3} and statuses(engine, "jobs") == {"failed": 3}
+
+
 def test_status_names_the_ordered_aggregates_blocked_behind_a_dead_message(
     engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
 ) -> None:
