@@ -111,14 +111,10 @@ def _bulk(
     engine: Engine, model: type[Any], action: str, *, batch_size: int, dry_run: bool, ids: Iterable[int] | None,
     all: bool, older_than: Duration | None, filters: dict[str, Any],
 ) -> list[int]:  # fmt: skip
-    spec = spec_for(model)
-    if action == "skip" and spec.kind != "outbox":
-        raise ConfigurationError("skip applies to outbox dead letters; requeue failed jobs with retry_dead")
+    spec, f = _dead_plan(model, action, ids=ids, all=all, older_than=older_than, filters=filters)
     batch_size = positive_int(batch_size, "batch_size")
-    f = _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
     with engine.connect() as conn:  # the selection, taken once: everything below acts on these ids only
-        selected = list(conn.execute(_sql.dead_selection(spec, f)).scalars())
-        _partitions.refuse_closed(conn, model, selected, action)
+        selected = _dead_selected(conn, model, action, spec, f)
     if dry_run:
         return selected
     stmt = _sql.requeue_statement(spec) if action == "retry" else _sql.skip_statement(spec)
@@ -133,6 +129,28 @@ def _bulk(
         extra={"table": spec.table.fullname, "action": action, "selected": len(selected), "changed": len(changed)},
     )  # fmt: skip
     return changed
+
+
+def _dead_plan(
+    model: type[Any], action: str, *, ids: Iterable[int] | None, all: bool, older_than: Duration | None,
+    filters: dict[str, Any],
+) -> tuple[QueueSpec, dict[str, Any]]:  # fmt: skip
+    """The table and the checked filters of a bulk ``action`` on dead letters (no SQL: bad arguments are refused
+    before any)."""
+    spec = spec_for(model)
+    if action == "skip" and spec.kind != "outbox":
+        raise ConfigurationError("skip applies to outbox dead letters; requeue failed jobs with retry_dead")
+    return spec, _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
+
+
+def _dead_selected(
+    conn: Connection, model: type[Any], action: str, spec: QueueSpec, f: dict[str, Any]
+) -> list[int]:
+    """The ids a bulk ``action`` would change, read on ``conn`` — the call's own connection, or the dashboard's
+    bounded transaction for its preview (one selection, the same for both)."""
+    selected = list(conn.execute(_sql.dead_selection(spec, f)).scalars())
+    _partitions.refuse_closed(conn, model, selected, action)
+    return selected
 
 
 @schema_checked
@@ -243,6 +261,25 @@ def cancel_jobs(
     return _run(bind, act)
 
 
+def _retry_jobs_plan(
+    model: type[Any], *, ids: Iterable[int] | None, task: str | None, queue: str | None, statuses: Iterable[str],
+    all: bool,
+) -> tuple[QueueSpec, list[str], Any]:  # fmt: skip
+    """:func:`retry_jobs`'s table, statuses and checked filters (no SQL)."""
+    spec = _jobs_spec(model)
+    wanted = _statuses(statuses, ("failed", "cancelled"))
+    return spec, wanted, _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
+
+
+def _jobs_selected(
+    conn: Connection, model: type[Any], spec: QueueSpec, wanted: list[str], where: Any
+) -> list[int]:
+    """The jobs :func:`retry_jobs` would requeue, read on ``conn`` (see :func:`_dead_selected`)."""
+    selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
+    _partitions.refuse_closed(conn, model, selected, "retry")
+    return selected
+
+
 @schema_checked
 def retry_jobs(
     engine: Engine, model: type[Any], *, ids: Iterable[int] | None = None, task: str | None = None,
@@ -252,13 +289,10 @@ def retry_jobs(
     """Requeue failed and/or cancelled jobs (``statuses``): back to queued, attempts reset, due now. Like
     :func:`retry_dead`, the jobs are selected once and changed in batches; returns the ids changed (or, with
     ``dry_run``, the ids that would be)."""
-    spec = _jobs_spec(model)
-    wanted = _statuses(statuses, ("failed", "cancelled"))
+    spec, wanted, where = _retry_jobs_plan(model, ids=ids, task=task, queue=queue, statuses=statuses, all=all)
     batch_size = positive_int(batch_size, "batch_size")
-    where = _sql.job_filters(spec, _job_filters(spec, ids=ids, task=task, queue=queue, all=all))
     with engine.connect() as conn:
-        selected = list(conn.execute(_sql.job_selection(spec, wanted, where)).scalars())
-        _partitions.refuse_closed(conn, model, selected, "retry")
+        selected = _jobs_selected(conn, model, spec, wanted, where)
     if dry_run:
         return selected
     changed = _in_batches(engine, model, _sql.retry_jobs_statement(spec, wanted), selected, batch_size,

@@ -10,6 +10,8 @@ like ``CREATE INDEX CONCURRENTLY`` or ``ALTER SYSTEM`` cannot share a transactio
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -652,8 +654,19 @@ def _retry_budget_finding(name: str, spec: Any, model: type[Any], target: Any) -
     return Finding("retry budget", name, "ok", message)
 
 
+@contextmanager
+def _connected(bind: Engine | Connection) -> Iterator[Connection]:
+    """A connection of ``bind``'s own (an engine's, closed after), or ``bind`` itself — in its transaction, as the
+    dashboard's bounded read runs the checks."""
+    if isinstance(bind, Connection):
+        yield bind
+    else:
+        with bind.connect() as conn:
+            yield conn
+
+
 def doctor(
-    engine: Engine,
+    engine: Engine | Connection,
     models: list[type[Any]],
     *,
     long_transaction: Duration = 300.0,
@@ -662,7 +675,8 @@ def doctor(
     target: Any = None,
 ) -> list[Finding]:
     """Run every check on the given outbox/jobs models and return the findings (none raises; any ``fail``
-    means a claim cannot work as designed).
+    means a claim cannot work as designed). ``engine`` may be a ``Connection``: the checks then run on it, in
+    its transaction (the dashboard's, bounded by its ``statement_timeout``).
 
     ``stale_after`` is the workers' reaping window for counting stuck jobs (default: the target's
     ``stale_after`` if it has one, else 60 s); ``target`` (a Dispatcher) adds the lease check. Invalid
@@ -680,7 +694,7 @@ def doctor(
         stale_after = getattr(target, "stale_after", None) or 60.0
     stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
     findings: list[Finding] = []
-    with engine.connect() as conn:
+    with _connected(engine) as conn:
         server, server_on = _server_autovacuum_finding(conn)
         holders = long_horizon_holders(conn, threshold)
         for model in models:

@@ -724,6 +724,47 @@ def test_a_page_whose_statement_waits_too_long_says_so_instead_of_hanging(engine
         stop()
 
 
+EVERY_PAGE = (
+    "/",
+    "/tables/outbox/dead",
+    "/tables/outbox/dead/preview?action=retry",
+    "/tables/outbox/dead/preview?action=skip&event_type=E",
+    "/tables/jobs/dead/preview?action=retry&task=t",
+    "/tables/outbox/rows/1",
+    "/tables/outbox/blocked",
+    "/tables/jobs/jobs",
+    "/tables/jobs/jobs/preview?action=retry&task=t",
+    "/tables/jobs/jobs/preview?action=cancel&queue=default",
+    "/tables/jobs/queues",
+    "/doctor",
+)
+
+
+def test_no_page_waits_on_a_lock_past_its_statement_timeout_nor_uses_up_the_pool(engine: Engine) -> None:
+    """Every page that reads the tables — the bulk previews and the doctor included — reads them in the page's
+    bounded transaction: under a migration's ACCESS EXCLUSIVE lock on both tables each answers 503, and after
+    more such requests than the pool holds the Locks page (what an operator opens to find the holder) still
+    answers. A hostile review: the previews and the doctor called the admin/doctor functions on the engine,
+    which waited for the lock for good; 16 of them used up the pool and every page was a bare 500 after 30 s."""
+    base, stop = serve(create_app(engine, statement_timeout=0.5))
+    blocker = engine.connect()
+    try:
+        blocker.execute(text("LOCK TABLE outbox, jobs IN ACCESS EXCLUSIVE MODE"))
+        for _ in range(2):  # 24 requests: more than the app's pool (5 + 10 overflow)
+            for path in EVERY_PAGE:
+                reply = http(
+                    "GET", base + path
+                )  # (a page that waited for the lock would time out here: 30 s)
+                assert reply.status == 503 and "statement timeout" in reply.body, (path, reply.status)
+        assert http("GET", base + "/locks").status == 200
+        blocker.rollback()
+        for path in EVERY_PAGE:
+            assert http("GET", base + path).status in (200, 404), path  # (row 1 does not exist: 404)
+    finally:
+        blocker.close()
+        stop()
+
+
 def test_actions_need_an_authentication_hook(engine: Engine) -> None:
     with pytest.raises(ConfigurationError, match="actions=True needs authenticate="):
         create_app(engine, actions=True)

@@ -420,9 +420,14 @@ async def dead_preview(d: Dashboard, request: Request, who: str | None) -> Respo
     if action not in ("retry", "skip") or (action == "skip" and t.kind != "outbox"):
         raise Refused(400, f"no bulk action {action!r} for {t.kind} dead letters")
     filters, typed = dead_filters(t, request.query_params)
-    fn = admin.retry_dead if action == "retry" else admin.skip_dead
-    try:
-        ids = await run_in_threadpool(fn, d.engine, t.model, dry_run=True, all=not filters, **filters)
+    try:  # the call's own selection, in the page's bounded read (admin's dry run would wait on any lock)
+        named = {k: v for k, v in filters.items() if k != "older_than"}
+        spec, f = admin._dead_plan(
+            t.model, action, ids=None, all=not filters, older_than=filters.get("older_than"), filters=named
+        )
+        ids = await run_in_threadpool(
+            d.read, lambda conn: admin._dead_selected(conn, t.model, action, spec, f)
+        )
     except OutboxError as exc:
         raise Refused(400, str(exc)) from None
     return d.render(request, "preview.html", who, t=t, action=action, count=_reads.Count(len(ids)), sample=ids[:100],
@@ -485,8 +490,11 @@ async def jobs_preview(d: Dashboard, request: Request, who: str | None) -> Respo
         if action == "retry":
             if status not in ("failed", "cancelled"):
                 raise Refused(400, "retry applies to failed or cancelled jobs")
-            ids = await run_in_threadpool(admin.retry_jobs, d.engine, t.model, task=task, queue=queue,
-                                          statuses=(status,), dry_run=True)  # fmt: skip
+            spec, wanted, where = admin._retry_jobs_plan(t.model, ids=None, task=task, queue=queue,
+                                                         statuses=(status,), all=False)  # fmt: skip
+            ids = await run_in_threadpool(
+                d.read, lambda conn: admin._jobs_selected(conn, t.model, spec, wanted, where)
+            )
             count, sample = _reads.Count(len(ids)), ids[:100]
         else:
             count, sample = await run_in_threadpool(
@@ -509,7 +517,10 @@ async def queues(d: Dashboard, request: Request, who: str | None) -> Response:
 async def doctor_page(d: Dashboard, request: Request, who: str | None) -> Response:
     models = [t.model for t in d.tables.values()]
     findings = await run_in_threadpool(
-        doctor.doctor, d.engine, models, long_transaction=d.long_transaction, stale_after=d.stale_after
+        d.read,
+        lambda conn: doctor.doctor(
+            conn, models, long_transaction=d.long_transaction, stale_after=d.stale_after
+        ),
     )
     order = {"fail": 0, "warn": 1, "ok": 2}
     findings = sorted(findings, key=lambda f: order.get(f.status, 3))
