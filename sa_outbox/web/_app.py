@@ -463,8 +463,9 @@ async def jobs(d: Dashboard, request: Request, who: str | None) -> Response:
     def read(conn: Connection) -> dict[str, Any]:
         rows, cut = _reads.jobs_page(conn, t.spec, status=status, task=task, queue=queue, before=before)
         counts = _reads.status_counts(conn, t.spec)
-        summary, sampled = _reads.job_summary(conn, t.spec)
-        return {"rows": rows, "cut": cut, "counts": counts, "summary": summary, "sampled": sampled}
+        summary, sampled, left_out = _reads.job_summary(conn, t.spec)
+        return {"rows": rows, "cut": cut, "counts": counts, "summary": summary, "sampled": sampled,
+                "left_out": left_out}  # fmt: skip
 
     data = await run_in_threadpool(d.read, read)
     typed = {"status": status, "task": task or "", "queue": queue or ""}
@@ -510,8 +511,9 @@ async def jobs_preview(d: Dashboard, request: Request, who: str | None) -> Respo
 
 async def queues(d: Dashboard, request: Request, who: str | None) -> Response:
     t = d.table(request, "jobs")
-    states = await run_in_threadpool(d.read, lambda conn: _reads.queue_rows(conn, t.spec))
-    return d.render(request, "queues.html", who, t=t, queues=states, active="queues:" + t.name)
+    states, more = await run_in_threadpool(d.read, lambda conn: _reads.queue_rows(conn, t.spec))
+    return d.render(request, "queues.html", who, t=t, queues=states, more=more, shown=_reads.QUEUES_SHOWN,
+                    active="queues:" + t.name)  # fmt: skip
 
 
 async def doctor_page(d: Dashboard, request: Request, who: str | None) -> Response:

@@ -81,6 +81,7 @@ class TableOverview:
     blocked_total: int
     health: TableHealth | None
     warnings: list[str] = field(default_factory=list)
+    blocked_partial: bool = False  # more dead rows than the cap: blocked_total counts those of the first ones
 
 
 def _where_status(spec: QueueSpec, status: str) -> ColumnElement[bool]:
@@ -237,16 +238,24 @@ def blocked_aggregates(
 
 
 @cache
-def _dead_and_blocked(spec: QueueSpec) -> Select[Any]:
-    """Outbox: dead rows, and the aggregates whose first dead message has a pending message after it — in one
-    pass over the dead rows (there is no index of dead rows alone: the aggregate index also holds every
+def _dead_and_blocked(spec: QueueSpec, cap: int) -> Select[Any]:
+    """Outbox: dead rows (up to ``cap + 1``), and the aggregates among theirs whose first dead message has
+    a pending message after it — in one pass over those dead rows (there is no index of dead rows alone: the aggregate index also holds every
     pending row), each aggregate probed once through the aggregate index for the first pending successor."""
     dead, later = spec.table.alias("d"), spec.table.alias("w")
-    heads = (
-        select(dead.c.aggregate_type, dead.c.aggregate_id, func.min(dead.c.id).label("dead_id"),
-               func.count().label("n"))
+    # the first cap + 1 dead rows by id (the dead rows' partial index): their aggregates' first dead
+    # message is their smallest id among them; more dead rows than that are counted from the statistics
+    first = (
+        select(dead.c.aggregate_type, dead.c.aggregate_id, dead.c.id)
         .where(dead.c.status == const(spec.dead))
-        .group_by(dead.c.aggregate_type, dead.c.aggregate_id)
+        .order_by(dead.c.id)
+        .limit(cap + 1)
+        .subquery("first_dead")
+    )
+    heads = (
+        select(first.c.aggregate_type, first.c.aggregate_id, func.min(first.c.id).label("dead_id"),
+               func.count().label("n"))
+        .group_by(first.c.aggregate_type, first.c.aggregate_id)
         .subquery("heads")
     )  # fmt: skip
     waiting = (
@@ -263,13 +272,20 @@ def _dead_and_blocked(spec: QueueSpec) -> Select[Any]:
     return select(func.coalesce(func.sum(heads.c.n), 0), func.count().filter(waiting))
 
 
-def overview(conn: Connection, spec: QueueSpec, *, stale_after: float) -> TableOverview:
+def overview(conn: Connection, spec: QueueSpec, *, stale_after: float, cap: int = COUNT_CAP) -> TableOverview:
     blocked_total = 0
+    blocked_partial = False
     dead: Count | None = None
     if spec.kind == "outbox":
-        n, blocked_total = (int(x) for x in conn.execute(_dead_and_blocked(spec)).one())
+        n, blocked_total = (int(x) for x in conn.execute(_dead_and_blocked(spec, cap)).one())
         dead = Count(n)
-    counts = status_counts(conn, spec, dead=dead)
+        if n > cap:  # read no further: the statistics' figure, and the blocked ones among those read
+            where = _where_status(spec, spec.dead)
+            estimate = planner_estimate(
+                conn, select(literal_column("1")).select_from(spec.table).where(where)
+            )
+            dead, blocked_partial = Count(max(estimate, cap + 1), True), True
+    counts = status_counts(conn, spec, cap, dead=dead)
     due = conn.execute(_oldest_due(spec)).scalar()
     oldest_due_age = _age_of(conn, due) if due is not None else None
     unfinished_age, unfinished_estimated = oldest_unfinished(conn, spec, counts, due)
@@ -280,7 +296,9 @@ def overview(conn: Connection, spec: QueueSpec, *, stale_after: float) -> TableO
     if expired:
         warnings.append(f"{expired} expired lease(s): a dispatcher/worker crashed or its lease is too short")
     if blocked_total:
-        warnings.append(f"{blocked_total} ordered aggregate(s) wait behind a dead message")
+        warnings.append(
+            f"{'at least ' if blocked_partial else ''}{blocked_total} ordered aggregate(s) wait behind a dead message"
+        )
     if outage is not None:
         warnings.append(
             monitoring.describe_outage(
@@ -290,7 +308,7 @@ def overview(conn: Connection, spec: QueueSpec, *, stale_after: float) -> TableO
     return TableOverview(
         spec.table.fullname, spec.kind, counts, oldest_due_age, unfinished_age, unfinished_estimated, expired,
         stale_after if spec.kind == "jobs" else None, None if last_done is None else float(last_done),
-        throughput(conn, spec), outage, blocked_total, monitoring._health(conn, spec), warnings,
+        throughput(conn, spec), outage, blocked_total, monitoring._health(conn, spec), warnings, blocked_partial,
     )  # fmt: skip
 
 
@@ -393,9 +411,16 @@ def _job_filters_on(cols: Any, task: str | None, queue: str | None) -> list[Colu
     return where
 
 
-def job_summary(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> tuple[list[dict[str, Any]], bool]:
-    """Queued, running and failed jobs per (queue, task). Reads at most ``cap`` rows of each state: a state
-    beyond that is summarised from its first ``cap`` rows (``True`` returned: the figures are a sample)."""
+#: The most (queue, task) pairs the jobs page's summary lists: those with the most jobs.
+SUMMARY_ROWS = 100
+
+
+def job_summary(
+    conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP, limit: int = SUMMARY_ROWS
+) -> tuple[list[dict[str, Any]], bool, int]:
+    """Queued, running and failed jobs per (queue, task), by name: the ``limit`` pairs with the most jobs, and
+    how many pairs are left out. Reads at most ``cap`` rows of each state: a state beyond that is summarised
+    from its first ``cap`` rows (``True`` returned: the figures are a sample)."""
     c = spec.c
     sampled = False
     per: dict[tuple[str, str], dict[str, int]] = {}
@@ -408,7 +433,8 @@ def job_summary(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> tupl
             sampled = True
         for q, task, n in got:
             per.setdefault((q, task), {"queued": 0, "running": 0, "failed": 0})[status] = int(n)
-    return [{"queue": q, "task": t, **v} for (q, t), v in sorted(per.items())], sampled
+    kept = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:limit]
+    return [{"queue": q, "task": t, **v} for (q, t), v in sorted(kept)], sampled, len(per) - len(kept)
 
 
 def cancellable(
@@ -445,10 +471,19 @@ class QueueRow:
         return self.paused_at is not None
 
 
-def queue_rows(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> list[QueueRow]:
-    """Every queue with a state row or unfinished jobs (as ``admin.list_queues``), its queued jobs counted
-    through the dequeue index up to ``cap`` per queue and estimated beyond: the queues with queued jobs are
-    found by skipping through that index (one probe per queue), not by reading every queued row."""
+#: The most queues the queues page lists (a table of tens of thousands of queues — one per tenant, say —
+#: must not make it read or render them all).
+QUEUES_SHOWN = 100
+
+
+def queue_rows(
+    conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP, limit: int = QUEUES_SHOWN
+) -> tuple[list[QueueRow], bool]:
+    """The queues with a state row or unfinished jobs (as ``admin.list_queues``), by name — at most ``limit``
+    of them, the paused ones first when there are more (``True`` returned: more exist). Their queued jobs are
+    counted through the dequeue index, ``cap`` entries in all (shared among the queues shown, at least 500
+    each), estimated beyond; the queues with queued jobs are found by skipping through that index (one probe
+    per queue, stopped after ``limit + 1``), not by reading every queued row."""
     c = spec.c
     table = queue_table(spec.table)
     queued = c.status == const("queued")
@@ -458,17 +493,30 @@ def queue_rows(conn: Connection, spec: QueueSpec, cap: int = COUNT_CAP) -> list[
     )
     step = select(c.queue).where(queued, c.queue > first.c.queue).order_by(c.queue).limit(1).scalar_subquery()
     names = first.union_all(select(step).where(first.c.queue.is_not(None)))
-    with_queued = {q for q in conn.execute(select(names.c.queue)).scalars() if q is not None}
+    with_queued = [
+        q for q in conn.execute(select(names.c.queue).limit(limit + 1)).scalars() if q is not None
+    ]  # (the recursion stops at the limit: the CTE is read as the outer query asks)
     running: dict[str, int] = dict(conn.execute(
         select(c.queue, func.count()).where(c.status == const("running")).group_by(c.queue)).all())  # fmt: skip
-    states = {r.queue: r for r in conn.execute(select(table))}
+    paused = list(conn.execute(
+        select(table.c.queue).where(table.c.paused_at.is_not(None)).order_by(table.c.queue).limit(limit + 1)
+    ).scalars())  # fmt: skip
+    stated = list(conn.execute(select(table.c.queue).order_by(table.c.queue).limit(limit + 1)).scalars())
+    ordered = [*paused, *sorted({*with_queued, *running, *stated} - set(paused))]
+    shown = sorted(ordered[:limit])
+    more = len(ordered) > limit or len(with_queued) > limit or len(stated) > limit
+    states = (
+        {r.queue: r for r in conn.execute(select(table).where(table.c.queue.in_(shown)))} if shown else {}
+    )
+    each = max(min(cap, 500), cap // max(1, len(shown)))
     out = []
-    for name in sorted(with_queued | set(running) | set(states)):
-        n = capped_count(conn, spec, and_(queued, c.queue == name), cap) if name in with_queued else Count(0)
+    for name in shown:
+        # (counted for every queue shown: one beyond the names the cut scan found may have queued jobs too)
+        n = capped_count(conn, spec, and_(queued, c.queue == name), each)
         state = states.get(name)
         out.append(QueueRow(name, state.paused_at if state else None, state.paused_by if state else None, n,
                             int(running.get(name, 0))))  # fmt: skip
-    return out
+    return out, more
 
 
 def pretty_json(value: Any) -> str:
