@@ -41,6 +41,8 @@ from sa_outbox.testing import drain
 from sa_outbox.web import TokenAuth, create_app
 from sa_outbox.web._reads import Count, overview, status_counts, throughput
 
+from .helpers import seed_events
+
 TOKEN = "test-dashboard-token-0123456789"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 #: This machine's network is closed: no background connections, no first-run, no GPU, a fresh profile.
@@ -763,6 +765,38 @@ def test_no_page_waits_on_a_lock_past_its_statement_timeout_nor_uses_up_the_pool
     finally:
         blocker.close()
         stop()
+
+
+def test_a_dashboard_without_authentication_answers_only_to_its_loopback_names(engine: Engine) -> None:
+    """DNS rebinding: a page on attacker.example whose name is made to resolve to 127.0.0.1 has the browser send
+    ``Host: attacker.example`` to the open (no-token) dashboard, and would read every payload on it. Such a
+    dashboard answers only to its loopback names unless told others (``allowed_hosts``); one with
+    authentication answers to any (its login cookie is bound to the host the operator signed in on). A
+    hostile review read a payload through ``Host: attacker.example:18552`` (status 200)."""
+    seed_events(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text('UPDATE outbox SET payload = \'{"secret": "s3cr3t-abc"}\''))
+    base, stop = serve(create_app(engine))
+    named, stop_named = serve(create_app(engine, allowed_hosts=["queues.internal"]))
+    token = "t" * 24
+    authed, stop_authed = serve(create_app(engine, authenticate=TokenAuth(token)))
+    try:
+        port = urlsplit(base).port
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST"):
+            assert http("GET", base + "/tables/outbox/rows/1", headers={"Host": host}).status == 200, host
+        for host in (f"attacker.example:{port}", "attacker.example", "127.0.0.1.attacker.example", ""):
+            reply = http("GET", base + "/tables/outbox/rows/1", headers={"Host": host})
+            assert reply.status == 400 and "s3cr3t" not in reply.body and "loopback" in reply.body, host
+        assert http("GET", named + "/", headers={"Host": "queues.internal:80"}).status == 200
+        assert http("GET", named + "/", headers={"Host": "localhost"}).status == 400
+        bearer = {"Authorization": f"Bearer {token}", "Host": "dashboard.example"}
+        assert http("GET", authed + "/tables/outbox/rows/1", headers=bearer).status == 200
+    finally:
+        stop()
+        stop_named()
+        stop_authed()
+    with pytest.raises(ConfigurationError, match="allowed_hosts"):
+        create_app(engine, allowed_hosts="localhost")  # type: ignore[arg-type]
 
 
 def test_actions_need_an_authentication_hook(engine: Engine) -> None:

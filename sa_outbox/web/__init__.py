@@ -54,6 +54,7 @@ def create_app(
     title: str = "sa_outbox",
     csrf_secret: bytes | str | None = None,
     statement_timeout: Duration = 10.0,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
     """The dashboard as a Starlette application.
 
@@ -66,7 +67,10 @@ def create_app(
     forms' CSRF tokens are signed with — give the same one to every process behind one load balancer
     (default: a random key per process). ``statement_timeout``: the longest a page's statements may run
     (``SET LOCAL``, so it works behind PgBouncer); past it the page says the database did not answer (503)
-    instead of hanging. Raises :class:`~sa_outbox.errors.ConfigurationError` on a bad
+    instead of hanging. ``allowed_hosts``: the host names the dashboard answers to (a request with another
+    ``Host`` gets 400; ``["*"]``: any) — by default, without ``authenticate``, only the loopback names
+    (``127.0.0.1``, ``localhost``, ``::1``), so a page elsewhere cannot read an open dashboard through DNS
+    rebinding; with ``authenticate``, any. Raises :class:`~sa_outbox.errors.ConfigurationError` on a bad
     option, before serving anything."""
     from ._app import Dashboard, build
 
@@ -77,5 +81,6 @@ def create_app(
     dashboard = Dashboard(
         engine, list(tables), actions=actions, authenticate=authenticate, stale_after=stale_after,
         long_transaction=long_transaction, title=title, csrf_secret=csrf_secret, statement_timeout=statement_timeout,
+        allowed_hosts=allowed_hosts,
     )  # fmt: skip
     return build(dashboard)

@@ -19,17 +19,19 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import admin, doctor, monitoring
 from .._durations import Duration, parse_duration, to_seconds
 from .._sql import BIGINT_RANGE, QueueSpec, spec_for
 from ..errors import ConfigurationError, OutboxError
 from . import _reads
-from ._security import COOKIE, Authenticate, Csrf, TokenAuth, cross_site
+from ._security import COOKIE, Authenticate, Csrf, TokenAuth, allowed_host_names, cross_site, host_name
 
 log = logging.getLogger("sa_outbox.web")
 
@@ -120,7 +122,7 @@ class Dashboard:
     def __init__(
         self, engine: Engine, models: Sequence[type[Any]], *, actions: bool, authenticate: Authenticate | None,
         stale_after: Duration, long_transaction: Duration, title: str, csrf_secret: bytes | str | None,
-        statement_timeout: Duration = 10.0,
+        statement_timeout: Duration = 10.0, allowed_hosts: Sequence[str] | None = None,
     ) -> None:  # fmt: skip
         if not isinstance(engine, Engine):
             raise ConfigurationError(
@@ -150,6 +152,7 @@ class Dashboard:
             raise ConfigurationError("stale_after must be > 0")
         self.long_transaction = to_seconds(long_transaction, name="long_transaction")
         self.statement_timeout_ms = int(to_seconds(statement_timeout, name="statement_timeout") * 1000)
+        self.host_names = allowed_host_names(allowed_hosts, authenticated=authenticate is not None)
         if self.statement_timeout_ms < 1:
             raise ConfigurationError("statement_timeout must be at least 1 ms")
         self.title = title
@@ -691,7 +694,30 @@ def routes(d: Dashboard) -> list[BaseRoute]:
     return out
 
 
+class _HostCheck:
+    """Refuses (400) a request whose ``Host`` is not one the dashboard answers to (see ``_security``)."""
+
+    def __init__(self, app: ASGIApp, names: tuple[str, ...]) -> None:
+        self.app, self.names = app, names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            header = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+            name = host_name(header)
+            if name not in self.names:
+                log.warning("dashboard refused a request for host %r (it answers to %s)", name, ", ".join(self.names),
+                            extra={"host": name})  # fmt: skip
+                await PlainTextResponse(
+                    f"this dashboard answers to {', '.join(self.names)}, not {name!r}: a dashboard without "
+                    "authentication answers only to its loopback names (create_app(…, allowed_hosts=[…]) names "
+                    "others)", status_code=400,
+                )(scope, receive, send)  # fmt: skip
+                return
+        await self.app(scope, receive, send)
+
+
 def build(d: Dashboard) -> Starlette:
-    app = Starlette(routes=routes(d))
+    middleware = [] if d.host_names is None else [Middleware(_HostCheck, names=d.host_names)]
+    app = Starlette(routes=routes(d), middleware=middleware)
     app.state.dashboard = d
     return app

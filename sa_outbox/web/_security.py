@@ -4,6 +4,9 @@
   the user's name (any non-empty string, written to the action log) or ``None`` to refuse; it may be a
   coroutine function. :class:`TokenAuth` is the one ``sa-outbox dashboard`` uses: a shared secret sent as
   ``Authorization: Bearer …`` or kept in an HttpOnly, SameSite=Strict cookie after ``/login``.
+* **Host names**: a dashboard without authentication answers only requests whose ``Host`` is one of
+  ``allowed_hosts`` — by default the loopback names — so a web page the operator opens elsewhere cannot read
+  it through DNS rebinding (its name made to resolve to 127.0.0.1: the browser then sends that name).
 * **CSRF**: every form carries a token that is an HMAC of the authenticated user's name and the time it was
   issued, under a key only this process (or the ``csrf_secret`` the host gives, for several processes)
   knows; a POST without a valid, unexpired token for the same user is refused, and so is one whose
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -95,3 +98,26 @@ def cross_site(request: Request) -> str | None:
         if urlsplit(origin).netloc != host:
             return f"Origin {origin} is not this host ({host})"
     return None
+
+
+#: The names a dashboard without authentication answers to by default: the loopback ones.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:8000`` → ``::1``), lower-cased."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def allowed_host_names(hosts: Sequence[str] | None, authenticated: bool) -> tuple[str, ...] | None:
+    """The host names a dashboard answers to (None: any): those given (``"*"`` allows any), else the loopback
+    names without authentication and any with it."""
+    if hosts is None:
+        return None if authenticated else LOOPBACK_HOSTS
+    if isinstance(hosts, str) or not all(isinstance(h, str) and h.strip() for h in hosts):
+        raise ConfigurationError(f"allowed_hosts must be a list of host names (or ['*']), got {hosts!r}")
+    names = tuple(host_name(h) for h in hosts)
+    return None if "*" in names else names
