@@ -163,7 +163,8 @@ def test_dead_list_prints_the_last_line_of_last_error_as_text(
         ("dead", "retry", "--task", "send_email"),
         ("dead", "retry", "--task", "t", "1"),
         ("dead", "list", "--queue", "mail"),
-        ("dead", "retry", "--jobs", "--event-type", "E1", "--older-than", "0s"),  # a jobs retry, an outbox filter
+        # a jobs retry, an outbox filter
+        ("dead", "retry", "--jobs", "--event-type", "E1", "--older-than", "0s"),
         ("dead", "skip", "--jobs", "--aggregate", "a1", "--all"),
     ],
 )
