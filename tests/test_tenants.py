@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -334,6 +334,29 @@ def recorder(ran: list[tuple[str, int]]) -> Any:
     return lambda job: ran.append((job.payload["who"], job.payload["i"]))
 
 
+@contextlib.contextmanager
+def tenant_schemas(engine: Engine, tenants: Sequence[str], *, jobs: int) -> Iterator[None]:
+    """A schema of each tenant's own, with the tables and ``jobs`` jobs (payload: who, i); dropped after."""
+    with contextlib.ExitStack() as stack:
+        for name in tenants:
+            stack.enter_context(fresh_schema(engine, name))
+            placed = engine.execution_options(schema_translate_map={None: name})
+            Base.metadata.create_all(placed)
+            with Session(placed) as s, s.begin():
+                for i in range(jobs):
+                    enqueue(s, Job, "t", {"who": name, "i": i})
+        yield
+
+
+def claim_as(engine: Engine, tenant: str) -> list[Any]:
+    """Two jobs claimed by a loop connection of ``tenant`` (through its translate map) on ``engine``."""
+    loop = LoopConnection(engine.execution_options(schema_translate_map={None: tenant}), "jobs")
+    try:
+        return loop.run(lambda c: eng.claim(c, JOBS, owner="w", batch=2, queue="default"))
+    finally:
+        loop.drop()
+
+
 def test_tenants_sharing_one_connection_take_the_direct_path_each_in_its_own_schema(engine: Engine) -> None:
     """A tenant's loop takes the library's own execution (prepared under its names, below psycopg's cursor) —
     on SQLAlchemy's regular path a tenant's worker spent 2-3× the client CPU per job at batch 1 — and what is
@@ -343,22 +366,11 @@ def test_tenants_sharing_one_connection_take_the_direct_path_each_in_its_own_sch
     one = create_engine(engine.url, pool_size=1, max_overflow=0)
     tenants = ("tenant_a", "tenant_b")
     try:
-        with contextlib.ExitStack() as stack:
-            for name in tenants:
-                stack.enter_context(fresh_schema(engine, name))
-                placed = engine.execution_options(schema_translate_map={None: name})
-                Base.metadata.create_all(placed)
-                with Session(placed) as s, s.begin():
-                    for i in range(6):
-                        enqueue(s, Job, "t", {"who": name, "i": i})
+        with tenant_schemas(engine, tenants, jobs=6):
             claimed: dict[str, list[Any]] = {name: [] for name in tenants}
             for _ in range(2):  # turns on the one session: a, b, a, b
                 for name in tenants:
-                    loop = LoopConnection(one.execution_options(schema_translate_map={None: name}), "jobs")
-                    claimed[name] += loop.run(
-                        lambda c: eng.claim(c, JOBS, owner="w", batch=2, queue="default")
-                    )
-                    loop.drop()
+                    claimed[name] += claim_as(one, name)
             with one.connect() as conn:
                 prepared = (
                     conn.exec_driver_sql(
@@ -411,22 +423,11 @@ def test_many_tenants_through_one_process_keep_a_bounded_number_of_statements(
     one = create_engine(engine.url, pool_size=1, max_overflow=0)
     tenants = [f"tenant_{c}" for c in "wxyz"]
     try:
-        with contextlib.ExitStack() as stack:
-            for name in tenants:
-                stack.enter_context(fresh_schema(engine, name))
-                placed = engine.execution_options(schema_translate_map={None: name})
-                Base.metadata.create_all(placed)
-                with Session(placed) as s, s.begin():
-                    for i in range(4):
-                        enqueue(s, Job, "t", {"who": name, "i": i})
+        with tenant_schemas(engine, tenants, jobs=4):
             claimed: dict[str, list[Any]] = {name: [] for name in tenants}
             for _ in range(2):
                 for name in tenants:
-                    loop = LoopConnection(one.execution_options(schema_translate_map={None: name}), "jobs")
-                    claimed[name] += loop.run(
-                        lambda c: eng.claim(c, JOBS, owner="w", batch=2, queue="default")
-                    )
-                    loop.drop()
+                    claimed[name] += claim_as(one, name)
                     with one.connect() as conn:
                         prepared = conn.exec_driver_sql(
                             "SELECT count(*) FROM pg_prepared_statements WHERE starts_with(name, %(p)s)",
