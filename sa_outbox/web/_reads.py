@@ -95,10 +95,13 @@ def capped_count(
     """Rows matching ``where``: counted exactly up to ``cap``; beyond, the planner's estimate."""
     inner = select(literal_column("1")).select_from(spec.table).where(where).limit(cap + 1).subquery()
     n = int(conn.execute(select(func.count()).select_from(inner)).scalar_one())
-    if n <= cap:
-        return Count(n)
-    return Count(max(planner_estimate(conn, select(literal_column("1")).select_from(spec.table).where(where)),
-                     cap + 1), True)  # fmt: skip
+    return Count(n) if n <= cap else beyond_cap(conn, spec, where, cap)
+
+
+def beyond_cap(conn: Connection, spec: QueueSpec, where: ColumnElement[bool], cap: int) -> Count:
+    """Rows matching ``where``, found to be more than ``cap``: the planner's estimate, never below the cap."""
+    estimate = planner_estimate(conn, select(literal_column("1")).select_from(spec.table).where(where))
+    return Count(max(estimate, cap + 1), True)
 
 
 def planner_estimate(conn: Connection, stmt: Select[Any]) -> int:
@@ -280,11 +283,7 @@ def overview(conn: Connection, spec: QueueSpec, *, stale_after: float, cap: int 
         n, blocked_total = (int(x) for x in conn.execute(_dead_and_blocked(spec, cap)).one())
         dead = Count(n)
         if n > cap:  # read no further: the statistics' figure, and the blocked ones among those read
-            where = _where_status(spec, spec.dead)
-            estimate = planner_estimate(
-                conn, select(literal_column("1")).select_from(spec.table).where(where)
-            )
-            dead, blocked_partial = Count(max(estimate, cap + 1), True), True
+            dead, blocked_partial = beyond_cap(conn, spec, _where_status(spec, spec.dead), cap), True
     counts = status_counts(conn, spec, cap, dead=dead)
     due = conn.execute(_oldest_due(spec)).scalar()
     oldest_due_age = _age_of(conn, due) if due is not None else None
@@ -498,16 +497,15 @@ def queue_rows(
     ]  # (the recursion stops at the limit: the CTE is read as the outer query asks)
     running: dict[str, int] = dict(conn.execute(
         select(c.queue, func.count()).where(c.status == const("running")).group_by(c.queue)).all())  # fmt: skip
-    paused = list(conn.execute(
-        select(table.c.queue).where(table.c.paused_at.is_not(None)).order_by(table.c.queue).limit(limit + 1)
-    ).scalars())  # fmt: skip
-    stated = list(conn.execute(select(table.c.queue).order_by(table.c.queue).limit(limit + 1)).scalars())
-    ordered = [*paused, *sorted({*with_queued, *running, *stated} - set(paused))]
+    # the state rows, paused ones first (one statement): a queue shown that is not among them is not paused
+    stated = conn.execute(
+        select(table).order_by(table.c.paused_at.is_(None), table.c.queue).limit(limit + 1)
+    ).all()
+    states = {r.queue: r for r in stated}
+    paused = [r.queue for r in stated if r.paused_at is not None]
+    ordered = [*paused, *sorted({*with_queued, *running, *states} - set(paused))]
     shown = sorted(ordered[:limit])
     more = len(ordered) > limit or len(with_queued) > limit or len(stated) > limit
-    states = (
-        {r.queue: r for r in conn.execute(select(table).where(table.c.queue.in_(shown)))} if shown else {}
-    )
     each = max(min(cap, 500), cap // max(1, len(shown)))
     out = []
     for name in shown:
