@@ -1433,3 +1433,61 @@ def test_notifications_do_not_cut_short_the_fault_wait_of_loops_through_pgbounce
     assert heard >= 20, f"the dispatcher's LISTEN connection heard {heard} notifications in 4 s"
     assert 1 <= tries <= 8, f"the ordered dispatcher failed {tries} turns in 4 s"
     assert len(pub.messages) == 1
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_tenants_through_pgbouncer_stay_in_their_schemas(
+    engine: Engine, pooled_url: URL, db_url: URL, flavour: str
+) -> None:
+    """Two tenants' producers, ordered dispatchers and workers through the pooler (prepared statements off: the
+    cursor path, each statement's text with its tenant's schema written in), sharing the pooler's server
+    connections: every row is written, delivered and run in its own tenant's schema, in its aggregates' order,
+    and the default schema's tables stay empty."""
+    from .test_tenants import tenant_schemas
+
+    tenants = ("tenant_p", "tenant_q")
+    with tenant_schemas(engine, tenants, jobs=0):
+        for name in tenants:
+            placed, _ = pgbouncer_engine(pooled_url, direct_url=db_url, pool_size=2)
+            placed = placed.execution_options(schema_translate_map={None: name})
+            try:
+                with Session(placed) as s, s.begin():
+                    for n in range(12):
+                        s.add(OutboxEvent(aggregate_type="a", aggregate_id=f"{name}-{n % 3}", event_type="E",
+                                          payload={"n": n}))  # fmt: skip
+                        enqueue(s, Job, "t", {"who": name, "n": n})
+            finally:
+                placed.dispose()
+        for name in tenants:
+            publisher, ran = RecordingPublisher(), []
+            runner = PooledRunner(flavour, pooled_engine_for(pooled_url, db_url, name), pooled_url, db_url)
+            if runner.aengine is not None:
+                runner.aengine = runner.aengine.execution_options(schema_translate_map={None: name})
+            try:
+                assert runner.drain(runner.dispatcher(publisher, ordered=True, batch=5)) == 12
+                assert runner.drain(runner.worker({"t": payloads_into(ran)}, batch=4)) == 12
+            finally:
+                runner.close()
+                runner.engine.dispose()
+            assert {m.aggregate_id.rsplit("-", 1)[0] for m in publisher.messages} == {name}
+            for agg in range(3):
+                ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == f"{name}-{agg}"]
+                assert ns == sorted(ns) and len(ns) == 4
+            assert sorted(p["n"] for p in ran) == list(range(12)) and {p["who"] for p in ran} == {name}
+        with engine.connect() as conn:
+            for name in tenants:
+                for table in ("outbox", "jobs"):
+                    got = conn.execute(text(f"SELECT DISTINCT status FROM {name}.{table}")).scalars().all()
+                    assert got == ["done"], (name, table, got)
+    assert statuses(engine) == {} and statuses(engine, "jobs") == {}
+
+
+def payloads_into(ran: list[Any]) -> Any:
+    """A handler that records each job's payload (one parameter: not a transactional handler)."""
+    return lambda job: ran.append(job.payload)
+
+
+def pooled_engine_for(pooled_url: URL, db_url: URL, tenant: str) -> Engine:
+    """A pooled engine (the helper's) carrying ``tenant``'s translate map."""
+    engine, _ = pgbouncer_engine(pooled_url, direct_url=db_url, pool_size=3)
+    return engine.execution_options(schema_translate_map={None: tenant})
