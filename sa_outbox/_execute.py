@@ -104,12 +104,8 @@ def _with_schemas(stmt: Any, conn: Connection, translate: dict[Any, Any]) -> _Co
     tokened = _TOKENED.get(key)
     if tokened is None:
         tokened = _TOKENED[key] = stmt.compile(dialect=conn.dialect, schema_translate_map=translate)
-    render = getattr(tokened.preparer, "_render_schema_translates", None)
-    if render is None:  # (a SQLAlchemy without it: compiled with the schemas written in, as it once was)
-        return _compile(
-            stmt.compile(dialect=conn.dialect, schema_translate_map=translate, render_schema_translate=True)
-        )
-    return _compile(tokened, render(str(tokened), dict(translate)))  # (it adds a key to the map it is given)
+    # (SQLAlchemy's own step at execution, in every version pyproject allows; it adds a key to the map it gets)
+    return _compile(tokened, tokened.preparer._render_schema_translates(str(tokened), dict(translate)))
 
 
 def _compile(c: Any, sql: str | None = None) -> _Compiled:
