@@ -9,9 +9,8 @@ like ``CREATE INDEX CONCURRENTLY`` or ``ALTER SYSTEM`` cannot share a transactio
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -654,17 +653,6 @@ def _retry_budget_finding(name: str, spec: Any, model: type[Any], target: Any) -
     return Finding("retry budget", name, "ok", message)
 
 
-@contextmanager
-def _connected(bind: Engine | Connection) -> Iterator[Connection]:
-    """A connection of ``bind``'s own (an engine's, closed after), or ``bind`` itself — in its transaction, as the
-    dashboard's bounded read runs the checks."""
-    if isinstance(bind, Connection):
-        yield bind
-    else:
-        with bind.connect() as conn:
-            yield conn
-
-
 def doctor(
     engine: Engine | Connection,
     models: list[type[Any]],
@@ -694,7 +682,8 @@ def doctor(
         stale_after = getattr(target, "stale_after", None) or 60.0
     stale = to_timedelta(stale_after, name="stale_after", allow_zero=False)
     findings: list[Finding] = []
-    with _connected(engine) as conn:
+    # (an engine's own connection, or the caller's, in its transaction)
+    with engine.connect() if isinstance(engine, Engine) else contextlib.nullcontext(engine) as conn:
         server, server_on = _server_autovacuum_finding(conn)
         holders = long_horizon_holders(conn, threshold)
         for model in models:
