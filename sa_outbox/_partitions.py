@@ -168,7 +168,7 @@ def regclass_name(conn: Connection, table: Table) -> str:
     schema the connection's ``schema_translate_map`` (a tenant's) moves it to: a name in text is beyond the
     map's reach."""
     moved, schema = _sql.translated_schema(conn, table.schema)
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     if not moved:
         return str(prep.format_table(table))
     return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}" if schema else prep.quote(table.name)
@@ -406,7 +406,7 @@ def _finalize_interrupted(
 ) -> None:
     """A ``DETACH … CONCURRENTLY`` that was interrupted (the process died) leaves the partition "detach
     pending": finish it, then the partition is retired like any other on the next run."""
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     for p in parts:
         if p.detach_pending:
             try:
@@ -430,7 +430,7 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
     raised."""
     try:
         conn.execute(
-            text(_sql.detach_partition_ddl(conn.dialect.identifier_preparer, table, name, mode=mode))
+            text(_sql.detach_partition_ddl(_sql.text_preparer(conn.dialect), table, name, mode=mode))
         )
         return True
     except DBAPIError as exc:
@@ -473,7 +473,7 @@ def _create_ahead(
 ) -> None:
     from .migration import storage_parameters_sql
 
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     now = conn.execute(text("SELECT now()")).scalar_one()
     start = period_start(min(now, since) if since is not None else now, period)
     last = period_start(now, period)
@@ -537,7 +537,7 @@ def _retire(
     report: PartitionReport,
 ) -> None:
     table = spec.table
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     now = conn.execute(text("SELECT now()")).scalar_one()
     for p in parts:
         if p.is_default or p.detach_pending or p.lower is None or p.upper is None or p.upper > now:
@@ -590,7 +590,7 @@ def _close(conn: Connection, spec: _sql.QueueSpec, part: Table, keep_dead: bool)
     # (READ COMMITTED, as every such block: under REPEATABLE READ the count's snapshot was the transaction's
     # first, older than a late producer's commit during the wait — a hostile review)
     with _short_lock_wait(conn, CLOSE_LOCK_TIMEOUT) as outcome:
-        conn.execute(text(_sql.close_partition_ddl(conn.dialect.identifier_preparer, part.name, part.schema)))
+        conn.execute(text(_sql.close_partition_ddl(_sql.text_preparer(conn.dialect), part.name, part.schema)))
         counts = _held(conn, spec, part, keep_dead)
         outcome["commit"] = counts is None
     return counts
@@ -602,7 +602,7 @@ def _reopen(conn: Connection, name: str, schema: str | None) -> None:
     behind it (a hostile review: a claim stalled for the whole 8 s of a reader's transaction). The callers know
     it is closed (:attr:`PartitionInfo.closed`; a table marked as retiring was closed before its detach)."""
     _with_lock_timeout(
-        conn, _sql.reopen_partition_ddl(conn.dialect.identifier_preparer, name, schema), CLOSE_LOCK_TIMEOUT
+        conn, _sql.reopen_partition_ddl(_sql.text_preparer(conn.dialect), name, schema), CLOSE_LOCK_TIMEOUT
     )
 
 
@@ -629,7 +629,7 @@ def _settle_detached_now(
     keep_dead: bool, report: PartitionReport,
 ) -> None:  # fmt: skip
     table = spec.table
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     counts = _held(conn, spec, _sql.partition_table(name, table.schema), keep_dead)
     if counts is not None or archive:
         _reopen(conn, name, table.schema)

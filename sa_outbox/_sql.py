@@ -52,7 +52,9 @@ from sqlalchemy import (
 )
 from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ColumnElement, Select, Update
+from sqlalchemy.sql.compiler import IdentifierPreparer
 from sqlalchemy.sql.elements import ColumnClause, TextClause, conv
 
 from .errors import SchemaError
@@ -201,6 +203,22 @@ def translated_schema(conn: Any, schema: str | None) -> tuple[bool, str | None]:
     what names a table in text (DDL, catalog lookups), which the map does not reach."""
     translate = conn.get_execution_options().get("schema_translate_map") or {}
     return (True, translate[schema]) if schema in translate else (False, schema)
+
+
+def text_preparer(dialect: Dialect) -> IdentifierPreparer:
+    """The dialect's identifier quoting for a name written into SQL text: DDL run through ``text()``, a name
+    bound as a ``regclass``, a fix printed for a person. The connection's own preparer doubles ``%`` for the
+    driver's ``format`` paramstyle and ``text()`` doubles it again, so a table named ``out%box`` reached the
+    server as ``"out%%box"`` (``create_all`` failed on it); this one, of the same dialect class in the
+    ``named`` paramstyle, leaves ``%`` as it is."""
+    found = _TEXT_PREPARERS.get(type(dialect))
+    if found is None:
+        dialect_class: Any = type(dialect)
+        found = _TEXT_PREPARERS[type(dialect)] = dialect_class(paramstyle="named").identifier_preparer
+    return found
+
+
+_TEXT_PREPARERS: dict[type[Dialect], IdentifierPreparer] = {}
 
 
 def translated_spec(conn: Any, spec: QueueSpec) -> QueueSpec:

@@ -97,7 +97,7 @@ _PARTITION_INDEXES = text(
 
 
 def _qualified_index(conn: Connection, table: Any, index: str) -> str:
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     return (f"{prep.quote_schema(table.schema)}." if table.schema else "") + prep.quote(index)
 
 
@@ -246,7 +246,7 @@ def _expected_shape(conn: Connection, table: Table) -> _Shape | str:
             conn.execute(CreateTable(copy, include_foreign_key_constraints=[]))
             for index in copy.indexes:
                 conn.execute(CreateIndex(index))
-            prep = conn.dialect.identifier_preparer
+            prep = _sql.text_preparer(conn.dialect)
             shape = _shape(conn, f"pg_temp.{prep.quote(table.name)}")
             tx.rollback()
     except DBAPIError as exc:
@@ -267,7 +267,7 @@ def _index_name(conn: Connection, name: Any) -> str:
     shortens it (its first 55 characters, ``_`` and four hex digits of a hash); longer than 63 bytes
     (``NAMEDATALEN - 1``, multi-byte characters), PostgreSQL then cuts it at the last whole character."""
     rendered = str(
-        conn.dialect.identifier_preparer.truncate_and_render_index_name(name, _alembic_quote=False)
+        _sql.text_preparer(conn.dialect).truncate_and_render_index_name(name, _alembic_quote=False)
     )
     return rendered.encode()[:63].decode("utf-8", "ignore")
 
@@ -329,7 +329,7 @@ def _schema_findings(conn: Connection, model: type[Any]) -> tuple[list[Finding],
         out += _collation_findings(conn, regclass, name, have, want)
     # CHECK and primary key constraints
     if isinstance(want, _Shape):
-        prep = conn.dialect.identifier_preparer
+        prep = _sql.text_preparer(conn.dialect)
         bad_checks = [
             f"{c} is {have.checks[c]!r}, expected {d!r}" if c in have.checks else f"{c} ({d}) is missing"
             for c, d in sorted(want.checks.items())
@@ -428,7 +428,7 @@ def _collation_findings(
         return []
     loose = [c for c, (got, _) in differ.items() if not got[1]]
     said = "; ".join(f"{c}: {got[0]}, expected {expected[0]}" for c, (got, expected) in differ.items())
-    prep = conn.dialect.identifier_preparer
+    prep = _sql.text_preparer(conn.dialect)
     fix = "\n".join(
         f"ALTER TABLE {regclass} ALTER COLUMN {prep.quote(c)} TYPE {got[2]} COLLATE {expected[0]}"
         for c, (got, expected) in differ.items()
@@ -454,7 +454,7 @@ def _reloptions(conn: Connection, model: type[Any]) -> dict[str, str]:
         parts = _partitions.list_partitions(conn, model, counts=False)
         if not parts:
             return dict.fromkeys(QUEUE_STORAGE_PARAMETERS, "(no partition)")  # the partitions finding says it
-        prep = conn.dialect.identifier_preparer
+        prep = _sql.text_preparer(conn.dialect)
         newest = parts[-1]
         name = f"{prep.quote_schema(newest.schema)}.{prep.quote(newest.name)}"
     options = conn.execute(
@@ -473,7 +473,7 @@ def _storage_finding(conn: Connection, model: type[Any], have: dict[str, str]) -
         )  # fmt: skip
     target = regclass_name(conn, t)
     if _partitions.is_partitioned(conn, t):  # a partitioned parent takes none: set them on each partition
-        prep = conn.dialect.identifier_preparer
+        prep = _sql.text_preparer(conn.dialect)
         target = ", ".join(
             f"{prep.quote_schema(p.schema)}.{prep.quote(p.name)}"
             for p in _partitions.list_partitions(conn, model, counts=False)

@@ -230,7 +230,9 @@ def _revision(connection: Connection) -> str:
 
 def _qualified(op_or_conn: Any, table: str, schema: str | None) -> str:
     bind = op_or_conn.get_bind() if hasattr(op_or_conn, "get_bind") else op_or_conn
-    prep = bind.dialect.identifier_preparer
+    from ._sql import text_preparer
+
+    prep = text_preparer(bind.dialect)
     name: str = prep.quote(table)
     return f"{prep.quote_schema(schema)}.{name}" if schema else name
 

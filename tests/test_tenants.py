@@ -440,3 +440,54 @@ def test_many_tenants_through_one_process_keep_a_bounded_number_of_statements(
                 assert {json.loads(r[6])["who"] for r in claimed[name]} == {name}, claimed
     finally:
         one.dispose()
+
+
+def test_names_with_a_percent_sign_work_end_to_end(engine: Engine) -> None:
+    """A schema and tables whose names hold ``%``: the DDL and catalog lookups that name a table in text quote
+    it without the driver's ``%%`` (before: ``create_all`` failed — ALTER TABLE "out%%box", the name doubled
+    by the preparer, then by ``text()``; a partitioned table's regclass lookup read ``"p%%o"``). Through a
+    translate map, as a tenant: created with the queue's storage parameters and partitions, written to, drained
+    by a Worker and a Dispatcher, its partitions maintained, and doctor's findings about it clean."""
+    from sa_outbox import maintain_partitions
+    from sa_outbox.doctor import doctor
+    from sa_outbox.models import model_for
+
+    schema = '"te%nant"'
+    with fresh_schema(engine, schema):
+        tenant = engine.execution_options(schema_translate_map={None: "te%nant"})
+        jobs = model_for("jobs", "jo%bs")
+        events = model_for("outbox", "out%box", partitioned="day")
+        for model in (jobs, events):
+            model.__table__.create(tenant)
+        with engine.connect() as conn:
+            options = conn.execute(
+                text(
+                    "SELECT c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = 'te%nant' AND c.relname = 'jo%bs'"
+                )
+            ).scalar_one()
+            parts = conn.execute(
+                text("SELECT count(*) FROM pg_inherits WHERE inhparent = CAST(:t AS regclass)"),
+                {"t": '"te%nant"."out%box"'},
+            ).scalar_one()
+        assert any(o.startswith("autovacuum_vacuum_scale_factor") for o in options) and parts >= 4
+        with Session(tenant) as s, s.begin():
+            for i in range(5):
+                enqueue(s, jobs, "t", {"i": i})
+                s.add(events(aggregate_type="order", aggregate_id="1", event_type="E", payload={"i": i}))
+        ran: list[int] = []
+        w = Worker(tenant, jobs, {"t": lambda job: ran.append(job.payload["i"])}, listen=False)
+        publisher = RecordingPublisher()
+        d = Dispatcher(tenant, events, publisher, ordered=True, listen=False)
+        try:
+            w.run(until_idle=True, install_signal_handlers=False)
+            d.run(until_idle=True, install_signal_handlers=False)
+        finally:
+            w.close()
+            d.close()
+        assert sorted(ran) == [0, 1, 2, 3, 4]
+        assert [m.payload["i"] for m in publisher.messages] == [0, 1, 2, 3, 4]
+        report = maintain_partitions(tenant, events)
+        assert report.errors == [] and report.created == []
+        failing = [f for f in doctor(tenant, [jobs, events]) if f.status == "fail"]
+        assert failing == []
