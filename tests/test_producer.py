@@ -323,6 +323,28 @@ def test_bad_payload_is_refused_with_nothing_written(engine: Engine, payload: An
     assert count_rows(engine, "outbox") == 0
 
 
+def test_the_size_limit_counts_the_payloads_utf8_bytes_not_its_escapes(engine: Engine) -> None:
+    """The limit is of the JSON's UTF-8 bytes: 300,000 × "é" (600,002 bytes) is within 1 MiB — before, it was
+    refused as "1800014 bytes", its escaped ASCII text (\\u00e9, six characters each) — and 600,000 × "é"
+    is refused with its UTF-8 size."""
+    with Session(engine) as s, s.begin():
+        s.add(
+            OutboxEvent(
+                aggregate_type="order", aggregate_id="A", event_type="Big", payload={"t": "é" * 300_000}
+            )
+        )
+    with Session(engine) as s:
+        s.add(
+            OutboxEvent(
+                aggregate_type="order", aggregate_id="A", event_type="Big", payload={"t": "é" * 600_000}
+            )
+        )
+        with pytest.raises(PayloadError, match="payload is 1200008 bytes of JSON"):
+            s.flush()
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT length(payload->>'t') FROM outbox")).scalars().all() == [300_000]
+
+
 @pytest.mark.parametrize("field", ["event_type", "aggregate_id", "aggregate_type"])
 def test_empty_required_field_is_refused(engine: Engine, field: str) -> None:
     values = {"aggregate_type": "order", "aggregate_id": "A", "event_type": "E", "payload": {}}
