@@ -113,6 +113,7 @@ from ._payload import (
 )
 from ._tracing import trace_headers, with_trace
 from .cdc import COLUMNS as _CDC_COLUMNS
+from .cdc import check_event as check_cdc_event
 from .cdc import span_context
 from .errors import PayloadError
 
@@ -449,6 +450,8 @@ def _event_values(
     if resolved and len(atype) + len(cast(str, aid)) + len(etype) > index_safe_chars(table):
         _check_event_text(table, atype, cast(str, aid), etype)
     normalized, encoded = check_payload(payload, what=what, max_bytes=max_bytes)
+    if table.info.get("sa_outbox_kind") == "cdc":
+        check_cdc_event(atype, normalized, encoded, max_bytes, what)
     return atype, aid, etype, normalized, encoded
 
 
@@ -503,6 +506,8 @@ def _validate_event(ev: _Event, context: Mapping[str, str]) -> tuple[str, str | 
     ):  # fmt: skip
         what = functools.partial(_what_event, etype, atype, aid)
         payload, encoded = check_payload(given, what=what, max_bytes=model.sa_outbox_max_payload_bytes)
+        if table.info.get("sa_outbox_kind") == "cdc":
+            check_cdc_event(atype, payload, encoded, model.sa_outbox_max_payload_bytes, what)
         if payload is not given:
             ev.payload = payload
         return encoded, headers_text
@@ -532,6 +537,11 @@ def _cdc_id(given: Any, what: str | Callable[[], str]) -> uuid.UUID:
         ) from None
 
 
+#: Where an event keeps the ``tracingspancontext`` the producer derived for it (not a column): a value the
+#: application set is different from it, and kept.
+_DERIVED_SPAN = "_sa_outbox_derived_span"
+
+
 def _cdc_columns(ev: CdcOutboxMixin) -> None:
     """The CDC columns of a validated event: its id, and Debezium's ``tracingspancontext`` from its headers
     (unless the application set it)."""
@@ -541,10 +551,14 @@ def _cdc_columns(ev: CdcOutboxMixin) -> None:
     )
     if new_id is not d.get("id"):
         ev.id = new_id
-    if d.get("tracingspancontext") is None:
+    current = d.get("tracingspancontext")
+    if current is None or current == d.get(_DERIVED_SPAN):
+        # derived again at every flush that writes it: an event added again after a rollback with other
+        # headers carried its first traceparent's span before
         span = span_context(d.get("headers"))
-        if span is not None:
+        if span != current:
             ev.tracingspancontext = span
+        d[_DERIVED_SPAN] = span
 
 
 def _job_values(

@@ -360,13 +360,18 @@ class CdcOutboxMixin:
     ``sa_outbox_delete_after_insert`` (default ``True``): the producer deletes each row again in the
     transaction that inserted it — "insert then delete", as Debezium's own Quarkus outbox extension does by
     default (``remove-after-insert``): the table stays empty, the WAL keeps the insert (the router drops the
-    delete). ``False`` keeps the rows (retention is then yours). The
-    size limits are those of :class:`OutboxMixin`.
+    delete). ``False`` keeps the rows (retention is then yours).
+
+    What Kafka would refuse is refused as it is written (:func:`sa_outbox.cdc.check_event`; in the WAL nothing
+    turns an event into a dead letter: the connector stops on it): an ``aggregate_type`` that makes no legal
+    topic name, and a payload over ``sa_outbox_max_payload_bytes`` as the record value carries it (PostgreSQL's
+    text of the jsonb) — 1,000 KiB by default, leaving room in Kafka's 1 MiB record for the key and the headers
+    (``sa_outbox_max_headers_bytes``, 8 KiB, as for :class:`OutboxMixin`).
     """
 
     sa_outbox_kind: ClassVar[str] = "cdc"
     sa_outbox_delete_after_insert: ClassVar[bool] = True
-    sa_outbox_max_payload_bytes: ClassVar[int] = 1024 * 1024
+    sa_outbox_max_payload_bytes: ClassVar[int] = 1000 * 1024
     sa_outbox_max_headers_bytes: ClassVar[int] = 8 * 1024
     __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
 

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Table
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
+from ._payload import describe, jsonb_text_over
 from .errors import ConfigurationError, PayloadError
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ __all__ = [
     "COLUMNS",
     "DEFAULT_TOPIC_REPLACEMENT",
     "OUTBOX_HEADERS",
+    "check_event",
     "debezium_config",
     "headers_from_debezium",
     "setup_sql",
@@ -83,6 +85,7 @@ _PREDICATE = "outbox_table"
 _SLOT_NAME = re.compile(r"[a-z0-9_]{1,63}")
 # Debezium: topic.prefix takes "alphanumeric characters, hyphens, dots and underscores".
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]+")
+_TOPIC_CHAR = re.compile(r"[A-Za-z0-9._-]")
 
 
 # --- names ---------------------------------------------------------------------------------------------------
@@ -105,11 +108,11 @@ def _default_name(table: str) -> str:
 def _names(table: str, slot_name: str | None, publication_name: str | None) -> tuple[str, str]:
     """The replication slot's and the publication's names: the given ones, else ``sa_outbox_<table>`` (both)."""
     slot = _slot(slot_name, table, "slot name")
-    return slot, _slot(publication_name or slot, table, "publication name")
+    return slot, _slot(slot if publication_name is None else publication_name, table, "publication name")
 
 
 def _slot(name: str | None, table: str, what: str) -> str:
-    slot = name or _default_name(table)
+    slot = _default_name(table) if name is None else name
     if not _SLOT_NAME.fullmatch(slot):
         raise ConfigurationError(
             f"{what} {slot!r}: PostgreSQL replication slot names can contain lower-case letters, numbers, and "
@@ -121,6 +124,22 @@ def _slot(name: str | None, table: str, what: str) -> str:
 def _java_regex_literal(text_: str) -> str:
     """``text_`` as a regular expression that matches exactly it (Java and Python agree on these escapes)."""
     return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text_)
+
+
+def _include_list_literal(text_: str) -> str:
+    """``text_`` as one entry of a Debezium include list: a regular expression that matches exactly it, in a
+    list Debezium splits at commas and whose entries it trims — so a comma, and a blank or control character
+    (a table named ``"a,b"`` or ``" t"``), are written as ``\\xHH`` escapes, which the split leaves alone."""
+    return re.sub(r"[,\x00-\x20\x7f]", lambda m: f"\\x{ord(m.group()):02x}", _java_regex_literal(text_))
+
+
+def _debezium_topic(name: str) -> str:
+    """The topic Debezium's default naming gives ``name`` (``<prefix>.<schema>.<table>``): every UTF-16 code
+    unit outside ``A-Z a-z 0-9 . _ -`` replaced with ``_``, cut at 249 — a table ``"Tenant A".Outbox`` streams
+    to ``<prefix>.Tenant_A.Outbox``, which is what the router's predicate must match."""
+    units = "".join(ch if _TOPIC_CHAR.fullmatch(ch) else "_" * (2 if ord(ch) > 0xFFFF else 1) for ch in name)
+    cut = units[:249]
+    return {".": "_", "..": "__"}.get(cut, cut)
 
 
 def _quote(identifier: str) -> str:
@@ -165,7 +184,7 @@ def _config(
 ) -> dict[str, Any]:  # fmt: skip
     try:
         db = make_url(url)
-        port = db.port or 5432  # (a port that is no number fails here)
+        port = 5432 if db.port is None else db.port  # (a port that is no number fails here)
     except (ArgumentError, ValueError) as exc:
         raise ConfigurationError(
             f"invalid database URL for Debezium: {exc}; expected postgresql://USER@HOST:PORT/DATABASE"
@@ -189,7 +208,7 @@ def _config(
             "connects over TCP: give the URL it reaches PostgreSQL by (postgresql://USER@HOST:PORT/DATABASE)"
         )
     slot, publication = _names(table, slot_name, publication_name)
-    prefix = topic_prefix or slot
+    prefix = slot if topic_prefix is None else topic_prefix
     if not _TOPIC_PREFIX.fullmatch(prefix):
         raise ConfigurationError(
             f"topic prefix {prefix!r}: Debezium takes letters, digits, hyphens, dots and underscores"
@@ -205,7 +224,7 @@ def _config(
         "database.dbname": db.database,
         "topic.prefix": prefix,
         # Only the outbox table: with `filtered` the connector creates (or narrows) the publication to it.
-        "table.include.list": _java_regex_literal(f"{schema}.{table}"),
+        "table.include.list": _include_list_literal(f"{schema}.{table}"),
         "slot.name": slot,
         "publication.name": publication,
         "publication.autocreate.mode": "filtered",
@@ -213,9 +232,10 @@ def _config(
         "tombstones.on.delete": "false",
         # Key = aggregate_id as plain UTF-8: KafkaPublisher's key bytes, so an aggregate keeps its partition.
         "key.converter": "org.apache.kafka.connect.storage.StringConverter",
-        # Value = the payload as JSON (table.expand.json.payload), without a schema envelope.
-        "value.converter": "org.apache.kafka.connect.json.JsonConverter",
-        "value.converter.schemas.enable": "false",
+        # Value = the payload column's text as PostgreSQL sends it: the payload's JSON, whatever its shape.
+        # (Expanded by the router instead, fields holding null and empty arrays were dropped, and a top-level
+        # scalar, an array of mixed numbers or an integer past 64 bits sent the whole payload as a JSON string.)
+        "value.converter": "org.apache.kafka.connect.storage.StringConverter",
         # Header values as plain strings (the outbox-headers JSON object unquoted).
         "header.converter": "org.apache.kafka.connect.storage.SimpleHeaderConverter",
         "transforms": "outbox",
@@ -224,7 +244,7 @@ def _config(
         "transforms.outbox.table.field.event.id": "id",
         "transforms.outbox.table.field.event.key": "aggregate_id",
         "transforms.outbox.table.field.event.payload": "payload",
-        "transforms.outbox.table.expand.json.payload": "true",
+        "transforms.outbox.table.expand.json.payload": "false",
         "transforms.outbox.table.fields.additional.placement": ",".join(
             f"{column}:header:{alias}" for column, alias in _HEADER_PLACEMENT
         ),
@@ -234,9 +254,13 @@ def _config(
         # The router sees only the outbox table's records (not a heartbeat's, should one be configured).
         "predicates": _PREDICATE,
         f"predicates.{_PREDICATE}.type": "org.apache.kafka.connect.transforms.predicates.TopicNameMatches",
-        f"predicates.{_PREDICATE}.pattern": _java_regex_literal(f"{prefix}.{schema}.{table}"),
+        f"predicates.{_PREDICATE}.pattern": _java_regex_literal(
+            _debezium_topic(f"{prefix}.{schema}.{table}")
+        ),
     }
-    return {"name": name or f"sa-outbox-{table}", "config": config}
+    if name is not None and not name.strip():
+        raise ConfigurationError(f"connector name {name!r}: Kafka Connect needs a name that is not blank")
+    return {"name": f"sa-outbox-{table}" if name is None else name, "config": config}
 
 
 def setup_sql(
@@ -249,7 +273,9 @@ def setup_sql(
     """The statements that create the publication (the one ``publication.autocreate.mode=filtered`` would
     create: the table only) and the ``pgoutput`` replication slot, with the names :func:`debezium_config`
     uses by default. Run them (a superuser, or the table's owner with ``REPLICATION``) before the first event
-    is written: the slot keeps the WAL from its creation on, and the connector starts from it."""
+    is written — each in a transaction of its own: PostgreSQL refuses to create a logical slot in a transaction
+    that has written. The slot keeps the WAL from its creation on (its creation waits for the transactions open
+    then, whose events it does not hold), and the connector starts from it."""
     table = _table_of(model)
     return _setup_sql(schema or table.schema or "public", table.name, slot_name, publication_name)
 
@@ -364,6 +390,41 @@ def _properties_value(value: str) -> str:
     return "".join(out)
 
 
+#: The topic the router gives an event with the default ``topic_replacement``: this prefix and its aggregate type.
+_TOPIC_OF_AGGREGATE = DEFAULT_TOPIC_REPLACEMENT.replace("${routedByValue}", "")
+#: Kafka's rule for a topic name (KafkaPublisher checks the same).
+_KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+
+
+def check_event(
+    aggregate_type: str, payload: Any, encoded: str, max_bytes: int, what: str | Callable[[], str]
+) -> None:
+    """What a CDC event must be for the connector to produce its record, checked as it is written
+    (:class:`PayloadError` otherwise, nothing written): once an event is in the WAL nothing turns it into a
+    dead letter — the connector's producer fails on its record, and the connector stops.
+
+    * Its topic, ``outbox.event.<aggregate_type>`` (the router's default ``topic_replacement``), is a name
+      Kafka takes: 1 to 249 of ``a-z A-Z 0-9 . _ -``.
+    * Its payload as the record value carries it — PostgreSQL's text of the jsonb (a space after every ``:``
+      and ``,``, numbers in plain notation), UTF-8 — is at most ``max_bytes`` (the model's
+      ``sa_outbox_max_payload_bytes``; a CDC table's default leaves room in Kafka's 1 MiB for the key and the
+      headers)."""
+    topic = _TOPIC_OF_AGGREGATE + aggregate_type
+    if not _KAFKA_TOPIC.fullmatch(topic):
+        raise PayloadError(
+            f"{describe(what)}: its aggregate_type routes it to the topic {topic!r:.120}, which Kafka refuses "
+            "(1 to 249 of a-z A-Z 0-9 . _ -): the connector would stop on its record — use an aggregate type "
+            "of those characters"
+        )
+    size = jsonb_text_over(payload, encoded, max_bytes)
+    if size is not None:
+        raise PayloadError(
+            f"{describe(what)}: its payload is {size} bytes as the record value carries it (PostgreSQL's "
+            f"text of the jsonb), over the limit of {max_bytes} bytes: the connector would stop on a record "
+            "Kafka refuses (store large data elsewhere and put a reference in the event)"
+        )
+
+
 def span_context(headers: Mapping[str, str] | None) -> str | None:
     """The ``tracingspancontext`` of an event: its ``traceparent`` (and ``tracestate``) headers as the text of
     a ``java.util.Properties`` — what Debezium's event router reads as the span context to continue
@@ -382,7 +443,9 @@ def headers_from_debezium(record: Any) -> dict[str, str]:
     of the ``outbox-headers`` header) unfolded into it — ready for ``sa_outbox.inbox.receive(headers=…)`` and
     ``consume_span``. ``record`` is a confluent-kafka ``Message`` (its ``headers()``), a mapping, or
     ``(name, value)`` pairs; bytes are decoded as UTF-8, null values dropped. The router's own headers
-    (``id``, ``message_id``, ``event-type``, …) win over an event header of the same name."""
+    (``id``, ``message_id``, ``event-type``, …) win over an event header of the same name. An
+    ``outbox-headers`` header that is absent, null or JSON ``null`` means none; :class:`PayloadError` names a
+    header that is not UTF-8, an ``outbox-headers`` that is not a JSON object of strings."""
     if callable(getattr(record, "headers", None)):
         items: Iterable[tuple[str, Any]] = record.headers() or []
     elif isinstance(record, Mapping):
@@ -392,14 +455,31 @@ def headers_from_debezium(record: Any) -> dict[str, str]:
     plain: dict[str, str] = {}
     folded: str | None = None
     for name, value in items:
-        text_ = (
-            value.decode() if isinstance(value, bytes | bytearray) else None if value is None else str(value)
-        )
+        if isinstance(value, bytes | bytearray):
+            try:
+                text_: str | None = bytes(value).decode()
+            except UnicodeDecodeError:
+                raise PayloadError(
+                    f"the record's header {name!r} is not UTF-8: {bytes(value)!r:.80}"
+                ) from None
+        else:
+            text_ = None if value is None else str(value)
         if name == OUTBOX_HEADERS:
             folded = text_
         elif text_ is not None:
             plain[name] = text_
-    own = json.loads(folded) if folded else {}
+    try:
+        own = json.loads(folded) if folded else None
+    except ValueError:
+        raise PayloadError(f"the {OUTBOX_HEADERS} header is not JSON: {folded!r:.120}") from None
+    if own is None:
+        own = {}
     if not isinstance(own, dict):
         raise PayloadError(f"the {OUTBOX_HEADERS} header is not a JSON object: {folded!r:.120}")
-    return {**{k: str(v) for k, v in own.items() if k not in plain}, **plain}
+    odd = next(((k, v) for k, v in own.items() if not isinstance(v, str)), None)
+    if odd is not None:
+        raise PayloadError(
+            f"the {OUTBOX_HEADERS} header's {odd[0]!r} is {odd[1]!r:.80}, not a string: the producer writes only "
+            "string header values — this record's headers were not written by it"
+        )
+    return {**{k: v for k, v in own.items() if k not in plain}, **plain}

@@ -451,6 +451,75 @@ def test_a_refused_payload_or_header_writes_nothing(db: Engine) -> None:
         assert conn.execute(select(func.count()).select_from(KeptEvent)).scalar_one() == 0
 
 
+class SmallEvent(CdcOutboxMixin, CdcBase):
+    __tablename__ = "cdc_outbox_small"
+    sa_outbox_delete_after_insert = False
+    sa_outbox_max_payload_bytes = 100
+
+
+def _write(db: Engine, path: str, model: type[Any], atype: str, payload: Any) -> None:
+    """One event through one of the producer's paths, in a transaction of its own."""
+    with Session(db) as s, s.begin():
+        if path == "add":
+            s.add(model(aggregate_type=atype, aggregate_id="1", event_type="E", payload=payload))
+        elif path == "emit":
+            emit(s, model, [(atype, "1", "E", payload)])
+        else:
+            s.execute(insert(model), [{"aggregate_type": atype, "aggregate_id": "1", "event_type": "E",
+                                       "payload": payload}])  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["add", "emit", "orm_insert"])
+def test_what_kafka_would_refuse_is_refused_as_it_is_written(db: Engine, path: str) -> None:
+    """In the WAL nothing turns an event into a dead letter: the connector's producer fails on a record Kafka
+    refuses and the connector stops. So the producer refuses, on every path, with nothing written: an
+    aggregate type that makes no legal topic (``outbox.event.<type>``: a space, a slash, past 249), and a
+    payload over the limit as the record value carries it — PostgreSQL's jsonb text, a space after each ``:``
+    and ``,`` and numbers in plain notation — though its compact JSON is within it (before: all accepted)."""
+    SmallEvent.__table__.create(db, checkfirst=True)
+    try:
+        for atype in ("cust omer", "cust/omer", "c" * 237, "kundé"):
+            with pytest.raises(PayloadError, match="which Kafka refuses"):
+                _write(db, path, SmallEvent, atype, {})
+        for payload in ([0] * 40, [1e300]):  # compact: 81 and 8 bytes; as jsonb text: 118 and 303
+            with pytest.raises(PayloadError, match="as the record value carries it"):
+                _write(db, path, SmallEvent, "customer", payload)
+        _write(db, path, SmallEvent, "c" * 236, [0] * 33)  # the longest legal topic; 99 bytes as jsonb text
+        with db.connect() as conn:
+            rows = conn.execute(text("SELECT aggregate_type, payload::text FROM cdc_outbox_small")).all()
+        assert rows == [("c" * 236, "[" + ", ".join(["0"] * 33) + "]")]
+        # a polling outbox keeps its own rules: its publishers refuse per message (dead letters)
+        from sa_outbox.models import OutboxEvent
+
+        with Session(db) as s:
+            s.add(OutboxEvent(aggregate_type="cust omer", aggregate_id="1", event_type="E", payload={}))
+            s.flush()
+            assert s.execute(select(func.count()).select_from(OutboxEvent)).scalar_one() == 1
+            s.rollback()
+    finally:
+        SmallEvent.__table__.drop(db)
+
+
+def test_a_cdc_events_span_context_follows_its_headers_when_it_is_written_again(db: Engine) -> None:
+    """An event written, rolled back, then added again with other headers: its ``tracingspancontext`` is
+    derived again from them (before: the first traceparent's stayed, beside the new headers). One the
+    application set itself is kept."""
+    other = "00-3333333333333333333333333333333a-3333333333333333-01"
+    with Session(db) as s:
+        ev = _event(KeptEvent, n=1, headers={"traceparent": _TP})
+        with s.begin():
+            s.add(ev)
+            s.flush()
+            s.rollback()
+        ev.headers = {"traceparent": other}
+        own = _event(KeptEvent, n=2, headers={"traceparent": _TP}, tracingspancontext="traceparent=mine\n")
+        with s.begin():
+            s.add_all([ev, own])
+    with db.connect() as conn:
+        rows = dict(conn.execute(text("SELECT payload->>'n', tracingspancontext FROM cdc_outbox_kept")).all())
+    assert rows == {"1": f"traceparent={other}\n", "2": "traceparent=mine\n"}
+
+
 _TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -701,6 +770,70 @@ def test_the_config_names_the_table_slot_publication_and_database() -> None:
     assert config["tombstones.on.delete"] == "false"
 
 
+def _debezium_split(include_list: str) -> list[str]:
+    """Debezium's split of an include list (``Strings.RegExSplitterByComma``): at commas not escaped by a
+    backslash, each entry trimmed, ``\\,`` then read as a comma."""
+    parts, current, chars = [], "", iter(include_list)
+    for ch in chars:
+        if ch == "\\":
+            current += ch + next(chars)
+        elif ch == ",":
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p.strip().replace("\\,", ",") for p in parts if p]
+
+
+def _debezium_topic(name: str) -> str:
+    """Debezium's default topic naming (``AbstractTopicNamingStrategy.sanitizedTopicName``): each UTF-16 code
+    unit outside A-Z a-z 0-9 . _ - becomes ``_``."""
+    units = name.encode("utf-16-le", "surrogatepass")
+    chars = [chr(int.from_bytes(units[i : i + 2], "little")) for i in range(0, len(units), 2)]
+    return "".join(c if re.fullmatch(r"[A-Za-z0-9._-]", c) else "_" for c in chars)[:249]
+
+
+@pytest.mark.parametrize(
+    ("schema", "table"),
+    [("Tenant A", "Outbox"), ("public", "événements"), ("public", 'ev"il'), ("public", "a,b"), (" s", "t "),
+     ("public", "out\\box"), ("public", "🎉events"), ("x'y", "t")],
+)  # fmt: skip
+def test_odd_table_names_are_streamed_and_routed(schema: str, table: str) -> None:
+    """The include list must select the table, and the router's predicate must match the topic Debezium
+    streams it to — which its default naming writes with ``_`` for every character outside A-Z a-z 0-9 . _ -.
+    Before: the predicate named the raw table (``shop\\.Tenant A\\.Outbox``), matched no record, and the
+    router never ran — the raw change events, deletes included, went to Debezium's own topic, with exit 0."""
+    moved = CdcEvent.__table__.to_metadata(MetaData(), schema=schema, name=table)
+    config = debezium_config(moved, url="postgresql://app@db:5432/shop", topic_prefix="shop")["config"]
+    [entry] = _debezium_split(config["table.include.list"])
+    assert re.fullmatch(entry, f"{schema}.{table}")
+    assert not re.fullmatch(entry, f"{schema}.{table}x") and not re.fullmatch(entry, f"public.{table}_other")
+    topic = _debezium_topic(f"shop.{schema}.{table}")
+    assert re.fullmatch(config["predicates.outbox_table.pattern"], topic), (config, topic)
+
+
+def test_the_record_value_is_the_payloads_json_whatever_its_shape() -> None:
+    """The payload column's text as PostgreSQL sends it, through Kafka Connect's string converter — not
+    expanded by the router, which dropped fields holding null and empty arrays, and sent a payload with a
+    top-level scalar, an array of mixed numbers or an integer past 64 bits as one JSON string."""
+    config = _config()
+    assert config["transforms.outbox.table.expand.json.payload"] == "false"
+    assert config["value.converter"] == "org.apache.kafka.connect.storage.StringConverter"
+    assert "value.converter.schemas.enable" not in config
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"url": "postgresql://app@db:0/shop"}, {"slot_name": ""}, {"publication_name": ""}, {"topic_prefix": ""},
+     {"name": ""}, {"name": "  "}],
+)  # fmt: skip
+def test_blank_names_and_port_zero_are_refused_not_replaced(options: dict[str, Any]) -> None:
+    """Before: port 0 printed 5432, and an empty slot, publication, prefix or connector name its default."""
+    with pytest.raises(ValueError):
+        _config(**options)
+
+
 def test_slot_and_publication_names_follow_postgresqls_rules() -> None:
     config = _config()
     assert re.fullmatch(r"[a-z0-9_]{1,63}", config["slot.name"])
@@ -726,6 +859,12 @@ def test_headers_from_debezium_unfolds_the_event_headers() -> None:
         "event-type": "OrderPaid", "x-tenant": "acme", "traceparent": _TP,
     }  # fmt: skip
     assert headers_from_debezium([("outbox-headers", None), ("event-type", b"E")]) == {"event-type": "E"}
+    assert headers_from_debezium([("outbox-headers", b"null"), ("event-type", b"E")]) == {"event-type": "E"}
+    for bad, problem in (([("event-type", b"\xff")], "not UTF-8"), ([("outbox-headers", b"{nope")], "not JSON"),
+                         ([("outbox-headers", b"[1]")], "not a JSON object"),
+                         ([("outbox-headers", b'{"x": true}')], "not a string")):  # fmt: skip
+        with pytest.raises(PayloadError, match=problem):
+            headers_from_debezium(bad)
 
 
 def test_the_cli_refuses_a_polling_outbox_table(db: Engine, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1107,6 +1246,22 @@ def test_keep_mode_decodes_inserts_only(logical: Engine, wal: Slot) -> None:
         ("I", "public.cdc_outbox_kept", 1), ("I", "public.cdc_outbox_kept", 2)]  # fmt: skip
     with logical.begin() as conn:
         conn.execute(text("TRUNCATE cdc_outbox_kept"))
+
+
+def test_the_payload_column_carries_every_json_shape_the_producer_accepts(logical: Engine, wal: Slot) -> None:
+    """The record value is the payload column's text as decoding sends it (the configuration's string
+    converter, no expansion by the router): nulls, empty arrays, mixed numbers, integers past 64 bits, a
+    top-level array or scalar all arrive as written."""
+    shapes = [{"a": None, "b": [], "c": [1, 2.5, None]}, {"big": 10**20}, [1, "two", None], "just text", 5, True,
+              {"tiny": 1.5e-7}]  # fmt: skip
+    with Session(logical) as s, s.begin():
+        emit(s, KeptEvent, [("customer", "7", "E", p) for p in shapes])
+    [tx] = wal.take()
+    try:
+        assert [json.loads(c.values["payload"] or "") for c in tx.changes] == shapes
+    finally:
+        with logical.begin() as conn:
+            conn.execute(text("TRUNCATE cdc_outbox_kept"))
 
 
 def test_pgoutput_through_the_generated_publication_carries_what_the_config_maps(
