@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -22,10 +23,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, fields
 from types import FrameType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import URL
@@ -49,8 +50,11 @@ __all__ = [
     "LoopBase",
     "LoopStats",
     "RunPolicy",
+    "held_task",
     "install_async_signals",
     "is_async_callable",
+    "one_async_run_at_a_time",
+    "one_run_at_a_time",
     "positive_int",
     "stray_cancellation",
     "through_cancellation",
@@ -239,12 +243,24 @@ class LoopBase:
         self._refused_renewals: set[int] = set()
         self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
+        #: Held while run() or run_once() runs (:func:`one_run_at_a_time`).
+        self._run_lock = threading.Lock()
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
             None
             if maintain_partitions is None
             else PartitionMaintainer(model, maintain_partitions, self.owner)
         )
+
+    def _enter_run(self, name: str) -> None:
+        """Take the instance's run lock for ``run()``/``run_once()`` (``name``), or refuse a second run."""
+        if not self._run_lock.acquire(blocking=False):
+            raise ConfigurationError(
+                f"{type(self).__name__}.{name}() is already running on this instance: one run at a time — the "
+                "loop's connections, heartbeat and jobs in hand are the instance's own (a second run ending shut "
+                "them under the first: its leases went unrenewed and a job ran twice at once). Build another "
+                "instance for another thread or task"
+            )
 
     # -- stopping ----------------------------------------------------------------------------------------
 
@@ -789,6 +805,64 @@ def sized_claim(call: dict[str, Any], left: int) -> tuple[dict[str, Any], int]:
     return params, left
 
 
+_L = TypeVar("_L", bound=LoopBase)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_run_at_a_time(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenate[_L, _P], _R]:
+    """``run()``/``run_once()`` of a sync loop: a second call while one runs (another thread) is refused."""
+
+    @functools.wraps(method)
+    def guarded(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._enter_run(method.__name__)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._run_lock.release()
+
+    return guarded
+
+
+def one_async_run_at_a_time(
+    method: Callable[Concatenate[_L, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[_L, _P], Coroutine[Any, Any, _R]]:
+    """The same for an async loop's ``run()``/``run_once()`` (another task, or another thread's event loop)."""
+
+    @functools.wraps(method)
+    async def guarded(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._enter_run(method.__name__)
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._run_lock.release()
+
+    return guarded
+
+
+class _HeldTask(asyncio.Task[_R]):
+    """A task of the library's own holding work in flight — a claim, a batch being published, a handler, the
+    loop's end, the heartbeat. Cancelled as any task while its event loop runs: by the library (a timeout, a
+    job's cancellation, a claim's grace) or by a cancellation of ``run()`` passed on. But a runner's teardown —
+    ``asyncio.run()`` returning with ``run()`` still going cancels every task left, the library's inner ones
+    too, with the loop stopped — is refused: the work goes on, and the runner waits for it, as it waits for
+    ``run()`` finishing what it holds (a hostile review: a batch already published stayed ``processing`` until
+    its lease ran out, then was published again; a sync handler's job was released while its thread still ran
+    it — run twice at once). An abandoned task (``held = False``) takes any cancellation."""
+
+    held = True
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if self.held and not self.get_loop().is_running():
+            return False
+        return super().cancel(msg)
+
+
+def held_task(coro: Coroutine[Any, Any, _R]) -> asyncio.Task[_R]:
+    """``coro`` as a :class:`_HeldTask` of the running loop."""
+    return _HeldTask(coro, loop=asyncio.get_running_loop())
+
+
 #: How long a cancelled run waits for a claim statement in flight before cutting it off (then the server
 #: cancels it and it commits nothing): a claim is quick unless it waits on a lock (a migration's, say).
 CLAIM_GRACE = 2.0
@@ -811,7 +885,7 @@ async def through_cancellation(
     (a claim blocked on a lock is cancelled by the server and commits nothing). If ``work`` fails after a
     cancellation arrived, the cancellation is what propagates (a claim that failed meanwhile must not turn a
     cancelled run into one that retries a database fault forever)."""
-    task = asyncio.ensure_future(work)
+    task = held_task(work) if asyncio.iscoroutine(work) else asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
     deadline: float | None = None
     while not task.done():

@@ -49,8 +49,11 @@ from ._backoff import DATABASE_OUTAGE, OUTBOX_BACKOFF, Backoff
 from ._base import (
     CLAIM_GRACE,
     LoopBase,
+    held_task,
     install_async_signals,
     is_async_callable,
+    one_async_run_at_a_time,
+    one_run_at_a_time,
     stray_cancellation,
     through_cancellation,
 )
@@ -467,6 +470,7 @@ class Dispatcher(DispatcherBase):
 
     # -- public ----------------------------------------------------------------------------------------
 
+    @one_run_at_a_time
     def run_once(self) -> int:
         """One rescue step plus one claimed batch, published and finalized; returns how many messages this
         call claimed (rescued rows not counted). An explicit call claims even while the circuit is open."""
@@ -479,6 +483,7 @@ class Dispatcher(DispatcherBase):
             self._end()
             self._raise_fatal()
 
+    @one_run_at_a_time
     def run(
         self,
         *,
@@ -662,6 +667,7 @@ class AsyncDispatcher(DispatcherBase):
 
     # -- public ----------------------------------------------------------------------------------------
 
+    @one_async_run_at_a_time
     async def run_once(self) -> int:
         """One rescue step plus one claimed batch, published and finalized (see :meth:`Dispatcher.run_once`)."""
         try:
@@ -673,6 +679,7 @@ class AsyncDispatcher(DispatcherBase):
             await self._end_through_cancellation()
             self._raise_fatal()
 
+    @one_async_run_at_a_time
     async def run(
         self,
         *,
@@ -888,7 +895,7 @@ class AsyncDispatcher(DispatcherBase):
                 if isinstance(error, DestinationUnavailable):
                     unavailable = True
 
-        tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
+        tasks = [held_task(one(i, m)) for i, m in enumerate(messages)]
         _, late = await asyncio.wait(tasks, timeout=remaining)
         for task in late:
             task.cancel()

@@ -404,7 +404,10 @@ class AsyncWaker:
         """Wait up to ``timeout`` seconds; say what woke the loop (``None``: the timeout — or, sooner, the LISTEN
         connection lost, which this wait does not make again before its end, unlike :meth:`Waker.wait`: the
         loop's next turn claims, and its next wait connects again)."""
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and loop is not self._loop:
+            self._moved_to_another_loop()
+        self._loop = loop
         deadline = time.monotonic() + timeout
         while True:
             if self._poked.is_set():
@@ -460,6 +463,22 @@ class AsyncWaker:
                     await self.close()
             if connecting is None or connecting not in done:
                 return None  # the timeout (or the LISTEN connection ended quietly)
+
+    def _moved_to_another_loop(self) -> None:
+        """The loop object runs again in another event loop (a second ``asyncio.run()``): what was bound to the
+        first is made again — the poke event (bound to its loop at its first wait: in the second loop every
+        wait on it failed at once and counted as a poke, a hot spin of thousands of claims a second), and the
+        LISTEN connection and its connecting task, which belong to the first loop's selector (the connection's
+        socket is closed here, without that loop)."""
+        poked = self._poked.is_set()
+        self._poked = asyncio.Event()
+        if poked:
+            self._poked.set()
+        self._connecting = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.pgconn.finish()
 
     async def wait_out(self, timeout: float) -> Wake:
         """:meth:`wait`, except that a notification does not end it, nor a LISTEN connection lost meanwhile (which

@@ -52,8 +52,12 @@ from ._backoff import BEAT_ENDS_FAULT_WAIT_AFTER, JOBS_BACKOFF, Backoff
 from ._base import (
     CLAIM_GRACE,
     LoopBase,
+    _HeldTask,
+    held_task,
     install_async_signals,
     is_async_callable,
+    one_async_run_at_a_time,
+    one_run_at_a_time,
     one_statement,
     stray_cancellation,
     through_cancellation,
@@ -100,6 +104,10 @@ PREFETCH_WINDOW = 0.1
 OVERLAP_MIN = 0.001
 #: A claim's round trip assumed before one was measured.
 TRIP_GUESS = 0.002
+#: How long an ``async def`` handler cancelled at its ``handler_timeout`` has to stop before it is abandoned
+#: (seconds): its clean-up may await; one that swallows the cancellation would otherwise hold its slot, and
+#: the loop's end, for good.
+ABANDON_AFTER_CANCEL = 1.0
 #: How often the heartbeat tries to renew the rows it guards (seconds): the guard keeps their jobs from being
 #: rescued meanwhile, so this only bounds how soon after a row is free its lease is fresh again.
 GUARD_POLL = 0.1
@@ -1443,6 +1451,7 @@ class Worker(WorkerBase):
 
     # -- public ----------------------------------------------------------------------------------------
 
+    @one_run_at_a_time
     def run_once(self) -> int:
         """One rescue step plus one claimed batch (up to ``batch`` jobs), handled and finalized; returns how
         many jobs it claimed. With concurrency 1 a batch that runs longer than a second also runs the step
@@ -1460,6 +1469,7 @@ class Worker(WorkerBase):
             self._end()
             self._raise_fatal()
 
+    @one_run_at_a_time
     def run(
         self,
         *,
@@ -1964,8 +1974,11 @@ class AsyncWorker(WorkerBase):
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
         self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
         self._beat_lock = asyncio.Lock()
+        self._run_loop: asyncio.AbstractEventLoop | None = None
         self._waker = AsyncWaker(self.listen_url, self.channels)
         self._running: dict[asyncio.Task[_Ran], _Running] = {}
+        #: Handler tasks abandoned after handler_timeout, referenced until they end (:meth:`_collect`).
+        self._abandoned: set[asyncio.Task[_Ran]] = set()
         #: concurrency 1 without a timeout: each handler is awaited by the loop itself, in turn (no task and
         #: no wake-up of the loop per job)
         self._inline = self.concurrency == 1 and self.handler_timeout is None
@@ -1994,6 +2007,7 @@ class AsyncWorker(WorkerBase):
 
     # -- public ----------------------------------------------------------------------------------------
 
+    @one_async_run_at_a_time
     async def run_once(self) -> int:
         """One rescue step plus one claimed batch, handled and finalized (see :meth:`Worker.run_once`)."""
         self._begin()
@@ -2007,6 +2021,7 @@ class AsyncWorker(WorkerBase):
             await self._end_through_cancellation()
             self._raise_fatal()
 
+    @one_async_run_at_a_time
     async def run(
         self,
         *,
@@ -2124,7 +2139,9 @@ class AsyncWorker(WorkerBase):
                 return  # written by the next turn's claim, which also takes what they unblocked
             await self._flush()
         poll = not self._queue and len(self._running) < self.concurrency
-        if await self._waker.wait(self._next_deadline(poll=poll)) == "notify":
+        timeout = self._next_deadline(poll=poll)
+        abandon = self._running_wait()
+        if await self._waker.wait(timeout if abandon is None else min(timeout, abandon)) == "notify":
             self.stats.wakeups += 1
 
     async def _claim(self, want: int) -> int:
@@ -2219,7 +2236,7 @@ class AsyncWorker(WorkerBase):
             finally:  # in the task's last step: once the wait wakes, the task is done or still running
                 _resolve(wake[0])
 
-        task = asyncio.ensure_future(execute())
+        task = held_task(execute())
         try:
             while not task.done():
                 due = self._done.next_due()
@@ -2325,8 +2342,15 @@ class AsyncWorker(WorkerBase):
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
                 continue
-            task = asyncio.ensure_future(self._execute(handler, job))
-            self._running[task] = _Running(job, time.monotonic(), None)
+            task = held_task(self._execute(handler, job))
+            now = time.monotonic()
+            # an async def handler is cancelled at its timeout; one that does not stop is abandoned (_collect)
+            abandon_at = (
+                None
+                if self.handler_timeout is None or not self._is_async(handler)
+                else now + self.handler_timeout + ABANDON_AFTER_CANCEL
+            )
+            self._running[task] = _Running(job, now, abandon_at)
             task.add_done_callback(lambda _: self._waker.poke())
 
     async def _execute(self, handler: Handler, job: ClaimedJob) -> _Ran:
@@ -2466,12 +2490,37 @@ class AsyncWorker(WorkerBase):
         return True
 
     def _collect(self) -> None:
+        """Results of handlers that finished, and ``async def`` handlers that did not stop when cancelled at
+        their timeout: abandoned as a sync call is (the job retried, its attempt spent; the task may still run
+        — handlers must be idempotent), so that a handler swallowing its cancellation no longer holds a slot,
+        nor the loop's end, for good."""
         for task in [t for t in self._running if t.done()]:
             running = self._running.pop(task)
             if task.cancelled():
                 self._ended_unfinished(running.job, "released: cancelled")
                 continue
             self._finish(running.job, task.result())
+        now = time.monotonic()
+        for task, running in list(self._running.items()):
+            if running.deadline is not None and now >= running.deadline:
+                del self._running[task]
+                if isinstance(task, _HeldTask):
+                    task.held = False
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
+                self.stats.timed_out += 1
+                log.warning(
+                    "job %s (%s): its handler did not stop within %g s of its cancellation at handler_timeout: "
+                    "abandoned (it may still run), the job retried", running.job.id, running.job.task,
+                    ABANDON_AFTER_CANCEL,
+                    extra={"table": self.spec.table.name, "row_id": running.job.id, "task": running.job.task},
+                )  # fmt: skip
+                self._finish(running.job, _Ran(self._timed_out(), now - running.started))
+
+    def _running_wait(self) -> float | None:
+        """Seconds until a running handler is to be abandoned (:meth:`_collect`); None: no such deadline."""
+        deadlines = [r.deadline for r in self._running.values() if r.deadline is not None]
+        return None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
 
     async def _handle_all(self) -> None:
         while self._queue or self._running:
@@ -2484,18 +2533,23 @@ class AsyncWorker(WorkerBase):
                 continue
             self._start_jobs()
             if self._running:
-                await asyncio.wait(list(self._running), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    list(self._running), timeout=self._running_wait(), return_when=asyncio.FIRST_COMPLETED
+                )
             self._collect()
 
     # -- start and end ---------------------------------------------------------------------------------
 
     def _begin(self) -> None:
         self._pauses_read = False
+        loop = asyncio.get_running_loop()
+        if loop is not self._run_loop:  # a lock that ever waited is bound to its first loop: one per loop
+            self._run_loop, self._beat_lock = loop, asyncio.Lock()
         if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
             self._beat_woken = (
                 asyncio.Event()
             )  # (an Event is bound to the loop of its first wait: one per run)
-            self._beat_task = asyncio.ensure_future(self._heartbeat(self.heartbeat))
+            self._beat_task = held_task(self._heartbeat(self.heartbeat))
 
     def _wake_heartbeat(self) -> None:
         self._beat_woken.set()
@@ -2535,10 +2589,9 @@ class AsyncWorker(WorkerBase):
         next_beat = loop.time() + interval
         while True:
             wait = next_beat - loop.time()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._beat_woken.wait(), max(0.0, min(wait, GUARD_POLL) if self._guarding else wait)
-                )
+            with contextlib.suppress(TimeoutError):  # (no task of wait_for's: a teardown would cancel it)
+                async with asyncio.timeout(max(0.0, min(wait, GUARD_POLL) if self._guarding else wait)):
+                    await self._beat_woken.wait()
             self._beat_woken.clear()
             try:
                 if loop.time() >= next_beat:
@@ -2559,9 +2612,9 @@ class AsyncWorker(WorkerBase):
     async def _end(self) -> None:
         try:
             self._release_unstarted()
-            if self._running:
-                await asyncio.wait(list(self._running))
-            self._collect()
+            while self._running:
+                await asyncio.wait(list(self._running), timeout=self._running_wait())
+                self._collect()
             self._release_after_runs()
             await self._flush()
         except Exception:
