@@ -766,7 +766,10 @@ class LoopThread:
         self.async_url = async_url
         self.loop: Any = None
         self.aloop: asyncio.AbstractEventLoop | None = None  # the async flavour's event loop and main task
-        self.task: asyncio.Task[Any] | None = None
+        self.task: asyncio.Task[Any] | None = None  # the async flavour's run() task
+        self._leave: asyncio.Event | None = None
+        #: After leave(): the loop and engine asyncio.run() left behind, closed by the thread afterwards.
+        self.left: tuple[Any, Any] | None = None
         self.run_kwargs = run_kwargs or {}
         self.engine_kwargs = engine_kwargs or {}
         self.terminations_at_start = terminations_at_start  # backend terminations before it started
@@ -778,6 +781,9 @@ class LoopThread:
         try:
             if self.is_async:
                 asyncio.run(self._amain())
+                if self.left is not None:  # asyncio.run() ended with run() going: what it left, closed now
+                    with contextlib.suppress(Exception):  # (its pool's connections belong to the ended loop)
+                        asyncio.run(self._close(*self.left))
             else:
                 self.loop = self.build(self.engine)
                 self.ready.set()
@@ -796,14 +802,31 @@ class LoopThread:
         )
         try:
             self.loop = self.build(aengine)
-            self.aloop, self.task = asyncio.get_running_loop(), asyncio.current_task()
+            self._leave = asyncio.Event()
+            run = asyncio.ensure_future(self.loop.run(install_signal_handlers=False, **self.run_kwargs))
+            self.aloop, self.task = asyncio.get_running_loop(), run
             self.ready.set()
+            leave = asyncio.ensure_future(self._leave.wait())
             try:
-                await self.loop.run(install_signal_handlers=False, **self.run_kwargs)
+                await asyncio.wait({run, leave}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                leave.cancel()
+            if not run.done():  # leave(): main() returns with run() going, as an application's may
+                self.left = (self.loop, aengine)
+                return
+            try:
+                await run
             finally:
                 await asyncio.shield(self.loop.close())
-        finally:
+        except BaseException:
             await aengine.dispose()
+            raise
+        await aengine.dispose()
+
+    @staticmethod
+    async def _close(loop: Any, aengine: Any) -> None:
+        await loop.close()
+        await aengine.dispose()
 
     def start(self) -> LoopThread:
         self.thread.start()
@@ -819,6 +842,16 @@ class LoopThread:
             self.loop.stop()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"{self.name} did not stop within {timeout}s"
+
+    def leave(self, timeout: float = 30.0) -> None:
+        """The async flavour's ``main()`` returns with ``run()`` still going: ``asyncio.run()`` then cancels
+        every task left — run()'s and the library's inner ones — with the event loop stopped, and waits for them.
+        Wait for the thread to end."""
+        assert self.aloop is not None and self._leave is not None
+        with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+            self.aloop.call_soon_threadsafe(self._leave.set)
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.name} did not end within {timeout}s of asyncio.run()'s end"
 
     def cancel(self, times: int, timeout: float = 30.0) -> None:
         """Cancel the async flavour's run() (its main task) ``times`` times, a few ms apart — as a task group,
@@ -1009,6 +1042,9 @@ class Scenario:
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
         self.taken_back = 0  # jobs rule_take_back_running took from under their runs
+        self.left_running = (
+            0  # async loops whose asyncio.run() ended with run() going (rule_cancel_async_loop)
+        )
         self.handed_over = 0  # claims rule_hand_over saw land after their job's run ended (H1)
         self.lingering = False  # whether rule_take_back_running has enqueued its lingering job
         self.refusal_epochs = 0  # refusals begun plus refusals lifted (odd: renewals are refused now)
@@ -1580,8 +1616,13 @@ class Scenario:
             lt.stop()
             self.finished.append(lt)
 
-    def rule_cancel_async_loop(self) -> None:
-        """I8: an async loop's run() is cancelled (once, or twice a few ms apart): when it has ended, no row is
+    def rule_leave_async_loop(self) -> None:
+        """I8 again, as an application's ``main()`` may end it: see :meth:`rule_cancel_async_loop`."""
+        self.rule_cancel_async_loop(leave=True)
+
+    def rule_cancel_async_loop(self, *, leave: bool = False) -> None:
+        """I8: an async loop's run() is cancelled (once, or twice a few ms apart), or its ``asyncio.run()`` ends
+        with run() going (every task left cancelled, with the event loop stopped): when it has ended, no row is
         left leased to it — the claim in flight, the batch in flight and what it held were finished, released
         or written. (Unless its backends were terminated while it ran: then its end may fail to write, as
         documented, and the rows wait for their lease.)"""
@@ -1591,9 +1632,14 @@ class Scenario:
             return
         lt = self.rng.choice(running)
         pool.remove(lt)
-        times = self.rng.choice((1, 1, 2))
-        self.log.append(f"cancel {lt.name} x{times}")
-        lt.cancel(times)
+        if leave:
+            self.log.append(f"asyncio.run() of {lt.name} ends with run() going")
+            lt.leave()
+            self.left_running += 1
+        else:
+            times = self.rng.choice((1, 1, 2))
+            self.log.append(f"cancel {lt.name} x{times}")
+            lt.cancel(times)
         self.finished.append(lt)
         if self.terminations != lt.terminations_at_start:
             return
@@ -2129,7 +2175,7 @@ class Scenario:
         ("rule_start_dispatcher", 3), ("rule_start_worker", 3), ("rule_stop_loop", 2),
         ("rule_terminate_backends", 1), ("rule_outage", 1), ("rule_skip_dead", 1), ("rule_pause", 4),
         ("rule_cancel", 1), ("rule_pause_queue", 1), ("rule_enqueue_many", 2), ("rule_enqueue_unique", 2),
-        ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1), ("rule_burst", 2),
+        ("rule_maintain_partitions", 1), ("rule_cancel_async_loop", 1), ("rule_leave_async_loop", 2), ("rule_burst", 2),
         ("rule_hold_job_row", 2), ("rule_lock_pending_events", 2),
     )  # fmt: skip
     #: rule_analyze runs after a step with this probability, drawn from a generator of its own: the other

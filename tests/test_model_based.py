@@ -36,11 +36,12 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
     events for a moment while the loops ran, one analyzed the tables under them, and a cron schedule fired in
     one (C1-C4), its expression changed by a sync meanwhile (C5), an enqueue_many call of mixed unique
     rules went unprepared, a run ended while its worker's claim was in flight (its result waited for it), a
-    rescue took a running job back from under its run, and a claim that had taken a job again landed after
-    the job's run ended (the run's outcome then written on the newer lease: H1)."""
+    rescue took a running job back from under its run, a claim that had taken a job again landed after
+    the job's run ended (the run's outcome then written on the newer lease: H1), and an async loop's
+    ``asyncio.run()`` ended with its run() going (I8)."""
     seeds = [int(s) for s in _given.split(",")] if _given else list(_FIXED)
     sent_ahead = holds = locked = analyzed = cron_jobs = resyncs = planned_alone = 0
-    ended_in_flight = taken_back = handed_over = 0
+    ended_in_flight = taken_back = handed_over = left_running = 0
     for i, seed in enumerate(seeds):
         if i:
             empty_tables(engine)  # each seed starts from empty tables, as a test of its own would
@@ -55,6 +56,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         ended_in_flight += scenario.record.ended_in_flight
         taken_back += scenario.taken_back
         handed_over += scenario.handed_over
+        left_running += scenario.left_running
     if not _given:
         assert sent_ahead > 0, f"no claim was sent ahead in seeds {_FIXED}"
         assert holds > 0, f"no job row was held past stale_after in seeds {_FIXED}"
@@ -65,6 +67,7 @@ def test_model_based_ci_profile_fixed_seeds(engine: Engine, async_url: URL) -> N
         assert planned_alone > 0, f"no enqueue_many call was large enough to go unprepared in seeds {_FIXED}"
         assert ended_in_flight > 0, f"no run ended while its worker's claim was in flight in seeds {_FIXED}"
         assert taken_back > 0, f"no running job was taken back from under its run in seeds {_FIXED}"
+        assert left_running > 0, f"no async loop's asyncio.run() ended with run() going in seeds {_FIXED}"
         assert handed_over > 0, (
             f"no claim landed after its job's run ended, with a newer lease, in seeds {_FIXED}"
         )
