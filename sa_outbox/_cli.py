@@ -34,8 +34,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--url", default=os.environ.get("DATABASE_URL"), help="database URL (default: $DATABASE_URL)"
     )
-    p.add_argument("--outbox-table", default="outbox", help="outbox table name (default: outbox)")
-    p.add_argument("--jobs-table", default="jobs", help="jobs table name (default: jobs)")
+    p.add_argument("--outbox-table", default=_Default("outbox"), help="outbox table name (default: outbox)")
+    p.add_argument("--jobs-table", default=_Default("jobs"), help="jobs table name (default: jobs)")
+
+
+class _Default(str):
+    """A table name the command defaulted to, told apart from one typed: a typed one that does not exist is an
+    error, a default one is skipped when the other table exists."""
+
+    __slots__ = ()
 
 
 def load_target(target: str, kind: str) -> Any:
@@ -119,7 +126,10 @@ def _split_table(option: str, name: str) -> tuple[str | None, str]:
 def _tables(
     args: argparse.Namespace, engine: Any, kinds: Sequence[str] = ("outbox", "jobs")
 ) -> list[tuple[str, Any]]:
-    """(kind, model) for each requested table that exists; schema-qualified names (``app.outbox``) work."""
+    """(kind, model) for each requested table that exists; schema-qualified names (``app.outbox``) work. A
+    default table that does not exist is skipped when the other does; one named with ``--outbox-table`` or
+    ``--jobs-table`` that does not exist is an error (a review: ``check --outbox-table outbx`` printed OK for
+    the jobs table alone, exit 0 — a monitor with a typo stayed green)."""
     from sqlalchemy import inspect, text
 
     from ._partitions import table_period
@@ -136,8 +146,12 @@ def _tables(
             found.append((kind, model_for(kind, table, schema, partitioned=period)))
         else:
             absent.append((option, schema, table))
-    if found:
+    typed = [
+        (o, s, t) for o, s, t in absent if not isinstance(getattr(args, o[2:].replace("-", "_")), _Default)
+    ]
+    if found and not typed:
         return found
+    absent = typed or absent
     hints = []
     with engine.connect() as conn:
         for option, _schema, table in absent:
@@ -334,6 +348,16 @@ def _cmd_dead(args: argparse.Namespace) -> int:
 
     engine = _engine(args)
     kind = "jobs" if args.jobs else "outbox"
+    other = "outbox" if args.jobs else "jobs"
+    # the other table named alone: meant for it (``dead list --jobs-table j`` without --jobs); both named is a
+    # script passing its tables to every command
+    typed = not isinstance(getattr(args, f"{other}_table"), _Default)
+    if typed and isinstance(getattr(args, f"{kind}_table"), _Default):
+        raise ConfigurationError(
+            f"--{other}-table names the {other} table, but this command acts on "
+            f"{'failed jobs (--jobs)' if kind == 'jobs' else 'dead outbox rows'}"
+            f"{'' if args.jobs else ': add --jobs for failed jobs'}"
+        )
     [(_, model)] = _tables(args, engine, (kind,))
     if args.action == "list":
         rows = admin.list_dead(engine, model, limit=args.limit, **_dead_filters(args, kind))

@@ -300,6 +300,42 @@ def test_a_table_in_another_schema_is_pointed_at_not_called_missing(
     assert code == EXIT_USAGE and "give a table name or schema.table" in one_line_error(err)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("check",),
+        ("status",),
+        ("doctor",),
+        ("purge", "--older-than", "7d", "--dry-run"),
+        ("dead", "list"),
+        ("dead", "list", "--jobs"),
+    ],
+)
+def test_a_table_named_on_the_command_line_that_does_not_exist_is_an_error(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str], command: tuple[str, ...]
+) -> None:
+    """A typo in --outbox-table/--jobs-table: before, the command went on with the other table — ``check``
+    printed OK, exit 0 — so a monitor with a typo stayed green for good. A default table that does not exist
+    is still skipped when the other one does (a service with jobs only)."""
+    for option in ("--outbox-table", "--jobs-table"):
+        code, out, err = run(capsys, db_url, *command, option, "outbx")
+        # (dead acts on one table: the other's option is refused as not its own)
+        expected = (
+            "no table outbx in this database"
+            if command[0] != "dead" or (option == "--jobs-table") == ("--jobs" in command)
+            else "table, but this command acts on"
+        )
+        assert code == EXIT_USAGE and expected in one_line_error(err), (out, err)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE outbox RENAME TO outbox_gone"))
+    try:
+        code, out, err = run(capsys, db_url, "check")
+        assert code == 0 and "jobs" in out and err == "", (out, err)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE outbox_gone RENAME TO outbox"))
+
+
 def test_queue_status_reads_a_schema_qualified_table_and_its_statistics(
     engine: Engine, app_schema: str
 ) -> None:
