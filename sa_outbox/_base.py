@@ -243,6 +243,8 @@ class LoopBase:
         self._refused_renewals: set[int] = set()
         self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
+        #: Whether the table was found to have every column of the model (:meth:`_check_columns_on`).
+        self._columns_checked = False
         #: Held while run() or run_once() runs (:func:`one_run_at_a_time`).
         self._run_lock = threading.Lock()
         #: The partition step (``maintain_partitions=``), or None.
@@ -453,10 +455,19 @@ class LoopBase:
         else:
             step.start_thread(self.engine)
 
+    def _check_columns_on(self, conn: Connection) -> None:
+        """Once per loop object, before its first claim (its first maintenance step or, for a worker's run, its
+        first reading of the pauses): a table without every column of the model stops the loop, nothing claimed
+        (:func:`_steps.check_columns`)."""
+        if not self._columns_checked:
+            _steps.check_columns(conn, self.spec)
+            self._columns_checked = True
+
     def _rescue_on(self, conn: Connection) -> None:
         """Rescue expired leases (back to ready, or dead/failed once out of attempts: poison messages); and, once
         the loop's claims have found rows, see that the table has planner statistics (:func:`_steps.ensure_statistics`,
         once per loop)."""
+        self._check_columns_on(conn)
         if not self._statistics_settled and self.stats.claimed:
             self._statistics_settled = True
             try:

@@ -874,6 +874,15 @@ def _claim_statement(
 
 
 @cache
+def columns_statement(spec: QueueSpec) -> Select[Any]:
+    """Every column of the model's table, no row: a loop's first step runs it, so that a table behind the code
+    (a column the finalize or a later step needs, the claim not) stops the loop before its first claim — a
+    review: a worker on an older table claimed a job, then failed on its finalize, and each restart left one
+    more job running, its attempt spent, until its lease ran out."""
+    return select(*spec.table.c).where(false())
+
+
+@cache
 def rescue_statement(spec: QueueSpec) -> Update:
     """Rescue up to ``:limit`` leased rows whose lease expired (their worker crashed or hung).
 

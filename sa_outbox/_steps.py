@@ -183,6 +183,12 @@ def unavailable(spec: QueueSpec, id: int, lease_version: int, error: BaseExcepti
     return Outcome(id, lease_version, spec.ready, delay=None, error=text, refund=1, kind="unavailable")
 
 
+def check_columns(conn: Connection, spec: QueueSpec) -> None:
+    """Fail (undefined column or table: the loop's connection turns it into a SchemaError) unless the table
+    has every column of the model (:func:`_sql.columns_statement`)."""
+    run(conn, _sql.columns_statement(spec), {})
+
+
 def rescue(
     conn: Connection,
     spec: QueueSpec,

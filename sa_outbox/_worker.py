@@ -686,6 +686,7 @@ class WorkerBase(LoopBase):
     def _read_pauses(self, conn: Connection) -> None:
         """Learn which of our queues are paused; give back the unstarted jobs in hand of the paused ones. A run
         does this before its first claim, then with every maintenance step."""
+        self._check_columns_on(conn)
         table = self._pause_table
         read_at = time.monotonic()
         if table is None or not self._present("queues"):

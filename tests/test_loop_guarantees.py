@@ -2167,3 +2167,39 @@ def test_an_async_handler_deaf_to_its_cancellation_is_abandoned_not_waited_for(
     assert sorted(ran) == [2, 3] and took < 10
     first = row(engine, "jobs", 1)
     assert first.status == "failed" and "handler_timeout" in first.last_error, first
+
+
+@pytest.mark.parametrize("call", ["run", "run_once"])
+def test_a_worker_on_a_table_behind_the_code_stops_before_it_claims(
+    runner: Runner, engine: Engine, call: str
+) -> None:
+    """A jobs table of an older revision, without a column only the finalize uses (``cancel_requested_at``):
+    before, the worker claimed a job — attempt spent, ``running`` — then failed on its finalize; every restart
+    left one more such job until its lease ran out (a review). Now its first step reads every column of the
+    model and stops the loop with the SchemaError naming the migration, nothing claimed."""
+    from sa_outbox import AsyncWorker, SchemaError, Worker
+    from sa_outbox.models import model_for
+
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE old_jobs (LIKE jobs INCLUDING DEFAULTS)"))
+        conn.execute(text("ALTER TABLE old_jobs DROP COLUMN cancel_requested_at"))
+        conn.execute(text("INSERT INTO old_jobs (id, task, payload) VALUES (1, 't', '{}')"))
+    try:
+        model = model_for("jobs", "old_jobs")
+        ran: list[int] = []
+        kw: dict[str, Any] = {"listen": False}
+        handlers = {"t": lambda job: ran.append(job.id)}
+        w = (
+            Worker(engine, model, handlers, **kw)
+            if runner.kind == "sync"
+            else AsyncWorker(runner.aengine, model, handlers, **kw)
+        )
+        runner.loops.append(w)
+        with pytest.raises(SchemaError, match="run the migration"):
+            runner.run(w) if call == "run" else runner.run_once(w)
+        assert ran == []
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT status, attempts FROM old_jobs")).one() == ("queued", 0)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE old_jobs"))
