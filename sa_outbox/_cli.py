@@ -11,8 +11,10 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._version import __version__
@@ -93,6 +95,10 @@ def _cmd_loop(args: argparse.Namespace) -> int:
 # --- operations: status / check / dead / purge / doctor / locks ---------------------------------------------
 
 
+#: Seconds a command waits for a connection, unless the URL sets ``connect_timeout``: then it exits 3.
+CONNECT_TIMEOUT = 10
+
+
 def _engine(args: argparse.Namespace) -> Any:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
@@ -105,7 +111,12 @@ def _engine(args: argparse.Namespace) -> Any:
         url = make_url(normalize_url(args.url))
         # No server-side prepared statements: an operator's command runs a handful of statements, and the URL
         # may well be PgBouncer's in transaction mode, where a prepared name does not survive the transaction.
-        engine = create_engine(url, connect_args={"prepare_threshold": None})
+        connect: dict[str, Any] = {"prepare_threshold": None}
+        if (
+            "connect_timeout" not in url.query
+        ):  # (psycopg's own is 130 s: a hung server held a check that long)
+            connect["connect_timeout"] = CONNECT_TIMEOUT
+        engine = create_engine(url, connect_args=connect)
     except Exception as exc:  # ArgumentError, a bad port, an unknown or missing driver
         raise ConfigurationError(
             f"invalid database URL (--url / DATABASE_URL): {exc}; expected "
@@ -1030,6 +1041,33 @@ def _database_error(exc: Exception) -> tuple[int, str]:
     return EXIT_USAGE, f"the database refused the command: {cause}"
 
 
+class _Stopped(BaseException):
+    """SIGTERM/SIGINT during a one-shot command (not an Exception: nothing on the way may swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals(early: Sequence[int]) -> Callable[[], None]:
+    """A one-shot command (status, check, purge, …) ends at SIGTERM/SIGINT, exit 128 + the signal: before, it
+    only remembered them, as a loop does until it can stop cleanly — and a command waiting on a server that
+    never answered could be ended only by SIGKILL. A signal that came during start-up ends it at once."""
+    if early:
+        raise _Stopped(early[0])
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise _Stopped(signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:  # (main() called in a process of its own making, a test's: its handlers back)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
 def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()) -> int:
     """Run the CLI and return its exit code (see ``EXIT_*``); ``early_signals`` are SIGTERM/SIGINT received
     before it started (see ``__main__``). Errors are one ``sa-outbox: error: …`` line on stderr (the
@@ -1040,10 +1078,19 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
     args = parser.parse_args(argv)
     args.early_signals = early_signals
     args.engines = []
+    restore: Callable[[], None] | None = None
+    on_main_thread = threading.current_thread() is threading.main_thread()
     try:
         _configure_logging(args.log_level)
+        if args.handler not in (_cmd_loop, _cmd_dashboard, _cmd_demo) and on_main_thread:
+            restore = _stop_on_signals(early_signals)
         code: int = args.handler(args)
         sys.stdout.flush()
+    except _Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        sys.stderr.write(f"sa-outbox: stopped by {name}: each batch is its own transaction — those done stay "
+                         "done, the one in progress was rolled back; run the command again to go on\n")  # fmt: skip
+        return 128 + exc.signum
     except BrokenPipeError:
         # The reader went away (`sa-outbox status | head`): no traceback, and no second error when Python
         # flushes stdout at exit.
@@ -1072,8 +1119,12 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         sys.stderr.write(f"sa-outbox: error: {message}\n")
         return code
     finally:
-        for engine in args.engines:
-            engine.dispose()
+        try:
+            for engine in args.engines:
+                engine.dispose()
+        finally:
+            if restore is not None:
+                restore()
     return code
 
 

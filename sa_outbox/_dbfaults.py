@@ -82,6 +82,8 @@ def is_connect_failure(exc: BaseException) -> bool:
     driver = _driver_error(exc)
     if not isinstance(driver, psycopg.Error):
         return False
+    if isinstance(driver, psycopg.errors.ConnectionTimeout):  # connect_timeout ran out: a hung server, a
+        return True  # network that drops packets — worth retrying (was "refused the command", exit 2)
     message = str(driver).lower()
     return any(marker in message for marker in _CONNECT_PHASE)
 

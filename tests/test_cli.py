@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -342,3 +344,44 @@ def test_queue_status_reads_a_schema_qualified_table_and_its_statistics(
     report = queue_status(engine, model_for("outbox", "outbox", "app"))
     assert report.table == "app.outbox" and report.counts["pending"] == 0
     assert report.health is not None  # pg_stat_user_tables found app.outbox, not public.outbox
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port whose server takes the TCP connection and never answers (a hung server, a frozen network)."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # never accepted: the kernel completes the handshakes, nobody ever speaks
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def test_a_command_waiting_on_a_silent_server_times_out_as_unreachable(silent_server: int) -> None:
+    """Before: psycopg's 130 s connect timeout, then exit 2 'the database refused the command: connection
+    timeout expired'. Now the URL's connect_timeout (else 10 s) and exit 3, worth retrying."""
+    url = f"postgresql://postgres@127.0.0.1:{silent_server}/x?connect_timeout=1"
+    done = subprocess.run([sys.executable, "-m", "sa_outbox", "status", "--url", url], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)  # fmt: skip
+    assert done.returncode == EXIT_UNREACHABLE and "cannot reach the database" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_one_shot_command_ends_at_a_stop_signal(silent_server: int, sig: signal.Signals) -> None:
+    """Before: status/check/purge only remembered SIGTERM and SIGINT, as a loop does, and one waiting on a
+    silent server could be ended only by SIGKILL. Now exit 128 + the signal, saying what stays committed."""
+    url = f"postgresql://postgres@127.0.0.1:{silent_server}/x?connect_timeout=120"
+    proc = subprocess.Popen([sys.executable, "-m", "sa_outbox", "check", "--url", url], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        time.sleep(2)  # (connecting by now)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in err, (proc.returncode, err)
