@@ -371,7 +371,13 @@ def _cmd_dead(args: argparse.Namespace) -> int:
         )
     [(_, model)] = _tables(args, engine, (kind,))
     if args.action == "list":
-        rows = admin.list_dead(engine, model, limit=args.limit, **_dead_filters(args, kind))
+        rows = admin.list_dead(engine, model, limit=args.limit + 1, **_dead_filters(args, kind))
+        more = len(rows) > args.limit
+        rows = rows[: args.limit]
+        if more:  # (a silent cut at 100 of 25,002 read as "100 failed jobs" — a review)
+            sys.stderr.write(
+                f"sa-outbox: the first {args.limit} row(s); more match — raise --limit to see them\n"
+            )
         if args.json:
             _print_json(rows)
         else:
@@ -382,12 +388,15 @@ def _cmd_dead(args: argparse.Namespace) -> int:
                     else f"{r['queue']}/{r['task']}"
                 )
                 print(f"{r['id']:>10}  {what}  attempts={r['attempts']}  {_last_line(r['last_error'])}")
-            print(f"{len(rows)} row(s)")
+            print(f"{len(rows)} row(s){', more match (--limit)' if more else ''}")
         return 0
     if args.action == "show":
         rows = admin.list_dead(engine, model, ids=[args.id], limit=1)
         if not rows:
-            raise ConfigurationError(f"no dead/failed row with id {args.id} in {model.__table__.fullname}")
+            hint = "" if args.jobs else " (a failed job? add --jobs)"
+            raise ConfigurationError(
+                f"no dead/failed row with id {args.id} in {model.__table__.fullname}{hint}"
+            )
         if args.json:
             _print_json(rows[0])
         else:
@@ -598,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--error", help="text contained in last_error")
             p.add_argument("--older-than", type=_duration)
         if action == "list":
-            p.add_argument("--limit", type=_positive, default=100)
+            p.add_argument("--limit", type=_positive, default=100,
+                           help="list at most this many rows, oldest first (default 100; a note says when more match)")  # fmt: skip
         if action in ("retry", "skip"):
             p.add_argument("ids", nargs="*", type=int, help="ids to act on")
             p.add_argument("--all", action="store_true", help="every dead row (with no ids/filters)")

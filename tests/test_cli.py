@@ -385,3 +385,19 @@ def test_a_one_shot_command_ends_at_a_stop_signal(silent_server: int, sig: signa
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + sig and f"stopped by {sig.name}" in err, (proc.returncode, err)
+
+
+def test_dead_list_says_when_more_rows_match_than_it_lists(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a silent cut at --limit (100 of 25,002 read as all of them, in text and in JSON)."""
+    seed_jobs(engine, 4, task="t", status="failed")
+    code, out, err = run(capsys, db_url, "dead", "list", "--jobs", "--limit", "3")
+    assert code == 0 and out.splitlines()[-1] == "3 row(s), more match (--limit)"
+    assert "the first 3 row(s); more match" in err
+    code, out, err = run(capsys, db_url, "dead", "list", "--jobs", "--json", "--limit", "3")
+    assert code == 0 and len(json.loads(out)) == 3 and "more match" in err
+    code, out, err = run(capsys, db_url, "dead", "list", "--jobs", "--limit", "4")
+    assert code == 0 and out.splitlines()[-1] == "4 row(s)" and err == ""
+    code, _, err = run(capsys, db_url, "dead", "show", "2")
+    assert code == EXIT_USAGE and "(a failed job? add --jobs)" in one_line_error(err)
