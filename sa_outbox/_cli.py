@@ -407,7 +407,7 @@ def _cmd_dead(args: argparse.Namespace) -> int:
     ids = args.ids or None
     changed = fn(engine, model, ids=ids, all=args.all, batch_size=args.batch_size, dry_run=args.dry_run,
                  **_dead_filters(args, kind))  # fmt: skip
-    verb = {"retry": "requeued", "skip": "skipped"}[args.action]
+    verb = {"retry": "requeued", "skip": "skipped" if kind == "outbox" else "discarded"}[args.action]
     if args.json:
         _print_json({"dry_run": args.dry_run, verb: changed})
     else:

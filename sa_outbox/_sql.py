@@ -1280,15 +1280,21 @@ def requeue_statement(spec: QueueSpec) -> Update:
 
 @cache
 def skip_statement(spec: QueueSpec) -> Update:
-    """Mark dead rows done without delivering them (so an ordered aggregate can move on); recorded."""
+    """Mark dead outbox rows done without delivering them (so an ordered aggregate can move on); failed jobs
+    cancelled — discarded: final, never run again, purged with the finished ones. Recorded in ``last_error``."""
     c = spec.c
+    outbox = spec.kind == "outbox"
     values: dict[str, Any] = {
-        "status": const(spec.done),
+        "status": const(spec.done if outbox else "cancelled"),
         spec.finished.name: func.now(),
         "last_error": func.right(
-            func.concat_ws("\n", c.last_error, "skipped by operator (not delivered)"), LAST_ERROR_MAX
+            func.concat_ws(
+                "\n", c.last_error,
+                "skipped by operator (not delivered)" if outbox else "discarded by operator (not run again)",
+            ),
+            LAST_ERROR_MAX,
         ),
-    }
+    }  # fmt: skip
     return update(spec.table).where(*_still_dead(spec)).values(values).returning(c.id)
 
 

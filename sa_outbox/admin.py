@@ -138,8 +138,6 @@ def _dead_plan(
     """The table and the checked filters of a bulk ``action`` on dead letters (no SQL: bad arguments are refused
     before any)."""
     spec = spec_for(model)
-    if action == "skip" and spec.kind != "outbox":
-        raise ConfigurationError("skip applies to outbox dead letters; requeue failed jobs with retry_dead")
     return spec, _filters(spec, ids=ids, all=all, older_than=older_than, **filters)
 
 
@@ -171,7 +169,9 @@ def skip_dead(
     older_than: Duration | None = None, batch_size: int = 1000, dry_run: bool = False, **filters: Any,
 ) -> list[int]:  # fmt: skip
     """Mark dead outbox rows done without delivering them, so the next message of an ordered aggregate can be
-    claimed; the skip is recorded in ``last_error``. Selects the rows once and returns the ids it changed."""
+    claimed; cancel failed jobs — discarded, never run again (they then count as finished: ``check`` no longer
+    counts them, ``purge`` removes them with the done ones). Recorded in ``last_error``. Selects the rows once
+    and returns the ids it changed."""
     return _bulk(engine, model, "skip", batch_size=batch_size, dry_run=dry_run, ids=ids, all=all,
                  older_than=older_than, filters=filters)  # fmt: skip
 

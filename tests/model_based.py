@@ -1942,7 +1942,7 @@ class Scenario:
 
     def _control_jobs(self) -> None:
         """An operator's jobs control: requeue a failed or cancelled job (``retry_jobs``, or ``retry_dead`` for a
-        failed one), or change a waiting job's priority, due time or attempts (``update_jobs``). A requeued job
+        failed one), discard a failed one (``skip_dead``: cancelled), or change a waiting job's priority, due time or attempts (``update_jobs``). A requeued job
         runs again — a cancelled one is no longer expected to stay cancelled (F7 then holds from the next cancel
         on): it ends as any other, done, or failed if poison or given up (F2, F8); a job it would make a second
         waiting job of its unique key stays where it was."""
@@ -1956,6 +1956,16 @@ class Scenario:
             if not found:
                 return
             job_id, seq, status = rng.choice(found)
+            if status == "failed" and rng.random() < 0.25:
+                # discarded (``dead skip --jobs``): cancelled, final — never run again unless requeued (F7)
+                position = len(self.record.snapshot())
+                changed = skip_dead(self.engine, Job, ids=[job_id])
+                self.log.append(f"discard failed job seq {seq}: {changed}")
+                if changed:
+                    self.controlled["discard failed job"] += 1
+                    self.model.cancelled_queued[seq] = position
+                    self.model.cancel_requested.discard(seq)
+                return
             if status == "failed" and rng.random() < 0.3:
                 changed = retry_dead(self.engine, Job, ids=[job_id])
             else:

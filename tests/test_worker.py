@@ -726,8 +726,27 @@ def test_failed_jobs_are_requeued_by_id_or_filter(engine: Engine) -> None:
     assert retry_dead(engine, Job, ids=[3]) == [3]
     with pytest.raises(ConfigurationError, match="name the rows to act on"):
         retry_dead(engine, Job)
-    with pytest.raises(ConfigurationError, match="skip applies to outbox"):
-        skip_dead(engine, Job, all=True)
+
+
+def test_failed_jobs_are_discarded_by_skip_dead_final_and_purged_with_the_finished(engine: Engine) -> None:
+    """Before: skip_dead refused jobs and purge skips failed ones — a triaged failed job could only be run
+    again or deleted by hand, and ``check`` stayed red (a review). Skipped, it is cancelled: final, never
+    claimed again, no longer counted as failed, purged with the finished ones."""
+    from sa_outbox import purge
+
+    seed_jobs(engine, 3, task="t", status="failed", last_error="boom")
+    assert skip_dead(engine, Job, ids=[1, 2], dry_run=True) == [1, 2]
+    assert statuses(engine, "jobs") == {"failed": 3}
+    assert skip_dead(engine, Job, error_contains="boom", ids=[1, 2]) == [1, 2]
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.finished_at is not None) == ("cancelled", True)
+    assert r.last_error == "boom\ndiscarded by operator (not run again)"
+    assert skip_dead(engine, Job, ids=[1]) == []  # no longer failed: nothing to change
+    ran: list[int] = []
+    drain(worker(engine, {"t": lambda job: ran.append(job.id)}))
+    assert ran == [] and statuses(engine, "jobs") == {"cancelled": 2, "failed": 1}
+    assert purge(engine, Job, older_than=0) == 2
+    assert statuses(engine, "jobs") == {"failed": 1}
 
 
 def test_no_key_update_claim_does_not_block_child_fk_inserts(engine: Engine) -> None:
