@@ -1127,6 +1127,12 @@ def main(argv: Sequence[str] | None = None, *, early_signals: Sequence[int] = ()
         log.debug("database error", exc_info=True)
         code, message = _database_error(exc)
         sys.stderr.write(f"sa-outbox: error: {message}\n")
+        before = getattr(exc, "changed_before", None)
+        deleted = getattr(exc, "deleted_before", None)
+        if before or deleted:  # (a bulk command cut off part way said nothing of what it had done — a review)
+            done = f"{len(before)} row(s) changed" if before else f"{deleted} row(s) deleted"
+            sys.stderr.write(f"sa-outbox: before the error {done} (committed, batch by batch); run the command "
+                             "again to go on\n")  # fmt: skip
         return code
     finally:
         try:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, func, or_, select, union, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -400,7 +400,8 @@ def _in_batches(
     engine: Engine, model: type[Any], stmt: Any, selected: list[int], batch_size: int, *, action: str,
     unique: bool = False,
 ) -> list[int]:  # fmt: skip
-    """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed.
+    """Run ``stmt`` on ``selected`` in batches of ``batch_size`` ids, a transaction each; the ids it changed. A
+    database error part way is raised with ``changed_before``: the ids the committed batches changed.
 
     The callers refuse a selection that holds rows in a partition a retire has closed to writes
     (:class:`PartitionClosedError`, nothing changed); a partition closed while the batches run stops them at the
@@ -425,13 +426,17 @@ def _in_batches(
                 raise
             return False
 
-    for start in range(0, len(selected), batch_size):
-        batch = selected[start : start + batch_size]
-        if once(batch) or once(batch):
-            continue
-        for one in batch:
-            if not once([one]):
-                once([one])
+    try:
+        for start in range(0, len(selected), batch_size):
+            batch = selected[start : start + batch_size]
+            if once(batch) or once(batch):
+                continue
+            for one in batch:
+                if not once([one]):
+                    once([one])
+    except DBAPIError as exc:  # (an outage part way: what the earlier batches committed goes with the error)
+        exc.changed_before = sorted(changed)  # type: ignore[attr-defined]
+        raise
     return sorted(changed)
 
 

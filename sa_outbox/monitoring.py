@@ -27,6 +27,7 @@ from sqlalchemy import (
     select,
     text,
 )
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Select
 
 from . import _partitions, _steps
@@ -640,7 +641,8 @@ def purge(
     rows per short transaction (through the done index: no long lock, no huge transaction). The cutoff is
     fixed once from the database clock, so rows finished while it runs are left for the next purge and it
     ends under any load. Returns how many rows were (or, with ``dry_run``, would be) deleted. Pending,
-    leased and dead rows are never touched."""
+    leased and dead rows are never touched. A database error part way is raised with ``deleted_before``: how
+    many rows the committed batches deleted."""
     from ._sql import purge_selection, purge_statement
 
     spec = spec_for(model)
@@ -654,8 +656,14 @@ def purge(
     stmt = purge_statement(spec)
     total = 0
     while True:
-        with engine.begin() as conn:
-            deleted = conn.execute(stmt, {"cutoff": cutoff, "batch": batch_size}).rowcount
+        try:
+            with engine.begin() as conn:
+                deleted = conn.execute(stmt, {"cutoff": cutoff, "batch": batch_size}).rowcount
+        except (
+            DBAPIError
+        ) as exc:  # (an outage part way: what the earlier batches deleted goes with the error)
+            exc.deleted_before = total  # type: ignore[attr-defined]
+            raise
         total += deleted
         if deleted < batch_size:
             break
