@@ -46,6 +46,7 @@ from ._steps import Outcome
 from .errors import ConfigurationError, Defer, DestinationUnavailable, PermanentError, RetryableError
 
 __all__ = [
+    "ABANDON_AFTER_CANCEL",
     "CLAIM_GRACE",
     "LoopBase",
     "LoopStats",
@@ -245,8 +246,10 @@ class LoopBase:
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
         #: Whether the table was found to have every column of the model (:meth:`_check_columns_on`).
         self._columns_checked = False
-        #: Held while run() or run_once() runs (:func:`one_run_at_a_time`).
+        #: Held while run() or run_once() runs (:func:`one_run_at_a_time`), by the event loop or thread below.
         self._run_lock = threading.Lock()
+        self._run_owner: Any = None
+        self._run_token: object | None = None
         #: The partition step (``maintain_partitions=``), or None.
         self.partitions: PartitionMaintainer | None = (
             None
@@ -254,15 +257,42 @@ class LoopBase:
             else PartitionMaintainer(model, maintain_partitions, self.owner)
         )
 
-    def _enter_run(self, name: str) -> None:
-        """Take the instance's run lock for ``run()``/``run_once()`` (``name``), or refuse a second run."""
+    def _enter_run(self, name: str) -> object:
+        """Take the instance's run lock for ``run()``/``run_once()`` (``name``), or refuse a second run — unless
+        the run holding it can never end: its event loop was closed under it (a harness's per-test loop closed
+        with ``run()`` pending; its ``finally`` never runs), or its thread is gone. That run's rows wait for
+        their lease, as a crashed process's do."""
+        try:
+            owner: Any = asyncio.get_running_loop()
+        except RuntimeError:
+            owner = threading.current_thread()
         if not self._run_lock.acquire(blocking=False):
-            raise ConfigurationError(
-                f"{type(self).__name__}.{name}() is already running on this instance: one run at a time — the "
-                "loop's connections, heartbeat and jobs in hand are the instance's own (a second run ending shut "
-                "them under the first: its leases went unrenewed and a job ran twice at once). Build another "
-                "instance for another thread or task"
+            holder = self._run_owner
+            gone = holder is not None and (  # (None: the holder is between its acquire and this line)
+                holder.is_closed() if isinstance(holder, asyncio.AbstractEventLoop) else not holder.is_alive()
             )
+            if not gone:
+                raise ConfigurationError(
+                    f"{type(self).__name__}.{name}() is already running on this instance: one run at a time — the "
+                    "loop's connections, heartbeat and jobs in hand are the instance's own (a second run ending shut "
+                    "them under the first: its leases went unrenewed and a job ran twice at once). Build another "
+                    "instance for another thread or task"
+                )
+            self._log.warning(
+                "%s.%s(): the run that held this loop ended without finishing (its event loop was closed under "
+                "it, or its thread died): taken over; its rows wait for their lease", type(self).__name__, name,
+            )  # fmt: skip
+        self._run_owner = owner
+        self._run_token = token = object()
+        return token
+
+    def _exit_run(self, token: object) -> None:
+        """Give the run lock back — unless a later run took it over (:meth:`_enter_run`): the run that ended
+        here, a dead run's coroutine closed at last by a garbage collection, must not free the lock of the
+        live one (which a third run could then share)."""
+        if self._run_token is token:
+            self._run_token = self._run_owner = None
+            self._run_lock.release()
 
     # -- stopping ----------------------------------------------------------------------------------------
 
@@ -826,11 +856,11 @@ def one_run_at_a_time(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Con
 
     @functools.wraps(method)
     def guarded(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self._enter_run(method.__name__)
+        token = self._enter_run(method.__name__)
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._run_lock.release()
+            self._exit_run(token)
 
     return guarded
 
@@ -842,11 +872,11 @@ def one_async_run_at_a_time(
 
     @functools.wraps(method)
     async def guarded(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self._enter_run(method.__name__)
+        token = self._enter_run(method.__name__)
         try:
             return await method(self, *args, **kwargs)
         finally:
-            self._run_lock.release()
+            self._exit_run(token)
 
     return guarded
 
@@ -869,10 +899,25 @@ class _HeldTask(asyncio.Task[_R]):
         return super().cancel(msg)
 
 
+def _loop_running() -> bool:
+    """Whether this code runs in a running event loop (not in a coroutine closed by a garbage collection)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def held_task(coro: Coroutine[Any, Any, _R]) -> asyncio.Task[_R]:
     """``coro`` as a :class:`_HeldTask` of the running loop."""
     return _HeldTask(coro, loop=asyncio.get_running_loop())
 
+
+#: How long an ``async def`` handler or publisher cancelled at its timeout (a worker's ``handler_timeout``, a
+#: dispatcher's batch budget) has to stop before it is abandoned (seconds), counted from when the loop saw it
+#: overdue: its clean-up may await; one that swallows the cancellation would otherwise hold its slot, and the
+#: loop's end, for good.
+ABANDON_AFTER_CANCEL = 1.0
 
 #: How long a cancelled run waits for a claim statement in flight before cutting it off (then the server
 #: cancels it and it commits nothing): a claim is quick unless it waits on a lock (a migration's, say).

@@ -47,9 +47,10 @@ from tenacity import AsyncRetrying, Retrying
 from . import _tracing
 from ._backoff import DATABASE_OUTAGE, OUTBOX_BACKOFF, Backoff
 from ._base import (
+    ABANDON_AFTER_CANCEL,
     CLAIM_GRACE,
     LoopBase,
-    held_task,
+    _loop_running,
     install_async_signals,
     is_async_callable,
     one_async_run_at_a_time,
@@ -659,6 +660,8 @@ class AsyncDispatcher(DispatcherBase):
         self.engine: AsyncEngine = engine
         self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")
         self._async_publisher = publisher_is_async(publisher)
+        #: Publish tasks abandoned after their cancellation, referenced until they end.
+        self._abandoned: set[asyncio.Task[None]] = set()
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
         self._waker = AsyncWaker(self.listen_url, self.channels)
 
@@ -818,6 +821,10 @@ class AsyncDispatcher(DispatcherBase):
     async def _end_through_cancellation(self) -> None:
         """:meth:`_end` (it releases and writes what the loop holds), held against cancellations — anyio's
         cancel scopes deliver one at every await; one that arrived meanwhile is raised after it."""
+        if (
+            not _loop_running()
+        ):  # the coroutine closed by a garbage collection after its event loop was closed
+            return  # under it: nothing can run (its rows wait for their lease, as a crashed process's do)
         _, cancelled = await through_cancellation(self._end())
         if cancelled is not None:
             raise cancelled
@@ -895,12 +902,23 @@ class AsyncDispatcher(DispatcherBase):
                 if isinstance(error, DestinationUnavailable):
                     unavailable = True
 
-        tasks = [held_task(one(i, m)) for i, m in enumerate(messages)]
+        # (plain tasks: an async publisher's await is the application's code — a runner's teardown cancels it as
+        # it cancels the client tasks it may be waiting on; the batch around it is held and records what ended)
+        tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
         _, late = await asyncio.wait(tasks, timeout=remaining)
         for task in late:
             task.cancel()
         if late:
-            await asyncio.wait(late)
+            _, deaf = await asyncio.wait(late, timeout=ABANDON_AFTER_CANCEL)
+            for task in deaf:  # swallowed its cancellation: abandoned (its message retried), not waited for
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
+            if deaf:
+                self._log.warning(
+                    "%d publish call(s) did not stop within %g s of their cancellation (the batch's time "
+                    "budget ran out): abandoned (they may still publish), their messages retried", len(deaf),
+                    ABANDON_AFTER_CANCEL, extra={"table": self.spec.table.name},
+                )  # fmt: skip
         outcomes: list[Outcome] = []
         published: list[tuple[Message, BaseException | None]] = []
         for msg, result in zip(messages, results, strict=True):

@@ -316,8 +316,11 @@ class AsyncWaker:
     def poke(self) -> None:
         """Wake a :meth:`wait` in progress (or the next one) — safe from any thread."""
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if loop is None:
             self._set_poked()
+            return
+        if loop.is_closed():  # the next wait is another loop's (it takes the flag); this event's waiters died
+            self._poke_flag = True  # with the closed one, and setting it would call that loop
             return
         try:
             running = asyncio.get_running_loop()
@@ -433,7 +436,8 @@ class AsyncWaker:
             except BaseException:  # cancelled: leave no waiter task behind (the connecting one goes on)
                 for left in (poked, listener):
                     if left is not None:
-                        left.cancel()
+                        with contextlib.suppress(RuntimeError):  # (its loop closed under the wait)
+                            left.cancel()
                 raise
             losers = [task for task in pending if task is not connecting]  # (that one goes on: raced again)
             for task in losers:  # all of them first: a cancel of this task below leaves none running
@@ -470,7 +474,7 @@ class AsyncWaker:
         wait on it failed at once and counted as a poke, a hot spin of thousands of claims a second), and the
         LISTEN connection and its connecting task, which belong to the first loop's selector (the connection's
         socket is closed here, without that loop)."""
-        poked = self._poked.is_set()
+        poked = self._poked.is_set() or self._poke_flag
         self._poked = asyncio.Event()
         if poked:
             self._poked.set()

@@ -50,9 +50,10 @@ from tenacity import AsyncRetrying, Retrying
 from . import _steps, _tracing
 from ._backoff import BEAT_ENDS_FAULT_WAIT_AFTER, JOBS_BACKOFF, Backoff
 from ._base import (
+    ABANDON_AFTER_CANCEL,
     CLAIM_GRACE,
     LoopBase,
-    _HeldTask,
+    _loop_running,
     held_task,
     install_async_signals,
     is_async_callable,
@@ -104,10 +105,6 @@ PREFETCH_WINDOW = 0.1
 OVERLAP_MIN = 0.001
 #: A claim's round trip assumed before one was measured.
 TRIP_GUESS = 0.002
-#: How long an ``async def`` handler cancelled at its ``handler_timeout`` has to stop before it is abandoned
-#: (seconds): its clean-up may await; one that swallows the cancellation would otherwise hold its slot, and
-#: the loop's end, for good.
-ABANDON_AFTER_CANCEL = 1.0
 #: How often the heartbeat tries to renew the rows it guards (seconds): the guard keeps their jobs from being
 #: rescued meanwhile, so this only bounds how soon after a row is free its lease is fresh again.
 GUARD_POLL = 0.1
@@ -1978,8 +1975,10 @@ class AsyncWorker(WorkerBase):
         self._run_loop: asyncio.AbstractEventLoop | None = None
         self._waker = AsyncWaker(self.listen_url, self.channels)
         self._running: dict[asyncio.Task[_Ran], _Running] = {}
-        #: Handler tasks abandoned after handler_timeout, referenced until they end (:meth:`_collect`).
+        #: Handler tasks abandoned after handler_timeout, referenced until they end, and when the loop saw a
+        #: running one overdue (:meth:`_collect`).
         self._abandoned: set[asyncio.Task[_Ran]] = set()
+        self._overdue_seen: dict[asyncio.Task[_Ran], float] = {}
         #: concurrency 1 without a timeout: each handler is awaited by the loop itself, in turn (no task and
         #: no wake-up of the loop per job)
         self._inline = self.concurrency == 1 and self.handler_timeout is None
@@ -2237,7 +2236,10 @@ class AsyncWorker(WorkerBase):
             finally:  # in the task's last step: once the wait wakes, the task is done or still running
                 _resolve(wake[0])
 
-        task = held_task(execute())
+        # a sync handler's thread runs on whatever happens to the event loop: its task is held (a runner's
+        # teardown must not release the job while the thread runs it); an async def handler's is the
+        # application's code, cancelled by a teardown like the client tasks it may be waiting on
+        task = asyncio.ensure_future(execute()) if self._is_async(handler) else held_task(execute())
         try:
             while not task.done():
                 due = self._done.next_due()
@@ -2343,15 +2345,16 @@ class AsyncWorker(WorkerBase):
             if isinstance(handler, PermanentError | Defer):
                 self._finish(job, _Ran(handler, 0.0))
                 continue
-            task = held_task(self._execute(handler, job))
+            is_async = self._is_async(handler)  # (held or not: see _execute_inline)
+            task = (
+                asyncio.ensure_future(self._execute(handler, job))
+                if is_async
+                else held_task(self._execute(handler, job))
+            )
             now = time.monotonic()
             # an async def handler is cancelled at its timeout; one that does not stop is abandoned (_collect)
-            abandon_at = (
-                None
-                if self.handler_timeout is None or not self._is_async(handler)
-                else now + self.handler_timeout + ABANDON_AFTER_CANCEL
-            )
-            self._running[task] = _Running(job, now, abandon_at)
+            overdue_at = None if self.handler_timeout is None or not is_async else now + self.handler_timeout
+            self._running[task] = _Running(job, now, overdue_at)
             task.add_done_callback(lambda _: self._waker.poke())
 
     async def _execute(self, handler: Handler, job: ClaimedJob) -> _Ran:
@@ -2497,16 +2500,22 @@ class AsyncWorker(WorkerBase):
         nor the loop's end, for good."""
         for task in [t for t in self._running if t.done()]:
             running = self._running.pop(task)
+            self._overdue_seen.pop(task, None)
             if task.cancelled():
                 self._ended_unfinished(running.job, "released: cancelled")
                 continue
             self._finish(running.job, task.result())
         now = time.monotonic()
         for task, running in list(self._running.items()):
-            if running.deadline is not None and now >= running.deadline:
+            if running.deadline is None or now < running.deadline:
+                continue
+            # the grace counts from when the loop saw it overdue — about when its cancellation was delivered,
+            # however long another handler blocked the event loop before (a review: a handler that stopped at
+            # once after a late cancellation was called deaf)
+            seen = self._overdue_seen.setdefault(task, now)
+            if now >= seen + ABANDON_AFTER_CANCEL:
                 del self._running[task]
-                if isinstance(task, _HeldTask):
-                    task.held = False
+                self._overdue_seen.pop(task, None)
                 self._abandoned.add(task)
                 task.add_done_callback(self._abandoned.discard)
                 self.stats.timed_out += 1
@@ -2519,8 +2528,13 @@ class AsyncWorker(WorkerBase):
                 self._finish(running.job, _Ran(self._timed_out(), now - running.started))
 
     def _running_wait(self) -> float | None:
-        """Seconds until a running handler is to be abandoned (:meth:`_collect`); None: no such deadline."""
-        deadlines = [r.deadline for r in self._running.values() if r.deadline is not None]
+        """Seconds until a running handler is seen overdue, or to be abandoned (:meth:`_collect`); None: no such
+        deadline."""
+        deadlines = [
+            self._overdue_seen[t] + ABANDON_AFTER_CANCEL if t in self._overdue_seen else r.deadline
+            for t, r in self._running.items()
+            if r.deadline is not None
+        ]
         return None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
 
     async def _handle_all(self) -> None:
@@ -2545,12 +2559,27 @@ class AsyncWorker(WorkerBase):
         self._pauses_read = False
         loop = asyncio.get_running_loop()
         if loop is not self._run_loop:  # a lock that ever waited is bound to its first loop: one per loop
+            if self._run_loop is not None and self._run_loop.is_closed():
+                self._left_by_a_closed_loop()
             self._run_loop, self._beat_lock = loop, asyncio.Lock()
         if self.heartbeat is not None and (self._beat_task is None or self._beat_task.done()):
             self._beat_woken = (
                 asyncio.Event()
             )  # (an Event is bound to the loop of its first wait: one per run)
             self._beat_task = held_task(self._heartbeat(self.heartbeat))
+
+    def _left_by_a_closed_loop(self) -> None:
+        """A run taken over from one whose event loop was closed under it (:meth:`LoopBase._enter_run`): its
+        tasks died with that loop — the heartbeat, the handlers — so their jobs are no longer held (renewed by
+        this run's heartbeat, they would never be rescued): they wait for their lease, as a crashed process's
+        do; the jobs it had not started are given back."""
+        self._beat_task = None
+        dead = [r.job.id for r in self._running.values()]
+        self._running.clear()
+        self._overdue_seen.clear()
+        self._abandoned.clear()
+        self._held.drop(dead)
+        self._release_unstarted()
 
     def _wake_heartbeat(self) -> None:
         self._beat_woken.set()
@@ -2606,6 +2635,10 @@ class AsyncWorker(WorkerBase):
     async def _end_through_cancellation(self) -> None:
         """:meth:`_end` (it releases and writes what the loop holds), held against cancellations — anyio's
         cancel scopes deliver one at every await; one that arrived meanwhile is raised after it."""
+        if (
+            not _loop_running()
+        ):  # the coroutine closed by a garbage collection after its event loop was closed
+            return  # under it: nothing can run (its rows wait for their lease, as a crashed process's do)
         _, cancelled = await through_cancellation(self._end())
         if cancelled is not None:
             raise cancelled

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -2041,9 +2042,10 @@ def test_asyncio_run_returning_while_a_dispatcher_publishes_finishes_the_batch(
     engine: Engine, async_url: Any, flavour: str
 ) -> None:
     """``main()`` returns with ``run()`` still going: ``asyncio.run()`` cancels every task it finds, the
-    library's inner ones too, with the loop stopped. Those are held: the batch in flight is published and its
-    outcomes written, as for a cancelled ``run()`` (a review: 30 of 100 stayed processing, already published,
-    to be published again after the lease)."""
+    library's inner ones too, with the loop stopped. Those are held: the batch's outcomes are written, none is
+    left processing — a sync publisher's thread finishes the batch; an async publisher, the application's code,
+    takes the cancellation and what it cut short is retried (a review: 30 of 100 stayed processing, already
+    published, to be published again after the lease)."""
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from sa_outbox import AsyncDispatcher
@@ -2080,8 +2082,13 @@ def test_asyncio_run_returning_while_a_dispatcher_publishes_finishes_the_batch(
     d, aengine, _ = box
     asyncio.run(d.close())
     asyncio.run(aengine.dispose())
-    assert sorted(published) == [1, 2, 3, 4, 5, 6]
-    assert statuses(engine, "outbox") == {"done": 6}
+    if flavour == "sync":  # its thread publishes on: the batch finishes, its outcomes written
+        assert sorted(published) == [1, 2, 3, 4, 5, 6]
+        assert statuses(engine, "outbox") == {"done": 6}
+    else:  # the application's async code takes the teardown's cancellation: what it cut short is retried
+        found = statuses(engine, "outbox")
+        assert "processing" not in found and sum(found.values()) == 6, found
+        assert found.get("done", 0) == len(published), (found, published)
 
 
 def test_asyncio_run_returning_while_sync_handlers_run_never_releases_a_running_job(
@@ -2203,3 +2210,185 @@ def test_a_worker_on_a_table_behind_the_code_stops_before_it_claims(
     finally:
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE old_jobs"))
+
+
+@pytest.mark.parametrize("kind", ["worker", "dispatcher"])
+def test_asyncio_run_returning_while_async_code_awaits_another_task_ends_promptly(
+    engine: Engine, async_url: Any, kind: str
+) -> None:
+    """An ``async def`` handler or publisher waiting on a reply that a task of the application delivers (a
+    client's reader task): the runner's teardown cancels that task, so the handler could never finish — the
+    library's own tasks decline the teardown's cancellation, but the application's async code takes it, as
+    every task does (a review: asyncio.run() hung for good, the dispatcher for its 50 s budget). The job or
+    message is given back, not left leased; the batch around it is recorded."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher, AsyncWorker
+    from sa_outbox.models import Job, OutboxEvent
+
+    if kind == "worker":
+        seed_jobs(engine, 1, task="t")
+    else:
+        seed_events(engine, 1)
+    started = threading.Event()
+    box: list[Any] = []
+
+    async def main() -> None:
+        reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def reader() -> None:  # delivers the reply much later
+            await asyncio.sleep(60)
+            reply.set_result(None)
+
+        async def waits(_: Any) -> None:
+            started.set()
+            await reply
+
+        class Publisher:
+            async def publish(self, message: Message) -> None:
+                await waits(message)
+
+        aengine = create_async_engine(async_url)
+        lp: Any = (
+            AsyncWorker(aengine, Job, {"t": waits}, listen=False)
+            if kind == "worker"
+            else AsyncDispatcher(aengine, OutboxEvent, Publisher(), listen=False)
+        )
+        box.extend([lp, aengine, asyncio.ensure_future(reader()),
+                    asyncio.ensure_future(lp.run(install_signal_handlers=False))])  # fmt: skip
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "asyncio.run() did not return"
+    lp, aengine = box[0], box[1]
+    asyncio.run(lp.close())
+    asyncio.run(aengine.dispose())
+    found = statuses(engine, "jobs" if kind == "worker" else "outbox")
+    assert found in ({"queued": 1}, {"pending": 1}), found  # given back, not left leased
+
+
+def test_an_async_publisher_deaf_to_its_cancellation_is_abandoned_not_waited_for(
+    engine: Engine, async_url: Any
+) -> None:
+    """A publisher that swallows the cancellation at the end of the batch's time budget: before, the dispatcher
+    waited for it with no bound — stop() and a cancel of run() could not end it, the row stayed processing past
+    its lease (a review). Now abandoned a second after its cancellation: the message retried, the loop ends."""
+    from datetime import timedelta
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+    from sa_outbox.models import OutboxEvent
+
+    seed_events(engine, 1)
+    started = threading.Event()
+    release = threading.Event()
+
+    class Deaf:
+        async def publish(self, message: Message) -> None:
+            started.set()
+            for _ in range(3000):  # (bounded: released at the test's end)
+                if release.is_set():
+                    return
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.01)
+
+    box: list[Any] = []
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        d = AsyncDispatcher(aengine, OutboxEvent, Deaf(), listen=False, lease=timedelta(seconds=3),
+                            publish_timeout=timedelta(seconds=1))  # fmt: skip
+        box.extend([d, aengine])
+        task = asyncio.ensure_future(d.run(install_signal_handlers=False))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        d.stop()
+        try:
+            await asyncio.wait_for(task, 15)
+        finally:
+            release.set()
+            await asyncio.sleep(0.05)
+            await d.close()
+            await aengine.dispose()
+
+    asyncio.run(main())
+    r = row(engine, "outbox", 1)
+    assert r.status == "pending" and r.attempts == 1, r  # retried, not left processing
+
+
+def test_a_run_whose_event_loop_was_closed_under_it_does_not_hold_the_loop_object_for_good(
+    engine: Engine, async_url: Any
+) -> None:
+    """A harness's per-test event loop closed with run() pending: that run's ``finally`` never runs, so its
+    one-run lock stayed held and every later run() was refused, though its loop was closed (a review). A
+    later run takes it over, with a warning."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from sqlalchemy.pool import NullPool
+
+    from sa_outbox import AsyncWorker
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 2, task="t")
+    aengine = create_async_engine(async_url, poolclass=NullPool)
+    ran: list[int] = []
+    w = AsyncWorker(aengine, Job, {"t": lambda job: ran.append(job.id)}, listen=False)
+    first = asyncio.new_event_loop()
+    task = first.create_task(w.run(install_signal_handlers=False))
+    first.run_until_complete(asyncio.sleep(0.3))
+    first.close()  # run() still pending: it never ends
+    assert w._run_lock.locked()
+    second = threading.Thread(target=asyncio.run, args=(w.run(install_signal_handlers=False),))
+    second.start()  # before: ConfigurationError, for good
+    try:
+        assert wait_until(lambda: len(ran) == 2)
+        del task
+        gc.collect()  # the dead run's coroutine closed at last: its end must not free the live run's lock
+        assert w._run_lock.locked()
+    finally:
+        w.stop()
+        second.join(30)
+    assert not second.is_alive() and not w._run_lock.locked()
+    asyncio.run(w.close())
+    asyncio.run(aengine.dispose())
+
+
+def test_a_handler_cancelled_late_by_a_blocked_event_loop_is_not_called_deaf(
+    engine: Engine, async_url: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one-second grace before abandoning counts from when the loop saw the handler overdue, not from its
+    start plus handler_timeout: another handler blocked the loop 2 s, the cancellation came late, the handler
+    stopped at once — before, it was abandoned anyway, with a warning calling it deaf (a review)."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncWorker
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 1, task="blocks")
+    seed_jobs(engine, 1, task="polite", max_attempts=1)
+
+    async def blocks(job: ClaimedJob) -> None:
+        time.sleep(2.0)  # blocks the event loop
+
+    async def polite(job: ClaimedJob) -> None:
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"blocks": blocks, "polite": polite}, listen=False, concurrency=2,
+                        handler_timeout=0.5, batch=2)  # fmt: skip
+        try:
+            await asyncio.wait_for(w.run(install_signal_handlers=False, until_idle=True), 30)
+        finally:
+            await w.close()
+            await aengine.dispose()
+
+    with caplog.at_level(logging.WARNING, logger="sa_outbox"):
+        asyncio.run(main())
+    deaf = [r.getMessage() for r in caplog.records if "its handler did not stop within" in r.getMessage()]
+    assert not deaf, deaf
+    r = row(engine, "jobs", 2)
+    assert r.status == "failed" and "handler_timeout" in r.last_error, r
