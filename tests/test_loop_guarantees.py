@@ -1631,6 +1631,24 @@ def test_cancelling_an_async_dispatchers_run_during_its_claim_gives_the_batch_ba
     ] * 3
 
 
+def slow_publisher(flavour: str, started: threading.Event, published: list[int]) -> Any:
+    """A publisher that records what it published, slowly: ``async def`` (0.3 s a message) or sync (0.1 s)."""
+
+    class Slow:
+        async def publish(self, message: Message) -> None:
+            started.set()
+            await asyncio.sleep(0.3)
+            published.append(message.id)
+
+    class SlowSync:
+        def publish(self, message: Message) -> None:
+            started.set()
+            time.sleep(0.1)
+            published.append(message.id)
+
+    return Slow() if flavour == "async def" else SlowSync()
+
+
 @pytest.mark.parametrize("flavour", ["async def", "sync"])
 def test_cancelling_an_async_dispatchers_run_while_it_publishes_records_the_batch(
     engine: Engine, async_url: Any, flavour: str
@@ -1646,21 +1664,9 @@ def test_cancelling_an_async_dispatchers_run_while_it_publishes_records_the_batc
     published: list[int] = []
     started = threading.Event()
 
-    class Slow:
-        async def publish(self, message: Message) -> None:
-            started.set()
-            await asyncio.sleep(0.3)
-            published.append(message.id)
-
-    class SlowSync:
-        def publish(self, message: Message) -> None:
-            started.set()
-            time.sleep(0.1)
-            published.append(message.id)
-
     async def main() -> None:
         aengine = create_async_engine(async_url)
-        pub = Slow() if flavour == "async def" else SlowSync()
+        pub = slow_publisher(flavour, started, published)
         d = AsyncDispatcher(aengine, OutboxEvent, pub, listen=False, batch=3)
         try:
             task = asyncio.ensure_future(d.run(install_signal_handlers=False))
@@ -2055,23 +2061,11 @@ def test_asyncio_run_returning_while_a_dispatcher_publishes_finishes_the_batch(
     published: list[int] = []
     started = threading.Event()
 
-    class Slow:
-        async def publish(self, message: Message) -> None:
-            started.set()
-            await asyncio.sleep(0.3)
-            published.append(message.id)
-
-    class SlowSync:
-        def publish(self, message: Message) -> None:
-            started.set()
-            time.sleep(0.1)
-            published.append(message.id)
-
     box: list[Any] = []
 
     async def main() -> None:
         aengine = create_async_engine(async_url)
-        d = AsyncDispatcher(aengine, OutboxEvent, Slow() if flavour == "async def" else SlowSync(), listen=False,
+        d = AsyncDispatcher(aengine, OutboxEvent, slow_publisher(flavour, started, published), listen=False,
                             batch=6)  # fmt: skip
         box.extend([d, aengine, asyncio.ensure_future(d.run(install_signal_handlers=False))])
         while not started.is_set():
