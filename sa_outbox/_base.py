@@ -882,19 +882,18 @@ def one_async_run_at_a_time(
 
 
 class _HeldTask(asyncio.Task[_R]):
-    """A task of the library's own holding work in flight — a claim, a batch being published, a handler, the
-    loop's end, the heartbeat. Cancelled as any task while its event loop runs: by the library (a timeout, a
-    job's cancellation, a claim's grace) or by a cancellation of ``run()`` passed on. But a runner's teardown —
-    ``asyncio.run()`` returning with ``run()`` still going cancels every task left, the library's inner ones
-    too, with the loop stopped — is refused: the work goes on, and the runner waits for it, as it waits for
-    ``run()`` finishing what it holds (a hostile review: a batch already published stayed ``processing`` until
-    its lease ran out, then was published again; a sync handler's job was released while its thread still ran
-    it — run twice at once). An abandoned task (``held = False``) takes any cancellation."""
-
-    held = True
+    """A task of the library's own holding work in flight — a claim, a batch's bookkeeping, the wait for a sync
+    handler's thread, the loop's end, the heartbeat. Cancelled as any task while its event loop runs: by the
+    library (a timeout, a claim's grace) or by a cancellation of ``run()`` passed on. But a runner's teardown —
+    ``asyncio.run()`` returning with ``run()`` still going cancels every task left, with the loop stopped — is
+    refused: the work goes on, and the runner waits for it, as it waits for ``run()`` finishing what it holds (a
+    hostile review: a batch already published stayed ``processing`` until its lease ran out, then was published
+    again; a sync handler's job was released while its thread still ran it — run twice at once). An ``async
+    def`` handler or publisher is the application's code and runs in a plain task: it takes the teardown's
+    cancellation like the client tasks it may be waiting on (held, it waited for them for good)."""
 
     def cancel(self, msg: Any | None = None) -> bool:
-        if self.held and not self.get_loop().is_running():
+        if not self.get_loop().is_running():
             return False
         return super().cancel(msg)
 

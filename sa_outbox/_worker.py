@@ -2635,10 +2635,10 @@ class AsyncWorker(WorkerBase):
     async def _end_through_cancellation(self) -> None:
         """:meth:`_end` (it releases and writes what the loop holds), held against cancellations — anyio's
         cancel scopes deliver one at every await; one that arrived meanwhile is raised after it."""
-        if (
-            not _loop_running()
-        ):  # the coroutine closed by a garbage collection after its event loop was closed
-            return  # under it: nothing can run (its rows wait for their lease, as a crashed process's do)
+        # the coroutine closed by a garbage collection after its event loop was closed under it: nothing can run
+        # (its rows wait for their lease, as a crashed process's do)
+        if not _loop_running():
+            return
         _, cancelled = await through_cancellation(self._end())
         if cancelled is not None:
             raise cancelled
