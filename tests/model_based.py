@@ -780,10 +780,7 @@ class LoopThread:
     def _main(self) -> None:
         try:
             if self.is_async:
-                asyncio.run(self._amain())
-                if self.left is not None:  # asyncio.run() ended with run() going: what it left, closed now
-                    with contextlib.suppress(Exception):  # (its pool's connections belong to the ended loop)
-                        asyncio.run(self._close(*self.left))
+                self._run_async()
             else:
                 self.loop = self.build(self.engine)
                 self.ready.set()
@@ -795,6 +792,29 @@ class LoopThread:
             self.exited = exc
         finally:
             self.ready.set()
+
+    def _run_async(self) -> None:
+        """``asyncio.run(self._amain())``, written out: after a leave(), what the runner does once ``main()``
+        returned — every task left cancelled with the loop stopped, then waited for — and then the loop and the
+        engine closed on that same loop (closed from another one, the pool's connections were left to the
+        collector: "connections left open")."""
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)  # (as the runner does: code that asks for the thread's loop finds it)
+        try:
+            loop.run_until_complete(self._amain())
+        finally:
+            try:
+                left = asyncio.all_tasks(loop)  # however main() ended: as the runner's teardown
+                for task in left:
+                    task.cancel()  # (the loop is not running)
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                if self.left is not None:
+                    loop.run_until_complete(self._close(*self.left))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
 
     async def _amain(self) -> None:
         aengine = create_async_engine(
