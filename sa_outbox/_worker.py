@@ -2333,7 +2333,8 @@ class AsyncWorker(WorkerBase):
             await self._wait_writing_outcomes(wrapped, record)
         except BaseException:
             halt.set()  # the job in progress cannot be interrupted: its result is recorded, the rest go back
-            await through_cancellation(wrapped)  # (however often cancelled: it is in hand until it ends)
+            if _loop_running():  # (not in a coroutine closed by a garbage collection: nothing can be awaited)
+                await through_cancellation(wrapped)  # (however often cancelled: it is in hand until it ends)
             raise
         finally:
             record()

@@ -804,10 +804,16 @@ class LoopThread:
             loop.run_until_complete(self._amain())
         finally:
             try:
-                left = asyncio.all_tasks(loop)  # however main() ended: as the runner's teardown
-                for task in left:
-                    task.cancel()  # (the loop is not running)
-                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                for _ in range(5):  # however main() ended: as the runner's teardown — and again for tasks the
+                    left = asyncio.all_tasks(loop)  # ones cancelled started meanwhile (closed with the loop,
+                    if not left:  # a pending one would be closed by the collector instead)
+                        break
+                    for task in left:
+                        task.cancel()  # (the loop is not running)
+                    with contextlib.suppress(
+                        BaseException
+                    ):  # (a handler's SystemExit: recorded by the thread)
+                        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
                 if self.left is not None:
                     loop.run_until_complete(self._close(*self.left))
                 loop.run_until_complete(loop.shutdown_asyncgens())
