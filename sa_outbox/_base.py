@@ -244,6 +244,8 @@ class LoopBase:
         self._refused_renewals: set[int] = set()
         self._noticed_at = float("-inf")
         self._done = Completer(flush_after=self._flush_after, limit=self.batch)
+        #: An async loop's handler or publish tasks abandoned after their cancellation (:meth:`_abandon`).
+        self._abandoned: set[asyncio.Task[Any]] = set()
         #: Whether the table was found to have every column of the model (:meth:`_check_columns_on`).
         self._columns_checked = False
         #: Held while run() or run_once() runs (:func:`one_run_at_a_time`), by the event loop or thread below.
@@ -484,6 +486,12 @@ class LoopBase:
             step.start_task(self.engine)
         else:
             step.start_thread(self.engine)
+
+    def _abandon(self, task: asyncio.Task[Any]) -> None:
+        """No longer waited for (it did not stop within ``ABANDON_AFTER_CANCEL`` of its cancellation): referenced
+        until it ends, so that the collector does not destroy it while it still runs."""
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
 
     def _check_columns_on(self, conn: Connection) -> None:
         """Once per loop object, before its first claim (its first maintenance step or, for a worker's run, its

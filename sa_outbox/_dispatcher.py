@@ -660,8 +660,6 @@ class AsyncDispatcher(DispatcherBase):
         self.engine: AsyncEngine = engine
         self.publish_concurrency = positive_int(publish_concurrency, "publish_concurrency")
         self._async_publisher = publisher_is_async(publisher)
-        #: Publish tasks abandoned after their cancellation, referenced until they end.
-        self._abandoned: set[asyncio.Task[None]] = set()
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
         self._waker = AsyncWaker(self.listen_url, self.channels)
 
@@ -911,8 +909,7 @@ class AsyncDispatcher(DispatcherBase):
         if late:
             _, deaf = await asyncio.wait(late, timeout=ABANDON_AFTER_CANCEL)
             for task in deaf:  # swallowed its cancellation: abandoned (its message retried), not waited for
-                self._abandoned.add(task)
-                task.add_done_callback(self._abandoned.discard)
+                self._abandon(task)
             if deaf:
                 self._log.warning(
                     "%d publish call(s) did not stop within %g s of their cancellation (the batch's time "

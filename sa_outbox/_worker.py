@@ -1975,9 +1975,7 @@ class AsyncWorker(WorkerBase):
         self._run_loop: asyncio.AbstractEventLoop | None = None
         self._waker = AsyncWaker(self.listen_url, self.channels)
         self._running: dict[asyncio.Task[_Ran], _Running] = {}
-        #: Handler tasks abandoned after handler_timeout, referenced until they end, and when the loop saw a
-        #: running one overdue (:meth:`_collect`).
-        self._abandoned: set[asyncio.Task[_Ran]] = set()
+        #: When the loop saw a running handler overdue (:meth:`_collect`).
         self._overdue_seen: dict[asyncio.Task[_Ran], float] = {}
         #: concurrency 1 without a timeout: each handler is awaited by the loop itself, in turn (no task and
         #: no wake-up of the loop per job)
@@ -2517,8 +2515,7 @@ class AsyncWorker(WorkerBase):
             if now >= seen + ABANDON_AFTER_CANCEL:
                 del self._running[task]
                 self._overdue_seen.pop(task, None)
-                self._abandoned.add(task)
-                task.add_done_callback(self._abandoned.discard)
+                self._abandon(task)
                 self.stats.timed_out += 1
                 log.warning(
                     "job %s (%s): its handler did not stop within %g s of its cancellation at handler_timeout: "
