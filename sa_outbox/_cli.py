@@ -40,6 +40,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs-table", default=_Default("jobs"), help="jobs table name (default: jobs)")
 
 
+def _typed(args: argparse.Namespace, kind: str) -> bool:
+    """Whether ``--<kind>-table`` was given on the command line (not defaulted)."""
+    return not isinstance(getattr(args, f"{kind}_table"), _Default)
+
+
 class _Default(str):
     """A table name the command defaulted to, told apart from one typed: a typed one that does not exist is an
     error, a default one is skipped when the other table exists."""
@@ -157,9 +162,7 @@ def _tables(
             found.append((kind, model_for(kind, table, schema, partitioned=period)))
         else:
             absent.append((option, schema, table))
-    typed = [
-        (o, s, t) for o, s, t in absent if not isinstance(getattr(args, o[2:].replace("-", "_")), _Default)
-    ]
+    typed = [(o, s, t) for o, s, t in absent if _typed(args, o[2:].removesuffix("-table"))]
     if found and not typed:
         return found
     absent = typed or absent
@@ -362,8 +365,7 @@ def _cmd_dead(args: argparse.Namespace) -> int:
     other = "outbox" if args.jobs else "jobs"
     # the other table named alone: meant for it (``dead list --jobs-table j`` without --jobs); both named is a
     # script passing its tables to every command
-    typed = not isinstance(getattr(args, f"{other}_table"), _Default)
-    if typed and isinstance(getattr(args, f"{kind}_table"), _Default):
+    if _typed(args, other) and not _typed(args, kind):
         raise ConfigurationError(
             f"--{other}-table names the {other} table, but this command acts on "
             f"{'failed jobs (--jobs)' if kind == 'jobs' else 'dead outbox rows'}"
