@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ._version import __version__
@@ -314,7 +314,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     else:
         checked = ", ".join(f"{k.removeprefix('max_').replace('_', ' ')} <= {v:g}"
                             for k, v in thresholds.items() if v is not None)  # fmt: skip
-        print(("FAIL: " + "; ".join(problems)) if problems else f"OK: {', '.join(summary)} ({checked})")
+        failing = {p.split(":", 1)[0] for p in problems}
+        # (a FAIL line said nothing of the tables that passed)
+        fine = [t for t in summary if t not in failing]
+        passed = " (ok: " + ", ".join(fine) + ")" if fine else ""
+        print(f"FAIL: {'; '.join(problems)}{passed}" if problems else f"OK: {', '.join(summary)} ({checked})")
     return 1 if problems else 0
 
 
@@ -327,6 +331,11 @@ _DEAD_FILTERS = {
     ),
     "jobs": (("--task", "task"), ("--queue", "queue")),
 }
+
+
+def _dead_options(kind: str) -> list[str]:
+    """The filter options of ``dead`` for ``kind``'s table, as typed."""
+    return [option for option, _ in _DEAD_FILTERS[kind]] + ["--error", "--older-than"]
 
 
 def _dead_filters(args: argparse.Namespace, kind: str) -> dict[str, Any]:
@@ -407,11 +416,19 @@ def _cmd_dead(args: argparse.Namespace) -> int:
         return 0
     fn = admin.retry_dead if args.action == "retry" else admin.skip_dead
     ids = args.ids or None
+    filters = _dead_filters(args, kind)
+    filtered = any(v is not None for v in filters.values())
+    if ids is None and not filtered and not args.all:  # (admin's own message names ``all=True``)
+        raise ConfigurationError(
+            f"name the rows to {args.action}: ids, a filter ({', '.join(_dead_options(kind))}), or --all"
+        )
     changed = fn(engine, model, ids=ids, all=args.all, batch_size=args.batch_size, dry_run=args.dry_run,
-                 **_dead_filters(args, kind))  # fmt: skip
+                 **filters)  # fmt: skip
     verb = {"retry": "requeued", "skip": "skipped" if kind == "outbox" else "discarded"}[args.action]
+    left = _passed_over(engine, model, args.ids, changed, verb=verb, acts_on=_ACTS_ON["dead", kind],
+                        dry_run=args.dry_run, filtered=filtered)  # fmt: skip
     if args.json:
-        _print_json({"dry_run": args.dry_run, verb: changed})
+        _print_json({"dry_run": args.dry_run, verb: changed, "passed_over": _json_left(left)})
     else:
         shown = ", ".join(map(str, changed[:50])) + (
             f", … ({len(changed) - 50} more)" if len(changed) > 50 else ""
@@ -419,7 +436,7 @@ def _cmd_dead(args: argparse.Namespace) -> int:
         print(
             f"{'would be ' if args.dry_run else ''}{verb}: {len(changed)} row(s){': ' + shown if changed else ''}"
         )
-    return 0
+    return EXIT_THRESHOLD if left else 0
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
@@ -692,21 +709,71 @@ def _job_commands(sub: Any) -> None:
         p.set_defaults(handler=_cmd_queues)
 
 
+#: What each command that takes ids acts on, for the note naming the ids it left alone.
+_ACTS_ON = {
+    ("jobs", "cancel"): "queued or running jobs",
+    ("jobs", "retry"): "failed or cancelled jobs",
+    ("jobs", "update"): "queued, failed or cancelled jobs",
+    ("dead", "outbox"): "dead rows",
+    ("dead", "jobs"): "failed jobs",
+}
+
+
+def _passed_over(
+    engine: Any, model: type[Any], named: list[int], acted: Iterable[int], *, verb: str, acts_on: str,
+    dry_run: bool = False, filtered: bool = False,
+) -> dict[int, str | None]:  # fmt: skip
+    """The ids a command named but did not act on, each with its status now (``None``: no such row), told on
+    stderr — ``jobs cancel 123`` of a job that does not exist, or finished a moment ago, exited 0 saying only
+    "cancelled 0" (a review). The caller exits 1 when any is left."""
+    from . import admin
+
+    left = sorted(set(named) - set(acted))
+    if not left:
+        return {}
+    statuses = admin._statuses_of(engine, model, left)
+    shown = ", ".join(f"{i} ({statuses[i] or 'no such row'})" for i in left[:20])
+    more = f", … ({len(left) - 20} more)" if len(left) > 20 else ""
+    sys.stderr.write(
+        f"sa-outbox: {len(left)} of the {len(set(named))} named id(s) {'would not be' if dry_run else 'were not'} "
+        f"{verb}: {shown}{more} — this acts on {acts_on}{' matching the filters' if filtered else ''}\n"
+    )
+    return statuses
+
+
 def _cmd_jobs(args: argparse.Namespace) -> int:
     from . import admin
 
     engine = _engine(args)
     [(_, model)] = _tables(args, engine, ("jobs",))
     target = {"ids": args.ids or None, "task": args.task, "queue": args.queue}
+    # (the admin functions' own messages name their Python arguments: ``all=True``, ``run_at``)
+    if not any(v is not None for v in target.values()) and not getattr(args, "all", False):
+        raise ConfigurationError(
+            f"name the jobs to {args.action}: ids, --task{' or' if args.action == 'cancel' else ','} --queue"
+            f"{'' if args.action == 'cancel' else ' or --all'}"
+        )
+    if (
+        args.action == "update"
+        and args.priority is None
+        and args.run_in is None
+        and args.max_attempts is None
+    ):
+        raise ConfigurationError("jobs update needs at least one of --priority, --run-in, --max-attempts")
+    filtered = args.task is not None or args.queue is not None
     if args.action == "cancel":
         got = admin.cancel_jobs(engine, model, **target)
+        left = _passed_over(engine, model, args.ids, got.cancelled + got.requested, verb="cancelled",
+                            acts_on=_ACTS_ON["jobs", "cancel"], filtered=filtered)  # fmt: skip
         if args.json:
-            _print_json({"cancelled": got.cancelled, "requested": got.requested})
+            _print_json(
+                {"cancelled": got.cancelled, "requested": got.requested, "passed_over": _json_left(left)}
+            )
         else:
             print(
                 f"cancelled {len(got.cancelled)} queued job(s); asked {len(got.requested)} running job(s) to stop"
             )
-        return 0
+        return EXIT_THRESHOLD if left else 0
     common = {**target, "all": args.all, "batch_size": args.batch_size, "dry_run": args.dry_run}
     if args.action == "retry":
         changed = admin.retry_jobs(engine, model, **common)
@@ -720,11 +787,17 @@ def _cmd_jobs(args: argparse.Namespace) -> int:
             **common,
         )
     verb = "requeued" if args.action == "retry" else "updated"
+    left = _passed_over(engine, model, args.ids, changed, verb=verb, acts_on=_ACTS_ON["jobs", args.action],
+                        dry_run=args.dry_run, filtered=filtered)  # fmt: skip
     if args.json:
-        _print_json({"dry_run": args.dry_run, verb: changed})
+        _print_json({"dry_run": args.dry_run, verb: changed, "passed_over": _json_left(left)})
     else:
         print(f"{'would be ' if args.dry_run else ''}{verb}: {len(changed)} job(s)")
-    return 0
+    return EXIT_THRESHOLD if left else 0
+
+
+def _json_left(left: dict[int, str | None]) -> list[dict[str, Any]]:
+    return [{"id": i, "status": status} for i, status in left.items()]
 
 
 def _cmd_queues(args: argparse.Namespace) -> int:
@@ -733,8 +806,16 @@ def _cmd_queues(args: argparse.Namespace) -> int:
     engine = _engine(args)
     [(_, model)] = _tables(args, engine, ("jobs",))
     if args.action == "pause":
+        known = sorted(q.name for q in admin.list_queues(engine, model))
         admin.pause_queue(engine, model, args.name, by=args.by)
         print(f"paused {args.name}: workers stop claiming it within about a second")
+        if args.name not in known:  # pausing ahead of the first job is allowed; a typo must not pass unseen
+            print(
+                f"sa-outbox: note: no job is queued or running in {args.name!r} and it was never paused before "
+                f"(names are case-sensitive; known queues: {', '.join(map(repr, known)) or 'none'}) — "
+                f"paused anyway, ahead of its first job",
+                file=sys.stderr,
+            )
         return 0
     if args.action == "resume":
         if admin.resume_queue(engine, model, args.name):

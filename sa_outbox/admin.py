@@ -440,6 +440,17 @@ def _in_batches(
     return sorted(changed)
 
 
+def _statuses_of(engine: Engine, model: type[Any], ids: Iterable[int]) -> dict[int, str | None]:
+    """The status of each of ``ids`` in ``model``'s table now (``None``: no such row) — what the CLI tells an
+    operator about the ids a command named but did not act on."""
+    spec = spec_for(model)
+    wanted = _ids(ids)
+    with engine.connect() as conn:
+        rows = conn.execute(select(spec.c.id, spec.c.status).where(spec.c.id.in_(wanted))).all()
+    found = {r.id: r.status for r in rows}
+    return {i: found.get(i) for i in wanted}
+
+
 @schema_checked
 def job_result(bind: Engine | Connection | Session, model: type[Any], job_id: int) -> Any:
     """The value a done job's handler returned (stored as JSON with its completion; ``None`` if it returned

@@ -127,7 +127,7 @@ def test_check_with_no_threshold_fails_on_failed_jobs(
     with engine.begin() as conn:
         conn.execute(text("UPDATE jobs SET status = 'failed', last_error = 'smtp down'"))
     code, out, _ = run(capsys, db_url, "check")
-    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: jobs: 1 failed > 0"
+    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: jobs: 1 failed > 0 (ok: outbox)"
     code, out, _ = run(capsys, db_url, "check", "--max-expired-leases", "5")  # explicit thresholds only
     assert code == 0
 
@@ -271,7 +271,7 @@ def test_every_operations_command_works_on_schema_qualified_tables(
     assert report["app.outbox"]["counts"] == {"pending": 1, "processing": 0, "dead": 1, "done": 1}
     assert "sa-outbox dead list --outbox-table app.outbox" in " ".join(report["app.outbox"]["warnings"])
     code, out, _ = run(capsys, db_url, "check", *tables)
-    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: app.outbox: 1 dead > 0"
+    assert code == EXIT_THRESHOLD and out.strip() == "FAIL: app.outbox: 1 dead > 0 (ok: app.jobs)"
     code, out, _ = run(capsys, db_url, "dead", "retry", "--all", "--json", *tables)
     assert code == 0 and json.loads(out)["requeued"] == [1]
     code, out, _ = run(capsys, db_url, "purge", "--older-than", "1d", "--json", *tables)
@@ -436,3 +436,70 @@ def test_a_bulk_command_cut_off_part_way_says_what_it_had_done(
         with engine.begin() as conn:
             conn.execute(text("DROP TRIGGER no_third ON jobs"))
             conn.execute(text("DROP FUNCTION no_third()"))
+
+
+# --- ids named but left alone; messages in the command line's words -------------------------------------------
+
+
+def test_ids_a_command_leaves_alone_are_named_with_their_status_and_exit_1(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``jobs cancel 123`` of a job that does not exist, or finished a moment ago, printed "cancelled 0" and
+    exited 0: a script could not tell that its cancel did not land (a review). Each id left alone is named on
+    stderr with its status now, ``--json`` lists them, the exit code is 1 — and the other ids were acted on."""
+    seed_jobs(engine, 3)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE jobs SET status = 'done', finished_at = now() WHERE id = 2"))
+        conn.execute(text("UPDATE jobs SET status = 'failed', last_error = 'x' WHERE id = 3"))
+    code, out, err = run(capsys, db_url, "jobs", "cancel", "1", "2", "999999")
+    assert code == EXIT_THRESHOLD and out.startswith("cancelled 1 queued job(s)"), (code, out)
+    assert "2 of the 3 named id(s) were not cancelled: 2 (done), 999999 (no such row)" in err, err
+    assert statuses(engine, "jobs") == {"cancelled": 1, "done": 1, "failed": 1}
+    code, out, err = run(capsys, db_url, "jobs", "retry", "1", "2", "--json")
+    assert code == EXIT_THRESHOLD and json.loads(out) == {
+        "dry_run": False, "requeued": [1], "passed_over": [{"id": 2, "status": "done"}]
+    }  # fmt: skip
+    code, out, err = run(capsys, db_url, "jobs", "update", "1", "2", "--priority", "5", "--dry-run")
+    assert code == EXIT_THRESHOLD and "1 of the 2 named id(s) would not be updated: 2 (done)" in err, err
+    code, out, err = run(capsys, db_url, "dead", "skip", "--jobs", "3", "1")
+    assert code == EXIT_THRESHOLD and "were not discarded: 1 (queued) — this acts on failed jobs" in err, err
+    assert statuses(engine, "jobs") == {"queued": 1, "done": 1, "cancelled": 1}
+    # every id acted on: exit 0, nothing on stderr
+    code, out, err = run(capsys, db_url, "jobs", "cancel", "1")
+    assert (code, err) == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("jobs", "cancel"), "name the jobs to cancel: ids, --task or --queue"),
+        (("jobs", "retry"), "name the jobs to retry: ids, --task, --queue or --all"),
+        (("jobs", "update", "--priority", "1"), "name the jobs to update: ids, --task, --queue or --all"),
+        (("jobs", "update", "1"), "jobs update needs at least one of --priority, --run-in, --max-attempts"),
+        (("dead", "retry"), "name the rows to retry: ids, a filter (--event-type, --aggregate-type, --aggregate, "
+                            "--error, --older-than), or --all"),
+        (("dead", "skip", "--jobs"), "name the rows to skip: ids, a filter (--task, --queue, --error, "
+                                     "--older-than), or --all"),
+    ],
+)  # fmt: skip
+def test_a_command_with_nothing_to_act_on_says_so_in_its_own_options(
+    db_url: URL, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], expected: str
+) -> None:
+    """The messages came from the Python functions: ``or all=True``, ``priority, run_at, max_attempts``."""
+    code, out, err = run(capsys, db_url, *argv)
+    assert code == EXIT_USAGE and out == "" and one_line_error(err) == f"sa-outbox: error: {expected}"
+
+
+def test_pausing_a_queue_no_job_has_used_pauses_it_and_says_which_queues_exist(
+    engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sa_outbox.admin import list_queues
+    from sa_outbox.models import Job
+
+    seed_jobs(engine, 1, queue="Mail")
+    code, out, err = run(capsys, db_url, "queues", "pause", "mail")
+    assert code == 0 and out.startswith("paused mail")
+    assert "no job is queued or running in 'mail'" in err and "known queues: 'Mail'" in err, err
+    assert [q.name for q in list_queues(engine, Job) if q.paused] == ["mail"]  # ahead of its first job
+    code, out, err = run(capsys, db_url, "queues", "pause", "Mail")
+    assert code == 0 and "note" not in err, err

@@ -107,7 +107,7 @@ def test_check_exits_zero_and_non_zero_at_the_thresholds(
     _seed_known_state(engine)
     assert cli(capsys, db_url, "check", "--max-dead", "1", "--max-expired-leases", "1")[0] == 0
     code, out = cli(capsys, db_url, "check", "--max-dead", "0")
-    assert code == 1 and out.strip() == "FAIL: outbox: 1 dead > 0"
+    assert code == 1 and out.strip() == "FAIL: outbox: 1 dead > 0 (ok: jobs)"
     code, out = cli(capsys, db_url, "check", "--max-oldest-pending-age", "1m")
     assert code == 1 and "oldest pending age" in out and "> 60s" in out
     assert cli(capsys, db_url, "check", "--max-oldest-pending-age", "5m")[0] == 0
@@ -133,7 +133,7 @@ def test_dead_retry_and_skip_change_exactly_the_selected_rows(
     code, out = cli(capsys, db_url, "dead", "list", "--json")
     assert code == 0 and [r["id"] for r in json.loads(out)] == [1, 2, 3]
     code, out = cli(capsys, db_url, "dead", "retry", "--error", "Timeout", "--dry-run", "--json")
-    assert json.loads(out) == {"dry_run": True, "requeued": [1, 2]}
+    assert json.loads(out) == {"dry_run": True, "requeued": [1, 2], "passed_over": []}
     assert ids_with_status(engine, "dead") == [1, 2, 3]  # dry run changed nothing
     code, out = cli(capsys, db_url, "dead", "retry", "--error", "Timeout", "--json")
     assert json.loads(out)["requeued"] == [1, 2]
@@ -152,7 +152,8 @@ def test_dead_retry_needs_a_selection(
 ) -> None:
     code = main(["dead", "retry", "--url", db_url.render_as_string(hide_password=False)])
     assert code == 2
-    assert "name the rows to act on" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "name the rows to retry: ids, a filter (--event-type" in err and "or --all" in err
 
 
 def test_failed_jobs_through_the_cli(engine: Engine, db_url: URL, capsys: pytest.CaptureFixture[str]) -> None:
