@@ -509,6 +509,37 @@ def test_cancel_and_retry_jobs_through_the_ui(engine: Engine, tab: Tab) -> None:
     assert ids(engine, Job, Job.id.in_(failed), Job.status == "queued") == failed
 
 
+def test_discard_failed_jobs_through_the_ui_one_and_every_matching(
+    engine: Engine, tab: Tab, cli_server: CliServer
+) -> None:
+    """A failed job could be retried from the dashboard but not discarded (the CLI's ``dead skip --jobs``): an
+    operator had to leave it failing the check, or go to the command line (a review)."""
+    seed(engine)
+    failed = ids(engine, Job, Job.status == "failed")
+    with engine.begin() as conn:  # two more failed jobs, of another task, for the bulk discard
+        conn.execute(text("INSERT INTO jobs (queue, task, payload, status, last_error) "
+                          "SELECT 'mail', 'import_file', '{}', 'failed', 'bad file' FROM generate_series(1, 2)"))  # fmt: skip
+    imports = ids(engine, Job, Job.status == "failed", Job.task == "import_file")
+    page = tab.go(f"/tables/jobs/rows/{failed[0]}")
+    page.get_by_role("button", name="Discard").click()
+    page.wait_for_selector(".flash")
+    assert f"discarded 1 row(s) of jobs: {failed[0]}" in page.inner_text(".flash")
+    with engine.connect() as conn:
+        status, error = conn.execute(select(Job.status, Job.last_error).where(Job.id == failed[0])).one()
+    assert status == "cancelled" and error.endswith("discarded by operator (not run again)")
+    page = tab.go("/tables/jobs/dead?task=import_file")
+    page.click("text=Discard all matching…")
+    assert page.locator("[data-preview-count]").inner_text() == "2"
+    assert "This would discard (cancel: never run again)" in page.inner_text("section.preview")
+    page.get_by_role("button", name="Discard 2 row(s)").click()
+    page.wait_for_selector(".flash")
+    assert "discarded 2 row(s) of jobs (the preview showed 2)" in page.inner_text(".flash")
+    assert ids(engine, Job, Job.id.in_(imports), Job.status == "cancelled") == imports
+    assert ids(engine, Job, Job.status == "failed") == failed[1:]
+    assert re.search(r"dashboard: token@127\.0\.0\.1 skip_dead on jobs: 2 of 2 selected row\(s\) changed",
+                     cli_server.log_text())  # fmt: skip
+
+
 def test_job_lists_filter_by_status_task_and_queue_newest_first(
     engine: Engine, cli_server: CliServer
 ) -> None:
@@ -732,6 +763,7 @@ EVERY_PAGE = (
     "/tables/outbox/dead/preview?action=retry",
     "/tables/outbox/dead/preview?action=skip&event_type=E",
     "/tables/jobs/dead/preview?action=retry&task=t",
+    "/tables/jobs/dead/preview?action=skip&task=t",
     "/tables/outbox/rows/1",
     "/tables/outbox/blocked",
     "/tables/jobs/jobs",

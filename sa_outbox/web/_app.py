@@ -420,7 +420,7 @@ async def dead_preview(d: Dashboard, request: Request, who: str | None) -> Respo
     """What a bulk action on every matching dead letter would change: the same call with ``dry_run``."""
     t = d.table(request)
     action = request.query_params.get("action", "retry")
-    if action not in ("retry", "skip") or (action == "skip" and t.kind != "outbox"):
+    if action not in ("retry", "skip"):
         raise Refused(400, f"no bulk action {action!r} for {t.kind} dead letters")
     filters, typed = dead_filters(t, request.query_params)
     try:  # the call's own selection, in the page's bounded read (admin's dry run would wait on any lock)
@@ -561,10 +561,11 @@ def _log_action(
 async def dead_action(d: Dashboard, request: Request, who: str, form: dict[str, list[str]]) -> str:
     t = d.table(request)
     action = request.path_params["action"]
-    if action not in ("retry", "skip") or (action == "skip" and t.kind != "outbox"):
+    if action not in ("retry", "skip"):
         raise Refused(400, f"no action {action!r} for {t.kind} dead letters")
     fn = admin.retry_dead if action == "retry" else admin.skip_dead
-    verb = "requeued" if action == "retry" else "skipped"
+    # a failed job is discarded (cancelled, never run again), as ``sa-outbox dead skip --jobs`` does
+    verb = "requeued" if action == "retry" else "skipped" if t.kind == "outbox" else "discarded"
     if _one(form, "scope") == "matching":
         filters, typed = dead_filters(t, form)
         expected = _one(form, "expected") or ""
