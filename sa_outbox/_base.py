@@ -321,7 +321,13 @@ class LoopBase:
                 signum = self._stop_signals.popleft()
             except IndexError:
                 return True
-            self._log.info("signal %s: finishing what is in hand, then stopping", signum)
+            self._log.info(
+                "signal %s: finishing what is in hand, then stopping%s", signum, self._in_hand_note()
+            )
+
+    def _in_hand_note(self) -> str:
+        """What the stop waits for, for the signal's log line (each flavour says what it holds)."""
+        return ""
 
     def _poke(self) -> None:
         """Wake the loop's waiter (each flavour has its own)."""

@@ -108,6 +108,10 @@ TRIP_GUESS = 0.002
 #: How often the heartbeat tries to renew the rows it guards (seconds): the guard keeps their jobs from being
 #: rescued meanwhile, so this only bounds how soon after a row is free its lease is fresh again.
 GUARD_POLL = 0.1
+#: The heartbeat thread looks this often for a stop signal the main thread took while it runs a job inline,
+#: and logs it: the main thread writes that line only after the job (an operator saw nothing for the length
+#: of a long job and reached for kill -9 — a review).
+NOTICE_POLL = 1.0
 #: The guard connection's transaction is ended and begun again once it holds this many guards (rows long
 #: renewed keep theirs until it ends), so that guards cannot pile up in the server's lock table.
 GUARD_ROTATE = 256
@@ -647,6 +651,16 @@ class WorkerBase(LoopBase):
     def _running_jobs(self) -> list[_Running]:
         """The handlers running now (each flavour keeps its own table of them)."""
         return list(getattr(self, "_running", {}).values())
+
+    def _in_hand_note(self) -> str:
+        running = [r.job for r in self._running_jobs()]
+        if self._inline_job is not None:
+            running.append(self._inline_job)
+        if not running:
+            return ""
+        oldest = min(running, key=lambda job: job.id)
+        more = f" and {len(running) - 1} more" if len(running) > 1 else ""
+        return f" (running: job {oldest.id} {oldest.task!r}{more})"
 
     def _lease_seconds(self) -> float:
         return self.stale_after.total_seconds()
@@ -1304,12 +1318,14 @@ class _HeartbeatThread:
         interval: float,
         guarding: Callable[[], bool],
         guard: Callable[[], None],
+        notice: Callable[[], None],
     ) -> None:
         self.interval = interval
         self.beat = beat
         self.connect = connect
         self.guarding = guarding
         self.guard = guard
+        self.notice = notice
         self.stopped = threading.Event()
         self.woken = threading.Event()
         self.thread: threading.Thread | None = None
@@ -1333,12 +1349,13 @@ class _HeartbeatThread:
                 log.warning("heartbeat could not connect yet: %s", exc, extra={"error": str(exc)})
         next_beat = time.monotonic() + self.interval
         while not self.stopped.is_set():
-            wait = next_beat - time.monotonic()
+            wait = min(next_beat - time.monotonic(), NOTICE_POLL)
             self.woken.wait(max(0.0, min(wait, GUARD_POLL) if self.guarding() else wait))
             self.woken.clear()
             if self.stopped.is_set():
                 break
             try:
+                self.notice()
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval
                     self.beat()
@@ -1413,6 +1430,7 @@ class Worker(WorkerBase):
                 self.heartbeat,
                 lambda: bool(self._guarding),
                 self.guard_once,
+                self._notice_stop,
             )
         )
         #: The heartbeat's connection serves one caller at a time: the heartbeat thread, or whoever calls
@@ -1434,6 +1452,11 @@ class Worker(WorkerBase):
 
     def _poke(self) -> None:
         self._waker.poke()
+
+    def _notice_stop(self) -> None:
+        """The heartbeat thread's look for a signal the main thread took (see :data:`NOTICE_POLL`)."""
+        if self._stop_signals:
+            self._stopped()
 
     def _wait_out_fault(self, delay: float) -> None:
         """run()'s wait after a database fault, in the two parts of :meth:`_fault_wait_steps`."""

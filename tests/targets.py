@@ -40,9 +40,17 @@ def worker() -> Worker:
     url = os.environ["DATABASE_URL"]
     engine = create_engine(url)
     delay = float(os.environ.get("JOB_DELAY", "0"))
+    gate = os.environ.get(
+        "GATE"
+    )  # a file: each job writes GATE.started, then waits (<= 60 s) until GATE exists
 
     def record(job: ClaimedJob) -> None:
         time.sleep(delay)
+        if gate:
+            open(f"{gate}.started", "w").close()
+        deadline = time.monotonic() + 60
+        while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
         with engine.begin() as conn:
             conn.execute(
                 text("INSERT INTO job_calls (job_id, pid) VALUES (:j, :p)"), {"j": job.id, "p": os.getpid()}

@@ -9,9 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,6 +152,42 @@ def test_a_sigterm_at_any_line_of_the_handler_or_of_a_log_call_still_stops_the_l
     assert lines >= 3 and rounds(out) == list(range(1, lines + 1)), out[-3000:]  # a round for every line
     # calibration (3) and every round logged its signal, once its loop looked
     assert out.count("signal 15: finishing what is in hand, then stopping") >= lines + 3, out[-3000:]
+
+
+@pytest.mark.parametrize("concurrency", ["1", "2"])
+def test_a_stop_signal_during_a_long_job_is_logged_while_the_job_runs(
+    side_tables: Engine, db_url: URL, tmp_path: Path, concurrency: str
+) -> None:
+    """An inline worker (concurrency 1) runs its job on the main thread: the signal's line was logged only
+    after the job, so an operator stopping a worker in a long job saw nothing and reached for kill -9 (a
+    review). The heartbeat thread now logs it, naming the job the stop waits for — while the job runs."""
+    engine = side_tables
+    gate = tmp_path / "gate"
+    seed_jobs(engine, 1, task="record")
+    proc = spawn("worker", db_url, GATE=str(gate), CONCURRENCY=concurrency)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_for((tmp_path / "gate.started").exists)  # the handler runs (not merely claimed)
+        proc.send_signal(signal.SIGTERM)
+        logged = lambda: [line for line in lines if "signal 15: finishing what is in hand" in line]  # noqa: E731
+        wait_for(lambda: bool(logged()), timeout=20)  # (the job waits for the gate: up to 60 s)
+        job_id = scalar(engine, "SELECT id FROM jobs")
+        assert f"then stopping (running: job {job_id} 'record')" in logged()[0], logged()
+        assert scalar(engine, "SELECT count(*) FROM jobs WHERE status = 'running'") == 1  # logged meanwhile
+        gate.touch()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert scalar_row(engine, "SELECT status, attempts FROM jobs") == ("done", 1)
+    assert scalar(engine, "SELECT count(*) FROM job_calls") == 1
+    assert sum("signal 15: finishing what is in hand" in line for line in lines) == 1  # logged once
 
 
 def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
