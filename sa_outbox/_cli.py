@@ -292,7 +292,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
                   "max_expired_leases": args.max_expired_leases}  # fmt: skip
     problems: list[str] = []
     summary: dict[str, Any] = {}
+    fine: list[str] = []  # (a FAIL line said nothing of the tables that passed)
     for _, model in _tables(args, engine):
+        before = len(problems)
         r = queue_status(engine, model, stale_after=_stale_after(args))
         dead_word = "failed" if r.kind == "jobs" else "dead"
         summary[r.table] = {
@@ -309,14 +311,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
             problems.append(f"{r.table}: {r.dead} {dead_word} > {max_dead}")
         if args.max_expired_leases is not None and r.expired_leases > args.max_expired_leases:
             problems.append(f"{r.table}: {r.expired_leases} expired leases > {args.max_expired_leases}")
+        if len(problems) == before:
+            fine.append(r.table)
     if args.json:
         _print_json({"ok": not problems, "problems": problems, "thresholds": thresholds, "tables": summary})
     else:
         checked = ", ".join(f"{k.removeprefix('max_').replace('_', ' ')} <= {v:g}"
                             for k, v in thresholds.items() if v is not None)  # fmt: skip
-        failing = {p.split(":", 1)[0] for p in problems}
-        # (a FAIL line said nothing of the tables that passed)
-        fine = [t for t in summary if t not in failing]
         passed = " (ok: " + ", ".join(fine) + ")" if fine else ""
         print(f"FAIL: {'; '.join(problems)}{passed}" if problems else f"OK: {', '.join(summary)} ({checked})")
     return 1 if problems else 0
