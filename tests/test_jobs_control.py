@@ -773,9 +773,11 @@ def test_jobs_in_hand_whose_leases_went_unrenewed_are_given_back_not_started(
         with engine.begin() as conn:
             conn.execute(text("SELECT id FROM jobs WHERE id IN (2, 3) FOR UPDATE"))
             time.sleep(1.8)  # past 0.8 × stale_after since the claim: no beat renewed them
+            # clock_timestamp(), not now() (this transaction's start, 1.8 s ago): the other worker's lease is
+            # fresh when it commits — with now() a rescue 0.2 s later on a loaded machine took it (a CI flake)
             conn.execute(text(
-                "UPDATE jobs SET lease_version = lease_version + 1, locked_by = 'other', locked_at = now() "
-                "WHERE id IN (2, 3)"
+                "UPDATE jobs SET lease_version = lease_version + 1, locked_by = 'other', "
+                "locked_at = clock_timestamp() WHERE id IN (2, 3)"
             ))  # fmt: skip
 
     w, started = _first_job_then(runner, engine, kind, long_job, 2, stale_after=2.0, heartbeat=0.5)
