@@ -540,6 +540,34 @@ def test_discard_failed_jobs_through_the_ui_one_and_every_matching(
                      cli_server.log_text())  # fmt: skip
 
 
+def test_an_action_on_selected_jobs_names_those_that_changed_since_the_page_was_drawn(
+    engine: Engine, cli_server: CliServer
+) -> None:
+    """A job selected on the page that finished before the click: the flash said "cancelled 0 queued job(s)"
+    and nothing of why, as if the click had been lost."""
+    from urllib.parse import unquote
+
+    seed(engine)
+    queued = ids(engine, Job, Job.status == "queued", Job.queue == "reports")[:2]
+    done = ids(engine, Job, Job.status == "done")[0]
+    failed = ids(engine, Job, Job.status == "failed")[0]
+    csrf = csrf_of(cli_server.base, "/tables/jobs/jobs")
+
+    def flash(action: str, *picked: int) -> str:
+        reply = http("POST", f"{cli_server.base}/tables/jobs/jobs/{action}", headers=BEARER,
+                     form={"ids": [str(i) for i in picked], "csrf": csrf})  # fmt: skip
+        assert reply.status == 303, reply.body
+        return unquote(reply.headers["set-cookie"])
+
+    said = flash("cancel", queued[0], done)
+    assert "cancelled 1 queued job(s)" in said and f"; 1 were no longer queued or running: {done}" in said, (
+        said
+    )
+    said = flash("retry", failed, done)
+    assert "requeued 1 job(s)" in said and f"; 1 were no longer failed or cancelled: {done}" in said, said
+    assert "were no longer" not in flash("cancel", queued[1])
+
+
 def test_job_lists_filter_by_status_task_and_queue_newest_first(
     engine: Engine, cli_server: CliServer
 ) -> None:

@@ -585,8 +585,7 @@ async def dead_action(d: Dashboard, request: Request, who: str, form: dict[str, 
     _log_action(
         who, f"{action}_dead", t, selected=len(ids), changed=len(changed), ids=changed, how="selected ids"
     )
-    left = len(ids) - len(changed)
-    tail = f"; {left} were no longer {t.spec.dead}" if left else ""
+    tail = _left_alone({"ids": ids}, changed, f"no longer {t.spec.dead}")
     return f"{verb} {len(changed):,} row(s) of {t.name}: {', '.join(map(str, changed[:20]))}{tail}"
 
 
@@ -613,13 +612,21 @@ async def jobs_action(d: Dashboard, request: Request, who: str, form: dict[str, 
         _log_action(who, "cancel_jobs", t, selected=len(target.get("ids", changed)), changed=len(changed), ids=changed,
                     how=how)  # fmt: skip
         return (f"cancelled {len(got.cancelled):,} queued job(s); asked {len(got.requested):,} running job(s) to stop"
-                f" ({t.name})")  # fmt: skip
+                f" ({t.name}){_left_alone(target, changed, 'no longer queued or running')}")  # fmt: skip
     status = _one(form, "status")
     statuses = (status,) if status in ("failed", "cancelled") else ("failed", "cancelled")
     changed = await run_in_threadpool(admin.retry_jobs, d.engine, t.model, statuses=statuses, **target)
     _log_action(who, "retry_jobs", t, selected=len(target.get("ids", changed)), changed=len(changed), ids=changed,
                 how=how)  # fmt: skip
-    return f"requeued {len(changed):,} job(s) of {t.name}"
+    tail = _left_alone(target, changed, "no longer " + " or ".join(statuses))
+    return f"requeued {len(changed):,} job(s) of {t.name}{tail}"
+
+
+def _left_alone(target: dict[str, Any], changed: list[int], why: str) -> str:
+    """The flash's note of the selected jobs an action left alone (finished or changed since the page was
+    drawn): "cancelled 0" alone read as if the click had been lost."""
+    left = sorted(set(target.get("ids", ())) - set(changed))
+    return f"; {len(left)} were {why}: {', '.join(map(str, left[:20]))}" if left else ""
 
 
 async def queue_action(d: Dashboard, request: Request, who: str, form: dict[str, list[str]]) -> str:
