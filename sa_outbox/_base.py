@@ -311,6 +311,13 @@ class LoopBase:
     def stopping(self) -> bool:
         return self._stop_requested
 
+    def _stop_on_signal(self, signum: int) -> None:
+        """A stop asked by a signal, the one way every flavour takes it: the loop logs the signal when it next
+        looks (:meth:`_stopped`) — the async loops, which called :meth:`stop` alone, never logged it (a
+        review)."""
+        self._stop_signals.append(signum)
+        self.stop()
+
     def _stopped(self) -> bool:
         """Whether a stop was asked for — what the loops check — and a log line for each signal the handler took
         since the last look (written here, never in the signal handler)."""
@@ -343,8 +350,7 @@ class LoopBase:
             # lock that thread holds. So it does not log either (a QueueHandler's queue.put holding its
             # mutex, interrupted, hung here on the same mutex): the loop logs the signal when it next looks
             # (_stopped), from its own code.
-            self._stop_signals.append(signum)
-            self.stop()
+            self._stop_on_signal(signum)
 
         previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -804,7 +810,9 @@ class LoopBase:
             else:
                 self.stats.released += 1
                 self._requeued.put(o.delay, time.monotonic())
-                self._log.info("%s %s released: %s", kind, o.id, o.error, extra=extra)
+                said = o.error or ""  # (the library's reasons say "released: …" themselves)
+                self._log.info("%s %s %s", kind, o.id, said if said.startswith("released") else f"released: {said}",
+                               extra=extra)  # fmt: skip
 
     def _observe_handled(self, seconds: float, created_at: Any) -> None:
         """Publish/handler latency (successful or not) and end-to-end age, for the metrics exporter."""
@@ -988,8 +996,8 @@ def stray_cancellation(exc: asyncio.CancelledError) -> RuntimeError | None:
     return error
 
 
-def install_async_signals(stop: Callable[[], None]) -> Callable[[], None] | None:
-    """SIGTERM/SIGINT call ``stop`` from the running event loop (where the platform allows it). The returned
+def install_async_signals(stop: Callable[[int], None]) -> Callable[[], None] | None:
+    """SIGTERM/SIGINT call ``stop(signum)`` from the running event loop (where the platform allows it). The returned
     ``restore`` puts back the handlers that were there before: ``loop.remove_signal_handler`` alone resets
     them to the defaults, which silently dropped a program's own SIGTERM handler after ``run()``."""
     loop = asyncio.get_running_loop()
@@ -997,7 +1005,7 @@ def install_async_signals(stop: Callable[[], None]) -> Callable[[], None] | None
     for s in (signal.SIGTERM, signal.SIGINT):
         previous = signal.getsignal(s)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(s, stop)
+            loop.add_signal_handler(s, stop, int(s))
             installed[s] = previous
 
     def restore() -> None:

@@ -691,7 +691,7 @@ class AsyncDispatcher(DispatcherBase):
     ) -> None:
         """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
         ``max_batches`` — the same contract as :meth:`Dispatcher.run`."""
-        restore = install_async_signals(self.stop) if install_signal_handlers else None
+        restore = install_async_signals(self._stop_on_signal) if install_signal_handlers else None
         policy = self._start_run(startup_timeout, drain=until_idle)
         batches = 0
         try:

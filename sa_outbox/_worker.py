@@ -2053,7 +2053,7 @@ class AsyncWorker(WorkerBase):
     ) -> None:
         """Loop until :meth:`stop`, SIGTERM/SIGINT (when installed), cancellation, ``until_idle`` or
         ``max_batches`` — the same contract as :meth:`Worker.run`."""
-        restore = install_async_signals(self.stop) if install_signal_handlers else None
+        restore = install_async_signals(self._stop_on_signal) if install_signal_handlers else None
         batches = 0
         self._begin()
         policy = self._start_run(startup_timeout, drain=until_idle)

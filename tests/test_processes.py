@@ -363,3 +363,5 @@ def test_cli_runs_an_async_dispatcher_target_and_stops_on_sigterm(side_tables: E
     code, out = stop(proc)
     assert code == 0, out
     assert scalar(engine, "SELECT count(DISTINCT message_id) FROM deliveries") == 20
+    # the async loops log the signal as the sync ones do (they took it through stop() alone and never did)
+    assert out.count("signal 15: finishing what is in hand, then stopping") == 1, out[-2000:]
