@@ -57,11 +57,13 @@ __all__ = [
     "one_async_run_at_a_time",
     "one_run_at_a_time",
     "positive_int",
+    "run_to_end",
     "stray_cancellation",
     "through_cancellation",
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("sa_outbox.loop")
 
 
 def default_owner(prefix: str) -> str:
@@ -939,6 +941,40 @@ def held_task(coro: Coroutine[Any, Any, _R]) -> asyncio.Task[_R]:
 #: overdue: its clean-up may await; one that swallows the cancellation would otherwise hold its slot, and the
 #: loop's end, for good.
 ABANDON_AFTER_CANCEL = 1.0
+
+
+def run_to_end(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(main)`` for the async loops' ``serve()``, except at the end: the tasks still pending are
+    cancelled as asyncio.run cancels them, and those that have not ended ``ABANDON_AFTER_CANCEL`` later are
+    left, logged — asyncio.run waits for them for good. A handler or publisher that swallows every
+    cancellation, already abandoned by the loop, held the process after "stopped": ``sa-outbox worker`` could
+    be ended only by SIGKILL (a review), where the sync Worker, whose abandoned thread is a daemon, exits."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                done, deaf = loop.run_until_complete(asyncio.wait(left, timeout=ABANDON_AFTER_CANCEL))
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        log.error("a task failed as the event loop ended: %r", task.exception())
+                if deaf:
+                    log.warning(
+                        "%d task(s) did not end within %.0f s of their cancellation as the event loop closed: "
+                        "abandoned (an async handler or publisher that swallows cancellation?): %s", len(deaf),
+                        ABANDON_AFTER_CANCEL, ", ".join(sorted(t.get_name() for t in deaf)),
+                    )  # fmt: skip
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
 
 #: How long a cancelled run waits for a claim statement in flight before cutting it off (then the server
 #: cancels it and it commits nothing): a claim is quick unless it waits on a lock (a migration's, say).

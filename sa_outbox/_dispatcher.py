@@ -55,6 +55,7 @@ from ._base import (
     is_async_callable,
     one_async_run_at_a_time,
     one_run_at_a_time,
+    run_to_end,
     stray_cancellation,
     through_cancellation,
 )
@@ -733,7 +734,7 @@ class AsyncDispatcher(DispatcherBase):
             finally:
                 await self.close()
 
-        asyncio.run(main())
+        run_to_end(main())
 
     async def close(self) -> None:
         """Release the loop's connections and threads."""

@@ -60,6 +60,7 @@ from ._base import (
     one_async_run_at_a_time,
     one_run_at_a_time,
     one_statement,
+    run_to_end,
     stray_cancellation,
     through_cancellation,
 )
@@ -2114,7 +2115,7 @@ class AsyncWorker(WorkerBase):
             finally:
                 await self.close()
 
-        asyncio.run(main())
+        run_to_end(main())
 
     async def close(self) -> None:
         """Release the loop's connections and threads."""

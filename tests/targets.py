@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -73,3 +74,26 @@ def async_dispatcher() -> object:
 
 
 not_a_loop = 42
+
+
+def deaf_async_worker() -> object:
+    """An AsyncWorker whose handler swallows every cancellation until the file GATE exists (bounded: 120 s):
+    past its handler_timeout the loop abandons it, and the process must still end."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncWorker
+    from sa_outbox.embedded import normalize_url
+
+    gate = os.environ["GATE"]
+
+    async def deaf(job: ClaimedJob) -> None:
+        open(f"{gate}.started", "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            with contextlib.suppress(asyncio.CancelledError):  # deaf
+                await asyncio.sleep(0.05)
+
+    url = normalize_url(os.environ["DATABASE_URL"]).replace("+psycopg:", "+psycopg_async:")
+    return AsyncWorker(create_async_engine(url), Job, {"deaf": deaf}, handler_timeout=0.3, poll_interval=0.2)

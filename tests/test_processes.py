@@ -190,6 +190,40 @@ def test_a_stop_signal_during_a_long_job_is_logged_while_the_job_runs(
     assert sum("signal 15: finishing what is in hand" in line for line in lines) == 1  # logged once
 
 
+def test_an_async_worker_process_ends_after_stop_with_a_handler_that_swallows_cancellation(
+    side_tables: Engine, db_url: URL, tmp_path: Path
+) -> None:
+    """The loop abandons a handler that swallows its handler_timeout's cancellation, and stops; then
+    asyncio.run's teardown waited for that task for good — ``sa-outbox worker`` logged "stopped" and never
+    exited (a review: only SIGKILL ended it). serve() now leaves such a task a second after cancelling it."""
+    engine = side_tables
+    gate = tmp_path / "gate"
+    seed_jobs(engine, 1, task="deaf")
+    env = dict(os.environ, DATABASE_URL=db_url.render_as_string(hide_password=False), GATE=str(gate))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sa_outbox", "worker", "tests.targets:deaf_async_worker"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_for((tmp_path / "gate.started").exists)
+        wait_for(lambda: scalar(engine, "SELECT status FROM jobs") == "queued")  # abandoned: retried
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)  # (the deaf handler would hold it until the gate opens)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the process did not end after its stop") from None
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    assert "did not end within 1 s of their cancellation as the event loop closed: abandoned" in out, out[
+        -3000:
+    ]
+    assert scalar(engine, "SELECT count(*) FROM jobs WHERE status = 'running'") == 0
+
+
 def test_dispatcher_survives_its_backends_being_terminated_and_loses_nothing(
     side_tables: Engine, db_url: URL
 ) -> None:
