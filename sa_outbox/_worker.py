@@ -1198,6 +1198,14 @@ class WorkerBase(LoopBase):
                 self._poke()
         ids, cancel = renewed
         self._held.confirm(((job_id, version) for job_id, version in pairs if job_id in ids), sent)
+        took, stale = time.monotonic() - sent, self.stale_after.total_seconds()
+        if took > stale / 2:  # (what decides: the leases stay alive only while beats get through in time)
+            log.warning(
+                "heartbeat: renewing %d lease(s) took %.1f s (stale_after %g s): its statement waited — a pooler "
+                "with no free server connection, a lock, an overloaded server; a beat later than stale_after lets "
+                "another worker rescue and run these jobs again", len(pairs), took, stale,
+                extra={"seconds": round(took, 3), "stale_after": stale},
+            )  # fmt: skip
         still_held = dict(self._held.pairs())
         with self._guarding_lock:
             guarded = set(self._guarding.items())

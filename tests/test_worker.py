@@ -1469,3 +1469,27 @@ def test_a_worker_with_shares_claims_in_the_usual_form_while_its_rooms_fill(
     # (a claim may still come back short now and then — one queue empty, the other's room not filled, a claim
     # sent ahead with a job in hand, a loaded machine — and switch forms once; before, every other one did)
     assert len(shapes) >= 10 and shapes.count(True) <= len(shapes) // 3, shapes
+
+
+def test_a_heartbeat_that_waited_half_of_stale_after_is_logged(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Leases live only while beats get through in time: behind a pooler out of server connections (a review:
+    PgBouncer's pool of 2, one held by a transaction over a job's row, one by the lease guard), beats waited in
+    its queue past stale_after and other workers rescued live jobs — with nothing in the log to say why. A beat
+    that took more than half of stale_after now says so."""
+    seed_jobs(engine, 1, task="slow")
+
+    def slow(job: Any) -> None:
+        with (
+            engine.begin() as conn
+        ):  # the beat's UPDATE waits for this lock (its SKIP LOCKED skips row locks)
+            conn.execute(text("LOCK TABLE jobs IN SHARE MODE"))
+            time.sleep(2.4)  # (the first beat, 0.3 s in, waits ~2.1 s: more than half of stale_after)
+
+    w = Worker(engine, Job, {"slow": slow}, stale_after=3, heartbeat=0.3, poll_interval=0.1)
+    with caplog.at_level(logging.WARNING, logger="sa_outbox"):
+        drain(w)
+    slow_beats = [r.getMessage() for r in caplog.records if "heartbeat: renewing" in r.getMessage()]
+    assert slow_beats and "(stale_after 3 s): its statement waited" in slow_beats[0], caplog.text
+    assert statuses(engine, "jobs") == {"done": 1}
