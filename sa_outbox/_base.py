@@ -221,6 +221,9 @@ class LoopBase:
         # handling: a supervisor's death sends two, PR_SET_PDEATHSIG's and the lifeline's) waited on forever.
         # Nothing waits on it: the loop's waiter is poked.
         self._stop_requested = False
+        #: Whether the last run() ended without recording what it had in hand (the database out of reach as it
+        #: stopped): those rows are rescued after their lease and run again. ``sa-outbox`` then exits 3.
+        self.ended_unrecorded = False
         #: Signals the handler took, to be logged by _stopped() (append and popleft are atomic: no lock).
         self._stop_signals: collections.deque[int] = collections.deque()
         self._rescuer = Rescuer()

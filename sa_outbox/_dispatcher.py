@@ -610,6 +610,7 @@ class Dispatcher(DispatcherBase):
         try:
             self._flush()
         except Exception:
+            self.ended_unrecorded = True
             log.exception("could not finalize the last batch; its leases will expire and be rescued")
         finally:
             self._waker.close()
@@ -832,6 +833,7 @@ class AsyncDispatcher(DispatcherBase):
         try:
             await self._flush()
         except Exception:
+            self.ended_unrecorded = True
             log.exception("could not finalize the last batch; its leases will expire and be rescued")
         finally:
             await self._waker.close()

@@ -113,7 +113,7 @@ def _load_and_serve(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     if early_signals or state["stop"]:
         return 0
-    from ._cli import load_target
+    from ._cli import EXIT_UNREACHABLE, load_target
 
     loop = load_target(target, kind)
     state["loop"] = loop
@@ -128,6 +128,12 @@ def _load_and_serve(
         reporter = ChildReport(loop, report, with_status=report_status).start()
     try:
         loop.serve(startup_timeout=startup_timeout)  # every flavour: handlers installed, closed at the end
+        if loop.ended_unrecorded:  # (exit 0 said "stopped cleanly" over jobs left running — a review)
+            log.error(
+                "stopped without recording what it had in hand (the database out of reach): those rows stay "
+                "leased until their lease expires, then are rescued and run again"
+            )
+            return EXIT_UNREACHABLE
         return 0
     finally:
         if reporter is not None:

@@ -1820,8 +1820,9 @@ class Worker(WorkerBase):
         """The once-a-second maintenance, between two inline jobs when it is due: a batch of jobs in hand does
         not hold back a rescue or a pause (the jobs of a queue paused meanwhile are given back, not started).
         Not while a claim in flight uses the loop's connection — a claim sent ahead whose result has arrived is
-        read first, which frees it."""
-        if not self._rescuer.due(time.monotonic()):
+        read first, which frees it. None once a stop was asked: the jobs in hand are only recorded now (a review:
+        a rescue begun after the stop, on a server that stopped answering, held the stop for good)."""
+        if self._stop_requested or not self._rescuer.due(time.monotonic()):
             return
         self._read_landed_ahead()  # (frees the connection: the step, and a pause, need not wait for the batch)
         if self._inflight is not None and self._inflight.holds_connection():
@@ -1934,6 +1935,7 @@ class Worker(WorkerBase):
             self._release_after_runs()
             self._flush()
         except Exception:
+            self.ended_unrecorded = True
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
         finally:
             if self._beat is not None:
@@ -2221,7 +2223,7 @@ class AsyncWorker(WorkerBase):
 
     async def _maintain_between_jobs(self) -> None:
         """The once-a-second maintenance between two inline jobs, as the sync Worker runs it."""
-        if self._rescuer.due(time.monotonic()):
+        if not self._stop_requested and self._rescuer.due(time.monotonic()):
             try:
                 await self._rescue()
             except Exception as exc:
@@ -2682,6 +2684,7 @@ class AsyncWorker(WorkerBase):
             self._release_after_runs()
             await self._flush()
         except Exception:
+            self.ended_unrecorded = True
             log.exception("could not finalize the jobs in hand; their leases will expire and be rescued")
         finally:
             beat, self._beat_task = self._beat_task, None

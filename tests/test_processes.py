@@ -190,6 +190,46 @@ def test_a_stop_signal_during_a_long_job_is_logged_while_the_job_runs(
     assert sum("signal 15: finishing what is in hand" in line for line in lines) == 1  # logged once
 
 
+def test_a_worker_that_stops_without_recording_what_it_ran_exits_3_not_0(
+    side_tables: Engine, db_url: URL, tmp_path: Path
+) -> None:
+    """A stop whose last finalize fails (here a trigger refuses it; in life the database is out of reach)
+    logged an error and exited 0 — "stopped cleanly" over a job left running, to be rescued and run again (two
+    reviews). Now exit 3, and the log says what follows."""
+    engine = side_tables
+    gate = tmp_path / "gate"
+    seed_jobs(engine, 1, task="record")
+    proc = spawn("worker", db_url, GATE=str(gate))
+    try:
+        wait_for((tmp_path / "gate.started").exists)
+        with engine.begin() as conn:
+            conn.execute(text(
+                "CREATE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "RAISE EXCEPTION 'refused by the test'; END $$"
+            ))  # fmt: skip
+            conn.execute(text(
+                "CREATE TRIGGER refuse_done BEFORE UPDATE ON jobs FOR EACH ROW "
+                "WHEN (NEW.status <> 'running') EXECUTE FUNCTION refuse_done()"
+            ))  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        gate.touch()
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        gate.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        with engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER IF EXISTS refuse_done ON jobs"))
+            conn.execute(text("DROP FUNCTION IF EXISTS refuse_done()"))
+    assert proc.returncode == 3, out[-3000:]
+    assert (
+        "could not finalize the jobs in hand" in out
+        and "stopped without recording what it had in hand" in out
+    )
+    assert scalar(engine, "SELECT status FROM jobs") == "running"  # (what the exit code says)
+
+
 def test_an_async_worker_process_ends_after_stop_with_a_handler_that_swallows_cancellation(
     side_tables: Engine, db_url: URL, tmp_path: Path
 ) -> None:

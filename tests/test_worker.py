@@ -1493,3 +1493,29 @@ def test_a_heartbeat_that_waited_half_of_stale_after_is_logged(
     slow_beats = [r.getMessage() for r in caplog.records if "heartbeat: renewing" in r.getMessage()]
     assert slow_beats and "(stale_after 3 s): its statement waited" in slow_beats[0], caplog.text
     assert statuses(engine, "jobs") == {"done": 1}
+
+
+def test_a_stop_starts_no_rescue_between_the_jobs_in_hand(engine: Engine) -> None:
+    """The inline loop's once-a-second maintenance ran a rescue after a stop was asked; on a server that had
+    stopped answering that statement held the stop for good (a review). After a stop only the jobs in hand
+    are recorded."""
+    seed_jobs(engine, 2, task="t")
+    after_stop: list[str] = []
+    w: Worker
+
+    def first(job: Any) -> None:
+        w.stop()
+        time.sleep(1.2)  # the rescue is due again (every second) when this job ends
+
+    def watch(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if w.stopping and "pg_locks" in statement:  # the rescue's guarded-keys subplan
+            after_stop.append(statement)
+
+    w = Worker(engine, Job, {"t": first}, batch=2, concurrency=1)
+    event.listen(engine, "before_cursor_execute", watch)
+    try:
+        w.run(install_signal_handlers=False)
+    finally:
+        event.remove(engine, "before_cursor_execute", watch)
+    assert after_stop == []
+    assert statuses(engine, "jobs") == {"done": 1, "queued": 1}  # the second given back, not started
