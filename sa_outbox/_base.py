@@ -111,8 +111,10 @@ class RunPolicy:
         owner: str,
         startup_timeout: Duration | None,
         cap: float = DATABASE_OUTAGE.cap,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.log = log
+        self.stopping = stopping
         self.owner = owner
         self.cap = cap
         self.limit = None if startup_timeout is None else to_seconds(startup_timeout, name="startup_timeout")
@@ -137,7 +139,10 @@ class RunPolicy:
                 "(--url / DATABASE_URL), the role and the database name"
             ) from exc
         self.failures += 1
-        if not self.reached and self.limit is not None and time.monotonic() - self.started > self.limit:
+        # (not once a stop was asked: a signal during a start-up on a server that never answered exited 2,
+        # "unreachable", when the connect that held it gave up — a review; the stop is what the caller asked)
+        late = self.limit is not None and time.monotonic() - self.started > self.limit
+        if late and not self.reached and not self.stopping():
             raise ConfigurationError(
                 f"database unreachable for {self.limit:g}s since start ({type(exc).__name__}: "
                 f"{getattr(exc, 'orig', exc)}); check the URL (--url / DATABASE_URL) and that the server runs"
@@ -563,7 +568,13 @@ class LoopBase:
             self._trouble_since, self._noticed_at, self._calm_from = now, now, now + grace
             self._log.info("leases expired less than %.0f s ago are rescued from %.1f s after the start, once the "
                            "other loops' heartbeats have renewed what they hold", 2 * self._lease_seconds(), grace)  # fmt: skip
-        return RunPolicy(self._log, self.owner, startup_timeout, cap=self._outage_retry_cap())
+        return RunPolicy(
+            self._log,
+            self.owner,
+            startup_timeout,
+            cap=self._outage_retry_cap(),
+            stopping=lambda: self._stop_requested,
+        )
 
     def _outage_retry_cap(self) -> float:
         """The longest run() waits between two tries to reach a database that is down."""

@@ -369,6 +369,28 @@ def test_a_command_waiting_on_a_silent_server_times_out_as_unreachable(silent_se
     assert done.returncode == EXIT_UNREACHABLE and "cannot reach the database" in done.stderr, done.stderr
 
 
+def test_a_stop_during_a_start_up_on_a_silent_server_is_a_stop_not_an_unreachable_database(
+    silent_server: int,
+) -> None:
+    """A loop stopped while its first connect hangs: when the connect gave up past ``startup_timeout``, run()
+    raised "database unreachable" (``sa-outbox worker``: exit 2) instead of stopping as asked (a review)."""
+    import threading
+
+    from sqlalchemy import create_engine
+
+    from sa_outbox import Worker
+    from sa_outbox.models import Job
+
+    engine = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{silent_server}/x?connect_timeout=2")
+    try:
+        w = Worker(engine, Job, {"t": lambda job: None})
+        threading.Timer(0.5, w.stop).start()  # while the first connect waits (2 s)
+        w.run(install_signal_handlers=False, startup_timeout=1)  # returns: no ConfigurationError
+        assert w.stats.claimed == 0 and w.stats.db_errors >= 1
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_one_shot_command_ends_at_a_stop_signal(silent_server: int, sig: signal.Signals) -> None:
     """Before: status/check/purge only remembered SIGTERM and SIGINT, as a loop does, and one waiting on a
