@@ -75,6 +75,9 @@ log = logging.getLogger("sa_outbox.dispatcher")
 
 _STOPPING = "released: dispatcher stopping"
 _BUDGET = "released: lease budget spent"
+#: A publish cut short by a cancellation from outside the batch (an event loop's teardown): not an answer
+#: overdue, so no attempt spent — as a worker gives back a job whose handler was cancelled.
+_CUT_SHORT = "released: cancelled"
 _UNAVAILABLE = RELEASED_UNAVAILABLE
 
 
@@ -907,7 +910,7 @@ class AsyncDispatcher(DispatcherBase):
         # it cancels the client tasks it may be waiting on; the batch around it is held and records what ended)
         tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
         _, late = await asyncio.wait(tasks, timeout=remaining)
-        for task in late:
+        for task in late:  # (the budget's own cancellations; any other one came from outside the batch)
             task.cancel()
         if late:
             _, deaf = await asyncio.wait(late, timeout=ABANDON_AFTER_CANCEL)
@@ -921,10 +924,12 @@ class AsyncDispatcher(DispatcherBase):
                 )  # fmt: skip
         outcomes: list[Outcome] = []
         published: list[tuple[Message, BaseException | None]] = []
-        for msg, result in zip(messages, results, strict=True):
+        for msg, result, task in zip(messages, results, tasks, strict=True):
             if result == "unstarted":
                 reason = _UNAVAILABLE if unavailable else (_STOPPING if self._stopped() else _BUDGET)
                 outcomes.append(self._release(msg.id, msg.lease_version, reason))
+            elif result == "running" and task not in late and task.cancelled():
+                outcomes.append(self._release(msg.id, msg.lease_version, _CUT_SHORT))
             elif result == "running":
                 published.append((msg, self._over_budget()))
             else:

@@ -2262,6 +2262,10 @@ def test_asyncio_run_returning_while_async_code_awaits_another_task_ends_promptl
     asyncio.run(aengine.dispose())
     found = statuses(engine, "jobs" if kind == "worker" else "outbox")
     assert found in ({"queued": 1}, {"pending": 1}), found  # given back, not left leased
+    # with its attempt given back, as cut short — a dispatcher called it "exceeded the lease budget" and spent
+    # the attempt (a review)
+    r = row(engine, "jobs" if kind == "worker" else "outbox", 1)
+    assert r.attempts == 0 and "cancelled" in r.last_error and "budget" not in r.last_error, r
 
 
 def test_an_async_publisher_deaf_to_its_cancellation_is_abandoned_not_waited_for(
