@@ -168,13 +168,22 @@ class MetricsExporter:
         self.core.observer = self.observe
         self._server: Any = None
         # Scrapes arrive on the HTTP server's thread, outside any event loop: the async loops' engine cannot
-        # serve them, so their status queries get a small sync engine of their own (same URL, psycopg).
+        # serve them, so their status queries get a small sync engine of their own (same URL, psycopg), with
+        # the async engine's execution options (a tenant's schema_translate_map) and no server-side prepared
+        # statements — a handful of different queries every 15 s gain nothing from them, and behind PgBouncer
+        # in transaction mode a prepared name does not survive its transaction (a review found psycopg's
+        # default, 5, where the loop's engine had none).
         engine = self.core.engine
         if engine.dialect.is_async:
             from sqlalchemy import create_engine
             from sqlalchemy.pool import NullPool
 
-            engine = create_engine(engine.url.set(drivername="postgresql+psycopg"), poolclass=NullPool)
+            built = create_engine(
+                engine.url.set(drivername="postgresql+psycopg"), poolclass=NullPool,
+                connect_args={"prepare_threshold": None},
+            )  # fmt: skip
+            options = engine.get_execution_options()
+            engine = built.execution_options(**options) if options else built
         self._status_engine = engine
 
     def observe(self, what: str, seconds: float) -> None:

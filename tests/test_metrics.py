@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
@@ -375,3 +376,53 @@ def test_cli_pool_serves_the_circuit_gauge_during_an_outage(engine: Engine, db_u
     # the child whose circuit opened closes it by its probe's delivery, or (when the other child, which never
     # met the outage, delivered the backlog first) because its probe found nothing left
     assert re.search(r"destination (considered )?available again", out), out
+
+
+def test_an_async_loops_status_engine_keeps_its_engines_options_and_prepares_nothing(
+    engine: Engine, async_url: URL
+) -> None:
+    """The exporter's sync engine for an async loop was made from the URL alone: a tenant's
+    schema_translate_map was lost (its status read another schema's table), and behind PgBouncer its
+    connections prepared statements the loop's engine had switched off (a review)."""
+    import asyncio
+
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from sa_outbox import AsyncDispatcher
+
+    tenant = engine.execution_options(schema_translate_map={None: "metrics_tenant"})
+    with engine.begin() as conn:
+        conn.execute(text("CREATE SCHEMA metrics_tenant"))
+    try:
+        OutboxEvent.__table__.create(tenant)
+        with tenant.begin() as conn:
+            conn.execute(OutboxEvent.__table__.insert(), [
+                {"aggregate_type": "o", "aggregate_id": str(i), "event_type": "E", "payload": {}} for i in range(3)
+            ])  # fmt: skip
+
+        async def go() -> tuple[float, Any]:
+            aengine = create_async_engine(async_url).execution_options(
+                schema_translate_map={None: "metrics_tenant"}
+            )
+            d = AsyncDispatcher(aengine, OutboxEvent, RecordingPublisher(), listen=False)
+            port = _free_port()
+            exporter = MetricsExporter(d, status_interval=0).start(port, addr="127.0.0.1")
+            try:
+                body = await asyncio.to_thread(_scrape, port)
+                with exporter._status_engine.connect() as conn:
+                    threshold = conn.connection.driver_connection.prepare_threshold
+                return _gauge(
+                    body, 'sa_outbox_rows{kind="outbox",status="pending",table="outbox"}'
+                ), threshold
+            finally:
+                exporter.stop()
+                await d.close()
+                await aengine.dispose()
+
+        pending, threshold = asyncio.run(go())
+        assert pending == 3.0  # the tenant's table (public's is empty)
+        assert threshold is None
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text("DROP SCHEMA metrics_tenant CASCADE"))
