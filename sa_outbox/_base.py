@@ -258,6 +258,10 @@ class LoopBase:
         self._abandoned: set[asyncio.Task[Any]] = set()
         #: Whether the table was found to have every column of the model (:meth:`_check_columns_on`).
         self._columns_checked = False
+        #: (database, oid) of the table as the loop's connection resolves it, read with the column check when
+        #: a worker renews its leases on a connection of its own to the server (see Worker: a direct route).
+        self._table_identity: tuple[str, int | None] | None = None
+        self._want_identity = False
         #: Held while run() or run_once() runs (:func:`one_run_at_a_time`), by the event loop or thread below.
         self._run_lock = threading.Lock()
         self._run_owner: Any = None
@@ -521,6 +525,8 @@ class LoopBase:
         (:func:`_steps.check_columns`)."""
         if not self._columns_checked:
             _steps.check_columns(conn, self.spec)
+            if self._want_identity:
+                self._table_identity = _steps.table_identity(conn, self.spec)
             self._columns_checked = True
 
     def _rescue_on(self, conn: Connection) -> None:

@@ -15,6 +15,10 @@ server connection serves many clients in turn. What that breaks, measured on PgB
   what arrives there later (``got packet 'A' from server when not linked``), so an idle loop only polls. The
   loops' wake-ups therefore listen on ``direct_url`` — the server itself, one connection per loop outside any
   pool — or are switched off (``listen=False``: poll every ``poll_interval``, the correctness path anyway).
+* **Leases.** A worker's heartbeat must get through within ``stale_after``; through the pooler it waits for a
+  free server connection like any client, and its lease guard (a transaction held while another transaction
+  holds one of its jobs' rows) takes one. A Worker on an engine made here with ``direct_url`` therefore renews
+  its leases, and holds its guards, on connections to ``direct_url`` (two at most, outside any pool).
 * Session state (plain ``SET``, session-level advisory locks, ``WITH HOLD`` cursors) would leak to other
   clients: sa_outbox uses none — its locks are transaction-scoped, its one setting (``doctor``'s
   ``enable_seqscan``) is ``SET LOCAL``. Nothing to configure.
@@ -27,11 +31,13 @@ server connection serves many clients in turn. What that breaks, measured on PgB
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, TypedDict
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import Pool
 
 from .errors import ConfigurationError
 
@@ -39,6 +45,26 @@ __all__ = ["Wakeups", "pgbouncer_async_engine", "pgbouncer_engine"]
 
 #: Driver names a PgBouncer engine accepts (psycopg 3 is the driver whose statements sa_outbox prepares).
 _DRIVERS = {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg_async"}
+
+
+#: The server itself behind each engine made here with a ``direct_url``, with the engine's ``connect_args``
+#: (server-side prepared statements allowed again: nothing pools them), keyed by the engine's pool — which its
+#: ``execution_options()`` copies share. A Worker's heartbeat and lease guard connect there (see
+#: :func:`direct_server`).
+_DIRECT: weakref.WeakKeyDictionary[Pool, tuple[URL, dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
+def direct_server(engine: Engine | AsyncEngine) -> tuple[URL, dict[str, Any]] | None:
+    """The server behind an engine of :func:`pgbouncer_engine`/:func:`pgbouncer_async_engine` made with a
+    ``direct_url`` (or one of its ``execution_options()`` copies), and the engine's ``connect_args``; None for
+    any other engine.
+
+    A worker's leases are renewed there: through the pooler a beat waits in PgBouncer's queue whenever every
+    server connection is taken (a review: an open transaction over a job's row and the worker's own lease
+    guard took a pool of two; beats queued past stale_after, and other workers rescued and ran the live
+    worker's jobs a second time — 2 to 4 of 8)."""
+    sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+    return _DIRECT.get(sync.pool)
 
 
 class Wakeups(TypedDict, total=False):
@@ -111,7 +137,16 @@ def pgbouncer_engine(
     pooled, wakeups, kwargs = _options(
         url, "postgresql+psycopg", direct_url, prepared_statements, engine_kwargs
     )
-    return create_engine(pooled, **kwargs), wakeups
+    return _remembered(create_engine(pooled, **kwargs), wakeups, kwargs), wakeups
+
+
+def _remembered(engine: Any, wakeups: Wakeups, kwargs: dict[str, Any]) -> Any:
+    direct = wakeups.get("listen_url")
+    if direct is not None:
+        connect_args = {k: v for k, v in kwargs["connect_args"].items() if k != "prepare_threshold"}
+        sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+        _DIRECT[sync.pool] = (make_url(direct), connect_args)
+    return engine
 
 
 def pgbouncer_async_engine(
@@ -126,4 +161,4 @@ def pgbouncer_async_engine(
     pooled, wakeups, kwargs = _options(
         url, "postgresql+psycopg_async", direct_url, prepared_statements, engine_kwargs
     )
-    return create_async_engine(pooled, **kwargs), wakeups
+    return _remembered(create_async_engine(pooled, **kwargs), wakeups, kwargs), wakeups

@@ -882,6 +882,13 @@ def columns_statement(spec: QueueSpec) -> Select[Any]:
     return select(*spec.table.c).where(false())
 
 
+def table_identity_statement() -> TextClause:
+    """The database, and the table ``:name`` (a qualified or bare name) resolves to there (its oid, NULL for
+    none): two connections that agree reach the same table — a worker's direct heartbeat connection checks
+    itself against the loop's pooled one with it."""
+    return text("SELECT current_database(), to_regclass(:name)::oid::bigint")
+
+
 @cache
 def rescue_statement(spec: QueueSpec) -> Update:
     """Rescue up to ``:limit`` leased rows whose lease expired (their worker crashed or hung).

@@ -113,6 +113,11 @@ GUARD_POLL = 0.1
 #: and logs it: the main thread writes that line only after the job (an operator saw nothing for the length
 #: of a long job and reached for kill -9 — a review).
 NOTICE_POLL = 1.0
+_WRONG_ROUTE = (
+    "the direct server of this worker's engine (pgbouncer_engine's direct_url) resolves table %s to %s, the "
+    "engine to %s (a search_path set by an event on the pooled engine does not reach it — use "
+    "schema_translate_map or connect_args): the heartbeat and the lease guard go through the engine instead"
+)
 #: The guard connection's transaction is ended and begun again once it holds this many guards (rows long
 #: renewed keep theirs until it ends), so that guards cannot pile up in the server's lock table.
 GUARD_ROTATE = 256
@@ -1426,7 +1431,9 @@ class Worker(WorkerBase):
         #: concurrency 1 without a timeout: handlers run in the loop's own thread (no hand-off per job).
         self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._db = LoopConnection(engine, self.spec.table.name)
-        self._beat_db = LoopConnection(engine, self.spec.table.name)
+        self._lease_base: Engine | None = None
+        lease = self._direct_lease_engine(engine)
+        self._beat_db = LoopConnection(lease, self.spec.table.name)
         self._waker = Waker(self.listen_url, self.channels)
         self._running: dict[Future[Any], _Running] = {}
         self._finished: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
@@ -1454,7 +1461,41 @@ class Worker(WorkerBase):
         #: Whether the loop's connection can send a claim ahead itself (learnt at the first try of a run).
         self._sends_ahead = True
         #: Holds the lease guards (one transaction at a time; only the heartbeat's thread, under _beat_lock).
-        self._guard_db = LoopConnection(engine, self.spec.table.name)
+        self._guard_db = LoopConnection(lease, self.spec.table.name)
+
+    def _direct_lease_engine(self, engine: Engine) -> Engine:
+        """Where the heartbeat and the lease guard connect: ``engine``, or — for an engine of
+        :func:`~sa_outbox.pgbouncer_engine` made with ``direct_url`` — a small engine of their own on that
+        server, with ``engine``'s execution options: a beat through the pooler waits for a free server connection
+        like any client, and past ``stale_after`` other workers rescue this one's jobs (see
+        :func:`sa_outbox._pgbouncer.direct_server`). The route is checked once (:meth:`_check_lease_route`)."""
+        from ._pgbouncer import direct_server
+
+        found = direct_server(engine)
+        if found is None:
+            return engine
+        url, connect_args = found
+        built = self._lease_base = create_engine(
+            url.set(drivername="postgresql+psycopg"), pool_size=2, max_overflow=2, connect_args=connect_args
+        )
+        self._want_identity = True
+        options = engine.get_execution_options()
+        return built.execution_options(**options) if options else built
+
+    def _check_lease_route(self) -> None:
+        """Before the first renewal on the direct route: it must reach the very table the loop claims from (a
+        ``search_path`` set by an event on the pooled engine does not reach it) — else the beats and guards go
+        through the engine after all, and that is logged. Under ``_beat_lock``."""
+        if self._lease_base is None or self._table_identity is None:
+            return
+        theirs = self._beat_db.run(lambda c: _steps.table_identity(c, self.spec))
+        if theirs != self._table_identity:
+            log.error(_WRONG_ROUTE, self.spec.table.name, theirs, self._table_identity)
+            self._beat_db.drop()
+            self._guard_db.drop()
+            self._beat_db = LoopConnection(self.engine, self.spec.table.name)
+            self._guard_db = LoopConnection(self.engine, self.spec.table.name)
+        self._table_identity = None  # (checked)
 
     def _claim_in_flight(self) -> bool:
         return self._inflight is not None
@@ -1563,6 +1604,7 @@ class Worker(WorkerBase):
         pairs = self._beat_pairs()
         if pairs:
             with self._beat_lock:
+                self._check_lease_route()
                 sent = time.monotonic()
                 try:
                     renewed = self._beat_db.run(lambda c: self._extend_on(c, pairs))
@@ -1632,6 +1674,8 @@ class Worker(WorkerBase):
         with self._beat_lock:
             self._beat_db.drop()
             self._guard_db.drop()
+            if self._lease_base is not None:
+                self._lease_base.dispose()
         self._threads.close()
         self._claimer.close()
 
@@ -1944,6 +1988,9 @@ class Worker(WorkerBase):
             self._db.drop()
             with self._beat_lock:
                 self._beat_db.drop()
+                if self._lease_base is not None:  # (its pool would keep them open past the run)
+                    self._guard_db.drop()
+                    self._lease_base.dispose()
                 self._drop_guards()
                 self._guard_db.drop()
 
@@ -2004,7 +2051,9 @@ class AsyncWorker(WorkerBase):
         )  # fmt: skip
         self.engine: AsyncEngine = engine
         self._db = AsyncLoopConnection(engine, self.spec.table.name)
-        self._beat_db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._lease_base: AsyncEngine | None = None
+        lease = self._direct_lease_engine(engine)
+        self._beat_db = AsyncLoopConnection(lease, self.spec.table.name)
         self._beat_lock = asyncio.Lock()
         self._run_loop: asyncio.AbstractEventLoop | None = None
         self._waker = AsyncWaker(self.listen_url, self.channels)
@@ -2016,7 +2065,7 @@ class AsyncWorker(WorkerBase):
         self._inline = self.concurrency == 1 and self.handler_timeout is None
         self._beat_task: asyncio.Task[None] | None = None
         #: Holds the lease guards (one transaction at a time; used under _beat_lock).
-        self._guard_db = AsyncLoopConnection(engine, self.spec.table.name)
+        self._guard_db = AsyncLoopConnection(lease, self.spec.table.name)
         self._beat_woken = asyncio.Event()
         self._sync: Engine | None = sync_engine
         self._own_sync = sync_engine is None  # built here, disposed by close()
@@ -2096,11 +2145,43 @@ class AsyncWorker(WorkerBase):
                 self._lifecycle("stopped")
         self._raise_fatal()
 
+    def _direct_lease_engine(self, engine: AsyncEngine) -> AsyncEngine:
+        """As :meth:`Worker._direct_lease_engine`, with psycopg's async driver."""
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        from ._pgbouncer import direct_server
+
+        found = direct_server(engine)
+        if found is None:
+            return engine
+        url, connect_args = found
+        built = self._lease_base = create_async_engine(
+            url.set(drivername="postgresql+psycopg_async"), pool_size=2, max_overflow=2,
+            connect_args=connect_args,
+        )  # fmt: skip
+        self._want_identity = True
+        options = engine.get_execution_options()
+        return built.execution_options(**options) if options else built
+
+    async def _check_lease_route(self) -> None:
+        """As :meth:`Worker._check_lease_route`."""
+        if self._lease_base is None or self._table_identity is None:
+            return
+        theirs = await self._beat_db.run(lambda c: _steps.table_identity(c, self.spec))
+        if theirs != self._table_identity:
+            log.error(_WRONG_ROUTE, self.spec.table.name, theirs, self._table_identity)
+            await self._beat_db.drop()
+            await self._guard_db.drop()
+            self._beat_db = AsyncLoopConnection(self.engine, self.spec.table.name)
+            self._guard_db = AsyncLoopConnection(self.engine, self.spec.table.name)
+        self._table_identity = None  # (checked)
+
     async def beat_once(self) -> None:
         """Renew the leases of the jobs in hand now (the heartbeat task calls this every ``heartbeat``)."""
         pairs = self._beat_pairs()
         if pairs:
             async with self._beat_lock:  # the heartbeat task, or a caller's beat_once() meanwhile
+                await self._check_lease_route()
                 sent = time.monotonic()
                 try:
                     renewed = await self._beat_db.run(lambda c: self._extend_on(c, pairs))
@@ -2133,6 +2214,8 @@ class AsyncWorker(WorkerBase):
         await self._db.drop()
         await self._beat_db.drop()
         await self._guard_db.drop()
+        if self._lease_base is not None:
+            await self._lease_base.dispose()
         self._threads.close()
         if self._own_sync:
             sync, self._sync = self._sync, None
@@ -2697,3 +2780,5 @@ class AsyncWorker(WorkerBase):
             await self._waker.close()
             await self._db.drop()
             await self._beat_db.drop()
+            if self._lease_base is not None:  # (its pool would keep them open past the run)
+                await self._lease_base.dispose()

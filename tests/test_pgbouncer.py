@@ -34,7 +34,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -1491,3 +1491,101 @@ def pooled_engine_for(pooled_url: URL, db_url: URL, tenant: str) -> Engine:
     """A pooled engine (the helper's) carrying ``tenant``'s translate map."""
     engine, _ = pgbouncer_engine(pooled_url, direct_url=db_url, pool_size=3)
     return engine.execution_options(schema_translate_map={None: tenant})
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_workers_leases_are_renewed_while_the_pooler_has_no_free_server_connection(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str
+) -> None:
+    """A worker on pgbouncer_engine(direct_url=…) renews its leases on the server itself. Through the pooler its
+    beats waited for a server connection like any client: with every one taken for longer than stale_after, the
+    leases ran out and other workers rescued and ran the live worker's jobs a second time (a review: 2–4 of 8,
+    PgBouncer pool of 2). Here the alias's one server connection is held for twice stale_after while a job
+    runs: its lease must stay fresh throughout, and the job end done on its first lease."""
+    alias = bouncer.url(f"{db_url.database}_one")
+    seed_jobs(engine, 1, task="t")
+    started, gate = threading.Event(), threading.Event()
+
+    def handler(job: ClaimedJob) -> None:
+        started.set()
+        gate.wait(30)
+
+    async def ahandler(job: ClaimedJob) -> None:
+        started.set()
+        await asyncio.to_thread(gate.wait, 30)
+
+    holder = psycopg.connect(alias.set(drivername="postgresql").render_as_string(hide_password=False))
+    if flavour == "sync":
+        pengine, wakeups = pgbouncer_engine(alias, direct_url=db_url)
+        w: Any = Worker(pengine, Job, {"t": handler}, stale_after=2, heartbeat=0.25, **wakeups)
+        thread = threading.Thread(target=w.run, kwargs={"install_signal_handlers": False})
+    else:
+        aengine, wakeups = pgbouncer_async_engine(alias, direct_url=db_url)
+        w = AsyncWorker(aengine, Job, {"t": ahandler}, stale_after=2, heartbeat=0.25, **wakeups)
+
+        async def main() -> None:
+            try:
+                await w.run(install_signal_handlers=False)
+            finally:
+                await w.close()
+                await aengine.dispose()
+
+        thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    try:
+        assert started.wait(20)
+        holder.execute("SELECT 1")  # a transaction left open: the alias's only server connection is taken
+        ages = []
+        for _ in range(16):  # 4 s: twice stale_after
+            time.sleep(0.25)
+            with engine.connect() as conn:  # (the test's direct engine)
+                ages.append(conn.execute(text(
+                    "SELECT extract(epoch FROM clock_timestamp() - locked_at) FROM jobs WHERE id = 1"
+                )).scalar_one())  # fmt: skip
+        holder.rollback()
+        assert max(ages) < 1.5, ages  # renewed every 0.25 s throughout (it reached 4 s through the pooler)
+    finally:
+        holder.close()
+        gate.set()
+        wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, timeout=20)
+        w.stop()
+        thread.join(20)
+        if flavour == "sync":
+            w.close()
+            pengine.dispose()
+    r = row(engine, "jobs", 1)
+    assert (r.status, r.lease_version, r.attempts) == ("done", 1, 1), r
+
+
+def test_a_direct_lease_route_that_reaches_another_table_is_not_used(
+    engine: Engine, pooled_url: URL, db_url: URL, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The direct route carries the engine's URL, connect_args and execution options, not its events: a
+    search_path set by a ``connect`` listener on the pooled engine would have the beats renew another schema's
+    table (and this worker's leases run out). The route is checked against the loop's own connection before its
+    first renewal; one that disagrees is not used — the beats go through the engine, and that is logged."""
+    from sqlalchemy import event
+
+    with fresh_schema(engine, "lease_route"):
+        schema_engine = engine.execution_options(schema_translate_map={None: "lease_route"})
+        Job.__table__.create(schema_engine)
+        seed_jobs(schema_engine, 1, task="t")
+        pengine, wakeups = pgbouncer_engine(pooled_url, direct_url=db_url)
+
+        @event.listens_for(pengine, "connect")
+        def search_path(dbapi_conn: Any, _: Any) -> None:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SET search_path TO lease_route")
+            dbapi_conn.commit()
+
+        w = Worker(pengine, Job, {"t": lambda job: time.sleep(0.8)}, stale_after=2, heartbeat=0.2, **wakeups)
+        try:
+            with caplog.at_level(logging.ERROR, logger="sa_outbox"):
+                drain(w)
+        finally:
+            w.close()
+            pengine.dispose()
+        assert "resolves table jobs to" in caplog.text and "go through the engine instead" in caplog.text
+        assert w._beat_db.engine is pengine and w._guard_db.engine is pengine
+        with schema_engine.connect() as conn:
+            assert tuple(conn.execute(select(Job.status, Job.lease_version)).one()) == ("done", 1)
