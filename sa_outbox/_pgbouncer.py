@@ -32,12 +32,11 @@ server connection serves many clients in turn. What that breaks, measured on PgB
 from __future__ import annotations
 
 import weakref
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import Pool
 
 from .errors import ConfigurationError
 
@@ -48,10 +47,18 @@ _DRIVERS = {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg_
 
 
 #: The server itself behind each engine made here with a ``direct_url``, with the engine's ``connect_args``
-#: (server-side prepared statements allowed again: nothing pools them), keyed by the engine's pool — which its
-#: ``execution_options()`` copies share. A Worker's heartbeat and lease guard connect there (see
-#: :func:`direct_server`).
-_DIRECT: weakref.WeakKeyDictionary[Pool, tuple[URL, dict[str, Any]]] = weakref.WeakKeyDictionary()
+#: (server-side prepared statements allowed again: nothing pools them), keyed by the sync engine the
+#: ``execution_options()`` copies proxy (not by its pool: ``dispose()`` makes a new one). A Worker's heartbeat
+#: and lease guard connect there (see :func:`direct_server`).
+_DIRECT: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _base(engine: Engine | AsyncEngine) -> Engine:
+    """The engine an ``execution_options()`` copy (of a copy …) proxies; for an AsyncEngine, its sync one's."""
+    found: Any = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
+    while getattr(found, "_proxied", None) is not None:
+        found = found._proxied
+    return cast(Engine, found)
 
 
 def direct_server(engine: Engine | AsyncEngine) -> tuple[URL, dict[str, Any]] | None:
@@ -63,8 +70,7 @@ def direct_server(engine: Engine | AsyncEngine) -> tuple[URL, dict[str, Any]] | 
     server connection is taken (a review: an open transaction over a job's row and the worker's own lease
     guard took a pool of two; beats queued past stale_after, and other workers rescued and ran the live
     worker's jobs a second time — 2 to 4 of 8)."""
-    sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
-    return _DIRECT.get(sync.pool)
+    return _DIRECT.get(_base(engine))
 
 
 class Wakeups(TypedDict, total=False):
@@ -144,8 +150,7 @@ def _remembered(engine: Any, wakeups: Wakeups, kwargs: dict[str, Any]) -> Any:
     direct = wakeups.get("listen_url")
     if direct is not None:
         connect_args = {k: v for k, v in kwargs["connect_args"].items() if k != "prepare_threshold"}
-        sync = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
-        _DIRECT[sync.pool] = (make_url(direct), connect_args)
+        _DIRECT[_base(engine)] = (make_url(direct), connect_args)
     return engine
 
 

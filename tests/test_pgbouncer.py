@@ -1558,7 +1558,7 @@ def test_a_workers_leases_are_renewed_while_the_pooler_has_no_free_server_connec
 
 
 def test_a_direct_lease_route_that_reaches_another_table_is_not_used(
-    engine: Engine, pooled_url: URL, db_url: URL, caplog: pytest.LogCaptureFixture
+    engine: Engine, db_url: URL, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The direct route carries the engine's URL, connect_args and execution options, not its events: a
     search_path set by a ``connect`` listener on the pooled engine would have the beats renew another schema's
@@ -1570,7 +1570,9 @@ def test_a_direct_lease_route_that_reaches_another_table_is_not_used(
         schema_engine = engine.execution_options(schema_translate_map={None: "lease_route"})
         Job.__table__.create(schema_engine)
         seed_jobs(schema_engine, 1, task="t")
-        pengine, wakeups = pgbouncer_engine(pooled_url, direct_url=db_url)
+        # ("pooled" by name only: a plain SET through the shared PgBouncer would stay on its server connection
+        # for every later client — here the server itself, whose connections go with this engine)
+        pengine, wakeups = pgbouncer_engine(db_url, direct_url=db_url)
 
         @event.listens_for(pengine, "connect")
         def search_path(dbapi_conn: Any, _: Any) -> None:
