@@ -31,8 +31,7 @@ server connection serves many clients in turn. What that breaks, measured on PgB
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL, make_url
@@ -46,19 +45,15 @@ __all__ = ["Wakeups", "pgbouncer_async_engine", "pgbouncer_engine"]
 _DRIVERS = {"postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg_async"}
 
 
-#: The server itself behind each engine made here with a ``direct_url``, with the engine's ``connect_args``
-#: (server-side prepared statements allowed again: nothing pools them), keyed by the sync engine the
-#: ``execution_options()`` copies proxy (not by its pool: ``dispose()`` makes a new one). A Worker's heartbeat
+#: The server itself behind the pooler URL of each engine made here with a ``direct_url`` (driver aside), with
+#: the engine's ``connect_args`` (server-side prepared statements allowed again: nothing pools them). Keyed by
+#: URL, which the engine's ``execution_options()`` copies share and ``dispose()`` keeps. A Worker's heartbeat
 #: and lease guard connect there (see :func:`direct_server`).
-_DIRECT: weakref.WeakKeyDictionary[Engine, tuple[URL, dict[str, Any]]] = weakref.WeakKeyDictionary()
+_DIRECT: dict[str, tuple[URL, dict[str, Any]]] = {}
 
 
-def _base(engine: Engine | AsyncEngine) -> Engine:
-    """The engine an ``execution_options()`` copy (of a copy …) proxies; for an AsyncEngine, its sync one's."""
-    found: Any = engine.sync_engine if isinstance(engine, AsyncEngine) else engine
-    while getattr(found, "_proxied", None) is not None:
-        found = found._proxied
-    return cast(Engine, found)
+def _key(url: URL) -> str:
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def direct_server(engine: Engine | AsyncEngine) -> tuple[URL, dict[str, Any]] | None:
@@ -70,7 +65,7 @@ def direct_server(engine: Engine | AsyncEngine) -> tuple[URL, dict[str, Any]] | 
     server connection is taken (a review: an open transaction over a job's row and the worker's own lease
     guard took a pool of two; beats queued past stale_after, and other workers rescued and ran the live
     worker's jobs a second time — 2 to 4 of 8)."""
-    return _DIRECT.get(_base(engine))
+    return _DIRECT.get(_key(engine.url))
 
 
 class Wakeups(TypedDict, total=False):
@@ -148,9 +143,11 @@ def pgbouncer_engine(
 
 def _remembered(engine: Any, wakeups: Wakeups, kwargs: dict[str, Any]) -> Any:
     direct = wakeups.get("listen_url")
-    if direct is not None:
+    if direct is not None and _key(make_url(direct)) != _key(
+        engine.url
+    ):  # (no pooler between: nothing to route)
         connect_args = {k: v for k, v in kwargs["connect_args"].items() if k != "prepare_threshold"}
-        _DIRECT[_base(engine)] = (make_url(direct), connect_args)
+        _DIRECT[_key(engine.url)] = (make_url(direct), connect_args)
     return engine
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from sqlalchemy import BigInteger, Connection, Engine, Table, create_engine, event, literal_column, select
 from sqlalchemy.engine import URL
@@ -667,6 +667,33 @@ class WorkerBase(LoopBase):
         oldest = min(running, key=lambda job: job.id)
         more = f" and {len(running) - 1} more" if len(running) > 1 else ""
         return f" (running: job {oldest.id} {oldest.task!r}{more})"
+
+    def _lease_route(self, engine: Any, make: Callable[[URL, dict[str, Any]], Any]) -> Any:
+        """Where the heartbeat and the lease guard connect: ``engine``, or — for an engine of
+        :func:`~sa_outbox.pgbouncer_engine` made with ``direct_url`` — a small engine of their own on that server
+        (``make(url, connect_args)``, kept in ``_lease_base``) with ``engine``'s execution options: a beat
+        through the pooler waits for a free server connection like any client, and past ``stale_after`` other
+        workers rescue this one's jobs (:func:`sa_outbox._pgbouncer.direct_server`). The route is checked once,
+        before its first renewal (:meth:`_route_disagrees`)."""
+        from ._pgbouncer import direct_server
+
+        found = direct_server(engine)
+        if found is None:
+            return engine
+        built = self._lease_base = make(*found)
+        self._want_identity = True
+        options = engine.get_execution_options()
+        return built.execution_options(**options) if options else built
+
+    def _route_disagrees(self, theirs: tuple[str, int | None]) -> bool:
+        """Whether the direct route resolves the table (``theirs``: database, oid) elsewhere than the loop's own
+        connection — a ``search_path`` set by an event on the pooled engine does not reach it: then it is not
+        used (the caller goes back to the engine), and that is logged. Once: the route is checked after this."""
+        mine, self._table_identity = self._table_identity, None
+        if theirs == mine:
+            return False
+        log.error(_WRONG_ROUTE, self.spec.table.name, theirs, mine)
+        return True
 
     def _lease_seconds(self) -> float:
         return self.stale_after.total_seconds()
@@ -1464,23 +1491,10 @@ class Worker(WorkerBase):
         self._guard_db = LoopConnection(lease, self.spec.table.name)
 
     def _direct_lease_engine(self, engine: Engine) -> Engine:
-        """Where the heartbeat and the lease guard connect: ``engine``, or — for an engine of
-        :func:`~sa_outbox.pgbouncer_engine` made with ``direct_url`` — a small engine of their own on that
-        server, with ``engine``'s execution options: a beat through the pooler waits for a free server connection
-        like any client, and past ``stale_after`` other workers rescue this one's jobs (see
-        :func:`sa_outbox._pgbouncer.direct_server`). The route is checked once (:meth:`_check_lease_route`)."""
-        from ._pgbouncer import direct_server
-
-        found = direct_server(engine)
-        if found is None:
-            return engine
-        url, connect_args = found
-        built = self._lease_base = create_engine(
+        """Where the heartbeat and the lease guard connect (:meth:`WorkerBase._lease_route`)."""
+        return cast(Engine, self._lease_route(engine, lambda url, connect_args: create_engine(
             url.set(drivername="postgresql+psycopg"), pool_size=2, max_overflow=2, connect_args=connect_args
-        )
-        self._want_identity = True
-        options = engine.get_execution_options()
-        return built.execution_options(**options) if options else built
+        )))  # fmt: skip
 
     def _check_lease_route(self) -> None:
         """Before the first renewal on the direct route: it must reach the very table the loop claims from (a
@@ -1489,13 +1503,11 @@ class Worker(WorkerBase):
         if self._lease_base is None or self._table_identity is None:
             return
         theirs = self._beat_db.run(lambda c: _steps.table_identity(c, self.spec))
-        if theirs != self._table_identity:
-            log.error(_WRONG_ROUTE, self.spec.table.name, theirs, self._table_identity)
+        if self._route_disagrees(theirs):
             self._beat_db.drop()
             self._guard_db.drop()
             self._beat_db = LoopConnection(self.engine, self.spec.table.name)
             self._guard_db = LoopConnection(self.engine, self.spec.table.name)
-        self._table_identity = None  # (checked)
 
     def _claim_in_flight(self) -> bool:
         return self._inflight is not None
@@ -1988,11 +2000,10 @@ class Worker(WorkerBase):
             self._db.drop()
             with self._beat_lock:
                 self._beat_db.drop()
-                if self._lease_base is not None:  # (its pool would keep them open past the run)
-                    self._guard_db.drop()
-                    self._lease_base.dispose()
                 self._drop_guards()
                 self._guard_db.drop()
+                if self._lease_base is not None:  # (its pool would keep them open past the run)
+                    self._lease_base.dispose()
 
 
 class AsyncWorker(WorkerBase):
@@ -2149,32 +2160,21 @@ class AsyncWorker(WorkerBase):
         """As :meth:`Worker._direct_lease_engine`, with psycopg's async driver."""
         from sqlalchemy.ext.asyncio import create_async_engine
 
-        from ._pgbouncer import direct_server
-
-        found = direct_server(engine)
-        if found is None:
-            return engine
-        url, connect_args = found
-        built = self._lease_base = create_async_engine(
+        return cast(AsyncEngine, self._lease_route(engine, lambda url, connect_args: create_async_engine(
             url.set(drivername="postgresql+psycopg_async"), pool_size=2, max_overflow=2,
             connect_args=connect_args,
-        )  # fmt: skip
-        self._want_identity = True
-        options = engine.get_execution_options()
-        return built.execution_options(**options) if options else built
+        )))  # fmt: skip
 
     async def _check_lease_route(self) -> None:
         """As :meth:`Worker._check_lease_route`."""
         if self._lease_base is None or self._table_identity is None:
             return
         theirs = await self._beat_db.run(lambda c: _steps.table_identity(c, self.spec))
-        if theirs != self._table_identity:
-            log.error(_WRONG_ROUTE, self.spec.table.name, theirs, self._table_identity)
+        if self._route_disagrees(theirs):
             await self._beat_db.drop()
             await self._guard_db.drop()
             self._beat_db = AsyncLoopConnection(self.engine, self.spec.table.name)
             self._guard_db = AsyncLoopConnection(self.engine, self.spec.table.name)
-        self._table_identity = None  # (checked)
 
     async def beat_once(self) -> None:
         """Renew the leases of the jobs in hand now (the heartbeat task calls this every ``heartbeat``)."""

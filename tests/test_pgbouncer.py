@@ -1572,7 +1572,9 @@ def test_a_direct_lease_route_that_reaches_another_table_is_not_used(
         seed_jobs(schema_engine, 1, task="t")
         # ("pooled" by name only: a plain SET through the shared PgBouncer would stay on its server connection
         # for every later client — here the server itself, whose connections go with this engine)
-        pengine, wakeups = pgbouncer_engine(db_url, direct_url=db_url)
+        pengine, wakeups = pgbouncer_engine(
+            db_url.update_query_dict({"application_name": "route"}), direct_url=db_url
+        )
 
         @event.listens_for(pengine, "connect")
         def search_path(dbapi_conn: Any, _: Any) -> None:

@@ -169,7 +169,12 @@ def test_a_stop_signal_during_a_long_job_is_logged_while_the_job_runs(
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
-        wait_for((tmp_path / "gate.started").exists)  # the handler runs (not merely claimed)
+        try:  # the handler runs (not merely claimed)
+            wait_for((tmp_path / "gate.started").exists, timeout=60)
+        except AssertionError:
+            raise AssertionError(
+                f"the job never started; the worker said: {''.join(lines)[-3000:]}"
+            ) from None
         proc.send_signal(signal.SIGTERM)
         logged = lambda: [line for line in lines if "signal 15: finishing what is in hand" in line]  # noqa: E731
         wait_for(lambda: bool(logged()), timeout=20)  # (the job waits for the gate: up to 60 s)
