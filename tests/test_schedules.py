@@ -542,7 +542,19 @@ def test_kill_9_between_reading_and_firing_loses_no_slot_and_fires_none_twice(
         p.kill()
         p.join()
     assert killed >= 4 and between.value >= 3, (killed, between.value)  # both kinds of crash happened
-    fire(db)
+    # every slot up to now fired — again until none is due: a killed firer's backend may still hold its
+    # schedules' row locks while it is torn down, and the read skips locked rows (once, under the whole
+    # suite's load, one fire here left 38 slots counted where at least 96 were due)
+    deadline = time.monotonic() + 15
+    while True:
+        fire(db)
+        with db.connect() as conn:
+            behind = conn.execute(
+                text("SELECT count(*) FROM schedules WHERE next_run_at <= now()")
+            ).scalar_one()
+        if not behind or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     print(f"killed by the test: {killed}, killed themselves between the statements: {between.value}")
     assert _check_every_slot_once(db, start) >= N_SCHEDULES * 8
 
