@@ -142,12 +142,13 @@ def pgbouncer_engine(
 
 
 def _remembered(engine: Any, wakeups: Wakeups, kwargs: dict[str, Any]) -> Any:
+    """``engine``, its ``direct_url`` remembered for :func:`direct_server` — unless it is the engine's own
+    server (no pooler between: nothing to route around)."""
     direct = wakeups.get("listen_url")
-    if direct is not None and _key(make_url(direct)) != _key(
-        engine.url
-    ):  # (no pooler between: nothing to route)
+    pooled = _key(engine.url)
+    if direct is not None and _key(make_url(direct)) != pooled:
         connect_args = {k: v for k, v in kwargs["connect_args"].items() if k != "prepare_threshold"}
-        _DIRECT[_key(engine.url)] = (make_url(direct), connect_args)
+        _DIRECT[pooled] = (make_url(direct), connect_args)
     return engine
 
 
