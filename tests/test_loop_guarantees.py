@@ -2390,3 +2390,36 @@ def test_a_handler_cancelled_late_by_a_blocked_event_loop_is_not_called_deaf(
     assert not deaf, deaf
     r = row(engine, "jobs", 2)
     assert r.status == "failed" and "handler_timeout" in r.last_error, r
+
+
+def test_a_coroutine_being_closed_never_awaits_even_while_another_event_loop_runs() -> None:
+    """The library's finally blocks await only where ``_loop_running()`` says so. A task its closed event loop
+    left pending is closed by a garbage collection — possibly while another loop runs in the same thread (the
+    model harness's next one): the check said "running" there, the end awaited, and CI's model profile met
+    "coroutine ignored GeneratorExit" from an AsyncWorker.run (stop 66)."""
+    from sa_outbox._base import _loop_running
+
+    seen: list[bool] = []
+
+    async def victim() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            seen.append(_loop_running())
+
+    first = asyncio.new_event_loop()
+    task = first.create_task(victim())
+    first.run_until_complete(asyncio.sleep(0))
+    coro = task.get_coro()
+    first.close()  # the task left pending, as a harness's closed loop leaves it
+
+    async def meanwhile() -> None:
+        coro.close()  # what the garbage collector does, here while this loop runs
+
+    second = asyncio.new_event_loop()
+    try:
+        second.run_until_complete(meanwhile())
+    finally:
+        second.close()
+    task._log_destroy_pending = False  # (closed by hand above: nothing pending is lost)
+    assert seen == [False]
