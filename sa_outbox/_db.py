@@ -108,6 +108,13 @@ def _in_autocommit(conn: Connection) -> bool:
     return in_autocommit(conn.connection)
 
 
+def with_options_of(built: T, engine: Any) -> T:
+    """``built`` — an engine made beside ``engine`` (a sync twin of an async one, a direct route around a
+    pooler) — with ``engine``'s execution options (a tenant's ``schema_translate_map``)."""
+    options = engine.get_execution_options()
+    return cast(T, cast(Any, built).execution_options(**options)) if options else built
+
+
 class LoopConnection:
     """One autocommit connection used by one thread."""
 

@@ -192,12 +192,7 @@ def check_columns(conn: Connection, spec: QueueSpec) -> None:
 def table_identity(conn: Connection, spec: QueueSpec) -> tuple[str, int | None]:
     """(database, oid) of the table ``spec`` names as ``conn`` resolves it — its ``schema_translate_map`` and
     its ``search_path`` applied (:func:`_sql.table_identity_statement`)."""
-    t = spec.table
-    mapping = conn.get_execution_options().get("schema_translate_map") or {}
-    schema = mapping.get(t.schema, t.schema)
-    prep = _sql.text_preparer(conn.dialect)
-    name = prep.quote(t.name) if schema is None else f"{prep.quote_schema(schema)}.{prep.quote(t.name)}"
-    row = conn.execute(_sql.table_identity_statement(), {"name": name}).one()
+    row = conn.execute(_sql.table_identity_statement(), {"name": regclass_name(conn, spec.table)}).one()
     return str(row[0]), row[1]
 
 

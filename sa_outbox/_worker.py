@@ -64,7 +64,7 @@ from ._base import (
     stray_cancellation,
     through_cancellation,
 )
-from ._db import AsyncLoopConnection, LoopConnection, is_schema_error
+from ._db import AsyncLoopConnection, LoopConnection, is_schema_error, with_options_of
 from ._dbfaults import is_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
@@ -682,8 +682,7 @@ class WorkerBase(LoopBase):
             return engine
         built = self._lease_base = make(*found)
         self._want_identity = True
-        options = engine.get_execution_options()
-        return built.execution_options(**options) if options else built
+        return with_options_of(built, engine)
 
     def _route_disagrees(self, theirs: tuple[str, int | None]) -> bool:
         """Whether the direct route resolves the table (``theirs``: database, oid) elsewhere than the loop's own
@@ -2577,8 +2576,7 @@ class AsyncWorker(WorkerBase):
                     url, pool_size=self.concurrency, max_overflow=self.concurrency,
                     connect_args={"prepare_threshold": threshold},
                 )  # fmt: skip
-                options = self.engine.get_execution_options()
-                self._sync = built.execution_options(**options) if options else built
+                self._sync = with_options_of(built, self.engine)
         if not self._sync_checked:
             self._sync_checked = await self._check_sync_engine(self._sync, job)
         return self._sync

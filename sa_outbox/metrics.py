@@ -178,12 +178,13 @@ class MetricsExporter:
             from sqlalchemy import create_engine
             from sqlalchemy.pool import NullPool
 
+            from ._db import with_options_of
+
             built = create_engine(
                 engine.url.set(drivername="postgresql+psycopg"), poolclass=NullPool,
                 connect_args={"prepare_threshold": None},
             )  # fmt: skip
-            options = engine.get_execution_options()
-            engine = built.execution_options(**options) if options else built
+            engine = with_options_of(built, engine)
         self._status_engine = engine
 
     def observe(self, what: str, seconds: float) -> None:
