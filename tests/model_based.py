@@ -1639,8 +1639,15 @@ class Scenario:
         if pool:
             lt = pool.pop(self.rng.randrange(len(pool)))
             self.log.append(f"stop {lt.name}")
+            outage = self.cutter is not None and self.cutter.is_alive()
             lt.stop()
             self.finished.append(lt)
+            # I8 at a stop: with the database in reach since the loop started, its end recorded what it held
+            # (``ended_unrecorded`` is what makes ``sa-outbox dispatch|worker`` exit 3 instead of 0)
+            if self.terminations == lt.terminations_at_start and not outage and lt.loop is not None:
+                assert not lt.loop.ended_unrecorded, (
+                    f"{lt.name} stopped without recording what it had in hand"
+                )
 
     def rule_leave_async_loop(self) -> None:
         """I8 again, as an application's ``main()`` may end it: see :meth:`rule_cancel_async_loop`."""
@@ -1669,6 +1676,7 @@ class Scenario:
         self.finished.append(lt)
         if self.terminations != lt.terminations_at_start:
             return
+        assert not lt.loop.ended_unrecorded, f"{lt.name} was cancelled and did not record what it had in hand"
         spec = lt.loop.spec
         with self.engine.connect() as conn:
             held = conn.execute(
