@@ -130,9 +130,13 @@ class LoopConnection:
             self.drop()  # (its implicit transaction rolls back with it)
             conn = None
         if conn is None or conn.closed or conn.invalidated:
-            conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            self._conn = conn = self.engine.connect()  # held at once (see AsyncLoopConnection.run)
+            try:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            except BaseException:
+                self.drop()
+                raise
             keep_cursor(conn)
-            self._conn = conn
         try:
             with schema_errors(self.table):
                 yield conn
@@ -195,11 +199,18 @@ class AsyncLoopConnection:
             await self.drop()  # (its implicit transaction rolls back with it)
             conn = None
         if conn is None or conn.closed or conn.invalidated:
-            conn = await self.engine.connect()
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            # Held from the moment it is checked out: psycopg's autocommit switch awaits, and a cancellation
+            # there (a run's teardown cancelling a beat that was connecting) left the connection to the
+            # garbage collector — open, outside its pool, until the process ended (the model suite's "connections
+            # left open"; 11 of 83 cancelled connects in a loop).
+            self._conn = conn = await self.engine.connect()
+            try:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+            except BaseException:
+                await self.drop()
+                raise
             assert conn.sync_connection is not None
             keep_cursor(conn.sync_connection)
-            self._conn = conn
         try:
             with schema_errors(self.table):
                 return await conn.run_sync(fn)
