@@ -247,6 +247,8 @@ _TERMINATE_LOOP_STATEMENTS = text(
 #: 0.5-1); a worker's wait also ends when a handler finishes or a beat gets through after a second, and a
 #: turn that claims several queues may count a failure of each. The long profile's 67 outages: at most 27
 #: (15 with the LISTEN connections spared); a wake-up per failure, before: 56-62 at a notification every 20 ms.
+#: Met again under load (59 and 80): a threaded worker counted the turn that sent its claim ahead a success (the
+#: backoff reset before each failed landing), and the landing's own poke ended the wait after it.
 FAILED_TURNS_PER_OUTAGE = 50
 #: rule_refuse_renewals' trigger: an UPDATE that moves a running job's locked_at on (a beat's or a guard's
 #: renewal) fails — of every job, or of the odd ids only (``{which}``: the beats then renew the others one by

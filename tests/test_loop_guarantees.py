@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 from sqlalchemy.exc import OperationalError
 
-from sa_outbox import Backoff, ClaimedJob, Defer, Message, RetryableError, _base, _steps
+from sa_outbox import Backoff, ClaimedJob, Defer, Limit, Message, RetryableError, _base, _steps
 from sa_outbox._backoff import _HalfJitter
 from sa_outbox._names import channel_for
 from sa_outbox._services import Requeued
@@ -2462,3 +2462,74 @@ def test_a_loop_connection_cancelled_while_it_connects_is_not_left_open(async_ur
         gc.collect()
     assert cancelled >= 20, f"only {cancelled} steps were cancelled: the test did not test"
     assert stranded == 0, f"{stranded} of {cancelled} cancelled connects left their connection checked out"
+
+
+_LOSE_CONNECTION_ON_QB = """
+CREATE FUNCTION lose_connection_on_qb() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.queue = 'qb' AND NEW.status = 'running' THEN PERFORM pg_terminate_backend(pg_backend_pid()); END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER lose_connection_on_qb BEFORE UPDATE ON jobs FOR EACH ROW EXECUTE FUNCTION lose_connection_on_qb();
+"""
+
+
+def _run_losing_connections(
+    runner: Runner, engine: Engine, caplog: pytest.LogCaptureFixture, *, trickle: bool = False, **kw: Any
+) -> Any:
+    """A worker over ``qa`` and ``qb`` (one job, whose every claim loses its connection: the backend terminates
+    itself), run for 3 s; ``qa`` has 200 jobs, or with ``trickle`` a new one every 0.1 s. The worker, and the
+    delays its backoff logged."""
+    if not trickle:
+        seed_jobs(engine, 200, queue="qa")
+    seed_jobs(engine, 1, queue="qb")
+    with engine.begin() as conn:
+        conn.execute(text(_LOSE_CONNECTION_ON_QB))
+    try:
+        w = runner.worker({"noop": lambda j: None}, listen=False, poll_interval=0.05, **kw)
+        caplog.set_level(logging.WARNING, logger="sa_outbox.worker")
+        thread = runner.run_in_thread(w)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            if trickle:
+                seed_jobs(engine, 1, queue="qa")
+            time.sleep(0.1)
+        w.stop()
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        with engine.begin() as conn:
+            conn.execute(
+                text("DROP TRIGGER lose_connection_on_qb ON jobs; DROP FUNCTION lose_connection_on_qb()")
+            )
+    return w, [
+        float(m.split("retrying in ")[1].split("s")[0]) for m in caplog.messages if "retrying in " in m
+    ]
+
+
+def test_a_claim_that_keeps_losing_its_connection_is_backed_off(
+    runner: Runner, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every claim loses its connection (queues with shares: one statement claims both): the backoff grows.
+    The threaded worker sends its claim ahead, and counted the turn that sent it a success: the backoff was
+    reset before each landing failed, and the claim was retried every 0.1-0.2 s (44 times in 3 s, where the
+    backoff allows about six: the model suite's I13 under load, 59-80 failed turns in a 3 s outage)."""
+    w, delays = _run_losing_connections(runner, engine, caplog, queues={"qa": 1, "qb": 1}, concurrency=2)
+    assert w.stats.db_errors <= 12, f"{w.stats.db_errors} failed turns in 3 s (delays {delays})"
+    assert max(delays) >= 0.8, f"the backoff never grew: {delays}"
+
+
+def test_a_connection_lost_under_a_later_queues_claim_is_backed_off(
+    runner: Runner, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn claims ``qa`` (committed: its rows, or the outcomes written with it) and loses its connection under
+    the limited ``qb``'s own claim: an outage, backed off as a failed turn is. Before, the turn counted as a
+    success — the backoff reset, and the next turn came at once."""
+    w, delays = _run_losing_connections(
+        runner, engine, caplog, trickle=True, queues=("qa", "qb"), limits={"qb": Limit(concurrency=1)}
+    )
+    assert any("failed after other claims of this turn" in m for m in caplog.messages), (
+        "no turn rode over a fault"
+    )
+    assert w.stats.db_errors <= 12, f"{w.stats.db_errors} failed turns in 3 s (delays {delays})"
+    assert max(delays) >= 0.8, f"the backoff never grew: {delays}"
