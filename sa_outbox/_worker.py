@@ -1532,14 +1532,22 @@ class Worker(WorkerBase):
             self._fault_wait = None
 
     def _wait_for_a_reason(self, timeout: float) -> Wake:
-        """``wait_out(timeout)``, ended early only by a poke that brings a reason: a stop, a handler done, a beat
-        that got through. Any other is stale — the landing of a claim sent ahead, poked after the loop had
-        read it — and ended every wait after a failed landing at once: the claim was retried at the pace of
-        its landings, whatever the backoff said (62 times in 3 s against a backoff at 20 s)."""
+        """``wait_out(timeout)``, ended early only by a poke that brings a reason: a stop, a handler done, a
+        claim in flight that landed, a beat that got through. Any other is stale — the landing of a claim the
+        loop had already read, its poke still in the pipe — and ended every wait after a failed landing at
+        once: the claim was retried at the pace of its landings, whatever the backoff said (62 times in 3 s
+        against a backoff at 20 s)."""
         deadline = time.monotonic() + timeout
         while True:
             woke = self._waker.wait_out(max(0.0, deadline - time.monotonic()))
-            if woke is None or self._stopped() or not self._finished.empty() or self._beat_in_fault_wait:
+            landed = self._inflight is not None and self._inflight.future.done()
+            if (
+                woke is None
+                or self._stopped()
+                or landed
+                or not self._finished.empty()
+                or self._beat_in_fault_wait
+            ):
                 return woke
 
     # -- public ----------------------------------------------------------------------------------------
@@ -2109,11 +2117,21 @@ class AsyncWorker(WorkerBase):
         first, rest = self._fault_wait_steps(delay)
         self._fault_wait = "noting"
         try:
-            if await self._waker.wait_out(first) is None and rest > 0 and not self._beat_in_fault_wait:
+            if await self._wait_for_a_reason(first) is None and rest > 0 and not self._beat_in_fault_wait:
                 self._fault_wait = "poking"
-                await self._waker.wait_out(rest)
+                await self._wait_for_a_reason(rest)
         finally:
             self._fault_wait = None
+
+    async def _wait_for_a_reason(self, timeout: float) -> Wake:
+        """As :meth:`Worker._wait_for_a_reason`: a stop, a handler done or a beat that got through ends the wait,
+        not a poke left over from a handler the loop has already collected."""
+        deadline = time.monotonic() + timeout
+        while True:
+            woke = await self._waker.wait_out(max(0.0, deadline - time.monotonic()))
+            done = any(task.done() for task in self._running)
+            if woke is None or self._stopped() or done or self._beat_in_fault_wait:
+                return woke
 
     # -- public ----------------------------------------------------------------------------------------
 
