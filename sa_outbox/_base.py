@@ -36,7 +36,12 @@ from tenacity import retry_if_exception, stop_after_delay
 
 from . import _steps
 from ._backoff import DATABASE_OUTAGE, STATEMENT_RETRY, Backoff
-from ._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
+from ._dbfaults import (
+    connection_error_cause,
+    is_connection_error,
+    is_lost_connection,
+    is_permanent_connection_error,
+)
 from ._durations import Duration, positive_int, to_seconds
 from ._messages import json_loads_of
 from ._names import channel_for
@@ -443,14 +448,16 @@ class LoopBase:
                 if not (committed or applied):
                     raise  # nothing was written: the caller keeps the outcomes and retries the turn
                 # Earlier queues' claims (and the outcomes) are committed: keep those rows rather than leave
-                # them leased to nobody until rescued. A statement refused on one queue (a lock timeout, a
-                # trigger) meets the next turn again; a lost connection is an outage, and run() backs off after
-                # this turn as after a failed one, the backoff not reset (before, the turn counted as a success
-                # and the next came at once, at a notification: the model suite's I13, a worker with shares
-                # failing 59-80 turns in a 3 s outage against a backoff that allows about six).
+                # them leased to nobody until rescued. A statement refused on one queue (a lock or statement
+                # timeout, a trigger) meets the next turn again, the other queues going on at full pace (a
+                # review: a lock timeout taken for a lost connection backed them off up to 30 s). A lost
+                # connection is an outage: run() backs off after this turn as after a failed one, the backoff
+                # not reset (before, the turn counted as a success and the next came at once, at a
+                # notification: the model suite's I13, 59-80 failed turns in a 3 s outage where the backoff
+                # allows about six).
                 self._log.warning("claim of queue %r failed after other claims of this turn: %s",
                                   params.get("queue"), exc)  # fmt: skip
-                if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                if is_lost_connection(exc):
                     self._fault_noticed()
                     self._turn_fault = exc
                 else:

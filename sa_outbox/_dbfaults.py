@@ -77,6 +77,22 @@ def _driver_error(exc: BaseException) -> BaseException:
     return orig if isinstance(orig, BaseException) else exc
 
 
+#: The server ending a session (admin shutdown, crash shutdown, cannot connect now): the connection is gone.
+_SESSION_ENDED_SQLSTATES = frozenset(("57P01", "57P02", "57P03"))
+
+
+def is_lost_connection(exc: BaseException) -> bool:
+    """The connection itself is gone — the server ended the session, or the link broke (no SQLSTATE, or class
+    08) — as opposed to a statement the server refused on a live one: a lock or statement timeout, a
+    serialization failure or a deadlock are ``OperationalError`` too, and the loops invalidate their connection
+    after any of them, so neither the class nor ``connection_invalidated`` tells the two apart."""
+    driver = _driver_error(exc)
+    if not isinstance(driver, psycopg.OperationalError):
+        return False
+    state = driver.sqlstate
+    return state is None or state.startswith("08") or state in _SESSION_ENDED_SQLSTATES
+
+
 def is_connect_failure(exc: BaseException) -> bool:
     """The error comes from opening a connection (as opposed to a statement on an open one)."""
     driver = _driver_error(exc)
