@@ -509,7 +509,7 @@ class Dispatcher(DispatcherBase):
             while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = self._turn(one_shot=False)
-                    policy.succeeded()
+                    self._turn_went_through(policy)
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1
@@ -703,7 +703,7 @@ class AsyncDispatcher(DispatcherBase):
             while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = await self._turn(one_shot=False)
-                    policy.succeeded()
+                    self._turn_went_through(policy)
                 except Exception as exc:
                     delay = policy.failed(exc)
                     self.stats.db_errors += 1

@@ -864,11 +864,6 @@ class WorkerBase(LoopBase):
         self._parked[row[0]] = newer
         return newer
 
-    def _claim_in_flight(self) -> bool:
-        """Whether a claim has been sent whose rows have not been accepted yet (a loop that claims on a thread
-        of its own, or sends its claim ahead; the others accept a claim's rows before they collect a run)."""
-        return False
-
     def _landed_after_its_run(self, row: Any) -> None:
         """A claimed row of a job whose run ended here while this claim was in flight (:meth:`_finish`): another
         worker's rescue put the row back during the run and this claim took it again, committed before the run
@@ -1594,15 +1589,7 @@ class Worker(WorkerBase):
                 self._prefetch = max_batches is None or batches + 1 < max_batches
                 try:
                     claimed, wanted = self._turn()
-                    self._raise_fault_ridden_over(policy)
-                    # A turn that sent its claim ahead has not seen it through: the turn where it lands says
-                    # whether the claim succeeded (counted a success here, every claim that failed was retried
-                    # after the first backoff step, 0.1-0.2 s, for as long as it failed — a lost connection 44
-                    # times in 3 s where the backoff allows about six: the model suite's I13 under load)
-                    if self._inflight is None:
-                        policy.succeeded()
-                    else:
-                        policy.reached = True  # (its other steps went through: not "unreachable" at start-up)
+                    self._turn_went_through(policy)
                 except Exception as exc:
                     delay = policy.failed(exc, self._beat_ends_fault_wait())
                     self.stats.db_errors += 1
@@ -2168,8 +2155,7 @@ class AsyncWorker(WorkerBase):
             while not self._stopped() and self._fatal is None:
                 try:
                     claimed, wanted = await self._turn()
-                    self._raise_fault_ridden_over(policy)
-                    policy.succeeded()
+                    self._turn_went_through(policy)
                 except Exception as exc:
                     delay = policy.failed(exc, self._beat_ends_fault_wait())
                     self.stats.db_errors += 1

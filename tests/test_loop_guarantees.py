@@ -2478,6 +2478,10 @@ _LOSE_CONNECTION = "PERFORM pg_terminate_backend(pg_backend_pid())"
 _LOCK_TIMEOUT = "RAISE EXCEPTION 'canceling statement due to lock timeout' USING ERRCODE = '55P03'"
 
 
+#: ``qa`` claimed first, then the limited ``qb`` in a claim of its own: a turn can commit one and fail the other.
+_QB_LIMITED: dict[str, Any] = {"queues": ("qa", "qb"), "limits": {"qb": Limit(concurrency=1)}}
+
+
 def _run_with_qb_refused(
     runner: Runner, engine: Engine, caplog: pytest.LogCaptureFixture, action: str, *, trickle: bool = False,
     **kw: Any,
@@ -2538,8 +2542,7 @@ def test_a_connection_lost_under_a_later_queues_claim_is_backed_off(
         caplog,
         _LOSE_CONNECTION,
         trickle=True,
-        queues=("qa", "qb"),
-        limits={"qb": Limit(concurrency=1)},
+        **_QB_LIMITED,
     )
     assert any("failed after other claims of this turn" in m for m in caplog.messages), (
         "no turn rode over a fault"
@@ -2561,8 +2564,7 @@ def test_a_lock_timeout_under_a_later_queues_claim_does_not_slow_the_other_queue
         caplog,
         _LOCK_TIMEOUT,
         trickle=True,
-        queues=("qa", "qb"),
-        limits={"qb": Limit(concurrency=1)},
+        **_QB_LIMITED,
     )
     assert any("failed after other claims of this turn" in m for m in caplog.messages), (
         "no turn rode over a fault"
