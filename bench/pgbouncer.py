@@ -1,6 +1,6 @@
 """Through PgBouncer (transaction pooling) vs direct, in one run: jobs drain throughput and wake-up latency.
 
-A private PgBouncer (``tests.test_pgbouncer.PrivatePgBouncer``: the machine's package, a free port,
+A private PgBouncer (``tests.pooler.PrivatePgBouncer``: the machine's package, a free port,
 ``pool_mode = transaction``, a pool of 20 server connections — PgBouncer's default) in front of the benchmark's
 database. Every loop behind it is built the way the docs tell users to: ``sa_outbox.pgbouncer_engine(pooled,
 direct_url=server)`` — prepared statements off, LISTEN straight on the server.
@@ -158,7 +158,7 @@ def _wakeups(url: str, pooled: str, mode: str, count: int, poll: float) -> tuple
 def scenario_pgbouncer(url: str, engine: Engine, cfg: argparse.Namespace) -> list[dict[str, Any]]:
     """Jobs drain (batch 1 and 50) and wake-up latency through a private PgBouncer in transaction mode, beside
     the same on a direct connection, in one run."""
-    from tests.test_pgbouncer import PrivatePgBouncer, pgbouncer_version
+    from tests.pooler import PrivatePgBouncer, pgbouncer_version
 
     server = make_url(url)
     name = str(server.database)

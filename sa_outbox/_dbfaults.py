@@ -28,7 +28,18 @@ def is_connection_error(exc: BaseException) -> bool:
     """A fault worth retrying: the server went away, restarted, or refused the connection."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, OperationalError | InterfaceError)
+    return isinstance(exc, OperationalError | InterfaceError) or _protocol_lost(exc)
+
+
+def _protocol_lost(exc: BaseException) -> bool:
+    """psycopg lost the thread of the protocol on a connection: its own ``InternalError``, with no SQLSTATE
+    (one the server sends has one, ``XX000``…). PgBouncer in transaction mode answers the ROLLBACK of a
+    transaction whose server connection died with that server's error *and* the ROLLBACK's result — "received 2
+    results from command 'ROLLBACK'" — and psycopg closes the connection. SQLAlchemy tells it a disconnect only
+    where it holds the connection; in a new connection's connect event (its first-connect rollback) it cannot,
+    and a loop took it for a fatal error and died (the model suite through PgBouncer)."""
+    driver = _driver_error(exc)
+    return isinstance(driver, psycopg.InternalError) and driver.sqlstate is None
 
 
 # A URL or connection option libpq refuses before it even tries to connect.
@@ -87,6 +98,8 @@ def is_lost_connection(exc: BaseException) -> bool:
     serialization failure or a deadlock are ``OperationalError`` too, and the loops invalidate their connection
     after any of them, so neither the class nor ``connection_invalidated`` tells the two apart."""
     driver = _driver_error(exc)
+    if _protocol_lost(exc):
+        return True
     if not isinstance(driver, psycopg.OperationalError):
         return False
     state = driver.sqlstate

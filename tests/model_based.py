@@ -62,6 +62,13 @@ In a quarter of the scenarios (T1) the loops' engines carry a tenant's ``schema_
 where the tables are): every loop statement is then compiled and prepared as a tenant's, beside the producers'
 and operators' untranslated statements in the same process.
 
+Through PgBouncer (P1: ``tests/test_model_based.py``'s pooled tests, a private PgBouncer 1.18 in transaction
+pooling mode with 8 server connections) every loop's engine is made by ``pgbouncer_engine`` /
+``pgbouncer_async_engine``: statements unprepared and sharing server connections, LISTEN, heartbeats and lease
+guards on the server itself; the terminations then cut the pooler's server connections under the loops (the
+pooler's error reaches them, or its answer to a ROLLBACK on a lost server connection). The producers, the
+operators and the checks stay on the server. Every invariant below holds unchanged.
+
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
 that also writes their fenced completion.
 
@@ -162,7 +169,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool
 
@@ -191,6 +198,8 @@ from sa_outbox import (
     enqueue_many,
     maintain_partitions,
     pause_schedule,
+    pgbouncer_async_engine,
+    pgbouncer_engine,
     resume_schedule,
     skip_dead,
     sync_schedules,
@@ -759,15 +768,16 @@ class LoopThread:
     """One Dispatcher/Worker (sync, or async on its own event loop) running in a thread of its own."""
 
     def __init__(
-        self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine, async_url: URL,
-        run_kwargs: dict[str, Any] | None = None, engine_kwargs: dict[str, Any] | None = None,
+        self, name: str, build: Callable[[Any], Any], *, is_async: bool, engine: Engine,
+        async_engine: Callable[[], AsyncEngine], run_kwargs: dict[str, Any] | None = None,
         terminations_at_start: int = 0,
     ):  # fmt: skip
         self.name = name
         self.build = build
         self.is_async = is_async
         self.engine = engine
-        self.async_url = async_url
+        #: the async flavour's engine, made on its own event loop (the scenario's: direct or through PgBouncer)
+        self.async_engine = async_engine
         self.loop: Any = None
         self.aloop: asyncio.AbstractEventLoop | None = None  # the async flavour's event loop and main task
         self.task: asyncio.Task[Any] | None = None  # the async flavour's run() task
@@ -775,7 +785,6 @@ class LoopThread:
         #: After leave(): the loop and engine asyncio.run() left behind, closed by the thread afterwards.
         self.left: tuple[Any, Any] | None = None
         self.run_kwargs = run_kwargs or {}
-        self.engine_kwargs = engine_kwargs or {}
         self.terminations_at_start = terminations_at_start  # backend terminations before it started
         self.exited: BaseException | None = None
         self.ready = threading.Event()
@@ -827,9 +836,7 @@ class LoopThread:
                 loop.close()
 
     async def _amain(self) -> None:
-        aengine = create_async_engine(
-            self.async_url, pool_size=3, connect_args=LOOP_APP, **self.engine_kwargs
-        )
+        aengine = self.async_engine()
         try:
             self.loop = self.build(aengine)
             self._leave = asyncio.Event()
@@ -971,8 +978,20 @@ _HOLD_RUNNING = text(
 )
 
 
+@dataclass(frozen=True)
+class Pooler:
+    """PgBouncer in transaction pooling mode in front of the test database: ``url`` is the pooler, ``direct``
+    the server (the loops' LISTEN connections and a worker's heartbeat and lease guard go there, as
+    :func:`sa_outbox.pgbouncer_engine` routes them)."""
+
+    url: URL
+    direct: URL
+
+
 class Scenario:
-    def __init__(self, seed: int, engine: Engine, async_url: URL, profile: Profile) -> None:
+    def __init__(
+        self, seed: int, engine: Engine, async_url: URL, profile: Profile, pooler: Pooler | None = None
+    ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.analyze_rng = random.Random(f"analyze {seed}")
@@ -1030,9 +1049,23 @@ class Scenario:
         self.translated = random.Random(f"tenant {seed}").random() < 0.25
         if self.translated:
             self.loop_engine_kwargs["execution_options"] = {"schema_translate_map": {None: "public"}}
-        self.loop_engine = create_engine(
-            engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP, **self.loop_engine_kwargs
-        )
+        #: P1: the loops reach the database through PgBouncer (transaction pooling): their statements share
+        #: and swap server connections, unprepared, their LISTEN, heartbeats and guards go to the server itself,
+        #: and a termination cuts a server connection under the pooler (what its clients see: the pooler's
+        #: error, their connection closed). The producers, operators and checks stay on the server.
+        self.pooler = pooler
+        #: what every loop is given for its wake-ups when it listens (through the pooler: LISTEN on the server)
+        self.listen_to: dict[str, Any] = {}
+        if pooler is None:
+            self.loop_engine = create_engine(
+                engine.url, pool_size=10, max_overflow=20, connect_args=LOOP_APP, **self.loop_engine_kwargs
+            )
+        else:
+            self.loop_engine, wakeups = pgbouncer_engine(
+                pooler.url, direct_url=pooler.direct, pool_size=10, max_overflow=20, connect_args=LOOP_APP,
+                **self.loop_engine_kwargs,
+            )  # fmt: skip
+            self.listen_to = {"listen_url": wakeups["listen_url"]}
         self.async_url = async_url
         self.profile = profile
         #: C5: the cron expression in force from each moment on (a deploy's sync changes it while loops fire it);
@@ -1509,6 +1542,22 @@ class Scenario:
 
     # -- rules: loops and faults ------------------------------------------------------------------------------
 
+    def _async_loop_engine(self) -> AsyncEngine:
+        """An async loop's engine (made on the loop's own event loop): as the sync loops', direct or pooled."""
+        if self.pooler is None:
+            return create_async_engine(
+                self.async_url, pool_size=3, connect_args=LOOP_APP, **self.loop_engine_kwargs
+            )
+        aengine, _ = pgbouncer_async_engine(
+            self.pooler.url, direct_url=self.pooler.direct, pool_size=3, connect_args=LOOP_APP,
+            **self.loop_engine_kwargs,
+        )  # fmt: skip
+        return aengine
+
+    def _listening(self, listen: bool) -> dict[str, Any]:
+        """A loop's wake-up options: ``listen``, and through the pooler where its LISTEN connection goes."""
+        return {"listen": listen, **(self.listen_to if listen else {})}
+
     def _run_kwargs(self, bounded: bool) -> dict[str, Any]:
         """Some loops stop by themselves after a few claims (``run(max_batches=N)``): they leave with jobs or
         events in hand, which must be given back or finished, never lost or run twice."""
@@ -1521,7 +1570,8 @@ class Scenario:
         options = dict(
             batch=self.rng.choice((1, 3, 10)), ordered=True if self.all_ordered else set(ORDERED), lease=3.0,
             publish_timeout=0.4,
-            enforce_publish_timeout=True, backoff=FAST, poll_interval=0.3, listen=self.rng.random() < 0.5,
+            enforce_publish_timeout=True, backoff=FAST, poll_interval=0.3,
+            **self._listening(self.rng.random() < 0.5),
         )  # fmt: skip
         if self.partitioned and self.rng.random() < 0.5:
             options["maintain_partitions"] = 1.5  # a few statements each time: F5 counts them
@@ -1541,8 +1591,8 @@ class Scenario:
         )
         self.dispatchers.append(
             LoopThread(name, lambda e: cls(e, self.Outbox, publisher, **options), is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
-                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
+                       engine=self.loop_engine, async_engine=self._async_loop_engine, run_kwargs=run_kwargs,
+                       terminations_at_start=self.terminations).start()
         )  # fmt: skip
 
     def start_worker(
@@ -1556,7 +1606,7 @@ class Scenario:
         options = dict(
             batch=self.rng.choice((1, 4, 10)), concurrency=self.rng.choice((1, 2, 4)),
             handler_timeout=self.rng.choice((None, 0.4)), stale_after=3.0, heartbeat=0.3, backoff=FAST,
-            poll_interval=0.3, listen=self.rng.random() < 0.5,
+            poll_interval=0.3, **self._listening(self.rng.random() < 0.5),
         )  # fmt: skip
         async_handler = is_async and self.rng.random() < 0.6
         pace = self.rng.choice((0.0, 0.0004, 0.002))
@@ -1617,8 +1667,8 @@ class Scenario:
 
         self.workers.append(
             LoopThread(name, build, is_async=is_async,
-                       engine=self.loop_engine, async_url=self.async_url, run_kwargs=run_kwargs,
-                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
+                       engine=self.loop_engine, async_engine=self._async_loop_engine, run_kwargs=run_kwargs,
+                       terminations_at_start=self.terminations).start()
         )  # fmt: skip
 
     def _reap_exited(self) -> None:
@@ -1852,7 +1902,7 @@ class Scenario:
         assert the hand-over happened in one of them at least."""
         name = f"worker-{next(self.names)}"
         options: dict[str, Any] = dict(batch=1, concurrency=2, handler_timeout=None, stale_after=3.0, heartbeat=0.3,
-                                       backoff=FAST, poll_interval=0.3, listen=True)  # fmt: skip
+                                       backoff=FAST, poll_interval=0.3, **self._listening(True))  # fmt: skip
         if self.limit is None:
             options["unique_running"] = True  # (the fleet's rule)
         if self.give_up:
@@ -1865,8 +1915,8 @@ class Scenario:
             return land_after_the_run(Worker(e, Job, handlers, queues=(HANDOVER,), **options), record, name)
 
         self.workers.append(
-            LoopThread(name, build, is_async=False, engine=self.loop_engine, async_url=self.async_url,
-                       engine_kwargs=self.loop_engine_kwargs, terminations_at_start=self.terminations).start()
+            LoopThread(name, build, is_async=False, engine=self.loop_engine, async_engine=self._async_loop_engine,
+                       terminations_at_start=self.terminations).start()
         )  # fmt: skip
         p = Planned(next(self.seq), ["linger"], False)
         with Session(self.engine) as s, s.begin():
@@ -2250,7 +2300,12 @@ class Scenario:
             self.check_final()
         finally:
             # (also when a rule or a check failed: connections this scenario's engines still hold would otherwise
-            # be collected during the next scenario, and fail it with "connections left open")
+            # be collected during the next scenario, and fail it with "connections left open"; and an outage or a
+            # refusal a failed step left going ends first — its thread, on engines closed under it, failed the
+            # test's teardown with an error of its own that hid the step's)
+            for thread in (self.cutter, self.refuser):
+                if thread is not None:
+                    thread.join(10)
             with self.engine.begin() as conn:
                 conn.execute(text("DROP TABLE model_effects"))
                 conn.execute(text("DROP TRIGGER IF EXISTS model_no_renewal ON jobs"))
@@ -2763,8 +2818,10 @@ def _openers(messages: list[str]) -> list[str]:
     return found
 
 
-def run_scenario(seed: int, engine: Engine, async_url: URL, profile: Profile) -> Scenario:
-    scenario = Scenario(seed, engine, async_url, profile)
+def run_scenario(
+    seed: int, engine: Engine, async_url: URL, profile: Profile, pooler: Pooler | None = None
+) -> Scenario:
+    scenario = Scenario(seed, engine, async_url, profile, pooler)
     _OPENED_BY.clear()
     try:
         # Over the whole run, and once every loop is closed and every engine disposed: the collector finds no

@@ -10,7 +10,12 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
-from sa_outbox._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
+from sa_outbox._dbfaults import (
+    connection_error_cause,
+    is_connection_error,
+    is_lost_connection,
+    is_permanent_connection_error,
+)
 
 from .sessions import throwaway_database
 
@@ -90,3 +95,13 @@ def test_an_error_of_one_statement_is_not_a_connection_fault(engine: Engine) -> 
     assert 'relation "no_such_table_q7" does not exist' in str(info.value)
     assert not is_permanent_connection_error(info.value)
     assert not is_permanent_connection_error(ValueError("database does not exist"))  # not a driver error
+
+
+def test_an_internal_error_the_server_sends_is_not_a_lost_connection(engine: Engine) -> None:
+    """psycopg's own ``InternalError`` (no SQLSTATE: the protocol lost on a pooled connection) is a lost
+    connection (tests/test_pgbouncer.py shows it through PgBouncer); the server's internal errors, which carry a
+    SQLSTATE of class XX, are one statement's error on a live connection."""
+    with engine.connect() as conn, pytest.raises(Exception) as info:
+        conn.execute(text("DO $$ BEGIN RAISE EXCEPTION 'corrupt' USING ERRCODE = 'XX001'; END $$"))
+    assert type(info.value.orig).__name__ == "DataCorrupted"  # type: ignore[attr-defined]
+    assert not is_connection_error(info.value) and not is_lost_connection(info.value)

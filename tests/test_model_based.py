@@ -9,19 +9,23 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
 from .conftest import empty_tables
-from .model_based import Profile, run_scenario
+from .model_based import Pooler, Profile, run_scenario
+from .pooler import PrivatePgBouncer
 
 _given = os.environ.get("SA_OUTBOX_MODEL_SEEDS")
 #: Fixed seeds keep CI reproducible; one more from the clock explores new interleavings on every run (one
 #: value for the whole run: pytest-xdist's workers collect the same tests only if they pick the same seed).
 _FIXED = (1, 2, 3)
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+#: The fixed seeds run through PgBouncer (P1), and the run's seed from the clock after them.
+_POOLED_FIXED = (4, 5)
 _CLOCK_SEED = (
     int(hashlib.sha256(_run_id.encode()).hexdigest(), 16) % 100_000 if _run_id else int(time.time()) % 100_000
 )
@@ -82,3 +86,63 @@ def test_model_based_ci_profile_seed_from_the_clock(engine: Engine, async_url: U
 @pytest.mark.parametrize("seed", range(100, 120))
 def test_model_based_long_profile(engine: Engine, async_url: URL, seed: int) -> None:
     run_scenario(seed, engine, async_url, Profile(steps=250, max_dispatchers=4, max_workers=4))
+
+
+#: Server connections behind the pooler: fewer than the loops' clients, so their transactions take turns.
+_SERVER_CONNECTIONS = 8
+
+
+@pytest.fixture(scope="module")
+def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
+    name = str(db_url.database)
+    server = PrivatePgBouncer(server_url, {name: (name, _SERVER_CONNECTIONS)})
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
+    return Pooler(bouncer.url(str(db_url.database)), db_url)
+
+
+def _pooled_transactions(bouncer: PrivatePgBouncer, db_url: URL) -> int:
+    stats = bouncer.admin("SHOW STATS")
+    return sum(int(s["total_xact_count"]) for s in stats if s["database"] == str(db_url.database))
+
+
+def test_model_based_through_pgbouncer(
+    engine: Engine, async_url: URL, db_url: URL, bouncer: PrivatePgBouncer
+) -> None:
+    """P1: the rules and invariants with every loop's engine made by ``pgbouncer_engine`` /
+    ``pgbouncer_async_engine`` — PgBouncer in transaction pooling mode, fewer server connections than
+    clients, no prepared statements, LISTEN and a worker's heartbeat and guard on the server itself — while
+    terminations cut the pooler's server connections under the loops (and their direct ones). What must hold is
+    what holds on the server directly: nothing lost, nothing run twice at once, order kept."""
+    seeds = [int(s) for s in _given.split(",")] if _given else [*_POOLED_FIXED, _CLOCK_SEED]
+    before = _pooled_transactions(bouncer, db_url)
+    terminations = 0
+    for i, seed in enumerate(seeds):
+        if i:
+            empty_tables(engine)
+        scenario = run_scenario(seed, engine, async_url, Profile(steps=40), _through(bouncer, db_url))
+        terminations += scenario.terminations
+    if not _given:
+        served = _pooled_transactions(bouncer, db_url) - before
+        assert served > 1000, f"only {served} transactions went through the pooler in seeds {seeds}"
+        assert terminations > 0, f"no connection was terminated under the pooler in seeds {seeds}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(120, 126))
+def test_model_based_long_profile_through_pgbouncer(
+    engine: Engine, async_url: URL, db_url: URL, bouncer: PrivatePgBouncer, seed: int
+) -> None:
+    run_scenario(
+        seed,
+        engine,
+        async_url,
+        Profile(steps=250, max_dispatchers=4, max_workers=4),
+        _through(bouncer, db_url),
+    )

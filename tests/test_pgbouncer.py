@@ -21,20 +21,15 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import pwd
-import re
-import shutil
-import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, create_engine, select, text
+from sqlalchemy import Engine, create_engine, event, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -64,105 +59,15 @@ from sa_outbox.doctor import doctor
 from sa_outbox.models import Inbox, Job, OutboxEvent
 from sa_outbox.testing import RecordingPublisher, drain
 
-from .brokers import _Server
 from .commit_order import assert_serialised
 from .factories import FAST, Runner
 from .helpers import fresh_schema, row, seed_events, seed_jobs, statuses
 from .models import Order
+from .pooler import POOL, PrivatePgBouncer
 from .test_loop_guarantees import _turns_failed_behind_a_refusal, wait_until
 from .test_lost_connection_autocommit import limited_workers_losing_connections
 
-POOL = 4  # server connections of the main alias: fewer than the clients of most tests, so they share them
-
-# --- a private PgBouncer ----------------------------------------------------------------------------------
-
-
-def pgbouncer_binary() -> str:
-    found = shutil.which("pgbouncer") or (
-        "/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None
-    )
-    if found is None:
-        raise RuntimeError("pgbouncer is not installed: apt-get install -y pgbouncer (.ci/run does)")
-    return found
-
-
-def pgbouncer_version() -> tuple[int, ...]:
-    out = subprocess.run([pgbouncer_binary(), "--version"], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"PgBouncer (\d+)\.(\d+)", out)
-    assert found, out
-    return tuple(int(x) for x in found.groups())
-
-
-class PrivatePgBouncer(_Server):
-    """A PgBouncer of this run's own: its ini, userlist and log in a temporary directory, a free port,
-    ``pool_mode = transaction``, in front of the server of ``server`` (TCP host or Unix socket directory).
-
-    ``databases`` maps each alias to ``(database, pool_size)``. Nothing of the machine's own pgbouncer
-    service (``/etc/pgbouncer``, port 6432) is used or touched."""
-
-    name = "pgbouncer"
-
-    def __init__(self, server: URL, databases: dict[str, tuple[str, int]]) -> None:
-        super().__init__()
-        self.server = server
-        host = server.host or server.query.get("host") or "127.0.0.1"
-        self.host = host if isinstance(host, str) else host[0]
-        user = server.username or "postgres"
-        self.dir.chmod(0o755)  # read by the unprivileged user PgBouncer runs as
-        dbs = [f"{alias} = host={self.host} port={server.port or 5432} dbname={db} pool_size={size}"
-               for alias, (db, size) in databases.items()]  # fmt: skip
-        settings = {
-            "listen_addr": "127.0.0.1",
-            "listen_port": str(self.port),
-            "unix_socket_dir": "",
-            "auth_type": "trust",
-            "auth_file": str(self.dir / "userlist.txt"),
-            "admin_users": user,
-            "pool_mode": "transaction",
-            "default_pool_size": str(POOL),
-            "max_client_conn": "500",
-            "server_login_retry": "1",
-        }
-        if pgbouncer_version() >= (1, 21):
-            settings["max_prepared_statements"] = "0"  # as 1.18 behaves (later versions default to 200)
-        ini = ["[databases]", *dbs, "", "[pgbouncer]", *(f"{k} = {v}" for k, v in settings.items())]
-        (self.dir / "pgbouncer.ini").write_text("\n".join(ini) + "\n")
-        (self.dir / "userlist.txt").write_text(f'"{user}" "{server.password or ""}"\n')
-        for f in ("pgbouncer.ini", "userlist.txt"):
-            (self.dir / f).chmod(0o644)
-
-    def command(self) -> Sequence[str]:
-        as_user: list[str] = []
-        if os.geteuid() == 0:  # "PgBouncer should not run as root": as the server's own user when the server
-            # is a Unix socket (the embedded server's is in its data directory, closed to anyone else)
-            owner = os.stat(self.host).st_uid if self.host.startswith("/") else None
-            try:
-                name = pwd.getpwuid(owner).pw_name if owner else pwd.getpwnam("postgres").pw_name
-            except KeyError:
-                name = "nobody"
-            as_user = ["-u", name]
-        return [pgbouncer_binary(), *as_user, str(self.dir / "pgbouncer.ini")]
-
-    def url(self, alias: str, driver: str = "postgresql+psycopg") -> URL:
-        return self.server.set(drivername=driver, host="127.0.0.1", port=self.port, database=alias, query={})
-
-    def admin(self, command: str) -> list[dict[str, Any]]:
-        """A command of PgBouncer's admin console (``SHOW SERVERS``, ``RECONNECT db``)."""
-        with psycopg.connect(psycopg.conninfo.make_conninfo(
-            host="127.0.0.1", port=self.port, dbname="pgbouncer", user=self.server.username or "postgres"
-        ), autocommit=True) as conn:  # fmt: skip
-            cur = conn.execute(command.encode())
-            if cur.description is None:
-                return []
-            names = [d.name for d in cur.description]
-            return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
-
-    def server_pids(self, alias: str) -> list[int]:
-        """The PostgreSQL backend pid of each server connection PgBouncer holds for ``alias``."""
-        return [int(s["remote_pid"]) for s in self.admin("SHOW SERVERS") if s["database"] == alias]
-
-    def log(self) -> str:
-        return (self.dir / "out.log").read_text(errors="replace")
+# --- a private PgBouncer: tests/pooler.py ------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -1593,3 +1498,84 @@ def test_a_direct_lease_route_that_reaches_another_table_is_not_used(
         assert w._beat_db.engine is pengine and w._guard_db.engine is pengine
         with schema_engine.connect() as conn:
             assert tuple(conn.execute(select(Job.status, Job.lease_version)).one()) == ("done", 1)
+
+
+def _cut_inside_the_first_connect(engine: Any, db_url: URL, app: str, raised: list[str]) -> None:
+    """On ``engine``'s first new connection, in its connect event: a transaction opened through the pooler, its
+    server connection terminated on the server, then the ROLLBACK SQLAlchemy's own first connect sends — what a
+    loop's engine meets when a pooler's server connection dies between the dialect's start-up queries and that
+    rollback (the model suite's pooled scenarios: a dispatcher died of it). PgBouncer answers that ROLLBACK with
+    the lost server's error and the ROLLBACK's result, and psycopg raises ``InternalError("received 2 results
+    from command 'ROLLBACK'")``, on a connection it then closes. ``raised``: what the cut's ROLLBACK raised."""
+    sync_engine = engine.sync_engine if hasattr(engine, "sync_engine") else engine
+
+    @event.listens_for(sync_engine, "connect")
+    def cut(dbapi_connection: Any, _record: Any) -> None:
+        if raised:
+            return
+        cur = dbapi_connection.cursor()
+        cur.execute("SELECT 1")  # (a transaction open: psycopg's implicit BEGIN)
+        cur.close()
+        with psycopg.connect(
+            db_url.set(drivername="postgresql").render_as_string(False), autocommit=True
+        ) as k:
+            k.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s "
+                "AND datname = current_database()", (app,),
+            )  # fmt: skip
+        time.sleep(0.3)  # PgBouncer sees its server connection closed
+        try:
+            dbapi_connection.rollback()
+        except Exception as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+            raise
+        raised.append("nothing")
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_server_connection_lost_inside_a_loops_first_connect_is_an_outage_through_pgbouncer(
+    engine: Engine, pooled_url: URL, db_url: URL, flavour: str
+) -> None:
+    """The pooler's answer to a transaction whose server connection died is psycopg's client-side
+    ``InternalError`` (no SQLSTATE), raised where SQLAlchemy has no connection to test for a disconnect (a new
+    connection's connect event): the loop took it for a fatal error and died — one lost server connection
+    stopped a worker for good. It is a lost connection: the loop retries, and drains."""
+    seed_jobs(engine, 6, task="t")
+    app = f"cut-once-{flavour}"
+    done: list[int] = []
+    raised: list[str] = []
+
+    def handle(job: ClaimedJob) -> None:
+        done.append(job.id)
+
+    opts: dict[str, Any] = dict(batch=3, poll_interval=0.1, backoff=Backoff(0.01, 0.05, jitter=False))
+    if flavour == "sync":
+        pe, _ = pgbouncer_engine(pooled_url, direct_url=db_url, connect_args={"application_name": app})
+        _cut_inside_the_first_connect(pe, db_url, app, raised)
+        w = Worker(pe, Job, {"t": handle}, listen=False, **opts)
+        try:
+            w.run(install_signal_handlers=False, until_idle=True)
+        finally:
+            w.close()
+            pe.dispose()
+        failed = w.stats.db_errors
+    else:
+
+        async def run() -> int:
+            ae, _ = pgbouncer_async_engine(
+                pooled_url, direct_url=db_url, connect_args={"application_name": app}
+            )
+            _cut_inside_the_first_connect(ae, db_url, app, raised)
+            aw = AsyncWorker(ae, Job, {"t": handle}, listen=False, **opts)
+            try:
+                await aw.run(install_signal_handlers=False, until_idle=True)
+            finally:
+                await aw.close()
+                await ae.dispose()
+            return aw.stats.db_errors
+
+        failed = asyncio.run(run())
+    assert raised and "received 2 results" in raised[0], raised  # the pooler's answer, as the model met it
+    assert sorted(done) == sorted(set(done)) and len(done) == 6, done
+    assert statuses(engine, "jobs") == {"done": 6}
+    assert failed >= 1  # the lost connection was a failed turn, retried
