@@ -166,6 +166,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
@@ -986,6 +987,8 @@ class Pooler:
 
     url: URL
     direct: URL
+    #: what the pooler says of its pools and server connections now (told with a failure)
+    state: Callable[[], str] | None = None
 
 
 class Scenario:
@@ -2703,9 +2706,13 @@ class Scenario:
             )
         with self.engine.connect() as conn:
             effects = Counter(conn.execute(text("SELECT seq FROM model_effects")).scalars())
+        runs: dict[int, list[tuple[str, int, int, str]]] = {}
+        for e in rec:
+            if e[0] == "handle":
+                runs.setdefault(e[1], []).append(e)
         for seq, p in self.model.jobs.items():
             row = jobs[seq]
-            why = (seq, p.plan, p.poison, row.status, row.last_error)
+            why = (seq, p.plan, p.poison, row.status, row.last_error, runs.get(seq, []))
             if seq in self.model.cancelled_queued:
                 assert row.status == "cancelled", why
                 ran_after = [
@@ -2769,18 +2776,26 @@ class Scenario:
 
 def _spent_on_a_cut_session(in_transaction: bool, terminations: int, error: str | None) -> bool:
     """A one-attempt job's transactional handler whose session's connection a termination cut under it: an
-    exception like any other, its one attempt spent (docs/jobs.md) — said with the server's notice, or the
-    closed socket when the client read that first."""
+    exception like any other, its one attempt spent (docs/jobs-control.md) — said with the server's notice, or
+    the closed socket when the client read that first; through PgBouncer (P1) with the pooler's own words for
+    its lost server connection, or psycopg's for the pooler's answer to a COMMIT or ROLLBACK on it."""
     error = error or ""
     return (
         in_transaction
         and terminations > 0
         and error.startswith("retries exhausted (1/1)")
-        and (
-            "terminating connection due to administrator command" in error
-            or "server closed the connection unexpectedly" in error
-        )
+        and any(cut in error for cut in _CUT_SESSION)
     )
+
+
+#: How a session cut under a transactional handler reads (see :func:`_spent_on_a_cut_session`).
+_CUT_SESSION = (
+    "terminating connection due to administrator command",
+    "server closed the connection unexpectedly",
+    "server conn crashed?",  # PgBouncer: the server connection under the client's transaction died
+    "received 2 results from command",  # psycopg: PgBouncer answered with that error and the command's result
+    "invalid server parameter",  # PgBouncer (08P01): linking a server connection that died meanwhile
+)
 
 
 def _timed_out_on_its_attempt(error: str | None) -> bool:
@@ -2792,20 +2807,46 @@ def _timed_out_on_its_attempt(error: str | None) -> bool:
     )
 
 
-#: Who opened each connection a pool of this process made (the driver connection's id -> the opening thread
+#: Who opened each connection of this process (the driver connection's id -> the scenario, the opening thread
 #: and frames), so that one the collector finds open is named in the failure: a sync one, rarely, under load,
-#: whose opener tracing every connect did not catch (stop 67). The id may have been reused since: a hint.
+#: whose opener tracing every connect did not catch (stop 67). Kept across scenarios: one collected in the
+#: next scenario of the process was opened in an earlier one. The id may have been reused since: a hint.
 _OPENED_BY: dict[int, str] = {}
+_SCENARIO = [0]  # the seed of the scenario running in this process
+
+
+def _note(driver: Any, how: str) -> None:
+    if len(_OPENED_BY) > 50_000:
+        _OPENED_BY.clear()
+    frames = [
+        f for f in traceback.extract_stack(limit=48)[:-2]
+        if "/sqlalchemy/" not in f.filename and "/psycopg/" not in f.filename
+    ][-10:]  # fmt: skip
+    where = " <- ".join(f"{f.name}@{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames))
+    _OPENED_BY[id(driver)] = f"seed {_SCENARIO[0]}, {how}, {threading.current_thread().name}: {where}"
 
 
 @event.listens_for(Pool, "connect")
 def _note_opener(dbapi_connection: Any, _record: Any) -> None:
-    if len(_OPENED_BY) > 50_000:
-        _OPENED_BY.clear()
-    frames = [f for f in traceback.extract_stack(limit=48)[:-1] if "/sqlalchemy/" not in f.filename][-10:]
-    where = " <- ".join(f"{f.name}@{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames))
-    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-    _OPENED_BY[id(driver)] = f"{threading.current_thread().name}: {where}"
+    _note(getattr(dbapi_connection, "driver_connection", dbapi_connection), "pooled")
+
+
+@contextlib.contextmanager
+def _direct_connects_noted() -> Iterator[None]:
+    """psycopg's own ``Connection.connect`` (a LISTEN connection, its probe's) noted as the pools' are."""
+    original = psycopg.Connection.__dict__["connect"]
+
+    def connect(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        conn = original.__func__(cls, *args, **kwargs)
+        if "sa_outbox.listen" in str(kwargs.get("application_name", "")):
+            _note(conn, "direct")
+        return conn
+
+    psycopg.Connection.connect = classmethod(connect)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        psycopg.Connection.connect = original  # type: ignore[method-assign]
 
 
 def _openers(messages: list[str]) -> list[str]:
@@ -2814,7 +2855,7 @@ def _openers(messages: list[str]) -> list[str]:
     for m in messages:
         at = re.search(r"object at (0x[0-9a-f]+)", m)
         opener = _OPENED_BY.get(int(at.group(1), 16)) if at else None
-        found.append(opener or "(not opened through a pool: a LISTEN connection, a probe?)")
+        found.append(opener or "(opened neither by a pool nor as a LISTEN connection)")
     return found
 
 
@@ -2822,19 +2863,23 @@ def run_scenario(
     seed: int, engine: Engine, async_url: URL, profile: Profile, pooler: Pooler | None = None
 ) -> Scenario:
     scenario = Scenario(seed, engine, async_url, profile, pooler)
-    _OPENED_BY.clear()
+    _SCENARIO[0] = seed
     try:
         # Over the whole run, and once every loop is closed and every engine disposed: the collector finds no
         # psycopg connection still open (one given back to a pool already disposed — an abandoned handler's
         # to a loop's own engine). Recorded from any thread, whenever a collection happens to find one.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResourceWarning)
-            scenario.run()
+            with _direct_connects_noted():
+                scenario.run()
             gc.collect()
         left = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
         open_ = [m for m in left if "while still open" in m]
         assert not open_, f"connections left open: {open_[:3]}; opened by: {_openers(open_[:3])}"
     except BaseException as exc:
         tail = "\n  ".join(scenario.log[-int(os.environ.get("SA_OUTBOX_MODEL_TAIL", "40")) :])
+        if pooler is not None and pooler.state is not None:
+            with contextlib.suppress(Exception):
+                tail += f"\n  the pooler now: {pooler.state()}"
         raise AssertionError(f"model-based scenario seed={seed} failed: {exc}\n  {tail}") from exc
     return scenario

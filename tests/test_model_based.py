@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
@@ -104,7 +105,19 @@ def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
 
 
 def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
-    return Pooler(bouncer.url(str(db_url.database)), db_url)
+    alias = str(db_url.database)
+
+    def state() -> str:
+        pools = [p for p in bouncer.admin("SHOW POOLS") if p["database"] == alias]
+        pids = bouncer.server_pids(alias)
+        with psycopg.connect(db_url.set(drivername="postgresql").render_as_string(False)) as conn:
+            servers = conn.execute(
+                "SELECT pid, application_name, state, round(extract(epoch FROM now() - xact_start)::numeric, 1), "
+                "wait_event_type, left(query, 60) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,),
+            ).fetchall()  # fmt: skip
+        return f"pools {pools}; server connections {servers}"
+
+    return Pooler(bouncer.url(alias), db_url, state)
 
 
 def _pooled_transactions(bouncer: PrivatePgBouncer, db_url: URL) -> int:
