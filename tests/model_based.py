@@ -2748,7 +2748,7 @@ class Scenario:
                         )
                         # (as for a younger one-attempt job below — seed 116 of the long profile)
                         or _spent_on_a_cut_session(
-                            seq in self.model.in_transaction, self.terminations, row.last_error
+                            seq in self.model.in_transaction, self.terminations, row.last_error, runs.get(seq)
                         )
                     )
                 ), why
@@ -2763,7 +2763,9 @@ class Scenario:
                 assert (
                     "after max attempts (worker crash?)" in error
                     or _timed_out_on_its_attempt(error)
-                    or _spent_on_a_cut_session(seq in self.model.in_transaction, self.terminations, error)
+                    or _spent_on_a_cut_session(
+                        seq in self.model.in_transaction, self.terminations, error, runs.get(seq)
+                    )
                 ), why
             else:
                 assert row.status == "done" and seq in handled_ok, why
@@ -2774,16 +2776,24 @@ class Scenario:
             )
 
 
-def _spent_on_a_cut_session(in_transaction: bool, terminations: int, error: str | None) -> bool:
+def _spent_on_a_cut_session(
+    in_transaction: bool, terminations: int, error: str | None, runs: list[tuple[str, int, int, str]] | None
+) -> bool:
     """A one-attempt job's transactional handler whose session's connection a termination cut under it: an
     exception like any other, its one attempt spent (docs/jobs-control.md) — said with the server's notice, or
     the closed socket when the client read that first; through PgBouncer (P1) with the pooler's own words for
-    its lost server connection, or psycopg's for the pooler's answer to a COMMIT or ROLLBACK on it."""
+    its lost server connection, or psycopg's for the pooler's answer to a COMMIT or ROLLBACK on it. On its second
+    attempt when a NoAnswer gave its first back and a run's outcome was then lost with its worker's connection:
+    the rescue sends such a row back once more, even at its last attempt (``_sql.rescue_statement``, "it goes
+    back once" — seed 169 of the pooled profile: noanswer, a cut run rescued, a cut run)."""
     error = error or ""
+    spent: tuple[str, ...] = ("retries exhausted (1/1)",)
+    if any(action == "noanswer" for _, _, _, action in runs or ()):
+        spent = (*spent, "retries exhausted (2/1)")
     return (
         in_transaction
         and terminations > 0
-        and error.startswith("retries exhausted (1/1)")
+        and error.startswith(spent)
         and any(cut in error for cut in _CUT_SESSION)
     )
 
