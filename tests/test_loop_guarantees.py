@@ -1330,7 +1330,10 @@ def test_a_deep_backlog_of_few_aggregates_is_claimed_aggregate_by_aggregate(
     pub = RecordingPublisher()
     d = runner.dispatcher(pub, ordered=True, poll_interval=60, batch=10)
     assert run_until(runner, d, lambda: len(pub.ids) >= 200, timeout=30)
-    assert d._forms.heads  # the last claim found some heads but fewer than its batch
+    # a claim took the heads form (one found some heads but fewer than its batch). Not whether the next one
+    # will: that also compares the two forms' last costs, which a loaded machine swaps now and then (the full
+    # suite on a busy box failed the async case on it once)
+    assert True in d._forms.cost
     for aggregate in ("A", "B"):
         ids = [m.id for m in pub.messages if m.aggregate_id == aggregate]
         assert ids == sorted(ids) and len(ids) >= 50, (aggregate, ids[:10])
