@@ -46,7 +46,7 @@ class PrivatePgBouncer(_Server):
 
     name = "pgbouncer"
 
-    def __init__(self, server: URL, databases: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, server: URL, databases: dict[str, tuple[str, int]], **overrides: str) -> None:
         super().__init__()
         self.server = server
         host = server.host or server.query.get("host") or "127.0.0.1"
@@ -69,6 +69,7 @@ class PrivatePgBouncer(_Server):
         }
         if pgbouncer_version() >= (1, 21):
             settings["max_prepared_statements"] = "0"  # as 1.18 behaves (later versions default to 200)
+        settings.update(overrides)  # a test's own limits (max_client_conn, query_wait_timeout …)
         ini = ["[databases]", *dbs, "", "[pgbouncer]", *(f"{k} = {v}" for k, v in settings.items())]
         (self.dir / "pgbouncer.ini").write_text("\n".join(ini) + "\n")
         (self.dir / "userlist.txt").write_text(f'"{user}" "{server.password or ""}"\n')

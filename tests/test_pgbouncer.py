@@ -1579,3 +1579,94 @@ def test_a_server_connection_lost_inside_a_loops_first_connect_is_an_outage_thro
     assert sorted(done) == sorted(set(done)) and len(done) == 6, done
     assert statuses(engine, "jobs") == {"done": 6}
     assert failed >= 1  # the lost connection was a failed turn, retried
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_transactional_job_whose_session_cannot_connect_is_deferred_not_failed(
+    engine: Engine, server_url: URL, db_url: URL, flavour: str
+) -> None:
+    """PgBouncer at its ``max_client_conn`` (as a server at ``max_connections``): the loop, connected before,
+    claims on; each transactional handler's session is refused a connection. Before, that was the handler's
+    failure — every claim spent an attempt, and 3 jobs of 3 attempts ended ``failed`` in seconds without their
+    handler ever running (a hostile review). Now the handler is not called and the job is deferred, its attempt
+    refunded, until a connection can be had: then every job runs once and ends done on its first attempt."""
+    name = str(db_url.database)
+    bouncer = PrivatePgBouncer(server_url, {name: (name, 2)}, max_client_conn="3")
+    bouncer.start()
+    seed_jobs(engine, 3, task="t", max_attempts=2)
+    ran: list[int] = []
+    others: list[psycopg.Connection[Any]] = []
+    opts: dict[str, Any] = dict(batch=3, poll_interval=0.1, backoff=Backoff(0.01, 0.05, jitter=False))
+    try:
+        url = bouncer.url(name)
+        conninfo = url.set(drivername="postgresql").render_as_string(False)
+        others = [psycopg.connect(conninfo) for _ in range(2)]  # two of the pooler's three client slots
+
+        def refused_meanwhile() -> None:  # the loop's connection took the third slot: sessions are refused
+            def all_deferred() -> bool:
+                return all(
+                    (r.last_error or "").startswith(
+                        "deferred: not run: the transaction for its handler could not"
+                    )
+                    for r in _job_rows(engine)
+                )
+
+            assert wait_until(all_deferred, 10), _job_rows(engine)  # each job's turn came, and was deferred
+            assert not ran, ran
+            assert all(r.attempts == 0 for r in _job_rows(engine) if r.status == "queued"), _job_rows(engine)
+            for o in others:
+                o.close()
+            assert wait_until(lambda: {r.status for r in _job_rows(engine)} == {"done"}, 15), _job_rows(
+                engine
+            )
+
+        if flavour == "sync":
+            pe, wakeups = pgbouncer_engine(url, direct_url=db_url)
+
+            def handle(job: ClaimedJob, session: Session) -> None:
+                session.execute(text("SELECT 1"))
+                ran.append(job.id)
+
+            w = Worker(pe, Job, {"t": handle}, **wakeups, **opts)
+            t = threading.Thread(target=w.run, kwargs={"install_signal_handlers": False})
+            t.start()
+            try:
+                refused_meanwhile()
+            finally:
+                w.stop()
+                t.join(30)
+                w.close()
+                pe.dispose()
+        else:
+
+            async def handle_async(job: ClaimedJob, session: AsyncSession) -> None:
+                await session.execute(text("SELECT 1"))
+                ran.append(job.id)
+
+            async def run() -> None:
+                ae, wakeups = pgbouncer_async_engine(url, direct_url=db_url)
+                aw = AsyncWorker(ae, Job, {"t": handle_async}, **wakeups, **opts)
+                try:
+                    task = asyncio.ensure_future(aw.run(install_signal_handlers=False))
+                    try:
+                        await asyncio.to_thread(refused_meanwhile)
+                    finally:
+                        aw.stop()
+                        await asyncio.wait_for(task, 30)
+                finally:
+                    await aw.close()
+                    await ae.dispose()
+
+            asyncio.run(run())
+    finally:
+        for o in others:
+            o.close()
+        bouncer.close()
+    assert len(ran) == 3 == len(set(ran)), ran  # each job's handler ran once, once a connection could be had
+    rows = _job_rows(engine)
+    assert [(r.status, r.attempts) for r in rows] == [("done", 1)] * 3, rows
+
+
+def _job_rows(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("SELECT id, status, attempts, last_error FROM jobs ORDER BY id")))
