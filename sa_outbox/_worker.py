@@ -65,7 +65,7 @@ from ._base import (
     through_cancellation,
 )
 from ._db import AsyncLoopConnection, LoopConnection, is_schema_error, with_options_of
-from ._dbfaults import connection_error_cause, is_connection_error
+from ._dbfaults import connection_error_cause, is_connection_error, is_permanent_connection_error
 from ._durations import Duration, positive_int, to_seconds, to_timedelta
 from ._limits import Limit
 from ._messages import CancelToken, ClaimedJob
@@ -334,6 +334,14 @@ class _NoSession(Exception):
         )
 
 
+def _no_session(exc: Exception) -> bool:
+    """Whether a session's failed checkout is a :class:`_NoSession`: a connection error that waiting may cure.
+    One that cannot (authentication failed, no such database: the private sync engine of an AsyncWorker built
+    without what the URL lacks) stays the handler's failure, so that it ends the job with its cause rather than
+    deferring it for good."""
+    return is_connection_error(exc) and not is_permanent_connection_error(exc)
+
+
 def _session_connected(session: Session) -> None:
     """Check the session's connection out of the pool before its handler is called: a connection error here is
     a :class:`_NoSession` (nothing ran). No round trip: the transaction begins with the handler's first
@@ -341,7 +349,7 @@ def _session_connected(session: Session) -> None:
     try:
         session.connection()
     except Exception as exc:
-        if is_connection_error(exc):
+        if _no_session(exc):
             raise _NoSession(exc) from exc
         raise
 
@@ -351,7 +359,7 @@ async def _async_session_connected(session: AsyncSession) -> None:
     try:
         await session.connection()
     except Exception as exc:
-        if is_connection_error(exc):
+        if _no_session(exc):
             raise _NoSession(exc) from exc
         raise
 

@@ -25,8 +25,8 @@ _given = os.environ.get("SA_OUTBOX_MODEL_SEEDS")
 #: value for the whole run: pytest-xdist's workers collect the same tests only if they pick the same seed).
 _FIXED = (1, 2, 3)
 _run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-#: The fixed seeds run through PgBouncer (P1), and the run's seed from the clock after them.
-_POOLED_FIXED = (4, 5)
+#: The fixed seed run through PgBouncer (P1), and the run's seed from the clock after it.
+_POOLED_FIXED = (4,)
 _CLOCK_SEED = (
     int(hashlib.sha256(_run_id.encode()).hexdigest(), 16) % 100_000 if _run_id else int(time.time()) % 100_000
 )
@@ -143,7 +143,7 @@ def test_model_based_through_pgbouncer(
         terminations += scenario.terminations
     if not _given:
         served = _pooled_transactions(bouncer, db_url) - before
-        assert served > 1000, f"only {served} transactions went through the pooler in seeds {seeds}"
+        assert served > 200, f"only {served} transactions went through the pooler in seeds {seeds}"
         assert terminations > 0, f"no connection was terminated under the pooler in seeds {seeds}"
 
 
