@@ -342,22 +342,25 @@ def _no_session(exc: Exception) -> bool:
     return is_connection_error(exc) and not is_permanent_connection_error(exc)
 
 
-def _session_connected(session: Session) -> None:
-    """Check the session's connection out of the pool before its handler is called: a connection error here is
-    a :class:`_NoSession` (nothing ran). No round trip: the transaction begins with the handler's first
-    statement."""
+def _session_can_connect(engine: Engine) -> None:
+    """Before a handler that takes a session is called: a connection of the session's engine can be had (one is
+    checked out of the pool and given back — no round trip), else :class:`_NoSession` (nothing ran). Not the
+    session's own connection: procured now, it would ignore the ``execution_options`` a handler may give its
+    first ``session.connection()`` (an isolation level), with a mere warning."""
     try:
-        session.connection()
+        with engine.connect():
+            pass
     except Exception as exc:
         if _no_session(exc):
             raise _NoSession(exc) from exc
         raise
 
 
-async def _async_session_connected(session: AsyncSession) -> None:
-    """:func:`_session_connected` for an ``AsyncSession``."""
+async def _async_session_can_connect(engine: AsyncEngine) -> None:
+    """:func:`_session_can_connect` for an ``AsyncEngine``."""
     try:
-        await session.connection()
+        async with engine.connect():
+            pass
     except Exception as exc:
         if _no_session(exc):
             raise _NoSession(exc) from exc
@@ -435,8 +438,8 @@ def _invoke_in_transaction(
     was given back when it was held back, :meth:`WorkerBase._refund_held_back_on`)."""
     started = time.perf_counter()
     try:
+        _session_can_connect(engine)
         with _tracing.process_span(job) as span, Session(engine) as session, session.begin():
-            _session_connected(session)
             value = handler(job, session)
             error = _awaitable_returned(job, value)
             if error is not None:
@@ -2622,9 +2625,9 @@ class AsyncWorker(WorkerBase):
             with _tracing.process_span(job):
                 return _Ran(None, 0.0, await handler(job))
         try:
+            await _async_session_can_connect(self.engine)
             with _tracing.process_span(job):
                 async with AsyncSession(self.engine) as session, session.begin():
-                    await _async_session_connected(session)
                     value = await handler(job, session)
                     done = Outcome(
                         job.id, job.lease_version, self.spec.done, refund=self._counted_again(job),

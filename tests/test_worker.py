@@ -1519,3 +1519,33 @@ def test_a_stop_starts_no_rescue_between_the_jobs_in_hand(engine: Engine) -> Non
         event.remove(engine, "before_cursor_execute", watch)
     assert after_stop == []
     assert statuses(engine, "jobs") == {"done": 1, "queued": 1}  # the second given back, not started
+
+
+@pytest.mark.parametrize("runner", ["sync", "async"], indirect=True)
+def test_a_transactional_handler_chooses_its_transactions_isolation_level(
+    runner: Any, engine: Engine
+) -> None:
+    """A handler that takes a session may give its first ``session.connection()`` execution options (a
+    ``SERIALIZABLE`` transaction). The worker checks that a connection can be had before it calls the handler
+    (a refused one defers the job: tests/test_pgbouncer.py), on a connection of its own: procuring the session's
+    connection for that check made SQLAlchemy ignore the handler's options with a warning — its transaction ran
+    at the default level."""
+    seed_jobs(engine, 1, task="t")
+    levels: list[str] = []
+    if runner.aengine is not None:
+
+        async def handle_async(job: ClaimedJob, session: Any) -> None:
+            conn = await session.connection(execution_options={"isolation_level": "SERIALIZABLE"})
+            levels.append((await conn.execute(text("SHOW transaction_isolation"))).scalar_one())
+
+        handler: Any = handle_async
+    else:
+
+        def handle(job: ClaimedJob, session: Session) -> None:
+            conn = session.connection(execution_options={"isolation_level": "SERIALIZABLE"})
+            levels.append(conn.execute(text("SHOW transaction_isolation")).scalar_one())
+
+        handler = handle
+    runner.run(runner.worker({"t": handler}), until_idle=True)
+    assert levels == ["serializable"]
+    assert statuses(engine, "jobs") == {"done": 1}
