@@ -435,7 +435,14 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
         return True
     except DBAPIError as exc:
         found = _partition_named(conn, table, name)
+        sqlstate = getattr(exc.orig, "sqlstate", None)
         if found is not None and found.detach_pending:
+            if mode == "concurrently" and sqlstate == "55000":
+                # "already pending detach": another maintainer's DETACH marked it after this run listed and
+                # closed it, and waits for older transactions — that one settles it (or, should it die, the next
+                # run's FINALIZE). A step of this run that failed past its own mark raises something else (a
+                # lock or statement timeout, a cancel)
+                return False
             raise
         # (a FINALIZE that failed for a reason of its own leaves the detach pending; a DETACH … CONCURRENTLY
         # refused before it marked the partition, e.g. for want of a privilege, leaves it attached: told apart
@@ -444,7 +451,6 @@ def _detach(conn: Connection, table: Table, name: str, *, mode: str) -> bool:
         # the partition attached with no detach pending: object_not_in_prerequisite_state, told apart from
         # other refusals of that state by its detail, "There's no pending concurrent detach." — on a server
         # whose messages are not in English that case stays a reported error, and a later run decides)
-        sqlstate = getattr(exc.orig, "sqlstate", None)
         diag = getattr(exc.orig, "diag", None)
         no_pending = sqlstate == "55000" and "no pending concurrent detach" in (
             getattr(diag, "message_detail", None) or ""
