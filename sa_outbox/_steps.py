@@ -208,7 +208,10 @@ def rescue(
 ) -> list[Any]:
     """Run the rescue statement; returns (id, status, lease_version) of every row it moved. ``kept``: the
     leases (id, lease_version) the loop running it holds, left alone; ``expired_for``: only leases expired for
-    longer than that many seconds (see :func:`_sql.rescue_statement`)."""
+    longer than that many seconds (see :func:`_sql.rescue_statement`). Sent unprepared: the loops run it in a
+    transaction block (``LoopBase._rescue_on``), where psycopg's cursor would prepare it under psycopg's own
+    names, which another client of a pooler's server connection may hold — once a second, its planning is
+    nothing."""
     params: dict[str, Any] = {
         "limit": limit,
         "kept_ids": [row_id for row_id, _ in kept],
@@ -219,7 +222,7 @@ def rescue(
         params["max_attempts"] = max_attempts
     else:
         params["stale_after"] = stale_after
-    rows = run(conn, _sql.rescue_statement(spec), params)
+    rows = run(conn, _sql.rescue_statement(spec), params, prepare=False)
     for row_id, status, version in rows:
         level = logging.WARNING if status == spec.dead else logging.INFO
         log.log(

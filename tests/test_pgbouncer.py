@@ -75,7 +75,7 @@ def bouncer(server_url: URL, db_url: URL) -> Iterator[PrivatePgBouncer]:
     name = str(db_url.database)
     aliases = {name: (name, POOL), f"{name}_one": (name, 1), f"{name}_shared": (name, 2),
                f"{name}_listen": (name, 2), f"{name}_cut": (name, 2),
-               f"{name}_lost": (name, 6)}  # fmt: skip
+               f"{name}_lost": (name, 6), f"{name}_pause": (name, 1)}  # fmt: skip
     server = PrivatePgBouncer(server_url, aliases)
     server.start()
     try:
@@ -1234,6 +1234,75 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
         for agg in ("agg-0", "agg-1", "agg-2"):
             ns = [m.payload["n"] for m in publisher.messages if m.aggregate_id == agg]
             assert ns == sorted(ns), (agg, ns)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_rescue_held_back_by_a_pooler_pause_takes_no_lease_that_ran_out_during_it(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str
+) -> None:
+    """PgBouncer's PAUSE holds every client's next statement, without an error, until RESUME. A dispatcher
+    (A) publishes a batch as the pause begins: its finalize waits in the pooler's queue, behind the rescue of
+    a second dispatcher (B), while the batch's leases run out. At RESUME (one server connection: the queue
+    goes in order) B's rescue ran first and took the batch, and B published all six messages again (before,
+    every run). B's rescue now sees how long it was held back — its transaction begins before the statement —
+    and takes no lease that ran out meanwhile: A's finalize goes through, nothing is published twice."""
+    alias = f"{db_url.database}_pause"
+    url = bouncer.url(alias)
+    lease = 3.0
+    seed_events(engine, 6)
+    claimed, cut, b_queued = threading.Event(), threading.Event(), threading.Event()
+    rb = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+    ra = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+
+    def hold_a(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if cut.is_set():  # A's finalize: sent once B's rescue step waits in the pooler's queue
+            b_queued.wait(4 * lease)
+
+    def mark_b(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if cut.is_set() and (statement == "BEGIN" or "expired_for" in (parameters or {})):
+            b_queued.set()
+
+    def sync_of(r: PooledRunner) -> Engine:
+        return r.aengine.sync_engine if r.aengine is not None else r.engine
+
+    event.listen(sync_of(ra), "before_cursor_execute", hold_a)
+    event.listen(sync_of(rb), "before_cursor_execute", mark_b)
+    threads: list[threading.Thread] = []
+
+    def first_message(message: Any) -> None:
+        if not claimed.is_set():
+            claimed.set()
+            threads.append(rb.run_in_thread(b))
+            time.sleep(1.5)  # B past its start's grace, its rescue running each second
+            bouncer.admin(f"PAUSE {alias}")
+            cut.set()
+        return None
+
+    publisher = RecordingPublisher(fail=first_message)
+    a = ra.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.2)
+    b = rb.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=1.0)
+    try:
+        threads.append(ra.run_in_thread(a))
+        assert wait_until(cut.is_set, 15)
+        assert wait_until(b_queued.is_set, 5), "B sent no rescue during the pause"
+        time.sleep(2 * lease)
+        bouncer.admin(f"RESUME {alias}")
+        assert wait_until(lambda: statuses(engine) == {"done": 6}, 30), statuses(engine)
+        time.sleep(1.5)  # (a second publish of a rescued message would be under way by now)
+    finally:
+        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
+            bouncer.admin(f"RESUME {alias}")
+        b_queued.set()
+        for d in (a, b):
+            d.stop()
+        for t in threads:
+            t.join(15)
+        for r in (ra, rb):
+            r.close()
+            r.engine.dispose()
+    assert not any(t.is_alive() for t in threads)
+    counts = Counter(publisher.ids)
+    assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
 
 
 @pytest.mark.slow
