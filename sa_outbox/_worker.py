@@ -1243,6 +1243,16 @@ class WorkerBase(LoopBase):
     def _may_start(self) -> bool:
         return not self._stopped() and self._fatal is None
 
+    def _settled_by_its_run(self, job: ClaimedJob, ran: _Ran) -> _Ran:
+        """A run in a transaction that wrote the job's completion (``committed``), or was refused it (``lost``):
+        the lease is over from that moment, not from when the loop takes the result in — which it does when next
+        free, and a statement of its own may wait meanwhile (a pooler's queue, a lock, a slow server). Held
+        until then, the heartbeat found the row done, not renewable, and warned that job N "is no longer ours
+        (reaped and re-claimed?)" for a job this worker had just finished (a test: the rescue step held 3 s)."""
+        if ran.committed or ran.lost:
+            self._held.drop_leases([(job.id, job.lease_version)])
+        return ran
+
     def _beat_pairs(self) -> list[tuple[int, int]]:
         return self._held.pairs()
 
@@ -1937,9 +1947,9 @@ class Worker(WorkerBase):
     def _call(self, handler: Handler, job: ClaimedJob, no_provider: bool | None = None) -> _Ran:
         """Run one handler in the calling thread — in its own transaction when it takes a session."""
         if self._in_transaction(handler):
-            return _invoke_in_transaction(
+            return self._settled_by_its_run(job, _invoke_in_transaction(
                 self.engine, self.spec, handler, job, self._max_result_bytes(), self._counted_again(job)
-            )
+            ))  # fmt: skip
         return _invoke(handler, job, no_provider)
 
     def _maintain_between_jobs(self) -> None:
@@ -2614,7 +2624,7 @@ class AsyncWorker(WorkerBase):
             if token is not None:
                 token.on_set(None)
         ran.seconds = time.perf_counter() - started
-        return ran
+        return self._settled_by_its_run(job, ran)
 
     async def _await_handler(self, handler: Any, job: ClaimedJob) -> _Ran:
         """Await an ``async def`` handler — in an ``AsyncSession`` transaction that also writes the job's fenced

@@ -777,13 +777,13 @@ def _count_engine_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     sent: list[str] = []
     real = eng_module.run
 
-    def counting(conn: Any, stmt: Any, params: dict[str, Any]) -> list[Any]:
+    def counting(conn: Any, stmt: Any, params: dict[str, Any], **options: Any) -> list[Any]:
         sent.append(
             str(stmt).split()[0]
             + (" finalize" if "ids" in params else "")
             + (" claim" if "batch" in params else "")
         )
-        return real(conn, stmt, params)
+        return real(conn, stmt, params, **options)
 
     monkeypatch.setattr(eng_module, "run", counting)
     return sent

@@ -48,6 +48,7 @@ from .helpers import (
     statuses,
     wait_for_lock_wait,
 )
+from .test_loop_guarantees import wait_until
 
 
 def worker(engine: Engine, handlers: dict[str, Any], **kw: Any) -> Worker:
@@ -1549,3 +1550,51 @@ def test_a_transactional_handler_chooses_its_transactions_isolation_level(
     runner.run(runner.worker({"t": handler}), until_idle=True)
     assert levels == ["serializable"]
     assert statuses(engine, "jobs") == {"done": 1}
+
+
+def test_a_transactional_job_committed_while_its_loop_waits_is_never_reported_lost_by_the_heartbeat(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler that takes a session commits the job's completion with its own work; its loop takes the
+    result in when it is next free — here it waits on a claim (held 3 s: a pooler's queue, a slow server).
+    Meanwhile the heartbeat found the row done, not renewable: before, the job was still held, a guard found it
+    "no longer ours" and the next beats warned "heartbeat: job 1 version 1 is no longer ours (reaped and
+    re-claimed?)" for a job that was done, by this worker, once. A completion committed is no longer held."""
+    seed_jobs(engine, 1, task="t")
+    own = create_engine(engine.url)
+    stall, stalled, go = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_claims(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        if stall.is_set() and isinstance(parameters, dict) and "expired_for" in parameters:
+            stalled.set()
+            time.sleep(3.0)
+
+    def handle(job: ClaimedJob, session: Session) -> None:
+        go.wait(10)
+        session.execute(text("SELECT 1"))
+
+    event.listen(own, "before_cursor_execute", hold_claims)
+    w = worker(own, {"t": handle}, concurrency=2, poll_interval=0.05, stale_after=2.0, heartbeat=0.2)
+    t = threading.Thread(target=lambda: w.run(install_signal_handlers=False, max_batches=50))
+    t.start()
+    try:
+        assert wait_until(lambda: statuses(engine, "jobs") == {"running": 1}, 10)
+        stall.set()
+        assert stalled.wait(10), "the loop sent no claim"
+        go.set()
+        assert wait_until(lambda: statuses(engine, "jobs") == {"done": 1}, 2)
+        w.beat_once()
+        deadline = time.monotonic() + 2
+        while w._guarding and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w.beat_once()
+        w.beat_once()
+        assert stalled.is_set()
+    finally:
+        go.set()
+        w.stop()
+        t.join(15)
+        own.dispose()
+    assert not t.is_alive()
+    assert not [r.getMessage() for r in caplog.records if "no longer ours" in r.getMessage()]
+    assert statuses(engine, "jobs") == {"done": 1} and w.stats.lost_leases == 0
