@@ -67,7 +67,9 @@ pooling mode with 8 server connections) every loop's engine is made by ``pgbounc
 ``pgbouncer_async_engine``: statements unprepared and sharing server connections, LISTEN, heartbeats and lease
 guards on the server itself; the terminations then cut the pooler's server connections under the loops (the
 pooler's error reaches them, or its answer to a ROLLBACK on a lost server connection). The producers, the
-operators and the checks stay on the server. Every invariant below holds unchanged.
+operators and the checks stay on the server. Every invariant below holds unchanged. There (P2), now and then
+after a step (a stream of its own), the pooler is paused (``PAUSE``) for 1–6 s while the rules go on: the
+loops' statements wait in its queue, with no error, while leases run out.
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
 that also writes their fenced completion.
@@ -399,12 +401,17 @@ class Record:
         with self.lock:
             return sorted({(seq, lease) for (_, seq), runs in self.in_run.items() for _, lease in runs})
 
-    def add(self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None) -> int:
-        """Record one call; returns its position (for :meth:`settle`)."""
+    def add(
+        self, kind: str, seq: int, lease_version: int, action: str, queue: str | None = None,
+        entered: float | None = None,
+    ) -> int:  # fmt: skip
+        """Record one call; returns its position (for :meth:`settle`). ``entered``: when the handler was called,
+        if that was before now (I5's start: a transactional handler's first statement may wait in a pooler's
+        queue — P2's PAUSE — before it comes here)."""
         with self.lock:
             self.events.append((kind, seq, lease_version, action))
             if queue is not None:
-                self.starts.append((seq, queue, time.monotonic()))
+                self.starts.append((seq, queue, time.monotonic() if entered is None else entered))
             return len(self.events) - 1
 
     def settle(self, position: int, action: str) -> None:
@@ -624,24 +631,28 @@ def make_handler(
     beside the last job in hand at 2 ms, with jobs still queued at 0.4 ms and a batch of 4 or 10; with no pace
     its own thread sends the claim ahead of the jobs in hand and reads it after them."""
 
-    def act(job: ClaimedJob, session: Session | None = None) -> str:
+    def act(job: ClaimedJob, session: Session | None = None, entered: float | None = None) -> str:
         payload = job.payload
         record.check_payload(payload)
         action = "permanent" if payload["poison"] else _action(payload["plan"], job.lease_version)
         if action == "long":  # a success that takes LONG (see rule_hold_job_row)
-            record.add("handle", payload["seq"], job.lease_version, "ok", queue=job.queue)
+            record.add("handle", payload["seq"], job.lease_version, "ok", queue=job.queue, entered=entered)
             return action
         if action == "linger":  # a success after LINGER (rule_take_back_running's): "ok" once it has returned
-            at = record.add("handle", payload["seq"], job.lease_version, "cut short", queue=job.queue)
+            at = record.add(
+                "handle", payload["seq"], job.lease_version, "cut short", queue=job.queue, entered=entered
+            )
             return f"linger {at}"
         if session is not None and action == "ok":
             # A transactional handler's success is one only if its transaction commits with the completion:
             # a completion that failed (a terminated connection) rolls the call back and the job runs again
             # — at least once, its effect still exactly once (model_effects). "ok" once it commits.
-            at = record.add("handle", payload["seq"], job.lease_version, "rolled back", queue=job.queue)
+            at = record.add(
+                "handle", payload["seq"], job.lease_version, "rolled back", queue=job.queue, entered=entered
+            )
             event.listen(session, "after_commit", lambda _s: record.settle(at, "ok"), once=True)
             return action
-        record.add("handle", payload["seq"], job.lease_version, action, queue=job.queue)
+        record.add("handle", payload["seq"], job.lease_version, action, queue=job.queue, entered=entered)
         if action == "retry":
             raise RetryableError("planned retry")
         if action == "noanswer":
@@ -682,8 +693,9 @@ def make_handler(
 
         async def handle_async_tx(job: ClaimedJob, session: AsyncSession) -> None:
             with record.running(who, job, timeout):
+                entered = time.monotonic()
                 await session.execute(effect, {"s": job.payload["seq"]})
-                done = act(job, session.sync_session)
+                done = act(job, session.sync_session, entered)
                 await linger_async(done)
 
         return handle_async_tx
@@ -699,8 +711,9 @@ def make_handler(
 
         def handle_tx(job: ClaimedJob, session: Session) -> None:
             with record.running(who, job, timeout):
+                entered = time.monotonic()
                 session.execute(effect, {"s": job.payload["seq"]})
-                done = act(job, session)
+                done = act(job, session, entered)
                 linger(done)
 
         return handle_tx
@@ -914,10 +927,10 @@ class StatementCounter:
         self.real = _steps.run
         self.real_send = _steps.send
 
-    def __call__(self, conn: Any, stmt: Any, params: dict[str, Any]) -> list[Any]:
+    def __call__(self, conn: Any, stmt: Any, params: dict[str, Any], **options: Any) -> list[Any]:
         with self.lock:
             self.counts[threading.get_ident()] += 1
-        return self.real(conn, stmt, params)
+        return self.real(conn, stmt, params, **options)
 
     def send(self, conn: Any, stmt: Any, params: dict[str, Any]) -> Any:
         receive = self.real_send(conn, stmt, params)
@@ -989,6 +1002,8 @@ class Pooler:
     direct: URL
     #: what the pooler says of its pools and server connections now (told with a failure)
     state: Callable[[], str] | None = None
+    #: a command of the pooler's admin console for the loops' database (``PAUSE``, ``RESUME``: the alias added)
+    admin: Callable[[str], Any] | None = None
 
 
 class Scenario:
@@ -1024,6 +1039,8 @@ class Scenario:
         #: which sync workers' claims land late (:func:`land_late`), and each such worker's own delays
         self.late_rng = random.Random(f"late landings {seed}")
         self.take_back_rng = random.Random(f"take back {seed}")
+        #: rule_pooler_pause's draws (through a pooler only): a stream of its own, as analyze_rng.
+        self.pooler_pause_rng = random.Random(f"pooler pause {seed}")
         self.cron = self.cron_rng.random() < 0.5
         #: The schedule's pauses, by the database clock: [after the pause returned, before the resume began].
         self.cron_pauses: list[list[datetime | None]] = []
@@ -1105,6 +1122,8 @@ class Scenario:
         self.cutter: threading.Thread | None = None  # rule_db_outage's
         self.fault_storms: list[str] = []  # I13's violations, found by rule_db_outage's thread
         self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
+        self.pauser: threading.Thread | None = None  # rule_pooler_pause's
+        self.pooler_pauses = 0
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
         self.taken_back = 0  # jobs rule_take_back_running took from under their runs
@@ -1979,6 +1998,42 @@ class Scenario:
         if self.refusal_epochs % 2:
             self.refusal_epochs += 1
 
+    def rule_pooler_pause(self) -> None:
+        """P2: the pooler's ``PAUSE`` for 1–6 s (the dispatchers' lease is 3 s) while the rules go on: every loop's
+        next statement through it waits, with no error, until ``RESUME`` — a claim, a finalize, a rescue — while
+        their leases run out; the beats and guards, on the server, go on. At RESUME the queued statements run:
+        a rescue held back meanwhile must not take the leases that ran out during the pause from the loops
+        whose finalize waited in the same queue (before: published again — I4 counts those as lost leases,
+        so ``test_a_rescue_held_back_by_a_pooler_pause…`` is what shows it; here every other invariant holds
+        through pauses mixed with the other rules)."""
+        admin = self.pooler.admin if self.pooler is not None else None
+        if admin is None or (self.pauser is not None and self.pauser.is_alive()):
+            return
+        span = self.pooler_pause_rng.uniform(1.0, 6.0)
+        self.pooler_pauses += 1
+
+        def pause() -> None:
+            try:
+                admin("PAUSE")  # (returns once the transactions in progress have ended)
+            except psycopg.Error as exc:
+                self.log.append(f"pooler not paused: {exc}")
+                return
+            self.log.append(f"pooler paused; resumed in {span:.1f}s")
+            try:
+                time.sleep(span)
+            finally:
+                admin("RESUME")
+                self.log.append("pooler resumed")
+
+        self.pauser = threading.Thread(target=pause, name="model-pooler-pause", daemon=True)
+        self.pauser.start()
+        self.log.append(f"pooler PAUSE for {span:.1f}s")
+
+    def _end_pooler_pause(self) -> None:
+        if self.pauser is not None:
+            self.pauser.join(30)
+            assert not self.pauser.is_alive(), "the pooler's pause did not end"
+
     def _end_refusal(self) -> None:
         if self.refuser is not None:
             self.refuser.join(10)
@@ -2288,6 +2343,8 @@ class Scenario:
     REFUSE_RENEWALS_EVERY = 1 / 25
     #: rule_take_back_running runs after a step with this probability (its own generator, as ANALYZE_EVERY).
     TAKE_BACK_EVERY = 1 / 5
+    #: rule_pooler_pause starts after a step with this probability, through a pooler (its own generator).
+    POOLER_PAUSE_EVERY = 1 / 30
 
     # -- the run ---------------------------------------------------------------------------------------------
 
@@ -2306,7 +2363,7 @@ class Scenario:
             # be collected during the next scenario, and fail it with "connections left open"; and an outage or a
             # refusal a failed step left going ends first — its thread, on engines closed under it, failed the
             # test's teardown with an error of its own that hid the step's)
-            for thread in (self.cutter, self.refuser):
+            for thread in (self.cutter, self.refuser, self.pauser):
                 if thread is not None:
                     thread.join(10)
             with self.engine.begin() as conn:
@@ -2337,6 +2394,8 @@ class Scenario:
                         self.rule_refuse_renewals()
                     if self.take_back_rng.random() < self.TAKE_BACK_EVERY:
                         self.rule_take_back_running()
+                    if self.pooler is not None and self.pooler_pause_rng.random() < self.POOLER_PAUSE_EVERY:
+                        self.rule_pooler_pause()
                     self._reap_exited()
                     self.check_always()
                 # Every scenario meets a held job row and a locked pending event at least once: a seed whose rules
@@ -2357,8 +2416,12 @@ class Scenario:
                 if self.cron and len(self.cron_changes) == 1:  # C5 in every scenario with a cron schedule
                     self.log.append("coverage: a deploy re-syncs the cron schedule")
                     self._resync_cron()
+                if self.pooler is not None and self.pooler.admin is not None and not self.pooler_pauses:
+                    self.log.append("coverage: a pooler pause")  # (P2 in every pooled scenario)
+                    self.rule_pooler_pause()
                 self._end_db_outage()
                 self._end_refusal()
+                self._end_pooler_pause()
                 # (with the faults over: H1 asks for one run and the outcome written, which an outage still going
                 # on would delay past the lease — a seed's step met one, its outcome unwritten 2.4 s after the run)
                 if not self.record.landed_after_run:

@@ -10,6 +10,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -117,7 +118,10 @@ def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
             ).fetchall()  # fmt: skip
         return f"pools {pools}; server connections {servers}"
 
-    return Pooler(bouncer.url(alias), db_url, state)
+    def admin(command: str) -> Any:
+        return bouncer.admin(f"{command} {alias}")
+
+    return Pooler(bouncer.url(alias), db_url, state, admin)
 
 
 def _pooled_transactions(bouncer: PrivatePgBouncer, db_url: URL) -> int:
