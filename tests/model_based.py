@@ -69,7 +69,8 @@ guards on the server itself; the terminations then cut the pooler's server conne
 pooler's error reaches them, or its answer to a ROLLBACK on a lost server connection). The producers, the
 operators and the checks stay on the server. Every invariant below holds unchanged. There (P2), now and then
 after a step (a stream of its own), the pooler is paused (``PAUSE``) for 1–6 s while the rules go on: the
-loops' statements wait in its queue, with no error, while leases run out.
+loops' statements wait in its queue, with no error, while leases run out; or (P3) it refuses new clients for
+1–4 s (``max_client_conn`` lowered to the clients it has).
 
 Some jobs' handlers take a session (transactional handlers): they write an effect row in the transaction
 that also writes their fenced completion.
@@ -238,6 +239,8 @@ GIVE_UP_AFTER = 3600.0
 #: Only "fast" workers serve it (sync, inline, instant handlers, this one queue): a burst of jobs written there
 #: is claimed by them, each claim sent ahead of the jobs in hand on the worker's own connection.
 BURST = "qb"
+#: The pooler's max_client_conn (tests/pooler.py), which rule_pooler_refuse_clients sets back.
+POOLER_MAX_CLIENTS = 500
 #: rule_hand_over's own queue, served by the one worker that step starts.
 HANDOVER = "qh"
 KEYS = ("k1", "k2", "k3")
@@ -1002,8 +1005,8 @@ class Pooler:
     direct: URL
     #: what the pooler says of its pools and server connections now (told with a failure)
     state: Callable[[], str] | None = None
-    #: a command of the pooler's admin console for the loops' database (``PAUSE``, ``RESUME``: the alias added)
-    admin: Callable[[str], Any] | None = None
+    #: a command of the pooler's admin console (``PAUSE <alias>``, ``SET max_client_conn = 10``): its rows
+    admin: Callable[[str], list[dict[str, Any]]] | None = None
 
 
 class Scenario:
@@ -1122,8 +1125,9 @@ class Scenario:
         self.cutter: threading.Thread | None = None  # rule_db_outage's
         self.fault_storms: list[str] = []  # I13's violations, found by rule_db_outage's thread
         self.refuser: threading.Thread | None = None  # rule_refuse_renewals'
-        self.pauser: threading.Thread | None = None  # rule_pooler_pause's
+        self.pauser: threading.Thread | None = None  # rule_pooler_pause's (or rule_pooler_refuse_clients')
         self.pooler_pauses = 0
+        self.pooler_refusals = 0
         #: the jobs rule_hold_job_row holds (rule_take_back_running leaves them alone)
         self.hold_seqs: set[int] = set()
         self.taken_back = 0  # jobs rule_take_back_running took from under their runs
@@ -2007,14 +2011,18 @@ class Scenario:
         so ``test_a_rescue_held_back_by_a_pooler_pause…`` is what shows it; here every other invariant holds
         through pauses mixed with the other rules)."""
         admin = self.pooler.admin if self.pooler is not None else None
-        if admin is None or (self.pauser is not None and self.pauser.is_alive()):
+        if admin is None or self.pooler is None or (self.pauser is not None and self.pauser.is_alive()):
+            return
+        if self.pooler_pause_rng.random() < 0.3:
+            self.rule_pooler_refuse_clients()
             return
         span = self.pooler_pause_rng.uniform(1.0, 6.0)
+        alias = self.pooler.url.database
         self.pooler_pauses += 1
 
         def pause() -> None:
             try:
-                admin("PAUSE")  # (returns once the transactions in progress have ended)
+                admin(f"PAUSE {alias}")  # (returns once the transactions in progress have ended)
             except psycopg.Error as exc:
                 self.log.append(f"pooler not paused: {exc}")
                 return
@@ -2022,12 +2030,37 @@ class Scenario:
             try:
                 time.sleep(span)
             finally:
-                admin("RESUME")
+                admin(f"RESUME {alias}")
                 self.log.append("pooler resumed")
 
         self.pauser = threading.Thread(target=pause, name="model-pooler-pause", daemon=True)
         self.pauser.start()
         self.log.append(f"pooler PAUSE for {span:.1f}s")
+
+    def rule_pooler_refuse_clients(self) -> None:
+        """P3: the pooler's ``max_client_conn`` lowered to the clients it has, for 1–4 s: every new connection
+        to it is refused ("no more connections allowed"), as a pooler or server at its limit refuses them — a
+        loop that lost its connection cannot make another, and a transactional handler's session cannot get
+        one when its engine's pool must grow (such a job is deferred, its attempt given back: F2, F8 and the
+        attempts rules check what follows)."""
+        admin = self.pooler.admin if self.pooler is not None else None
+        if admin is None:
+            return
+        span = self.pooler_pause_rng.uniform(1.0, 4.0)
+        self.pooler_refusals += 1
+
+        def refuse() -> None:
+            lists = {r["list"]: int(r["items"]) for r in admin("SHOW LISTS")}
+            admin(f"SET max_client_conn = {max(1, lists['used_clients'])}")
+            self.log.append(f"pooler refuses new clients beyond {lists['used_clients']} for {span:.1f}s")
+            try:
+                time.sleep(span)
+            finally:
+                admin(f"SET max_client_conn = {POOLER_MAX_CLIENTS}")
+                self.log.append("pooler takes new clients again")
+
+        self.pauser = threading.Thread(target=refuse, name="model-pooler-refusal", daemon=True)
+        self.pauser.start()
 
     def _end_pooler_pause(self) -> None:
         if self.pauser is not None:

@@ -10,7 +10,6 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import psycopg
 import pytest
@@ -118,10 +117,7 @@ def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
             ).fetchall()  # fmt: skip
         return f"pools {pools}; server connections {servers}"
 
-    def admin(command: str) -> Any:
-        return bouncer.admin(f"{command} {alias}")
-
-    return Pooler(bouncer.url(alias), db_url, state, admin)
+    return Pooler(bouncer.url(alias), db_url, state, bouncer.admin)
 
 
 def _pooled_transactions(bouncer: PrivatePgBouncer, db_url: URL) -> int:
