@@ -469,6 +469,7 @@ class LoopBase:
                 else:
                     self.stats.db_errors += 1
                 break
+            self._answered(sent, "claim")
             rows += got
             short = short or (limit is None and len(got) < asked(params, left))
             self._in_hand_now(got, [(o.id, o.lease_version) for o in outcomes if o.id in applied], sent)
@@ -524,7 +525,10 @@ class LoopBase:
         return read
 
     def _finalize_on(self, conn: Connection, outcomes: Sequence[Outcome]) -> set[int]:
-        return _steps.finalize(conn, self.spec, outcomes)
+        sent = time.monotonic()
+        applied = _steps.finalize(conn, self.spec, outcomes)
+        self._answered(sent, "finalize")
+        return applied
 
     def _partition_step(self, now: float) -> None:
         """Start the partition maintenance when it is due: on a daemon thread with a pooled connection of
@@ -575,11 +579,10 @@ class LoopBase:
             # BEGIN first: its answer says how long the step was held back before the server saw it (a pooler's
             # PAUSE holds every client's statement without an error) — the rescue itself then runs on the
             # server connection the block holds, with nothing more to wait for (see :meth:`_held_back`)
-            held = time.monotonic() - sent
-            if held >= self._held_back_after():
-                self._held_back(held)
+            self._answered(sent, "rescue step")
             rows = _steps.rescue(conn, self.spec, expired_for=self._rescue_margin(), **self._rescue_params())
         self._contact(sent)
+        _steps.log_rescued(self.spec, rows)
         if rows:
             self._rescued({row_id for row_id, _, _ in rows})
         if any(status == self.spec.ready for _, status, _ in rows):
@@ -667,23 +670,35 @@ class LoopBase:
             self._last_ok = sent
 
     def _held_back_after(self) -> float:
-        """How long the rescue step's BEGIN may take before the loop takes it as cut off meanwhile: an eighth
-        of a lease, a second at most."""
-        return min(1.0, self._lease_seconds() / 8)
+        """How long one of the loop's statements may take before the loop takes it as cut off meanwhile: an
+        eighth of a lease, between 0.2 s and a second."""
+        return max(0.2, min(1.0, self._lease_seconds() / 8))
 
-    def _held_back(self, held: float) -> None:
-        """The rescue step's BEGIN was answered ``held`` seconds after it was sent, with no error: the database
+    def _answered(self, sent: float, what: str) -> None:
+        """A statement of the loop sent at ``sent`` was answered now (``what``: the rescue step's BEGIN, a claim,
+        a finalize): held back longer than :meth:`_held_back_after`, the loop was cut off (:meth:`_held_back`)."""
+        held = time.monotonic() - sent
+        if held >= self._held_back_after():
+            self._held_back(held, what)
+
+    def _held_back(self, held: float, what: str) -> None:
+        """A statement of the loop was answered ``held`` seconds after it was sent, with no error: the database
         was out of reach meanwhile — a pooler's PAUSE or its queue for a free server connection, a saturated
-        server — for every loop, and the leases that ran out in that time may be live loops', whose statements
-        waited in the same queue: a dispatcher's finalize of a batch it published, a worker's outcomes. Without
-        a fault to notice, the rescue took them at once, and they were published again (a review: 40 of 600
-        messages behind an 8 s PAUSE with a 3 s lease; a test: all six of a batch). Taken as a database fault
-        that began at the last statement that succeeded: the rescue leaves those leases alone until the loops
-        have had :meth:`_fault_grace` to write what they hold (:meth:`_rescue_margin`)."""
-        self._log.warning(
-            "the rescue step waited %.1f s for the database (a pooler's PAUSE or queue, a saturated server): "
-            "leases that ran out meanwhile are left to their loops a while longer", held, extra={"held": held},
-        )  # fmt: skip
+        server, a lock — likely for every loop, and the leases that ran out in that time may be live loops',
+        whose statements waited in the same queue: a dispatcher's finalize of a batch it published, alone or
+        with its next claim, a worker's outcomes. Without a fault to notice, the rescue took them the moment
+        the queue moved, and they were published again (a review: 40 of 600 messages behind an 8 s PAUSE with
+        a 3 s lease; a test: all six of a batch, the rescue held; a second review: a whole batch in 5 of 8 runs
+        when the loop that rescued had been held in its claim, its next rescue's BEGIN answered at once). Taken
+        as a database fault that began at the last statement of the loop that went through in time (its
+        rescue, a beat): the rescue leaves those leases alone until the loops have had :meth:`_fault_grace`
+        to write what they hold (:meth:`_rescue_margin`). Logged when it begins a trouble."""
+        if self._trouble_since is None:
+            self._log.warning(
+                "a %s waited %.1f s for the database (a pooler's PAUSE or queue, a saturated server, a lock): "
+                "leases that ran out meanwhile are left to their loops a while longer", what, held,
+                extra={"held": held, "step": what},
+            )  # fmt: skip
         self._fault_noticed()
 
     def _trouble_cap(self) -> float:

@@ -622,8 +622,9 @@ def in_block(conn: Connection) -> bool:
 @contextmanager
 def transaction(conn: Connection) -> Iterator[None]:
     """An explicit transaction block on one of the loops' autocommit connections (``BEGIN`` … ``COMMIT``, or
-    ``ROLLBACK`` on error): for the few steps that need two statements under the same locks — the claim of a
-    limited queue. Every other step is one autocommit statement."""
+    ``ROLLBACK`` on error): for the few steps that need it — the claim of a limited queue (two statements under
+    the same locks), and the rescue (its ``BEGIN`` timed first: ``LoopBase._rescue_on``). Every other step is one
+    autocommit statement."""
     control(conn, "BEGIN")
     try:
         yield

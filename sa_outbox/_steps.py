@@ -206,7 +206,8 @@ def rescue(
     kept: Sequence[tuple[int, int]] = (),
     expired_for: float = 0.0,
 ) -> list[Any]:
-    """Run the rescue statement; returns (id, status, lease_version) of every row it moved. ``kept``: the
+    """Run the rescue statement; returns (id, status, lease_version) of every row it moved (not logged: the
+    caller logs them with :func:`log_rescued` once the rescue committed). ``kept``: the
     leases (id, lease_version) the loop running it holds, left alone; ``expired_for``: only leases expired for
     longer than that many seconds (see :func:`_sql.rescue_statement`). Sent unprepared: the loops run it in a
     transaction block (``LoopBase._rescue_on``), where psycopg's cursor would prepare it under psycopg's own
@@ -222,14 +223,18 @@ def rescue(
         params["max_attempts"] = max_attempts
     else:
         params["stale_after"] = stale_after
-    rows = run(conn, _sql.rescue_statement(spec), params, prepare=False)
+    return run(conn, _sql.rescue_statement(spec), params, prepare=False)
+
+
+def log_rescued(spec: QueueSpec, rows: Sequence[Any]) -> None:
+    """Log each row a rescue moved ((id, status, lease_version), :func:`rescue`), once its transaction
+    committed: a dead row at WARNING, the others at INFO."""
     for row_id, status, version in rows:
         level = logging.WARNING if status == spec.dead else logging.INFO
         log.log(
             level, "%s %s rescued from an expired lease -> %s", spec.kind, row_id, status,
             extra={"table": spec.table.name, "row_id": row_id, "lease_version": version, "status": status},
         )  # fmt: skip
-    return rows
 
 
 #: A claim's queue: one name, or two or more in strict priority (one statement, see :func:`_sql.claim_statement`).

@@ -1246,7 +1246,8 @@ class WorkerBase(LoopBase):
     def _settled_by_its_run(self, job: ClaimedJob, ran: _Ran) -> _Ran:
         """A run in a transaction that wrote the job's completion (``committed``), or was refused it (``lost``):
         the lease is over from that moment, not from when the loop takes the result in — which it does when next
-        free, and a statement of its own may wait meanwhile (a pooler's queue, a lock, a slow server). Held
+        free, and a statement of its own may wait meanwhile (a pooler's queue, a lock, a slow server). Called
+        where the run ends: the handler's thread (Worker), the job's task (AsyncWorker). Held
         until then, the heartbeat found the row done, not renewable, and warned that job N "is no longer ours
         (reaped and re-claimed?)" for a job this worker had just finished (a test: the rescue step held 3 s)."""
         if ran.committed or ran.lost:

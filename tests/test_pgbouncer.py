@@ -1305,6 +1305,80 @@ def test_a_rescue_held_back_by_a_pooler_pause_takes_no_lease_that_ran_out_during
     assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
 
 
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_loop_held_in_its_claim_by_a_pooler_pause_rescues_no_lease_that_ran_out_during_it(
+    engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str
+) -> None:
+    """The busy form of the test above (a second review): the statement the PAUSE holds is B's claim, not its
+    rescue. A dispatcher (A) published a batch as the pause began; B's claim waits in the pooler's queue. After
+    RESUME B's claim comes back, its rescue step is due and begins at once — its BEGIN not held at all — just
+    before A's finalize (one server connection: B's block goes first). Before, B's rescue took A's batch, whose
+    leases ran out during the pause, and B published all six messages again (every run; the review: a whole
+    batch in 5 of 8 runs of busy dispatchers). B's claim took the pause's length to come back: B takes that as
+    an outage, and its rescue leaves those leases to A, whose finalize goes through."""
+    alias = f"{db_url.database}_pause"
+    url = bouncer.url(alias)
+    lease = 3.0
+    seed_events(engine, 6)
+    claimed, cut, resumed, b_rescues = (threading.Event() for _ in range(4))
+    rb = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+    ra = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+
+    def hold_a(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if cut.is_set() and b_rescues.wait(4 * lease):  # A's finalize: after B's rescue step has begun
+            time.sleep(0.3)
+
+    def b_claims_into_the_pause(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        params = parameters if isinstance(parameters, dict) else {}
+        if claimed.is_set() and not cut.is_set() and "lease" in params:  # (a claim's)
+            bouncer.admin(f"PAUSE {alias}")  # (this claim of B's is the statement the pause holds)
+            cut.set()
+        elif resumed.is_set() and (statement == "BEGIN" or "expired_for" in params):
+            b_rescues.set()
+
+    def sync_of(r: PooledRunner) -> Engine:
+        return r.aengine.sync_engine if r.aengine is not None else r.engine
+
+    event.listen(sync_of(ra), "before_cursor_execute", hold_a)
+    event.listen(sync_of(rb), "before_cursor_execute", b_claims_into_the_pause)
+    threads: list[threading.Thread] = []
+
+    def first_message(message: Any) -> None:
+        if not claimed.is_set():
+            threads.append(rb.run_in_thread(b))
+            time.sleep(1.5)  # B past its start's grace, claiming every 0.05 s
+            claimed.set()
+            assert cut.wait(10), "B sent no claim"
+        return None
+
+    publisher = RecordingPublisher(fail=first_message)
+    a = ra.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.2)
+    b = rb.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.05)
+    try:
+        threads.append(ra.run_in_thread(a))
+        assert wait_until(cut.is_set, 15)
+        time.sleep(2 * lease)
+        resumed.set()
+        bouncer.admin(f"RESUME {alias}")
+        assert wait_until(b_rescues.is_set, 5), "B began no rescue after the pause"
+        assert wait_until(lambda: statuses(engine) == {"done": 6}, 30), statuses(engine)
+        time.sleep(1.5)  # (a second publish of a rescued message would be under way by now)
+    finally:
+        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
+            bouncer.admin(f"RESUME {alias}")
+        b_rescues.set()
+        for d in (a, b):
+            d.stop()
+        for t in threads:
+            t.join(15)
+        for r in (ra, rb):
+            r.close()
+            r.engine.dispose()
+    assert not any(t.is_alive() for t in threads)
+    counts = Counter(publisher.ids)
+    assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["async", "sync"])
 def test_no_claim_is_handed_out_twice_when_limited_workers_lose_server_connections_through_pgbouncer(
