@@ -2162,6 +2162,7 @@ class AsyncWorker(WorkerBase):
         self._sync: Engine | None = sync_engine
         self._own_sync = sync_engine is None  # built here, disposed by close()
         self._sync_checked = False
+        self._sync_closed = False  # close() disposed the own sync engine: a late job's task may not use it
 
     def _poke(self) -> None:
         self._waker.poke()
@@ -2309,6 +2310,7 @@ class AsyncWorker(WorkerBase):
             await self._lease_base.dispose()
         self._threads.close()
         if self._own_sync:
+            self._sync_closed = True
             sync, self._sync = self._sync, None
             if sync is not None:
                 # A handler abandoned after handler_timeout (or the check of this engine, cut short by it) may
@@ -2665,6 +2667,7 @@ class AsyncWorker(WorkerBase):
                 threshold = await conn.run_sync(
                     lambda c: getattr(c.connection.driver_connection, "prepare_threshold", 5)
                 )
+            self._no_sync_after_close(job)
             if self._sync is None:  # another job's task may have made it meanwhile
                 url = self.engine.url.set(drivername="postgresql+psycopg")
                 built = create_engine(
@@ -2672,9 +2675,20 @@ class AsyncWorker(WorkerBase):
                     connect_args={"prepare_threshold": threshold},
                 )  # fmt: skip
                 self._sync = with_options_of(built, self.engine)
+        sync = self._sync
         if not self._sync_checked:
-            self._sync_checked = await self._check_sync_engine(self._sync, job)
-        return self._sync
+            self._sync_checked = await self._check_sync_engine(sync, job)
+        self._no_sync_after_close(job)
+        return sync
+
+    def _no_sync_after_close(self, job: ClaimedJob) -> None:
+        """A job's task that outlived close() (abandoned after its run was cancelled, still awaiting the pooler
+        or the database) must not use the sync engine close() disposed: a disposed engine makes a new pool on
+        its next use, whose connections nobody closes — they were collected open (the model-based suite, 2 of
+        26 long scenarios once, behind a pooler's PAUSE). The job is not run: its worker has ended, nothing
+        would record its outcome, and its lease runs out to the rescue."""
+        if self._sync_closed:
+            raise RuntimeError(f"job {job.id} ({job.task}) not run: its worker was closed before it started")
 
     async def _check_sync_engine(self, sync: Engine, job: ClaimedJob) -> bool:
         """The sync engine must reach the very table the loop claims from: a fenced completion on another
@@ -2687,6 +2701,7 @@ class AsyncWorker(WorkerBase):
             mine = (await conn.execute(stmt)).scalar()
 
         def theirs() -> Any:
+            self._no_sync_after_close(job)
             with sync.connect() as conn:
                 return conn.execute(stmt).scalar()
 

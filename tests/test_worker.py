@@ -8,7 +8,7 @@ import gc
 import logging
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -1598,3 +1598,38 @@ def test_a_transactional_job_committed_while_its_loop_waits_is_never_reported_lo
     assert not t.is_alive()
     assert not [r.getMessage() for r in caplog.records if "no longer ours" in r.getMessage()]
     assert statuses(engine, "jobs") == {"done": 1} and w.stats.lost_leases == 0
+
+
+def test_an_async_workers_job_task_that_outlives_close_never_uses_its_disposed_sync_engine(
+    engine: Engine, async_url: Any
+) -> None:
+    """A sync handler that takes a session runs, under the AsyncWorker, on the worker's own sync engine, which
+    close() disposes. A job's task that outlived close() (abandoned after its run was cancelled, still waiting
+    on a pooler's PAUSE) went on to make that engine again — or, disposed, its new pool — and its connections
+    were collected open (the model-based suite, 2 of 26 long scenarios once). After close() the task is
+    refused: the job is not run (its worker has ended), and no engine or connection is made."""
+    seed_jobs(engine, 1, task="t")
+    seen: list[int] = []
+
+    def handle(job: ClaimedJob, session: Session) -> None:
+        seen.append(session.execute(text("SELECT 1")).scalar_one())
+
+    async def go() -> None:
+        aengine = create_async_engine(async_url)
+        w = AsyncWorker(aengine, Job, {"t": handle}, listen=False)
+        try:
+            await w.run(install_signal_handlers=False, until_idle=True)
+            assert w._sync is not None  # made for the job
+        finally:
+            await w.close()
+        job = ClaimedJob(
+            id=1, task="t", queue="default", payload={}, attempts=1, max_attempts=3, lease_version=1,
+            priority=0, created_at=datetime.now(UTC),
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match="not run: its worker was closed"):
+            await w._sync_engine(job)
+        assert w._sync is None
+        await aengine.dispose()
+
+    asyncio.run(go())
+    assert seen == [1] and statuses(engine, "jobs") == {"done": 1}
