@@ -1005,8 +1005,11 @@ class Pooler:
     direct: URL
     #: what the pooler says of its pools and server connections now (told with a failure)
     state: Callable[[], str] | None = None
-    #: a command of the pooler's admin console (``PAUSE <alias>``, ``SET max_client_conn = 10``): its rows
-    admin: Callable[[str], list[dict[str, Any]]] | None = None
+    #: a command of the pooler's admin console (``PAUSE <alias>``, ``SET max_client_conn = 10``), on a given
+    #: admin connection or one of its own: its rows
+    admin: Callable[..., list[dict[str, Any]]] | None = None
+    #: a connection to the pooler's admin console (kept while ``max_client_conn`` is lowered)
+    admin_connection: Callable[[], Any] | None = None
 
 
 class Scenario:
@@ -2044,20 +2047,24 @@ class Scenario:
         one when its engine's pool must grow (such a job is deferred, its attempt given back: F2, F8 and the
         attempts rules check what follows)."""
         admin = self.pooler.admin if self.pooler is not None else None
-        if admin is None:
+        connect = self.pooler.admin_connection if self.pooler is not None else None
+        if admin is None or connect is None:
             return
         span = self.pooler_pause_rng.uniform(1.0, 4.0)
         self.pooler_refusals += 1
 
         def refuse() -> None:
-            lists = {r["list"]: int(r["items"]) for r in admin("SHOW LISTS")}
-            admin(f"SET max_client_conn = {max(1, lists['used_clients'])}")
-            self.log.append(f"pooler refuses new clients beyond {lists['used_clients']} for {span:.1f}s")
-            try:
-                time.sleep(span)
-            finally:
-                admin(f"SET max_client_conn = {POOLER_MAX_CLIENTS}")
-                self.log.append("pooler takes new clients again")
+            # (on one admin connection, kept: at the limit the pooler takes no new one, an admin's included — a
+            # seed's refusal could not be lifted, and every loop was refused for the rest of the scenario)
+            with connect() as conn:
+                lists = {r["list"]: int(r["items"]) for r in admin("SHOW LISTS", conn)}
+                admin(f"SET max_client_conn = {max(1, lists['used_clients'])}", conn)
+                self.log.append(f"pooler refuses new clients beyond {lists['used_clients']} for {span:.1f}s")
+                try:
+                    time.sleep(span)
+                finally:
+                    admin(f"SET max_client_conn = {POOLER_MAX_CLIENTS}", conn)
+                    self.log.append("pooler takes new clients again")
 
         self.pauser = threading.Thread(target=refuse, name="model-pooler-refusal", daemon=True)
         self.pauser.start()

@@ -4,6 +4,7 @@ suite's pooled scenarios and bench/pgbouncer.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -91,12 +92,19 @@ class PrivatePgBouncer(_Server):
     def url(self, alias: str, driver: str = "postgresql+psycopg") -> URL:
         return self.server.set(drivername=driver, host="127.0.0.1", port=self.port, database=alias, query={})
 
-    def admin(self, command: str) -> list[dict[str, Any]]:
-        """A command of PgBouncer's admin console (``SHOW SERVERS``, ``RECONNECT db``)."""
-        with psycopg.connect(psycopg.conninfo.make_conninfo(
+    def admin_connection(self) -> psycopg.Connection[Any]:
+        """A connection to PgBouncer's admin console — kept by a caller that lowers ``max_client_conn``: at the
+        limit PgBouncer takes no new connection, the admin's included, so the one that sets it back must be
+        open already."""
+        return psycopg.connect(psycopg.conninfo.make_conninfo(
             host="127.0.0.1", port=self.port, dbname="pgbouncer", user=self.server.username or "postgres"
-        ), autocommit=True) as conn:  # fmt: skip
-            cur = conn.execute(command.encode())
+        ), autocommit=True)  # fmt: skip
+
+    def admin(self, command: str, conn: psycopg.Connection[Any] | None = None) -> list[dict[str, Any]]:
+        """A command of PgBouncer's admin console (``SHOW SERVERS``, ``RECONNECT db``), on ``conn`` (from
+        :meth:`admin_connection`) or a connection of its own."""
+        with contextlib.nullcontext(conn) if conn is not None else self.admin_connection() as admin:
+            cur = admin.execute(command.encode())
             if cur.description is None:
                 return []
             names = [d.name for d in cur.description]

@@ -117,7 +117,7 @@ def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
             ).fetchall()  # fmt: skip
         return f"pools {pools}; server connections {servers}"
 
-    return Pooler(bouncer.url(alias), db_url, state, bouncer.admin)
+    return Pooler(bouncer.url(alias), db_url, state, bouncer.admin, bouncer.admin_connection)
 
 
 def _pooled_transactions(bouncer: PrivatePgBouncer, db_url: URL) -> int:
