@@ -651,10 +651,17 @@ class LoopBase:
 
     def _fault_noticed(self) -> None:
         """One of the loop's connections met a database fault (any of its threads may call this): the rescue
-        leaves alone the leases that may have run out because of it (:meth:`_rescue_margin`)."""
+        leaves alone the leases that may have run out because of it (:meth:`_rescue_margin`). A trouble that
+        was over — calm for :meth:`_fault_grace` — but not yet cleared, no rescue step having run since (a loop
+        held in its claim by a pooler's PAUSE), goes on with its cap counted from this fault: counted from the
+        old one, the cap had run out by the time the held claim came back, and the rescue took the leases that
+        ran out during the PAUSE (a test under load, every run: the trouble of the run's start, 9 s before)."""
+        now = time.monotonic()
         self._fault_seen = True
         if self._trouble_since is None:
-            self._begin_trouble(time.monotonic())
+            self._begin_trouble(now)
+        elif now >= self._calm_from:
+            self._noticed_at = now
 
     def _begin_trouble(self, now: float) -> None:
         """A trouble began no later than the last statement that succeeded: a fault can surface long after the

@@ -1236,6 +1236,59 @@ def test_a_dispatcher_back_from_an_outage_longer_than_its_lease_publishes_nothin
             assert ns == sorted(ns), (agg, ns)
 
 
+class _PausedPair:
+    """Two dispatchers, A and B (``flavour``), through the one-server-connection alias ``<db>_pause`` — its queue
+    goes in order at RESUME — each watched by a ``before_cursor_execute`` listener of the test's (``on_a``,
+    ``on_b``); ``end()`` resumes the pool, stops and closes both."""
+
+    lease = 3.0
+
+    def __init__(
+        self, bouncer: PrivatePgBouncer, db_url: URL, flavour: str, on_a: Any, on_b: Any, publisher: Any,
+        b_poll: float,
+    ) -> None:  # fmt: skip
+        self.bouncer, self.alias = bouncer, f"{db_url.database}_pause"
+        url = bouncer.url(self.alias)
+        self.ra = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+        self.rb = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
+        for r, listener in ((self.ra, on_a), (self.rb, on_b)):
+            event.listen(r.aengine.sync_engine if r.aengine is not None else r.engine, "before_cursor_execute",
+                         listener)  # fmt: skip
+        options = dict(batch=6, lease=self.lease, publish_timeout=1.0)
+        self.a = self.ra.dispatcher(publisher, poll_interval=0.2, **options)
+        self.b = self.rb.dispatcher(publisher, poll_interval=b_poll, **options)
+        self.threads: list[threading.Thread] = []
+
+    def start_a(self) -> None:
+        self.threads.append(self.ra.run_in_thread(self.a))
+
+    def start_b(self) -> None:
+        self.threads.append(self.rb.run_in_thread(self.b))
+
+    def pause(self) -> None:
+        self.bouncer.admin(f"PAUSE {self.alias}")
+
+    def resume(self) -> None:
+        self.bouncer.admin(f"RESUME {self.alias}")
+
+    def end(self) -> None:
+        if any(p["database"] == self.alias and p["paused"] for p in self.bouncer.admin("SHOW DATABASES")):
+            self.resume()
+        for d in (self.a, self.b):
+            d.stop()
+        for t in self.threads:
+            t.join(15)
+        for r in (self.ra, self.rb):
+            r.close()
+            r.engine.dispose()
+        assert not any(t.is_alive() for t in self.threads)
+
+
+def _published_once_each(publisher: RecordingPublisher, n: int) -> None:
+    counts = Counter(publisher.ids)
+    assert sorted(counts) == list(range(1, n + 1)) and max(counts.values()) == 1, counts
+
+
 @pytest.mark.parametrize("flavour", ["sync", "async"])
 def test_a_rescue_held_back_by_a_pooler_pause_takes_no_lease_that_ran_out_during_it(
     engine: Engine, bouncer: PrivatePgBouncer, db_url: URL, flavour: str
@@ -1246,63 +1299,40 @@ def test_a_rescue_held_back_by_a_pooler_pause_takes_no_lease_that_ran_out_during
     goes in order) B's rescue ran first and took the batch, and B published all six messages again (before,
     every run). B's rescue now sees how long it was held back — its transaction begins before the statement —
     and takes no lease that ran out meanwhile: A's finalize goes through, nothing is published twice."""
-    alias = f"{db_url.database}_pause"
-    url = bouncer.url(alias)
-    lease = 3.0
     seed_events(engine, 6)
     claimed, cut, b_queued = threading.Event(), threading.Event(), threading.Event()
-    rb = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
-    ra = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
 
     def hold_a(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         if cut.is_set():  # A's finalize: sent once B's rescue step waits in the pooler's queue
-            b_queued.wait(4 * lease)
+            b_queued.wait(4 * pair.lease)
 
     def mark_b(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
         if cut.is_set() and (statement == "BEGIN" or "expired_for" in (parameters or {})):
             b_queued.set()
 
-    def sync_of(r: PooledRunner) -> Engine:
-        return r.aengine.sync_engine if r.aengine is not None else r.engine
-
-    event.listen(sync_of(ra), "before_cursor_execute", hold_a)
-    event.listen(sync_of(rb), "before_cursor_execute", mark_b)
-    threads: list[threading.Thread] = []
-
     def first_message(message: Any) -> None:
         if not claimed.is_set():
             claimed.set()
-            threads.append(rb.run_in_thread(b))
+            pair.start_b()
             time.sleep(1.5)  # B past its start's grace, its rescue running each second
-            bouncer.admin(f"PAUSE {alias}")
+            pair.pause()
             cut.set()
         return None
 
     publisher = RecordingPublisher(fail=first_message)
-    a = ra.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.2)
-    b = rb.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=1.0)
+    pair = _PausedPair(bouncer, db_url, flavour, hold_a, mark_b, publisher, b_poll=1.0)
     try:
-        threads.append(ra.run_in_thread(a))
+        pair.start_a()
         assert wait_until(cut.is_set, 15)
         assert wait_until(b_queued.is_set, 5), "B sent no rescue during the pause"
-        time.sleep(2 * lease)
-        bouncer.admin(f"RESUME {alias}")
+        time.sleep(2 * pair.lease)
+        pair.resume()
         assert wait_until(lambda: statuses(engine) == {"done": 6}, 30), statuses(engine)
         time.sleep(1.5)  # (a second publish of a rescued message would be under way by now)
     finally:
-        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
-            bouncer.admin(f"RESUME {alias}")
         b_queued.set()
-        for d in (a, b):
-            d.stop()
-        for t in threads:
-            t.join(15)
-        for r in (ra, rb):
-            r.close()
-            r.engine.dispose()
-    assert not any(t.is_alive() for t in threads)
-    counts = Counter(publisher.ids)
-    assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
+        pair.end()
+    _published_once_each(publisher, 6)
 
 
 @pytest.mark.parametrize("flavour", ["sync", "async"])
@@ -1316,67 +1346,44 @@ def test_a_loop_held_in_its_claim_by_a_pooler_pause_rescues_no_lease_that_ran_ou
     leases ran out during the pause, and B published all six messages again (every run; the review: a whole
     batch in 5 of 8 runs of busy dispatchers). B's claim took the pause's length to come back: B takes that as
     an outage, and its rescue leaves those leases to A, whose finalize goes through."""
-    alias = f"{db_url.database}_pause"
-    url = bouncer.url(alias)
-    lease = 3.0
     seed_events(engine, 6)
     claimed, cut, resumed, b_rescues = (threading.Event() for _ in range(4))
-    rb = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
-    ra = PooledRunner(flavour, pgbouncer_engine(url)[0], url, db_url)
 
     def hold_a(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if cut.is_set() and b_rescues.wait(4 * lease):  # A's finalize: after B's rescue step has begun
+        if cut.is_set() and b_rescues.wait(4 * pair.lease):  # A's finalize: after B's rescue step has begun
             time.sleep(0.3)
 
     def b_claims_into_the_pause(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
         params = parameters if isinstance(parameters, dict) else {}
         if claimed.is_set() and not cut.is_set() and "lease" in params:  # (a claim's)
-            bouncer.admin(f"PAUSE {alias}")  # (this claim of B's is the statement the pause holds)
+            pair.pause()  # (this claim of B's is the statement the pause holds)
             cut.set()
         elif resumed.is_set() and (statement == "BEGIN" or "expired_for" in params):
             b_rescues.set()
 
-    def sync_of(r: PooledRunner) -> Engine:
-        return r.aengine.sync_engine if r.aengine is not None else r.engine
-
-    event.listen(sync_of(ra), "before_cursor_execute", hold_a)
-    event.listen(sync_of(rb), "before_cursor_execute", b_claims_into_the_pause)
-    threads: list[threading.Thread] = []
-
     def first_message(message: Any) -> None:
         if not claimed.is_set():
-            threads.append(rb.run_in_thread(b))
+            pair.start_b()
             time.sleep(1.5)  # B past its start's grace, claiming every 0.05 s
             claimed.set()
             assert cut.wait(10), "B sent no claim"
         return None
 
     publisher = RecordingPublisher(fail=first_message)
-    a = ra.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.2)
-    b = rb.dispatcher(publisher, batch=6, lease=lease, publish_timeout=1.0, poll_interval=0.05)
+    pair = _PausedPair(bouncer, db_url, flavour, hold_a, b_claims_into_the_pause, publisher, b_poll=0.05)
     try:
-        threads.append(ra.run_in_thread(a))
+        pair.start_a()
         assert wait_until(cut.is_set, 15)
-        time.sleep(2 * lease)
+        time.sleep(2 * pair.lease)
         resumed.set()
-        bouncer.admin(f"RESUME {alias}")
+        pair.resume()
         assert wait_until(b_rescues.is_set, 5), "B began no rescue after the pause"
         assert wait_until(lambda: statuses(engine) == {"done": 6}, 30), statuses(engine)
         time.sleep(1.5)  # (a second publish of a rescued message would be under way by now)
     finally:
-        if any(p["database"] == alias and p["paused"] for p in bouncer.admin("SHOW DATABASES")):
-            bouncer.admin(f"RESUME {alias}")
         b_rescues.set()
-        for d in (a, b):
-            d.stop()
-        for t in threads:
-            t.join(15)
-        for r in (ra, rb):
-            r.close()
-            r.engine.dispose()
-    assert not any(t.is_alive() for t in threads)
-    counts = Counter(publisher.ids)
-    assert sorted(counts) == list(range(1, 7)) and max(counts.values()) == 1, counts
+        pair.end()
+    _published_once_each(publisher, 6)
 
 
 @pytest.mark.slow
