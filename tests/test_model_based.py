@@ -108,6 +108,9 @@ def _through(bouncer: PrivatePgBouncer, db_url: URL) -> Pooler:
     alias = str(db_url.database)
 
     def state() -> str:
+        if bouncer.proc is None or bouncer.proc.poll() is not None:
+            code = None if bouncer.proc is None else bouncer.proc.returncode
+            return f"PgBouncer is not running (exit {code}); its log ends: {bouncer.log()[-3000:]}"
         pools = [p for p in bouncer.admin("SHOW POOLS") if p["database"] == alias]
         pids = bouncer.server_pids(alias)
         with psycopg.connect(db_url.set(drivername="postgresql").render_as_string(False)) as conn:
@@ -139,7 +142,9 @@ def test_model_based_through_pgbouncer(
     for i, seed in enumerate(seeds):
         if i:
             empty_tables(engine)
-        scenario = run_scenario(seed, engine, async_url, Profile(steps=40), _through(bouncer, db_url))
+        scenario = run_scenario(
+            seed, engine, async_url, Profile(steps=40, pooler_faults=False), _through(bouncer, db_url)
+        )
         terminations += scenario.terminations
     if not _given:
         served = _pooled_transactions(bouncer, db_url) - before
