@@ -2461,6 +2461,11 @@ class Scenario:
                     if not any(lt.name in self.every_queue for lt in self.workers):
                         self.start_worker(is_async=False, bounded=False, every_queue=True)
                     self.rule_take_back_running(linger=True, wait=5.0)
+                if not self.planned_alone:  # (whether the rules drew one depends on timing: the loops that
+                    # exited change the draws that follow — a clean clone's CI run met none in seeds 1-3)
+                    self.log.append("coverage: an enqueue_many call large enough to go unprepared")
+                    first = Planned(next(self.seq), [], False)
+                    self._enqueue_many_unique(first, self.bulk_rng.choice(UNIQUE_KEYS), commit=True)
                 if self.cron and len(self.cron_changes) == 1:  # C5 in every scenario with a cron schedule
                     self.log.append("coverage: a deploy re-syncs the cron schedule")
                     self._resync_cron()
